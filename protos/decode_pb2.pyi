@@ -1,0 +1,58 @@
+from crescent.protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandoffHeader(_message.Message):
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_id: int
+    sampling: _common_pb2.SamplingParams
+    kv_dtype: str
+    kv_block_shape: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class HandoffPart(_message.Message):
+    __slots__ = ("header", "block")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    header: HandoffHeader
+    block: _common_pb2.BlockChunk
+    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ...) -> None: ...
+
+class HandoffReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("token_ids", "finished", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...

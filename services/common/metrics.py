@@ -1,0 +1,159 @@
+"""Prometheus metrics of every Crescent service, in one place.
+
+The names here are a contract: the Helm chart's recording rules, alerts and Grafana dashboards
+query them. Each service process registers only the metrics it updates (the ``*_metrics()``
+factories), so ``/metrics`` of a service shows what that service owns. Labels stay low in
+cardinality: instance ids and tiers, never request ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Buckets in seconds, from a cached short prompt (tens of ms) to a cold long one (tens of s).
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120)
+TOKEN_INTERVAL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class GatewayMetrics:
+    requests: Counter          # by status: ok, client_error, rejected, error, cancelled
+    ttft: Histogram
+    inter_token: Histogram     # every interval between streamed tokens
+    tbt: Histogram             # Mooncake's TBT per request: mean of its longest 10% intervals
+    e2e: Histogram
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    completion_tokens: Counter
+    in_flight: Gauge
+
+
+@cache
+def gateway_metrics() -> GatewayMetrics:
+    return GatewayMetrics(
+        requests=Counter("crescent_gateway_requests", "Chat completion requests by outcome", ["status"]),
+        ttft=Histogram("crescent_gateway_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS),
+        inter_token=Histogram(
+            "crescent_gateway_inter_token_seconds", "Interval between streamed tokens", buckets=TOKEN_INTERVAL_BUCKETS
+        ),
+        tbt=Histogram(
+            "crescent_gateway_tbt_seconds",
+            "Time between tokens per request (mean of its longest 10% intervals)",
+            buckets=TOKEN_INTERVAL_BUCKETS,
+        ),
+        e2e=Histogram("crescent_gateway_e2e_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS),
+        prompt_tokens=Counter("crescent_gateway_prompt_tokens", "Prompt tokens received"),
+        cached_tokens=Counter("crescent_gateway_cached_tokens", "Prompt tokens whose KV was reused"),
+        completion_tokens=Counter("crescent_gateway_completion_tokens", "Tokens generated"),
+        in_flight=Gauge("crescent_gateway_requests_in_flight", "Requests being served"),
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerMetrics:
+    placements: Counter        # by prefill and decode instance
+    rejections: Counter        # by reason
+    instances: Gauge           # by role
+    indexed_blocks: Gauge
+    decision_seconds: Histogram
+
+
+@cache
+def scheduler_metrics() -> SchedulerMetrics:
+    return SchedulerMetrics(
+        placements=Counter("crescent_scheduler_placements", "Requests placed", ["prefill", "decode"]),
+        rejections=Counter("crescent_scheduler_rejections", "Requests rejected early", ["reason"]),
+        instances=Gauge("crescent_scheduler_instances", "Registered live instances", ["role"]),
+        indexed_blocks=Gauge("crescent_scheduler_indexed_blocks", "Blocks in the global prefix index"),
+        decision_seconds=Histogram(
+            "crescent_scheduler_decision_seconds", "Time to place one request",
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Metrics of a prefill or decode instance; ``role`` is a constant label."""
+
+    queue_depth: Gauge         # requests waiting
+    running: Gauge             # requests in the running batch
+    batch_size: Histogram      # sequences per forward step
+    step_seconds: Histogram    # one forward step
+    prompt_tokens: Counter     # prefill: prompt tokens seen
+    cached_tokens: Counter     # prefill: of those, reused from a cache (by source: local, kvstore)
+    computed_tokens: Counter   # prefill: of those, computed
+    generated_tokens: Counter  # decode: tokens sampled
+    kv_used_tokens: Gauge      # token slots held in the paged KV cache
+    kv_capacity_tokens: Gauge
+    transfer_bytes: Counter    # KV bytes moved, by direction: to_kvstore, from_kvstore, handoff_out, handoff_in
+    transfer_seconds: Histogram
+    requests: Counter          # finished requests by outcome: ok, aborted, error
+
+
+@cache
+def engine_metrics(role: str) -> EngineMetrics:
+    labels = ["role"]
+
+    def gauge(name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, labels)
+
+    return EngineMetrics(
+        queue_depth=gauge("crescent_engine_queue_depth", "Requests waiting to run"),
+        running=gauge("crescent_engine_running_requests", "Requests in the running batch"),
+        batch_size=Histogram("crescent_engine_batch_size", "Sequences per forward step", labels, buckets=BATCH_BUCKETS),
+        step_seconds=Histogram("crescent_engine_step_seconds", "Duration of one forward step", labels, buckets=LATENCY_BUCKETS),
+        prompt_tokens=Counter("crescent_engine_prompt_tokens", "Prompt tokens received", labels),
+        cached_tokens=Counter("crescent_engine_cached_tokens", "Prompt tokens reused from a cache", labels + ["source"]),
+        computed_tokens=Counter("crescent_engine_computed_tokens", "Prompt tokens computed", labels),
+        generated_tokens=Counter("crescent_engine_generated_tokens", "Tokens sampled", labels),
+        kv_used_tokens=gauge("crescent_engine_kv_used_tokens", "Token slots in use in the paged KV cache"),
+        kv_capacity_tokens=gauge("crescent_engine_kv_capacity_tokens", "Token slots in the paged KV cache"),
+        transfer_bytes=Counter("crescent_engine_kv_transfer_bytes", "KV bytes moved", labels + ["direction"]),
+        transfer_seconds=Histogram(
+            "crescent_engine_kv_transfer_seconds", "Duration of one KV transfer", labels + ["direction"],
+            buckets=LATENCY_BUCKETS,
+        ),
+        requests=Counter("crescent_engine_requests", "Requests finished by outcome", labels + ["outcome"]),
+    )
+
+
+@dataclass(frozen=True)
+class KvStoreMetrics:
+    blocks: Gauge              # by tier
+    bytes: Gauge               # by tier
+    capacity_bytes: Gauge      # by tier
+    hits: Counter              # by tier
+    misses: Counter
+    evictions: Counter         # by tier
+    promotions: Counter        # by tier (the tier a block moved up from)
+    demotions: Counter         # by tier (the tier a block moved down from)
+    transferred_bytes: Counter # by direction: in, out
+    checksum_failures: Counter # by tier
+    s3_errors: Counter         # by operation
+    dropped_writes: Counter    # by tier: writes given up (queue full, tier unreachable)
+    leased_blocks: Gauge
+
+
+@cache
+def kvstore_metrics() -> KvStoreMetrics:
+    tier = ["tier"]
+    return KvStoreMetrics(
+        blocks=Gauge("crescent_kvstore_blocks", "Blocks held", tier),
+        bytes=Gauge("crescent_kvstore_bytes", "Bytes held", tier),
+        capacity_bytes=Gauge("crescent_kvstore_capacity_bytes", "Tier capacity", tier),
+        hits=Counter("crescent_kvstore_hits", "Block reads served", tier),
+        misses=Counter("crescent_kvstore_misses", "Block reads not found in any tier"),
+        evictions=Counter("crescent_kvstore_evictions", "Blocks evicted", tier),
+        promotions=Counter("crescent_kvstore_promotions", "Blocks promoted to a faster tier", tier),
+        demotions=Counter("crescent_kvstore_demotions", "Blocks demoted to a slower tier", tier),
+        transferred_bytes=Counter("crescent_kvstore_transferred_bytes", "Payload bytes moved", ["direction"]),
+        checksum_failures=Counter("crescent_kvstore_checksum_failures", "Blocks that failed verification", tier),
+        s3_errors=Counter("crescent_kvstore_s3_errors", "S3 operations that failed", ["operation"]),
+        dropped_writes=Counter("crescent_kvstore_dropped_writes", "Writes given up", tier),
+        leased_blocks=Gauge("crescent_kvstore_leased_blocks", "Blocks pinned by a lease"),
+    )
