@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from crescent.protos import common_pb2 as crescent_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63rescent/protos/kvstore.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\",\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x10\n\x08rejected\x18\x02 \x01(\x05\"Z\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\x05\x12\x1a\n\x12stop_at_first_miss\x18\x04 \x01(\x08\"-\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\"\x1e\n\x0b\x45xistsReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\x05\"\r\n\x0bStatRequest\"w\n\x08TierStat\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.crescent.v1.KvTier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\"Y\n\tStatReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.crescent.v1.TierStat\x12\x15\n\rleased_blocks\x18\x03 \x01(\x03\x32\xb3\x02\n\x07KvStore\x12\x37\n\x03Put\x12\x17.crescent.v1.BlockChunk\x1a\x15.crescent.v1.PutReply(\x01\x12\x39\n\x03Get\x12\x17.crescent.v1.GetRequest\x1a\x17.crescent.v1.BlockChunk0\x01\x12<\n\x06\x45xists\x12\x18.crescent.v1.KeysRequest\x1a\x18.crescent.v1.ExistsReply\x12<\n\x06Remove\x12\x18.crescent.v1.KeysRequest\x1a\x18.crescent.v1.RemoveReply\x12\x38\n\x04Stat\x12\x18.crescent.v1.StatRequest\x1a\x16.crescent.v1.StatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63rescent/protos/kvstore.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\",\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x10\n\x08rejected\x18\x02 \x01(\x05\"n\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\x05\x12\x1a\n\x12stop_at_first_miss\x18\x04 \x01(\x08\x12\x12\n\nlocal_only\x18\x05 \x01(\x08\"-\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\"\x1e\n\x0b\x45xistsReply\x12\x0f\n\x07present\x18\x01 \x03(\x08\"\x1e\n\x0bRemoveReply\x12\x0f\n\x07removed\x18\x01 \x01(\x05\"\r\n\x0bStatRequest\"w\n\x08TierStat\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.crescent.v1.KvTier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\"Y\n\tStatReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05tiers\x18\x02 \x03(\x0b\x32\x15.crescent.v1.TierStat\x12\x15\n\rleased_blocks\x18\x03 \x01(\x03\"0\n\x10ReplicateRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06target\x18\x02 \x01(\t\"5\n\x0eReplicateReply\x12\x12\n\nreplicated\x18\x01 \x01(\x05\x12\x0f\n\x07missing\x18\x02 \x01(\x05\"T\n\x0bListRequest\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.crescent.v1.KvTier\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x13\n\x0bstart_after\x18\x03 \x01(\x0c\"\x97\x01\n\x0bListedBlock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12!\n\x04tier\x18\x04 \x01(\x0e\x32\x13.crescent.v1.KvTier\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x0e\n\x06leased\x18\x07 \x01(\x08\"H\n\tListReply\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.crescent.v1.ListedBlock\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"@\n\x08ShmBlock\x12$\n\x04meta\x18\x01 \x01(\x0b\x32\x16.crescent.v1.BlockMeta\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"G\n\rShmPutRequest\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.crescent.v1.ShmBlock\"\\\n\rShmGetRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.crescent.v1.GetRequest\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\"G\n\x0bShmGetReply\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.crescent.v1.ShmBlock\x12\x11\n\ttruncated\x18\x02 \x01(\x08\x32\xb3\x04\n\x07KvStore\x12\x37\n\x03Put\x12\x17.crescent.v1.BlockChunk\x1a\x15.crescent.v1.PutReply(\x01\x12\x39\n\x03Get\x12\x17.crescent.v1.GetRequest\x1a\x17.crescent.v1.BlockChunk0\x01\x12<\n\x06\x45xists\x12\x18.crescent.v1.KeysRequest\x1a\x18.crescent.v1.ExistsReply\x12<\n\x06Remove\x12\x18.crescent.v1.KeysRequest\x1a\x18.crescent.v1.RemoveReply\x12\x38\n\x04Stat\x12\x18.crescent.v1.StatRequest\x1a\x16.crescent.v1.StatReply\x12G\n\tReplicate\x12\x1d.crescent.v1.ReplicateRequest\x1a\x1b.crescent.v1.ReplicateReply\x12\x38\n\x04List\x12\x18.crescent.v1.ListRequest\x1a\x16.crescent.v1.ListReply\x12;\n\x06PutShm\x12\x1a.crescent.v1.ShmPutRequest\x1a\x15.crescent.v1.PutReply\x12>\n\x06GetShm\x12\x1a.crescent.v1.ShmGetRequest\x1a\x18.crescent.v1.ShmGetReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREPLY']._serialized_start=76
   _globals['_PUTREPLY']._serialized_end=120
   _globals['_GETREQUEST']._serialized_start=122
-  _globals['_GETREQUEST']._serialized_end=212
-  _globals['_KEYSREQUEST']._serialized_start=214
-  _globals['_KEYSREQUEST']._serialized_end=259
-  _globals['_EXISTSREPLY']._serialized_start=261
-  _globals['_EXISTSREPLY']._serialized_end=291
-  _globals['_REMOVEREPLY']._serialized_start=293
-  _globals['_REMOVEREPLY']._serialized_end=323
-  _globals['_STATREQUEST']._serialized_start=325
-  _globals['_STATREQUEST']._serialized_end=338
-  _globals['_TIERSTAT']._serialized_start=340
-  _globals['_TIERSTAT']._serialized_end=459
-  _globals['_STATREPLY']._serialized_start=461
-  _globals['_STATREPLY']._serialized_end=550
-  _globals['_KVSTORE']._serialized_start=553
-  _globals['_KVSTORE']._serialized_end=860
+  _globals['_GETREQUEST']._serialized_end=232
+  _globals['_KEYSREQUEST']._serialized_start=234
+  _globals['_KEYSREQUEST']._serialized_end=279
+  _globals['_EXISTSREPLY']._serialized_start=281
+  _globals['_EXISTSREPLY']._serialized_end=311
+  _globals['_REMOVEREPLY']._serialized_start=313
+  _globals['_REMOVEREPLY']._serialized_end=343
+  _globals['_STATREQUEST']._serialized_start=345
+  _globals['_STATREQUEST']._serialized_end=358
+  _globals['_TIERSTAT']._serialized_start=360
+  _globals['_TIERSTAT']._serialized_end=479
+  _globals['_STATREPLY']._serialized_start=481
+  _globals['_STATREPLY']._serialized_end=570
+  _globals['_REPLICATEREQUEST']._serialized_start=572
+  _globals['_REPLICATEREQUEST']._serialized_end=620
+  _globals['_REPLICATEREPLY']._serialized_start=622
+  _globals['_REPLICATEREPLY']._serialized_end=675
+  _globals['_LISTREQUEST']._serialized_start=677
+  _globals['_LISTREQUEST']._serialized_end=761
+  _globals['_LISTEDBLOCK']._serialized_start=764
+  _globals['_LISTEDBLOCK']._serialized_end=915
+  _globals['_LISTREPLY']._serialized_start=917
+  _globals['_LISTREPLY']._serialized_end=989
+  _globals['_SHMBLOCK']._serialized_start=991
+  _globals['_SHMBLOCK']._serialized_end=1055
+  _globals['_SHMPUTREQUEST']._serialized_start=1057
+  _globals['_SHMPUTREQUEST']._serialized_end=1128
+  _globals['_SHMGETREQUEST']._serialized_start=1130
+  _globals['_SHMGETREQUEST']._serialized_end=1222
+  _globals['_SHMGETREPLY']._serialized_start=1224
+  _globals['_SHMGETREPLY']._serialized_end=1295
+  _globals['_KVSTORE']._serialized_start=1298
+  _globals['_KVSTORE']._serialized_end=1861
 # @@protoc_insertion_point(module_scope)

@@ -16,16 +16,18 @@ class PutReply(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("keys", "model_id", "lease_ms", "stop_at_first_miss")
+    __slots__ = ("keys", "model_id", "lease_ms", "stop_at_first_miss", "local_only")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_FIRST_MISS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     model_id: str
     lease_ms: int
     stop_at_first_miss: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., model_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., stop_at_first_miss: _Optional[bool] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., model_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., stop_at_first_miss: _Optional[bool] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("keys", "model_id")
@@ -74,3 +76,89 @@ class StatReply(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     leased_blocks: int
     def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., leased_blocks: _Optional[int] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("keys", "target")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    target: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., target: _Optional[str] = ...) -> None: ...
+
+class ReplicateReply(_message.Message):
+    __slots__ = ("replicated", "missing")
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    replicated: int
+    missing: int
+    def __init__(self, replicated: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("tier", "limit", "start_after")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    tier: _common_pb2.KvTier
+    limit: int
+    start_after: bytes
+    def __init__(self, tier: _Optional[_Union[_common_pb2.KvTier, str]] = ..., limit: _Optional[int] = ..., start_after: _Optional[bytes] = ...) -> None: ...
+
+class ListedBlock(_message.Message):
+    __slots__ = ("key", "parent_key", "model_id", "tier", "nbytes", "num_tokens", "leased")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent_key: bytes
+    model_id: str
+    tier: _common_pb2.KvTier
+    nbytes: int
+    num_tokens: int
+    leased: bool
+    def __init__(self, key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., model_id: _Optional[str] = ..., tier: _Optional[_Union[_common_pb2.KvTier, str]] = ..., nbytes: _Optional[int] = ..., num_tokens: _Optional[int] = ..., leased: _Optional[bool] = ...) -> None: ...
+
+class ListReply(_message.Message):
+    __slots__ = ("blocks", "truncated")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[ListedBlock]
+    truncated: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[ListedBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class ShmBlock(_message.Message):
+    __slots__ = ("meta", "offset")
+    META_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    meta: _common_pb2.BlockMeta
+    offset: int
+    def __init__(self, meta: _Optional[_Union[_common_pb2.BlockMeta, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ShmPutRequest(_message.Message):
+    __slots__ = ("segment", "blocks")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
+    def __init__(self, segment: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ...) -> None: ...
+
+class ShmGetRequest(_message.Message):
+    __slots__ = ("request", "segment", "capacity")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    request: GetRequest
+    segment: str
+    capacity: int
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., segment: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class ShmGetReply(_message.Message):
+    __slots__ = ("blocks", "truncated")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
+    truncated: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...

@@ -60,6 +60,26 @@ class KvStoreStub:
                 request_serializer=crescent_dot_protos_dot_kvstore__pb2.StatRequest.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_kvstore__pb2.StatReply.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/crescent.v1.KvStore/Replicate',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.ReplicateReply.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/crescent.v1.KvStore/List',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.ListRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.ListReply.FromString,
+                _registered_method=True)
+        self.PutShm = channel.unary_unary(
+                '/crescent.v1.KvStore/PutShm',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmPutRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
+                _registered_method=True)
+        self.GetShm = channel.unary_unary(
+                '/crescent.v1.KvStore/GetShm',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetReply.FromString,
+                _registered_method=True)
 
 
 class KvStoreServicer:
@@ -95,6 +115,30 @@ class KvStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutShm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +166,26 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.Stat,
                     request_deserializer=crescent_dot_protos_dot_kvstore__pb2.StatRequest.FromString,
                     response_serializer=crescent_dot_protos_dot_kvstore__pb2.StatReply.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ReplicateRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.ReplicateReply.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ListRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.ListReply.SerializeToString,
+            ),
+            'PutShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutShm,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmPutRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.SerializeToString,
+            ),
+            'GetShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShm,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +323,114 @@ class KvStore:
             '/crescent.v1.KvStore/Stat',
             crescent_dot_protos_dot_kvstore__pb2.StatRequest.SerializeToString,
             crescent_dot_protos_dot_kvstore__pb2.StatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/Replicate',
+            crescent_dot_protos_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.ReplicateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/List',
+            crescent_dot_protos_dot_kvstore__pb2.ListRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.ListReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/PutShm',
+            crescent_dot_protos_dot_kvstore__pb2.ShmPutRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/GetShm',
+            crescent_dot_protos_dot_kvstore__pb2.ShmGetRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.ShmGetReply.FromString,
             options,
             channel_credentials,
             insecure,

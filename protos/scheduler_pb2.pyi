@@ -94,16 +94,24 @@ class Rejection(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill", "decode", "expected_cached_blocks", "rejection")
+    __slots__ = ("prefill", "decode", "expected_cached_blocks", "rejection", "predicted_ttft_s", "predicted_tbt_s", "prefix_source_id", "prefix_source_blocks")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TBT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     prefill: InstanceRef
     decode: InstanceRef
     expected_cached_blocks: int
     rejection: Rejection
-    def __init__(self, prefill: _Optional[_Union[InstanceRef, _Mapping]] = ..., decode: _Optional[_Union[InstanceRef, _Mapping]] = ..., expected_cached_blocks: _Optional[int] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ...) -> None: ...
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    prefix_source_id: str
+    prefix_source_blocks: int
+    def __init__(self, prefill: _Optional[_Union[InstanceRef, _Mapping]] = ..., decode: _Optional[_Union[InstanceRef, _Mapping]] = ..., expected_cached_blocks: _Optional[int] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_tbt_s: _Optional[float] = ..., prefix_source_id: _Optional[str] = ..., prefix_source_blocks: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ()
@@ -128,7 +136,23 @@ class ListInstancesReply(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ...) -> None: ...
 
 class EventsReply(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "want_full_snapshot")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    WANT_FULL_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     accepted: int
-    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+    want_full_snapshot: bool
+    def __init__(self, accepted: _Optional[int] = ..., want_full_snapshot: _Optional[bool] = ...) -> None: ...
+
+class RequestOutcome(_message.Message):
+    __slots__ = ("request_id", "ttft_s", "cached_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    ttft_s: float
+    cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+
+class OutcomeReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

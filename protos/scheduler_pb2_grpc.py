@@ -60,6 +60,11 @@ class SchedulerStub:
                 request_serializer=crescent_dot_protos_dot_scheduler__pb2.ListInstancesRequest.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_scheduler__pb2.ListInstancesReply.FromString,
                 _registered_method=True)
+        self.ReportOutcome = channel.unary_unary(
+                '/crescent.v1.Scheduler/ReportOutcome',
+                request_serializer=crescent_dot_protos_dot_scheduler__pb2.RequestOutcome.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_scheduler__pb2.OutcomeReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -95,6 +100,12 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportOutcome(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +133,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListInstances,
                     request_deserializer=crescent_dot_protos_dot_scheduler__pb2.ListInstancesRequest.FromString,
                     response_serializer=crescent_dot_protos_dot_scheduler__pb2.ListInstancesReply.SerializeToString,
+            ),
+            'ReportOutcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportOutcome,
+                    request_deserializer=crescent_dot_protos_dot_scheduler__pb2.RequestOutcome.FromString,
+                    response_serializer=crescent_dot_protos_dot_scheduler__pb2.OutcomeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +275,33 @@ class Scheduler:
             '/crescent.v1.Scheduler/ListInstances',
             crescent_dot_protos_dot_scheduler__pb2.ListInstancesRequest.SerializeToString,
             crescent_dot_protos_dot_scheduler__pb2.ListInstancesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportOutcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.Scheduler/ReportOutcome',
+            crescent_dot_protos_dot_scheduler__pb2.RequestOutcome.SerializeToString,
+            crescent_dot_protos_dot_scheduler__pb2.OutcomeReply.FromString,
             options,
             channel_credentials,
             insecure,

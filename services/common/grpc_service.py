@@ -44,12 +44,14 @@ class GrpcService:
         cleanup: Callable[[], Awaitable[None]] | None = None,
         ready: Callable[[], bool] = lambda: True,
         details: Callable[[], dict[str, Any]] | None = None,
+        on_started: Callable[[GrpcService], Awaitable[None]] | None = None,
     ) -> None:
         self.name = name
         self.listen = listen
         self._setup = setup
         self._cleanup = cleanup
         self._ready = ready
+        self._on_started = on_started
         self._started = False
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         self.admin = AdminServer(
@@ -68,6 +70,8 @@ class GrpcService:
         self.admin_port = await self.admin.start()
         self._started = True
         log.info("%s serving gRPC on %s:%d, admin HTTP on :%d", self.name, self.listen.host, self.port, self.admin_port)
+        if self._on_started is not None:
+            await self._on_started(self)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         self._started = False

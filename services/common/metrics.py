@@ -60,6 +60,10 @@ class SchedulerMetrics:
     instances: Gauge           # by role
     indexed_blocks: Gauge
     decision_seconds: Histogram
+    predicted_ttft: Histogram  # the scheduler's TTFT estimate for each placement
+    observed_ttft: Histogram   # the TTFT the gateway measured for placed requests (ReportOutcome)
+    ttft_error: Histogram      # |observed - predicted| per reported request
+    prefix_pulls: Counter      # placements that load a longer prefix from another source
 
 
 @cache
@@ -73,6 +77,19 @@ def scheduler_metrics() -> SchedulerMetrics:
             "crescent_scheduler_decision_seconds", "Time to place one request",
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
         ),
+        predicted_ttft=Histogram(
+            "crescent_scheduler_predicted_ttft_seconds", "Predicted time to first token of placed requests",
+            buckets=LATENCY_BUCKETS,
+        ),
+        observed_ttft=Histogram(
+            "crescent_scheduler_observed_ttft_seconds", "Measured time to first token of placed requests",
+            buckets=LATENCY_BUCKETS,
+        ),
+        ttft_error=Histogram(
+            "crescent_scheduler_ttft_prediction_error_seconds", "Absolute error of the predicted time to first token",
+            buckets=LATENCY_BUCKETS,
+        ),
+        prefix_pulls=Counter("crescent_scheduler_prefix_pulls", "Placements that pull a prefix from another source"),
     )
 
 

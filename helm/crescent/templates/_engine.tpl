@@ -1,0 +1,275 @@
+{{/*
+Prefill and decode are two roles of one engine; these helpers render either. Each topology group
+gets its own Deployment (and HPA, PDB) per role, and every pod of a group carries a required pod
+affinity on the supernode label, so the group's prefill and decode pods share one NVLink domain.
+Call with (dict "root" $ "role" "prefill").
+*/}}
+
+{{- define "crescent.engineGroupName" -}}
+{{- printf "%s-%s-%s" (include "crescent.fullname" .root) .role .group | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "crescent.engineGroupSelector" -}}
+{{ include "crescent.selectorLabels" (dict "root" .root "component" .role) }}
+crescent.io/group: {{ .group }}
+{{- end }}
+
+{{/* Affinity of a group's pods: the component's own affinity plus the supernode pod affinity. */}}
+{{- define "crescent.engineAffinity" -}}
+{{- $v := index .root.Values .role }}
+{{- $affinity := deepCopy $v.affinity }}
+{{- $podAffinity := get $affinity "podAffinity" | default dict }}
+{{- $required := get $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default list }}
+{{- $term := dict
+  "labelSelector" (dict "matchLabels" (dict "app.kubernetes.io/instance" .root.Release.Name "crescent.io/group" .group))
+  "topologyKey" .root.Values.topology.supernodeLabel }}
+{{- $_ := set $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" (append $required $term) }}
+{{- $_ = set $affinity "podAffinity" $podAffinity }}
+{{- toYaml $affinity }}
+{{- end }}
+
+{{- define "crescent.engineDeployment" -}}
+{{- $root := .root }}
+{{- $v := index $root.Values .role }}
+{{- $component := dict "root" $root "component" .role }}
+{{- $resources := deepCopy $v.resources }}
+{{- if gt (int $v.gpus) 0 }}
+{{- $limits := get $resources "limits" | default dict }}
+{{- $_ := set $limits "nvidia.com/gpu" (int $v.gpus) }}
+{{- $_ = set $resources "limits" $limits }}
+{{- end }}
+{{- $nodeSelector := deepCopy $v.nodeSelector }}
+{{- if .supernode }}
+{{- $_ := set $nodeSelector $root.Values.topology.supernodeLabel .supernode }}
+{{- end }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "crescent.engineGroupName" . }}
+  labels:
+    {{- include "crescent.componentLabels" $component | nindent 4 }}
+    crescent.io/group: {{ .group }}
+spec:
+  {{- if not (or $v.autoscaling.enabled $v.autoscaling.keda.enabled) }}
+  replicas: {{ $v.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "crescent.engineGroupSelector" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "crescent.componentLabels" $component | nindent 8 }}
+        crescent.io/group: {{ .group }}
+      annotations:
+        checksum/config: {{ include (print $root.Template.BasePath (printf "/%s-configmap.yaml" .role)) $root | sha256sum }}
+        {{- with $v.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- include "crescent.podSpecCommon" $root | nindent 6 }}
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      {{- with $nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      affinity:
+        {{- include "crescent.engineAffinity" . | nindent 8 }}
+      {{- with include "crescent.weightsInitContainers" $root }}{{ . | trim | nindent 6 }}{{ end }}
+      containers:
+        - name: {{ .role }}
+          image: {{ include "crescent.image" $v }}
+          imagePullPolicy: {{ $v.image.pullPolicy }}
+          args: [{{ .role }}, --config, /etc/crescent/config.yaml]
+          ports:
+            - name: grpc
+              containerPort: {{ $v.grpcPort }}
+            - name: admin
+              containerPort: {{ $v.adminPort }}
+          env:
+            {{- include "crescent.baseEnv" $root | nindent 12 }}
+            - name: CRESCENT_GROUP
+              value: {{ .group | quote }}
+            # Each pod registers with the scheduler under its own name and pod IP.
+            - name: CRESCENT_{{ upper .role }}__INSTANCE_ID
+              value: $(POD_NAME)
+            - name: CRESCENT_{{ upper .role }}__ADVERTISE_ADDRESS
+              value: $(POD_IP):{{ $v.grpcPort }}
+            {{- with $v.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- include "crescent.probes" (dict "port" "admin" "startupFailures" 900) | nindent 10 }}
+          resources:
+            {{- toYaml $resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - {name: config, mountPath: /etc/crescent, readOnly: true}
+            - {name: tmp, mountPath: /tmp}
+            - {name: dshm, mountPath: /dev/shm}
+            {{- with include "crescent.weightsVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
+            {{- with $v.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        - name: config
+          configMap:
+            name: {{ include "crescent.componentName" $component }}
+        - name: tmp
+          emptyDir: {}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $v.sharedMemorySize }}
+        {{- with include "crescent.weightsVolume" $root }}{{ . | trim | nindent 8 }}{{ end }}
+        {{- with $v.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+{{- end }}
+
+{{/* The per-pod metric and target each role scales on. */}}
+{{- define "crescent.engineScaleMetric" -}}
+{{- if eq .role "prefill" }}crescent_engine_queue_depth{{ else }}crescent_engine_running_requests{{ end }}
+{{- end }}
+
+{{- define "crescent.engineScaleTarget" -}}
+{{- $a := (index .root.Values .role).autoscaling }}
+{{- if eq .role "prefill" }}{{ $a.queueDepthTarget }}{{ else }}{{ $a.runningRequestsTarget }}{{ end }}
+{{- end }}
+
+{{- define "crescent.engineHpa" -}}
+{{- $a := (index .root.Values .role).autoscaling }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "crescent.engineGroupName" . }}
+  labels:
+    {{- include "crescent.componentLabels" (dict "root" .root "component" .role) | nindent 4 }}
+    crescent.io/group: {{ .group }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "crescent.engineGroupName" . }}
+  minReplicas: {{ $a.minReplicas }}
+  maxReplicas: {{ $a.maxReplicas }}
+  metrics:
+    - type: Pods
+      pods:
+        metric:
+          name: {{ include "crescent.engineScaleMetric" . }}
+        target:
+          type: AverageValue
+          averageValue: {{ include "crescent.engineScaleTarget" . | quote }}
+  behavior:
+    # GPU pods take minutes to load weights: scale up at once, scale down slowly.
+    scaleUp:
+      stabilizationWindowSeconds: 0
+    scaleDown:
+      stabilizationWindowSeconds: 600
+{{- end }}
+
+{{/* KEDA: the same per-pod metric, plus the role's latency p99 against its SLO. */}}
+{{- define "crescent.engineScaledObject" -}}
+{{- $root := .root }}
+{{- $a := (index $root.Values .role).autoscaling }}
+{{- $ns := $root.Release.Namespace }}
+{{- $pods := printf "%s-.*" (include "crescent.engineGroupName" .) }}
+{{- $latency := ternary "ttft" "tbt" (eq .role "prefill") }}
+{{- $slo := ternary $root.Values.slo.ttftSeconds $root.Values.slo.tbtSeconds (eq .role "prefill") }}
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ include "crescent.engineGroupName" . }}
+  labels:
+    {{- include "crescent.componentLabels" (dict "root" $root "component" .role) | nindent 4 }}
+    crescent.io/group: {{ .group }}
+spec:
+  scaleTargetRef:
+    name: {{ include "crescent.engineGroupName" . }}
+  minReplicaCount: {{ $a.minReplicas }}
+  maxReplicaCount: {{ $a.maxReplicas }}
+  cooldownPeriod: 600
+  triggers:
+    - type: prometheus
+      metricType: AverageValue
+      metadata:
+        serverAddress: {{ $a.keda.prometheusAddress }}
+        query: sum({{ include "crescent.engineScaleMetric" . }}{namespace="{{ $ns }}",pod=~"{{ $pods }}"})
+        threshold: {{ include "crescent.engineScaleTarget" . | quote }}
+    - type: prometheus
+      # Value: replicas grow in proportion to how far the p99 is above 80% of the SLO.
+      metricType: Value
+      metadata:
+        serverAddress: {{ $a.keda.prometheusAddress }}
+        query: histogram_quantile(0.99, sum by (le) (rate(crescent_gateway_{{ $latency }}_seconds_bucket{namespace="{{ $ns }}"}[2m])))
+        threshold: {{ mulf $slo 0.8 | toString | quote }}
+{{- end }}
+
+{{- define "crescent.enginePdb" -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "crescent.engineGroupName" . }}
+  labels:
+    {{- include "crescent.componentLabels" (dict "root" .root "component" .role) | nindent 4 }}
+    crescent.io/group: {{ .group }}
+spec:
+  maxUnavailable: {{ (index .root.Values .role).podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "crescent.engineGroupSelector" . | nindent 6 }}
+{{- end }}
+
+{{/* Headless: its EndpointSlices list every pod of the role (discovery, ServiceMonitor). */}}
+{{- define "crescent.headlessService" -}}
+{{- $v := index .root.Values .role }}
+{{- $component := dict "root" .root "component" .role }}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "crescent.componentName" $component }}
+  labels:
+    {{- include "crescent.componentLabels" $component | nindent 4 }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "crescent.selectorLabels" $component | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $v.grpcPort }}
+      targetPort: grpc
+      appProtocol: grpc
+    - name: admin
+      port: {{ $v.adminPort }}
+      targetPort: admin
+{{- end }}
+
+{{/* YAML settings of a role (services/prefill/config.py, services/decode/config.py). The
+instance id and advertised address are per pod, so they come from env vars in the Deployment. */}}
+{{- define "crescent.engineConfigMap" -}}
+{{- $root := .root }}
+{{- $v := index $root.Values .role }}
+{{- $cfg := dict
+  "listen" (dict "host" "0.0.0.0" "port" (int $v.grpcPort) "admin_port" (int $v.adminPort))
+  "scheduler_address" (include "crescent.schedulerAddress" $root)
+  "engine" (dict "model" (include "crescent.modelSpec" $root)) }}
+{{- if and (eq .role "prefill") $root.Values.kvstore.enabled }}
+{{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
+{{- end }}
+{{- $cfg = mustMergeOverwrite $cfg (deepCopy $v.settings) }}
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {{ include "crescent.componentName" (dict "root" $root "component" .role) }}
+  labels:
+    {{- include "crescent.componentLabels" (dict "root" $root "component" .role) | nindent 4 }}
+data:
+  config.yaml: |
+    {{- toYaml $cfg | nindent 4 }}
+{{- end }}

@@ -1,0 +1,177 @@
+{{/* Shared names, labels and snippets. Components: gateway, scheduler, prefill, decode, kvstore. */}}
+
+{{- define "crescent.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "<release>-<chart>", or the release name alone when it already contains the chart name. */}}
+{{- define "crescent.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "crescent.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every resource. */}}
+{{- define "crescent.labels" -}}
+helm.sh/chart: {{ include "crescent.chart" . }}
+app.kubernetes.io/name: {{ include "crescent.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: crescent
+{{- end }}
+
+{{/* Selector labels of the whole release; the NetworkPolicy admits pods that carry them. */}}
+{{- define "crescent.releaseSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "crescent.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Selector labels of one component. Call with (dict "root" $ "component" "gateway"). */}}
+{{- define "crescent.selectorLabels" -}}
+{{ include "crescent.releaseSelectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All labels of one component's resources. Call with (dict "root" $ "component" "gateway"). */}}
+{{- define "crescent.componentLabels" -}}
+{{ include "crescent.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "crescent.componentName" -}}
+{{- printf "%s-%s" (include "crescent.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "crescent.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "crescent.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* repository:tag of a component's image. Call with the component's values. */}}
+{{- define "crescent.image" -}}
+{{- printf "%s:%s" .image.repository .image.tag }}
+{{- end }}
+
+{{- define "crescent.schedulerAddress" -}}
+{{- printf "%s:%d" (include "crescent.componentName" (dict "root" . "component" "scheduler")) (int .Values.scheduler.grpcPort) }}
+{{- end }}
+
+{{/* Address of the kvstore on the caller's own node (a Service with internalTrafficPolicy Local). */}}
+{{- define "crescent.localKvstoreAddress" -}}
+{{- printf "%s:%d" (include "crescent.componentName" (dict "root" . "component" "kvstore-local")) (int .Values.kvstore.grpcPort) }}
+{{- end }}
+
+{{/* A number as prometheus_client writes it in an `le` label: 2 -> "2.0", 0.1 -> "0.1". */}}
+{{- define "crescent.leLabel" -}}
+{{- $s := toString . }}
+{{- if contains "." $s }}{{ $s }}{{ else }}{{ printf "%s.0" $s }}{{ end }}
+{{- end }}
+
+{{/* Settings common to every pod of the release. */}}
+{{- define "crescent.podSpecCommon" -}}
+serviceAccountName: {{ include "crescent.serviceAccountName" . }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* nodeSelector, tolerations and affinity of a component. Call with its values. */}}
+{{- define "crescent.placement" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Probes on the admin (or gateway) HTTP port named "admin" / "http". */}}
+{{- define "crescent.probes" -}}
+startupProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: 2
+  failureThreshold: {{ .startupFailures | default 150 }}
+readinessProbe:
+  httpGet: {path: /health, port: {{ .port }}}
+  periodSeconds: 2
+  failureThreshold: 2
+# Liveness only checks that the process answers: /health turns 503 while a dependency is away,
+# and restarting a pod for that would not help.
+livenessProbe:
+  tcpSocket: {port: {{ .port }}}
+  periodSeconds: 10
+  failureThreshold: 6
+{{- end }}
+
+{{/* Environment every Crescent container gets: writable HOME (the root filesystem is read-only) and pod identity. */}}
+{{- define "crescent.baseEnv" -}}
+- name: HOME
+  value: /tmp
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: NODE_NAME
+  valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+{{- end }}
+
+{{/* A ServiceMonitor scraping a component's Service on the named port. Call with (dict "root" $ "component" "gateway" "port" "http"). */}}
+{{- define "crescent.serviceMonitor" -}}
+{{- $m := .root.Values.monitoring.serviceMonitor }}
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ include "crescent.componentName" . }}
+  labels:
+    {{- include "crescent.componentLabels" . | nindent 4 }}
+    {{- with $m.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  # The job label is the Service name ("<release>-<component>"), which the alert rules select on.
+  selector:
+    matchLabels:
+      {{- include "crescent.selectorLabels" . | nindent 6 }}
+  namespaceSelector:
+    matchNames: [{{ .root.Release.Namespace }}]
+  endpoints:
+    - port: {{ .port }}
+      path: /metrics
+      interval: {{ $m.interval }}
+{{- end }}
+
+{{/* Distinct admin ports of the enabled gRPC components, as a JSON list. */}}
+{{- define "crescent.adminPorts" -}}
+{{- $ports := list }}
+{{- range $c := list "scheduler" "prefill" "decode" "kvstore" }}
+{{- $v := index $.Values $c }}
+{{- if $v.enabled }}{{ $ports = append $ports (int $v.adminPort) }}{{ end }}
+{{- end }}
+{{- $ports | uniq | toJson }}
+{{- end }}

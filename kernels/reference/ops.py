@@ -1,0 +1,80 @@
+"""Reference ops for Llama-family models, written for numerical reproducibility.
+
+Disaggregated serving must give the same tokens as a single-process run: a request's decode
+steps are batched with whatever else is running, and its prefix may come from a cache instead
+of this forward pass. Every op here therefore computes a row's result from that row alone,
+whatever the batch around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# MKL's sgemm computes a row with the same instruction sequence for M >= 16 and for M a
+# multiple of 4, but uses other tail kernels for M in {1, 2, 3, 5, 6, 7, 9, ...}, so a row's
+# result then depends on the batch size (measured: differences of ~4e-5, enough to flip a
+# greedy argmax now and then). Padding small batches to a multiple of 4 costs nothing
+# measurable (decode GEMMs are bound by reading the weights) and makes the result of each row
+# independent of the batch. tests/kernels/test_reference_ops.py checks the property.
+_ROW_TILE = 4
+_ALWAYS_INVARIANT_ROWS = 16
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for 2-D ``x`` of shape (rows, in), with each row's result batch-independent."""
+    rows = x.shape[0]
+    if rows < _ALWAYS_INVARIANT_ROWS and rows % _ROW_TILE:
+        padded = x.new_zeros((rows + _ROW_TILE - rows % _ROW_TILE, x.shape[1]))
+        padded[:rows] = x
+        return F.linear(padded, weight)[:rows]
+    return F.linear(x, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps) * weight
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(gate) * up`` for ``gate_up`` = [gate | up] on the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (max_positions, head_dim) for rotate-half RoPE."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x``: (tokens, heads, head_dim); ``cos``/``sin``: (tokens, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def paged_attention(
+    q: torch.Tensor, kv_pages: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of one sequence's new queries over its paged KV.
+
+    q: (new_tokens, heads, head_dim), the last ``new_tokens`` positions of the context.
+    kv_pages: (pages, 2, page_size, kv_heads, head_dim), the sequence's pages in order.
+    Returns (new_tokens, heads, head_dim).
+    """
+    new_tokens, heads, head_dim = q.shape
+    pages, _, page_size, kv_heads, _ = kv_pages.shape
+    k = kv_pages[:, 0].reshape(pages * page_size, kv_heads, head_dim)[:context_len]
+    v = kv_pages[:, 1].reshape(pages * page_size, kv_heads, head_dim)[:context_len]
+    q_t, k_t, v_t = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    mask = None
+    if new_tokens > 1:
+        # Query i sits at position context_len - new_tokens + i and sees keys up to there.
+        query_pos = torch.arange(context_len - new_tokens, context_len)[:, None]
+        mask = torch.arange(context_len)[None, :] <= query_pos
+    out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=kv_heads != heads)
+    return out[0].transpose(0, 1)

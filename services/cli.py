@@ -1,0 +1,113 @@
+"""The ``crescent`` command: run the whole platform, or one service as a container would."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+import tempfile
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.common.settings import SettingsError
+from crescent.services.engine.model_source import DEFAULT_MODEL
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Crescent: LLM serving built around the KV cache.")
+console = Console(stderr=True)
+
+
+class Service(str, Enum):
+    gateway = "gateway"
+    scheduler = "scheduler"
+    prefill = "prefill"
+    decode = "decode"
+    kvstore = "kvstore"
+
+
+@app.command()
+def serve(
+    service: Annotated[Service, typer.Argument(help="which service this process runs")],
+    config: Annotated[Path | None, typer.Option(help="YAML settings; env vars CRESCENT_<SERVICE>__... override")] = None,
+) -> None:
+    """Run one service in the foreground until SIGTERM (what a container runs)."""
+    module = importlib.import_module(f"crescent.services.{service.value}.server")
+    try:
+        module.main(config)
+    except SettingsError as exc:
+        console.print(f"[red]crescent serve {service.value}:[/] {exc}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def up(
+    model: Annotated[str, typer.Option(help="preset name, .gguf file or Hugging Face directory")] = DEFAULT_MODEL,
+    prefill: Annotated[int, typer.Option(min=1, help="prefill instances")] = 1,
+    decode: Annotated[int, typer.Option(min=1, help="decode instances")] = 1,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="gateway HTTP port")] = 8000,
+    host: Annotated[str, typer.Option(help="address every service listens on")] = "127.0.0.1",
+    kv_capacity_tokens: Annotated[int, typer.Option(min=64, help="paged KV cache per engine instance")] = 32768,
+    kvstore_gb: Annotated[float, typer.Option(min=0.0, help="host-memory tier of the kvstore, GB")] = 4.0,
+    block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = DEFAULT_BLOCK_SIZE,
+    run_dir: Annotated[Path | None, typer.Option(help="configs, logs and services.json; default: a temp dir")] = None,
+    ready_timeout: Annotated[float, typer.Option(help="seconds to wait for every service")] = 600.0,
+) -> None:
+    """Start all five services as separate processes; stop them all on Ctrl-C or SIGTERM."""
+    from crescent.services.launcher import LaunchError, Platform, PlatformPlan
+
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
+    plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9), block_size)
+    platform = Platform(plan, run_dir)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    console.print(f"Starting Crescent ({model}: {prefill} prefill, {decode} decode); logs in {run_dir}")
+    try:
+        platform.start()
+        with console.status("waiting for services…") as status:
+            ready: list[str] = []
+
+            def note(name: str) -> None:
+                ready.append(name)
+                status.update(f"ready: {', '.join(ready)}")
+                console.print(f"  [green]✓[/] {name}")
+
+            platform.wait_ready(ready_timeout, note)
+        url = f"http://{host}:{port}"
+        console.print(f"\n[bold]Crescent is up:[/] {url}/v1  (services: {run_dir / 'services.json'})")
+        console.print(
+            f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{Path(model).stem if '/' in model else model}\", "
+            f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+            "Press Ctrl-C to stop."
+        )
+        while True:
+            platform.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("\nStopping…")
+    except LaunchError as exc:
+        console.print(f"[red]{exc}[/]")
+        platform.stop()
+        raise typer.Exit(1) from None
+    finally:
+        platform.stop()
+    console.print("All services stopped.")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""An instance's side of the scheduler protocol: register, heartbeat, publish block events.
+
+Runs as one background task per prefill/decode instance. The scheduler may restart at any time:
+a heartbeat answered ``known=false`` (or a failed call) leads to re-registration followed by a
+full snapshot of the instance's cached blocks, so the scheduler's index never stays stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from crescent.services.common.grpc_service import insecure_channel
+
+log = logging.getLogger(__name__)
+
+RETRY_DELAY_S = 0.5
+
+
+class SchedulerAgent:
+    """Keeps one instance registered with the scheduler for the life of the process.
+
+    ``load`` returns the current InstanceLoad; ``events`` drains block events since the last
+    call; ``snapshot`` lists every block the instance holds (for a full resync).
+    """
+
+    def __init__(
+        self,
+        scheduler_address: str,
+        info: scheduler_pb2.InstanceInfo,
+        load: Callable[[], scheduler_pb2.InstanceLoad],
+        events: Callable[[], list[common_pb2.BlockEvent]] | None = None,
+        snapshot: Callable[[], list[common_pb2.BlockEvent]] | None = None,
+    ) -> None:
+        self._address = scheduler_address
+        self._info = info
+        self._load = load
+        self._events = events
+        self._snapshot = snapshot
+        self._channel = insecure_channel(scheduler_address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._task: asyncio.Task[None] | None = None
+        self.registered = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scheduler-agent")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self._channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                interval = await self._register()
+                while await self._beat():
+                    await asyncio.sleep(interval)
+                log.warning("scheduler at %s no longer knows this instance; registering again", self._address)
+            except grpc.aio.AioRpcError as exc:
+                self.registered.clear()
+                log.warning("scheduler at %s unreachable (%s); retrying", self._address, exc.code().name)
+                await asyncio.sleep(RETRY_DELAY_S)
+
+    async def _register(self) -> float:
+        reply = await self._stub.Register(self._info, timeout=5)
+        if self._snapshot is not None:
+            if self._events is not None:
+                self._events()  # the snapshot below supersedes anything queued
+            await self._stub.PublishBlockEvents(
+                common_pb2.BlockEventBatch(source_id=self._info.instance_id, events=self._snapshot(), full_snapshot=True),
+                timeout=10,
+            )
+        self.registered.set()
+        log.info("registered with scheduler at %s as %s", self._address, self._info.instance_id)
+        return max(reply.heartbeat_interval_ms, 50) / 1000
+
+    async def _beat(self) -> bool:
+        if self._events is not None:
+            events = self._events()
+            if events:
+                await self._stub.PublishBlockEvents(
+                    common_pb2.BlockEventBatch(source_id=self._info.instance_id, events=events), timeout=5
+                )
+        reply = await self._stub.Heartbeat(self._load(), timeout=5)
+        return reply.known
+
+    async def publish_now(self) -> None:
+        """Send queued block events at once (after a prefill stored new blocks)."""
+        if self._events is None or not self.registered.is_set():
+            return
+        events = self._events()
+        if events:
+            try:
+                await self._stub.PublishBlockEvents(
+                    common_pb2.BlockEventBatch(source_id=self._info.instance_id, events=events), timeout=5
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.warning("could not publish %d block events: %s", len(events), exc.code().name)

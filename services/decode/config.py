@@ -1,0 +1,21 @@
+"""Settings of a decode instance (env prefix ``CRESCENT_DECODE``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from crescent.services.common.settings import ListenSettings, StrictModel
+from crescent.services.engine.settings import EngineSettings
+
+ENV_PREFIX = "CRESCENT_DECODE"
+
+
+class DecodeSettings(StrictModel):
+    listen: ListenSettings = ListenSettings()
+    instance_id: str = Field(default="", description="unique id; empty: decode-<host>-<port>")
+    advertise_address: str = Field(default="", description="host:port others dial; empty: listen host:port")
+    scheduler_address: str = Field(description="host:port of the scheduler")
+    unclaimed_timeout_s: float = Field(
+        default=10.0, gt=0, description="abort a handed-off request nobody streams within this time"
+    )
+    engine: EngineSettings = EngineSettings()

@@ -1,0 +1,198 @@
+"""The model engine shared by prefill and decode: weights, paged KV cache, forward steps.
+
+Prefill uses ``add_sequence`` (local prefix hits), ``attach_blocks`` (prefix blocks fetched from
+the kvstore), ``prefill`` and ``block_payload``; decode uses ``adopt_sequence`` (a handed-off
+request and its KV) and ``decode_step``. ``generate`` runs both roles in one process: it is the
+reference the disaggregated path must match token for token.
+
+Engine methods are blocking and not thread-safe: a service calls them from one worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from crescent.services.common.block_keys import BlockKey, prefix_block_keys
+from crescent.services.engine.kv_cache import PagedKvCache
+from crescent.services.engine.llama import ForwardBatch, LlamaModel, SeqChunk
+from crescent.services.engine.model_config import LlamaConfig
+from crescent.services.engine.sampler import SamplingConfig, sample_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Sequence:
+    """A request's tokens and the pages that hold their KV."""
+
+    seq_id: str
+    token_ids: list[int]
+    block_keys: list[BlockKey]           # keys of the prompt's full blocks
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0                # leading tokens whose KV is in ``pages``
+    num_cached: int = 0                  # of the prompt, tokens reused rather than computed
+    num_registered: int = 0              # leading full blocks entered in the prefix map
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        model_id: str,
+        kv_capacity_tokens: int,
+        page_size: int,
+        prefill_chunk_tokens: int = 2048,
+    ) -> None:
+        if kv_capacity_tokens < page_size:
+            raise ValueError(f"kv_capacity_tokens ({kv_capacity_tokens}) must hold at least one page ({page_size})")
+        cfg = model.config
+        self.model = model
+        self.config: LlamaConfig = cfg
+        self.model_id = model_id
+        self.page_size = page_size
+        self.prefill_chunk_tokens = max(page_size, prefill_chunk_tokens - prefill_chunk_tokens % page_size)
+        self.cache = PagedKvCache(kv_capacity_tokens // page_size, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim)
+
+    # ---- sequences -------------------------------------------------------------------------
+
+    def block_keys(self, token_ids: Seq[int], salt: bytes = b"") -> list[BlockKey]:
+        return prefix_block_keys(token_ids, self.page_size, self.model_id, salt)
+
+    def add_sequence(self, seq_id: str, token_ids: Seq[int], *, salt: bytes = b"", use_cache: bool = True) -> Sequence:
+        """A new prompt; its longest locally cached prefix is attached (never the whole prompt:
+        the last token is always computed, since its logits give the first new token)."""
+        if not token_ids:
+            raise ValueError("a sequence needs at least one token")
+        if len(token_ids) > self.config.max_position_embeddings:
+            raise ValueError(f"{len(token_ids)} tokens exceed the context window ({self.config.max_position_embeddings})")
+        keys = self.block_keys(token_ids, salt)
+        seq = Sequence(seq_id, list(token_ids), keys)
+        if use_cache:
+            usable = keys[: (len(token_ids) - 1) // self.page_size]
+            blocks = [token_ids[i * self.page_size : (i + 1) * self.page_size] for i in range(len(usable))]
+            seq.pages = self.cache.pages.match_prefix(usable, blocks)
+            seq.num_computed = seq.num_cached = seq.num_registered = len(seq.pages) * self.page_size
+        return seq
+
+    def missing_prefix_keys(self, seq: Sequence) -> list[BlockKey]:
+        """Keys of the usable prefix blocks after the ones already attached, for a kvstore lookup."""
+        usable = (seq.num_tokens - 1) // self.page_size
+        return seq.block_keys[seq.num_computed // self.page_size : usable]
+
+    def attach_blocks(self, seq: Sequence, payloads: Seq[torch.Tensor]) -> int:
+        """Append fetched prefix blocks (each of ``block_shape``) after the attached ones; returns tokens added."""
+        assert seq.num_computed % self.page_size == 0, "blocks attach only at a block boundary"
+        first = seq.num_computed // self.page_size
+        usable = (seq.num_tokens - 1) // self.page_size
+        payloads = list(payloads)[: usable - first]
+        if not payloads:
+            return 0
+        pages = self.cache.pages.allocate(len(payloads))
+        for page, payload in zip(pages, payloads):
+            self.cache.pool[page].copy_(payload.view(self.cache.block_shape))
+        seq.pages.extend(pages)
+        added = len(payloads) * self.page_size
+        seq.num_computed += added
+        seq.num_cached += added
+        self._register_full_blocks(seq)
+        return added
+
+    def adopt_sequence(self, seq_id: str, token_ids: Seq[int], num_kv_tokens: int, payloads: Seq[torch.Tensor]) -> Sequence:
+        """A handed-off request: ``payloads`` hold the KV of its first ``num_kv_tokens`` tokens,
+        one (layers, 2, tokens, kv_heads, head_dim) tensor per block, the last one possibly partial."""
+        seq = Sequence(seq_id, list(token_ids), [])
+        seq.pages = self.cache.pages.allocate(len(payloads))
+        for page, payload in zip(seq.pages, payloads):
+            self.cache.pool[page][:, :, : payload.shape[2]].copy_(payload)
+        seq.num_computed = num_kv_tokens
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the sequence's pages; its registered full blocks stay cached until evicted."""
+        self.cache.pages.release(seq.pages)
+        seq.pages = []
+
+    # ---- forward steps ---------------------------------------------------------------------
+
+    def prefill(self, seq: Sequence) -> torch.Tensor:
+        """Compute every not-yet-computed token, in chunks; return the last token's logits (vocab,)."""
+        logits = None
+        while seq.num_computed < seq.num_tokens:
+            end = min(seq.num_tokens, seq.num_computed + self.prefill_chunk_tokens)
+            logits = self._run([(seq, end)], want_logits=end == seq.num_tokens)
+        assert logits is not None, "prefill of a fully computed sequence"
+        self._register_full_blocks(seq)
+        return logits[0]
+
+    def decode_step(self, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Compute each sequence's one new (last) token; return logits (len(seqs), vocab)."""
+        for seq in seqs:
+            assert seq.num_computed == seq.num_tokens - 1, f"{seq.seq_id}: decode needs exactly one new token"
+        return self._run([(seq, seq.num_tokens) for seq in seqs], want_logits=True)
+
+    def _run(self, work: list[tuple[Sequence, int]], want_logits: bool) -> torch.Tensor:
+        chunks = []
+        for seq, end in work:
+            needed = -(-end // self.page_size) - len(seq.pages)
+            if needed > 0:
+                seq.pages.extend(self.cache.pages.allocate(needed))
+            chunks.append((SeqChunk(tuple(seq.pages), end, end - seq.num_computed), seq.token_ids[seq.num_computed : end]))
+        batch = ForwardBatch.build(chunks, self.page_size)
+        with torch.inference_mode():
+            logits = self.model.forward(batch, self.cache, list(range(len(work))) if want_logits else [])
+        for seq, end in work:
+            seq.num_computed = end
+        return logits
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = min(len(seq.block_keys), seq.num_computed // self.page_size)
+        for i in range(seq.num_registered // self.page_size, full):
+            parent = seq.block_keys[i - 1] if i else None
+            tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            self.cache.pages.register(seq.pages[i], seq.block_keys[i], parent, tokens)
+        seq.num_registered = max(seq.num_registered, full * self.page_size)
+
+    # ---- KV export -------------------------------------------------------------------------
+
+    def block_payload(self, seq: Sequence, index: int, num_tokens: int | None = None) -> torch.Tensor:
+        """Block ``index`` of the sequence as (layers, 2, tokens, kv_heads, head_dim); a view when full."""
+        page = self.cache.pool[seq.pages[index]]
+        if num_tokens is None or num_tokens == self.page_size:
+            return page
+        return page[:, :, :num_tokens].contiguous()
+
+    # ---- single-process generation ---------------------------------------------------------
+
+    def generate(
+        self,
+        token_ids: Seq[int],
+        max_tokens: int,
+        sampling: SamplingConfig = SamplingConfig(),
+        stop_token_ids: Seq[int] | None = None,
+        *,
+        use_cache: bool = False,
+    ) -> list[int]:
+        """Prefill then decode one request in this process; the tokens generated (stop token included)."""
+        stop = set(self.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        seq = self.add_sequence("generate", token_ids, use_cache=use_cache)
+        out: list[int] = []
+        try:
+            logits = self.prefill(seq)[None]
+            while True:
+                token = sample_batch(logits, [sampling], [len(out)])[0]
+                out.append(token)
+                if token in stop or len(out) >= max_tokens:
+                    return out
+                seq.token_ids.append(token)
+                logits = self.decode_step([seq])
+        finally:
+            self.release(seq)

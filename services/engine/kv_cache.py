@@ -1,0 +1,161 @@
+"""The engine's paged KV cache: one pool tensor and the manager of its pages.
+
+Pool layout: (pages, layers, 2, page_size, kv_heads, head_dim). A page holds one KV block
+(``page_size`` tokens, all layers), so a block is exported to the kvstore or handed to decode as
+one contiguous slice, with no gather.
+
+``PageManager`` owns reference counts and the prefix map. A page whose block is full and keyed
+stays in the map after its last user releases it; it then sits in an LRU list of evictable pages
+and is reused only when no free page is left. Hits compare the stored token ids as well as the
+key, so a hash collision is a miss, never a wrong answer. Every stored/evicted block is recorded
+as an event for the scheduler's prefix index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from crescent.services.common.block_keys import BlockKey
+
+
+class CacheFullError(RuntimeError):
+    """No free or evictable page is left."""
+
+
+class PageEventKind(Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class PageEvent:
+    kind: PageEventKind
+    key: BlockKey
+    parent_key: BlockKey | None
+
+
+@dataclass(slots=True)
+class _CachedBlock:
+    key: BlockKey
+    parent_key: BlockKey | None
+    token_ids: tuple[int, ...]
+
+
+class PageManager:
+    """Allocation, reference counts and the prefix map of a fixed number of pages."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._refcount = [0] * num_pages
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, LRU first
+        self._page_block: dict[int, _CachedBlock] = {}
+        self._key_page: dict[BlockKey, int] = {}
+        self.events: list[PageEvent] = []
+
+    @property
+    def free_pages(self) -> int:
+        """Pages that can be handed out now (free or evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._key_page)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.free_pages:
+            raise CacheFullError(f"need {count} KV pages, {self.free_pages} available of {self.num_pages}")
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._forget(page)
+            self._refcount[page] = 1
+            pages.append(page)
+        return pages
+
+    def match_prefix(self, keys: Sequence[BlockKey], token_blocks: Sequence[Sequence[int]]) -> list[int]:
+        """Pages holding the longest cached prefix of ``keys``; each returned page gains a reference."""
+        pages = []
+        for key, tokens in zip(keys, token_blocks, strict=True):
+            page = self._key_page.get(key)
+            if page is None or self._page_block[page].token_ids != tuple(tokens):
+                break
+            pages.append(page)
+        for page in pages:
+            self._acquire(page)
+        return pages
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self._key_page.get(key)
+
+    def register(self, page: int, key: BlockKey, parent_key: BlockKey | None, token_ids: Sequence[int]) -> bool:
+        """Record that ``page`` now holds the full block ``key``; False if another page already does."""
+        if key in self._key_page or page in self._page_block:
+            return False
+        self._page_block[page] = _CachedBlock(key, parent_key, tuple(token_ids))
+        self._key_page[key] = page
+        self.events.append(PageEvent(PageEventKind.STORED, key, parent_key))
+        return True
+
+    def release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            assert self._refcount[page] > 0, f"page {page} released more often than acquired"
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                if page in self._page_block:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def drain_events(self) -> list[PageEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def snapshot(self) -> list[tuple[BlockKey, BlockKey | None]]:
+        """Every cached block, for a full resync of the scheduler's index."""
+        return [(b.key, b.parent_key) for b in self._page_block.values()]
+
+    def _acquire(self, page: int) -> None:
+        if self._refcount[page] == 0:
+            self._evictable.pop(page, None)
+        self._refcount[page] += 1
+
+    def _forget(self, page: int) -> None:
+        block = self._page_block.pop(page, None)
+        if block is not None:
+            del self._key_page[block.key]
+            self.events.append(PageEvent(PageEventKind.REMOVED, block.key, block.parent_key))
+
+
+class PagedKvCache:
+    """The pool tensor plus its ``PageManager``."""
+
+    def __init__(
+        self, num_pages: int, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.page_size = page_size
+        self.pool = torch.zeros((num_pages, num_layers, 2, page_size, kv_heads, head_dim), dtype=dtype)
+        self.pages = PageManager(num_pages)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one page's payload: (layers, 2, page_size, kv_heads, head_dim)."""
+        return tuple(self.pool.shape[1:])
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pages.num_pages * self.page_size
+
+    def page_bytes(self) -> int:
+        return self.pool[0].numel() * self.pool.element_size()

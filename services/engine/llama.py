@@ -1,0 +1,138 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral without sliding window) over a paged KV cache.
+
+One forward pass takes a flat, variable-length batch: a prefill chunk of one sequence, one new
+token for each of many decoding sequences, or a mix. Linear layers run on the whole flat batch;
+attention runs per sequence over its pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from crescent.kernels.reference import apply_rope, batch_invariant_linear, paged_attention, rms_norm, rope_tables, silu_and_mul
+from crescent.services.engine.kv_cache import PagedKvCache
+from crescent.services.engine.model_config import LlamaConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """One sequence's share of a forward batch: ``num_new`` tokens ending at ``context_len``."""
+
+    pages: tuple[int, ...]  # the sequence's page table, covering at least context_len tokens
+    context_len: int
+    num_new: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    token_ids: torch.Tensor   # (tokens,) int64, the chunks' new tokens back to back
+    positions: torch.Tensor   # (tokens,) int64
+    slot_pages: torch.Tensor  # (tokens,) page each new token's KV goes to
+    slot_offsets: torch.Tensor  # (tokens,) offset within that page
+    chunks: tuple[SeqChunk, ...]
+
+    @staticmethod
+    def build(chunks: list[tuple[SeqChunk, list[int]]], page_size: int) -> ForwardBatch:
+        """From (chunk, its new token ids) pairs."""
+        positions = []
+        for chunk, new_ids in chunks:
+            assert len(new_ids) == chunk.num_new
+            positions.extend(range(chunk.context_len - chunk.num_new, chunk.context_len))
+        pos = torch.tensor(positions, dtype=torch.int64)
+        pages = torch.tensor(
+            [c.pages[p // page_size] for c, _ in chunks for p in range(c.context_len - c.num_new, c.context_len)],
+            dtype=torch.int64,
+        )
+        return ForwardBatch(
+            token_ids=torch.tensor([t for _, ids in chunks for t in ids], dtype=torch.int64),
+            positions=pos,
+            slot_pages=pages,
+            slot_offsets=pos % page_size,
+            chunks=tuple(c for c, _ in chunks),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor      # q, k and v projections stacked: one GEMM instead of three
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up stacked
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Weights and the forward pass. Inference only; call under ``torch.inference_mode()``."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        w = weights
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return w[name].float().contiguous()
+            except KeyError:
+                raise ValueError(f"checkpoint has no tensor {name!r}") from None
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                _LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+                    o=take(p + "self_attn.o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in w else take("lm_head.weight")
+        self.cos, self.sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._q_width = config.num_heads * config.head_dim
+        self._kv_width = config.num_kv_heads * config.head_dim
+
+    def forward(self, batch: ForwardBatch, cache: PagedKvCache, logits_for: list[int]) -> torch.Tensor:
+        """Run the batch, writing its KV into ``cache``; return logits (len(logits_for), vocab).
+
+        ``logits_for`` lists chunk indices whose last token's logits are wanted.
+        """
+        cfg = self.config
+        n = batch.token_ids.shape[0]
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        page_size = cache.page_size
+        page_tables = [
+            torch.tensor(c.pages[: -(-c.context_len // page_size)], dtype=torch.int64) for c in batch.chunks
+        ]
+        h = self.embed[batch.token_ids]
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = batch_invariant_linear(x, layer.qkv)
+            q = qkv[:, : self._q_width].view(n, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self._q_width : self._q_width + self._kv_width].view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, self._q_width + self._kv_width :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            layer_pool = cache.pool[:, index]
+            layer_pool[:, 0][batch.slot_pages, batch.slot_offsets] = k
+            layer_pool[:, 1][batch.slot_pages, batch.slot_offsets] = v
+            attn = torch.empty_like(q)
+            start = 0
+            for chunk, table in zip(batch.chunks, page_tables):
+                end = start + chunk.num_new
+                attn[start:end] = paged_attention(q[start:end], layer_pool[table], chunk.context_len, self.scale)
+                start = end
+            h = h + batch_invariant_linear(attn.view(n, -1), layer.o)
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            h = h + batch_invariant_linear(silu_and_mul(batch_invariant_linear(x, layer.gate_up)), layer.down)
+        if not logits_for:
+            return h.new_empty((0, cfg.vocab_size))
+        ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
+        last = h[ends[torch.tensor(logits_for)]]
+        return batch_invariant_linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)

@@ -1,0 +1,23 @@
+"""A progress bar for tensor loading (rich, on stderr); a no-op when disabled."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+T = TypeVar("T")
+
+
+def track(items: Iterable[T], *, total: int, description: str, enabled: bool) -> Iterator[T]:
+    if not enabled:
+        yield from items
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        for item in items:
+            yield item
+            bar.advance(task)

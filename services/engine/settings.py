@@ -1,0 +1,18 @@
+"""Settings of a model engine instance (prefill or decode role)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.common.settings import StrictModel
+from crescent.services.engine.model_source import DEFAULT_MODEL
+
+
+class EngineSettings(StrictModel):
+    model: str = Field(default=DEFAULT_MODEL, description="preset name, .gguf path or Hugging Face directory")
+    kv_capacity_tokens: int = Field(default=32768, ge=1, description="token slots in the paged KV cache")
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=4096, description="tokens per KV block/page")
+    prefill_chunk_tokens: int = Field(default=2048, ge=1, description="prompt tokens per prefill forward pass")
+    threads: int = Field(default=2, ge=1, description="torch intra-op threads")
+    max_batch_size: int = Field(default=16, ge=1, description="decode: sequences per step")

@@ -1,0 +1,262 @@
+"""Tokenizer for Llama-family models, built on the ``tokenizers`` library.
+
+From a GGUF file it rebuilds the byte-level BPE (vocabulary, merges, pre-tokenizer, control
+tokens) from metadata alone, without touching the weights, so the gateway can use it cheaply.
+From a Hugging Face directory it loads ``tokenizer.json`` and ``tokenizer_config.json``.
+``encode`` never adds BOS: chat templates such as ChatML already start with their own marker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import gguf
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HfTokenizer
+
+from crescent.services.engine.chat_template import ChatTemplate
+from crescent.services.engine.model_source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+# Tokens that end a turn or a document in common vocabularies; generation stops on them.
+END_MARKERS = frozenset(
+    {"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|end|>",
+     "</s>", "<end_of_turn>"}
+)
+
+# llama.cpp token types (gguf.TokenType): 3 = control (special), 4 = user-defined.
+_CONTROL, _USER_DEFINED = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
+    # StarCoder-style vocabularies (SmolLM's included) split every digit on its own first.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+def _split_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    return lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+# GGUF ``tokenizer.ggml.pre`` → the equivalent Hugging Face pre-tokenizer (same regexes as llama.cpp).
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "default": _gpt2, "gpt2": _gpt2, "mpt": _gpt2, "olmo": _gpt2,
+    "smollm": _digits_then_gpt2, "starcoder": _digits_then_gpt2, "refact": _digits_then_gpt2,
+    "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT), "llama3": _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built from the given files; the message says which part."""
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text, emitting only whole characters."""
+
+    __slots__ = ("_tokenizer", "_stream")
+
+    def __init__(self, tokenizer: HfTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes (often ``""`` mid-character)."""
+        return self._stream.step(self._tokenizer, int(token_id)) or ""
+
+
+class Tokenizer:
+    """Encode/decode, stop tokens and chat template of one model."""
+
+    __slots__ = ("_tok", "_eos_ids", "_bos_id", "_bos_text", "_eos_text", "_template")
+
+    def __init__(self, tok: HfTokenizer, *, eos_token_ids: Sequence[int], bos_token_id: int | None,
+                 chat_template: str | None) -> None:
+        self._tok = tok
+        self._eos_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        if not self._eos_ids:
+            raise TokenizerError("tokenizer defines no end-of-sequence token")
+        self._bos_id = bos_token_id
+        self._bos_text = None if bos_token_id is None else tok.id_to_token(bos_token_id)
+        self._eos_text = tok.id_to_token(self._eos_ids[0])
+        self._template = ChatTemplate(chat_template, bos_token=self._bos_text, eos_token=self._eos_text)
+
+    # --- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build from a GGUF file's metadata (the tensors are not read)."""
+        return cls.from_gguf_reader(gguf.GGUFReader(str(path)))
+
+    @classmethod
+    def from_gguf_reader(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Build from an already parsed GGUF file (parsing takes seconds: do it once)."""
+        def meta(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(key)
+            return default if field is None else field.contents()
+
+        kind = meta("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"GGUF tokenizer.ggml.model {kind!r} is not supported (only 'gpt2' BPE)")
+        pre = meta("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise TokenizerError(
+                f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            )
+        tokens: list[str] = meta("tokenizer.ggml.tokens") or []
+        merges: list[str] = meta("tokenizer.ggml.merges") or []
+        types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if not tokens or not merges:
+            raise TokenizerError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+
+        try:
+            bpe = models.BPE(
+                vocab={t: i for i, t in enumerate(tokens)},
+                merges=[tuple(m.split(" ", 1)) for m in merges],
+                fuse_unk=False,
+                ignore_merges=pre in ("llama-bpe", "llama3"),
+            )
+        except Exception as exc:  # the library raises a bare Exception, e.g. for a merge of unknown tokens
+            raise TokenizerError(f"GGUF vocabulary and merges are inconsistent: {exc}") from exc
+        tok = HfTokenizer(bpe)
+        tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        added = [AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+                 for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)]
+        tok.add_tokens([a for a in added if not a.special])
+        tok.add_special_tokens([a for a in added if a.special])
+
+        eos = [meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        control = {tokens[i]: i for i in range(len(tokens)) if types[i] == _CONTROL}
+        eos_ids = [i for i in eos if i is not None] + sorted(control[t] for t in END_MARKERS & control.keys())
+        return cls(tok, eos_token_ids=eos_ids, bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+                   chat_template=meta("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``config.json``) from a directory."""
+        path = Path(path)
+        try:
+            tok = HfTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # the library raises a bare Exception on bad files
+            raise TokenizerError(f"cannot read {path / 'tokenizer.json'}: {exc}") from exc
+        tcfg = _read_json(path / "tokenizer_config.json")
+        mcfg = _read_json(path / "config.json")
+        gcfg = _read_json(path / "generation_config.json")
+
+        def token_id(value: Any) -> int | None:
+            text = value.get("content") if isinstance(value, Mapping) else value
+            return tok.token_to_id(text) if isinstance(text, str) else None
+
+        eos_ids: list[int] = []
+        for cfg in (gcfg, mcfg):
+            eos = cfg.get("eos_token_id")
+            eos_ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if (tid := token_id(tcfg.get("eos_token"))) is not None:
+            eos_ids.append(tid)
+        specials = {a.content: i for i, a in tok.get_added_tokens_decoder().items() if a.special}
+        eos_ids += sorted(specials[t] for t in END_MARKERS & specials.keys())
+        bos = mcfg.get("bos_token_id")
+        if bos is None:
+            bos = token_id(tcfg.get("bos_token"))
+        return cls(tok, eos_token_ids=eos_ids, bos_token_id=bos, chat_template=_hf_chat_template(path, tcfg))
+
+    @classmethod
+    def for_model(cls, source: ModelSource) -> Tokenizer:
+        if source.kind == "gguf":
+            return cls.from_gguf(source.path)
+        return cls.from_hf_dir(source.path)
+
+    # --- use ------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def chat_template(self) -> str:
+        return self._template.source
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token text such as ``<|im_start|>`` maps to its id."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def new_detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tok)
+
+    def save_hf(self, out_dir: Path, *, model_max_length: int | None = None) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` as transformers expects them."""
+        self._tok.save(str(out_dir / "tokenizer.json"))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "bos_token": self._bos_text,
+            "eos_token": self._eos_text,
+            "pad_token": self._eos_text,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": self._template.source,
+        }
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} is not a JSON object")
+    return data
+
+
+def _hf_chat_template(path: Path, tcfg: Mapping[str, Any]) -> str | None:
+    if (path / "chat_template.jinja").is_file():  # newer transformers save it beside the config
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None

@@ -1,0 +1,69 @@
+"""The gateway's HTTP API: OpenAI-compatible chat completions, models, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from crescent.services.common.admin_http import metrics_response
+from crescent.services.common.metrics import gateway_metrics
+from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCard, ModelList
+from crescent.services.gateway.backend import Backend
+from crescent.services.gateway.chat import ChatCompletions
+from crescent.services.gateway.config import GatewaySettings
+from crescent.services.gateway.errors import ApiError, ModelNotFoundError, install_error_handlers
+from crescent.services.gateway.prompt import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel) -> FastAPI:
+    """The FastAPI app; ``backend`` and ``model`` are owned (started and closed) by the caller."""
+    metrics = gateway_metrics()
+    chat = ChatCompletions(settings, backend, model, metrics)
+    created = int(time.time())
+    card = ModelCard(id=chat.served_name, created=created, max_model_len=model.context_window)
+    app = FastAPI(title="Crescent gateway", docs_url=None, redoc_url=None)
+
+    def count_invalid_body(request: Request) -> None:
+        if request.url.path == "/v1/chat/completions":
+            metrics.requests.labels(status="client_error").inc()
+
+    install_error_handlers(app, on_invalid_body=count_invalid_body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.handle(body, request)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        if model_id != card.id:
+            raise ModelNotFoundError(f"the model {model_id!r} does not exist", param="model")
+        return card
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            state = await backend.health()
+        except ApiError as exc:
+            return JSONResponse({"status": "unavailable", "reason": exc.message}, status_code=503)
+        body = {
+            "status": "ok" if state.ready else "starting",
+            "model": chat.served_name,
+            "prefill_instances": state.prefill_instances,
+            "decode_instances": state.decode_instances,
+        }
+        return JSONResponse(body, status_code=200 if state.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return metrics_response()
+
+    return app

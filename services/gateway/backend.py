@@ -1,0 +1,77 @@
+"""What the gateway asks of the serving backend, independent of how it is reached.
+
+``Backend.generate`` yields the first token (with the prompt's token counts), then batches of
+further tokens; the last event carries the finish reason. Closing the iterator early (client
+gone, stop string found) must abort the request everywhere it holds resources. Errors are
+``crescent.services.gateway.errors.ApiError`` subclasses, so they map straight to HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Literal, NewType, Protocol
+
+from crescent.services.common.block_keys import BlockKey
+
+RequestId = NewType("RequestId", str)
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int                      # 0: off
+    seed: int | None
+    max_tokens: int                 # the first token included
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: RequestId
+    model_id: str
+    prompt_token_ids: tuple[int, ...]
+    block_keys: tuple[BlockKey, ...]  # keys of the prompt's full blocks, salted
+    cache_salt: bytes
+    sampling: Sampling
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    token_id: int
+    prompt_tokens: int
+    cached_tokens: int              # prompt tokens whose KV was reused
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True, slots=True)
+class MoreTokens:
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+
+
+BackendEvent = FirstToken | MoreTokens
+
+
+@dataclass(frozen=True, slots=True)
+class BackendHealth:
+    prefill_instances: int
+    decode_instances: int
+
+    @property
+    def ready(self) -> bool:
+        return self.prefill_instances > 0 and self.decode_instances > 0
+
+
+class Backend(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
+        """Place, prefill and decode one request; see the module docstring."""
+        ...
+
+    async def health(self) -> BackendHealth:
+        """Instances registered with the scheduler; raises ServiceUnavailableError when it is unreachable."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,168 @@
+"""``POST /v1/chat/completions``: validate, build the prompt, generate, answer or stream.
+
+Errors that happen before the first token (bad request, rejection, backend down) are plain
+HTTP errors even for streaming requests: the stream starts only once there is something to
+send. A non-streaming request whose client goes away is cancelled like a stream would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from crescent.services.common.block_keys import prefix_block_keys
+from crescent.services.common.logs import request_id_var
+from crescent.services.common.metrics import GatewayMetrics
+from crescent.services.gateway.accounting import RequestRecord
+from crescent.services.gateway.api_models import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Choice,
+)
+from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
+from crescent.services.gateway.config import GatewaySettings
+from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
+from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
+from crescent.services.gateway.prompt import ServedModel, build_prompt
+from crescent.services.gateway.sse import ChatStream, ChunkHeader, SseResponse, status_of, usage_model
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def new_request_id() -> RequestId:
+    return RequestId(f"chatcmpl-{uuid.uuid4().hex}")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was being worked on."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``.
+
+    Starlette notices a disconnect only while a streaming response is being sent; before that
+    (a long prefill, a whole non-streamed completion) nobody would, and decode would keep going.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if not task.done():
+        task.cancel()  # runs the backend's cleanup: in-flight calls cancelled, decode told
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    return task.result()
+
+
+class ChatCompletions:
+    def __init__(self, settings: GatewaySettings, backend: Backend, model: ServedModel, metrics: GatewayMetrics) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._model = model
+        self._metrics = metrics
+        self.served_name = settings.served_model_name or model.model_id
+
+    async def _generation_request(self, body: ChatCompletionRequest, request_id: RequestId) -> GenerationRequest:
+        if body.model != self.served_name:
+            raise ModelNotFoundError(
+                f"the model {body.model!r} does not exist; this gateway serves {self.served_name!r}", param="model"
+            )
+        unsupported = body.unsupported_values()
+        if unsupported:
+            param, why = unsupported[0]
+            raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
+        # Templating and tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
+        prompt = await asyncio.to_thread(build_prompt, body, self._model, self._settings.default_max_tokens)
+        salt = (body.cache_salt or "").encode()
+        keys = prefix_block_keys(prompt.token_ids, self._settings.block_size, self._model.model_id, salt)
+        return GenerationRequest(
+            request_id=request_id,
+            model_id=self._model.model_id,
+            prompt_token_ids=prompt.token_ids,
+            block_keys=tuple(keys),
+            cache_salt=salt,
+            sampling=Sampling(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                seed=body.seed,
+                max_tokens=prompt.max_tokens,
+                stop_token_ids=tuple(self._model.tokenizer.eos_token_ids),
+            ),
+        )
+
+    async def handle(self, body: ChatCompletionRequest, request: Request) -> Response:
+        request_id = new_request_id()
+        request_id_var.set(request_id)
+        record = RequestRecord(self._metrics)
+        try:
+            generation_request = await self._generation_request(body, request_id)
+            events = generate_text(
+                self._backend, self._model.tokenizer, generation_request, body.stop_strings(), record
+            )
+            header = ChunkHeader(
+                request_id=request_id,
+                created=int(time.time()),
+                model=self.served_name,
+                include_usage=body.stream_options is not None and body.stream_options.include_usage,
+            )
+            if not body.stream:
+                completion = await _unless_disconnected(request, self._collect(header, events))
+                record.finish("ok")
+                return JSONResponse(completion.model_dump())
+            try:
+                first = await _unless_disconnected(request, anext(events))
+            except BaseException:
+                await events.aclose()
+                raise
+            return SseResponse(ChatStream(header, first, events, record))
+        except ApiError as exc:
+            log.info("request failed: %s %s", exc.status, exc.message)
+            record.finish(status_of(exc))
+            raise
+        except ClientGone:
+            log.info("client disconnected before the first token")
+            record.finish("cancelled")
+            return Response(status_code=499)  # nobody reads it; the status is for access logs
+        except asyncio.CancelledError:
+            record.finish("cancelled")
+            raise
+        except Exception:
+            record.finish("error")
+            raise
+
+    async def _collect(self, header: ChunkHeader, events: AsyncGenerator[GenerationEvent, None]) -> ChatCompletion:
+        parts: list[str] = []
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    parts.append(event.text)
+                elif isinstance(event, Finished):
+                    return ChatCompletion(
+                        id=header.request_id, created=header.created, model=header.model,
+                        choices=[Choice(message=AssistantMessage(content="".join(parts)),
+                                        finish_reason=event.finish_reason)],
+                        usage=usage_model(event.usage),
+                    )
+        raise AssertionError("generate_text always ends with Finished or an error")

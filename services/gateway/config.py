@@ -1,0 +1,48 @@
+"""Settings of the gateway: a YAML file plus ``CRESCENT_GATEWAY__*`` environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
+
+ENV_PREFIX = "CRESCENT_GATEWAY"
+DEFAULT_GATEWAY_PORT = 8000
+DEFAULT_CONTEXT_WINDOW = 8192  # when the model does not say (SmolLM2-135M's max positions)
+
+
+class GatewayListenSettings(ListenSettings):
+    """The gateway serves its API, /health and /metrics on one HTTP port; ``admin_port`` is unused."""
+
+    port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=0, le=65535)
+
+
+class GatewaySettings(StrictModel):
+    listen: GatewayListenSettings = GatewayListenSettings()
+    scheduler_address: str = Field(default="127.0.0.1:50051", min_length=1, description="host:port of the scheduler")
+    model: str = Field(default="smollm2-135m-instruct", min_length=1, description="model spec: preset, .gguf or HF dir")
+    served_model_name: str | None = Field(
+        default=None, description="the name /v1/models lists and requests must use; default: the model id"
+    )
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block; must match the engines")
+    context_window: int | None = Field(
+        default=None, gt=1, description="prompt + completion tokens; default: the model's max positions"
+    )
+    default_max_tokens: int = Field(default=1024, gt=0, description="when a request names no max_tokens")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="deadline of a whole request")
+    place_timeout_s: float = Field(default=5.0, gt=0, description="deadline of one scheduler call")
+    health_timeout_s: float = Field(default=1.0, gt=0, description="deadline of the scheduler check behind /health")
+    log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+
+    @model_validator(mode="after")
+    def _max_tokens_fit(self) -> GatewaySettings:
+        if self.context_window is not None and self.default_max_tokens >= self.context_window:
+            raise ValueError("default_max_tokens must be smaller than context_window")
+        return self
+
+
+def load_gateway_settings(path: str | Path | None = None) -> GatewaySettings:
+    return load_settings(GatewaySettings, path, env_prefix=ENV_PREFIX)

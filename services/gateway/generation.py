@@ -1,0 +1,84 @@
+"""One request's generation as the client sees it: text deltas, then a finish with usage.
+
+The gateway owns detokenization, so stop strings are applied here: when the generated text
+contains one, the text before it is the last delta, the finish reason is "stop", and the
+backend stream is closed, which cancels the request in decode.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from crescent.services.gateway.accounting import RequestRecord, UsageCounts
+from crescent.services.gateway.backend import Backend, FinishReason, FirstToken, GenerationRequest
+from crescent.services.gateway.errors import InternalError
+from crescent.services.gateway.prompt import ChatTokenizer
+from crescent.services.gateway.stop_strings import StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: FinishReason
+    usage: UsageCounts
+
+
+GenerationEvent = TextDelta | Finished
+
+
+async def generate_text(
+    backend: Backend,
+    tokenizer: ChatTokenizer,
+    request: GenerationRequest,
+    stop_strings: Sequence[str],
+    record: RequestRecord,
+) -> AsyncGenerator[GenerationEvent, None]:
+    """Drive the backend and yield non-empty ``TextDelta``s, then exactly one ``Finished``."""
+    detokenizer = tokenizer.new_detokenizer()
+    matcher = StopStringMatcher(stop_strings)
+    eos = frozenset(tokenizer.eos_token_ids)
+    prompt_tokens = len(request.prompt_token_ids)
+    cached_tokens = 0
+    completion_tokens = 0
+
+    def usage() -> UsageCounts:
+        record.usage = UsageCounts(prompt_tokens, cached_tokens, completion_tokens)
+        return record.usage
+
+    async with aclosing(backend.generate(request)) as events:
+        async for event in events:
+            if isinstance(event, FirstToken):
+                prompt_tokens = event.prompt_tokens or prompt_tokens
+                cached_tokens = event.cached_tokens
+                token_ids: Sequence[int] = (event.token_id,)
+            else:
+                token_ids = event.token_ids
+            record.tokens_arrived(len(token_ids))
+            for token_id in token_ids:
+                completion_tokens += 1
+                usage()  # a request cut short still reports what it used
+                if token_id in eos:
+                    continue  # the end-of-turn token is not part of the answer's text
+                scan = matcher.push(detokenizer.push(token_id))
+                if scan.text:
+                    yield TextDelta(scan.text)
+                if scan.stopped:
+                    await events.aclose()  # cancels the decode stream: decode frees the request now
+                    yield Finished("stop", usage())
+                    return
+            if event.finish_reason is not None:
+                tail = matcher.flush()
+                if tail:
+                    yield TextDelta(tail)
+                yield Finished(event.finish_reason, usage())
+                return
+    raise InternalError("the backend ended the request without a finish reason")

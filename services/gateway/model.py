@@ -1,0 +1,52 @@
+"""Load what the gateway needs of a model: its tokenizer, chat template, id and context window.
+
+Never the weights: the gateway reads the GGUF metadata (or a Hugging Face directory's JSON
+files) only, so it starts in seconds and uses little memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import gguf
+
+from crescent.services.engine.chat_template import ChatTemplateError
+from crescent.services.engine.model_source import ModelSource, resolve_model
+from crescent.services.engine.tokenizer import Tokenizer
+from crescent.services.gateway.config import DEFAULT_CONTEXT_WINDOW, GatewaySettings
+from crescent.services.gateway.prompt import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+def _gguf_tokenizer_and_window(source: ModelSource) -> tuple[Tokenizer, int | None]:
+    reader = gguf.GGUFReader(str(source.path))  # parsing takes seconds: do it once for both
+
+    def meta(key: str) -> object:
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    arch = meta("general.architecture")
+    window = meta(f"{arch}.context_length") if isinstance(arch, str) else None
+    return Tokenizer.from_gguf_reader(reader), None if window is None else int(window)  # type: ignore[call-overload]
+
+
+def _hf_tokenizer_and_window(source: ModelSource) -> tuple[Tokenizer, int | None]:
+    config_path = source.path / "config.json"
+    window = json.loads(config_path.read_text(encoding="utf-8")).get("max_position_embeddings")
+    return Tokenizer.from_hf_dir(source.path), int(window) if isinstance(window, int) else None
+
+
+def load_served_model(settings: GatewaySettings) -> ServedModel:
+    """Resolve ``settings.model``; raises the engine's ``ModelNotFoundError`` for an unknown spec."""
+    source = resolve_model(settings.model)
+    if source.kind == "gguf":
+        tokenizer, model_window = _gguf_tokenizer_and_window(source)
+    else:
+        tokenizer, model_window = _hf_tokenizer_and_window(source)
+    window = settings.context_window or model_window or DEFAULT_CONTEXT_WINDOW
+    log.info("model %s (%s): context window %d tokens", source.model_id, source.path, window)
+    return ServedModel(
+        tokenizer=tokenizer, model_id=source.model_id, context_window=window, template_errors=(ChatTemplateError,)
+    )

@@ -1,0 +1,210 @@
+"""The KvStore gRPC servicer: a thin shell over ``TieredStore`` plus peers and shared memory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from crescent.protos import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from crescent.services.common.block_keys import BlockKey
+from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, chunks_of, meta_of, miss_chunk
+from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.config import KvStoreSettings
+from crescent.services.kvstore.shm import AttachedSegments, ShmError
+from crescent.services.kvstore.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LIST_LIMIT = 1000
+
+
+class PeerSet:
+    """The other kvstore nodes: asked on a local miss, targets of ``Replicate``."""
+
+    def __init__(self, peers: dict[str, str], timeout_s: float) -> None:
+        self.addresses = dict(peers)
+        self._timeout_s = timeout_s
+        self._clients: dict[str, KvStoreClient] = {}
+
+    def client(self, target: str) -> KvStoreClient:
+        address = self.addresses.get(target, target)
+        if address not in self._clients:
+            self._clients[address] = KvStoreClient(address, timeout_s=self._timeout_s)
+        return self._clients[address]
+
+    async def fetch(self, keys: list[BlockKey], model_id: str) -> dict[BlockKey, KvBlock]:
+        """Whatever of ``keys`` any peer holds (verified by the client)."""
+        found: dict[BlockKey, KvBlock] = {}
+        for node_id in self.addresses:
+            missing = [k for k in keys if k not in found]
+            if not missing:
+                break
+            found.update(await self.client(node_id).get(missing, model_id or None, local_only=True))
+        return found
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+
+class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
+    def __init__(self, store: TieredStore, settings: KvStoreSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self.peers = PeerSet(settings.peers, settings.peer_timeout_s)
+        self.segments = AttachedSegments()
+        self._metrics = store.metrics
+
+    async def close(self) -> None:
+        await self.peers.close()
+        self.segments.close()
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def _lease_ms(self, requested: int) -> int:
+        return min(requested or self.settings.default_lease_ms, self.settings.max_lease_ms)
+
+    async def _lookup(self, request: kvstore_pb2.GetRequest) -> AsyncIterator[tuple[BlockKey, KvBlock | None]]:
+        """(key, block or None) in key order; stops after the first miss for prefix reads."""
+        keys = [BlockKey(bytes(k)) for k in request.keys]
+        lease_ms = self._lease_ms(request.lease_ms)
+        from_peers: dict[BlockKey, KvBlock] = {}
+        for i, key in enumerate(keys):
+            block = await self.store.get(key, request.model_id or None, lease_ms)
+            if block is None and key not in from_peers and self.peers.addresses and not request.local_only:
+                # A prefix read wants the rest too: fetch it in one round trip per peer.
+                wanted = keys[i:] if request.stop_at_first_miss else [key]
+                from_peers.update(await self.peers.fetch(wanted, request.model_id))
+            if block is None and key in from_peers:
+                block = from_peers.pop(key)
+                await self.store.put(block)  # hot prefixes replicate themselves
+                self.store.leases.grant(key, lease_ms)
+            yield key, block
+            if block is None and request.stop_at_first_miss:
+                return
+
+    async def Get(self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        max_chunk = self.settings.max_chunk_bytes
+        async for key, block in self._lookup(request):
+            if block is None:
+                yield miss_chunk(key)
+                continue
+            self._metrics.transferred_bytes.labels("out").inc(block.nbytes)
+            for chunk in chunks_of(meta_of(block), block.payload, max_chunk):
+                yield chunk
+
+    async def GetShm(self, request: kvstore_pb2.ShmGetRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmGetReply:
+        if not self.settings.shared_memory:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this node")
+        try:
+            segment = self.segments.get(request.segment)
+        except ShmError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        capacity = min(request.capacity or segment.size, segment.size)
+        reply = kvstore_pb2.ShmGetReply()
+        offset = 0
+        async for key, block in self._lookup(request.request):
+            if block is None:
+                reply.blocks.add(meta=common_pb2.BlockMeta(key=key, found=False))
+                continue
+            if offset + block.nbytes > capacity:
+                reply.truncated = True
+                break
+            segment.buf[offset : offset + block.nbytes] = block.payload
+            reply.blocks.add(meta=meta_of(block), offset=offset)
+            offset += block.nbytes
+            self._metrics.transferred_bytes.labels("out").inc(block.nbytes)
+        return reply
+
+    # -- writes ---------------------------------------------------------------------------
+
+    async def Put(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
+        assembler = BlockAssembler(max_block_bytes=self.settings.max_block_bytes)
+        stored = rejected = 0
+        try:
+            async for chunk in request_iterator:
+                block = assembler.feed(chunk)
+                if block is None:
+                    continue
+                self._metrics.transferred_bytes.labels("in").inc(block.nbytes)
+                if await self.store.put(block):
+                    stored += 1
+                else:
+                    rejected += 1
+        except BlockFormatError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block stream: {exc}")
+        if assembler.in_progress:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended inside a block")
+        return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
+
+    async def PutShm(self, request: kvstore_pb2.ShmPutRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
+        if not self.settings.shared_memory:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this node")
+        try:
+            segment = self.segments.get(request.segment)
+        except ShmError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        stored = rejected = 0
+        for item in request.blocks:
+            end = item.offset + item.meta.nbytes
+            if end > segment.size or item.meta.nbytes > self.settings.max_block_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block at {item.offset} runs past the segment")
+            # Copy in: the client reuses its segment as soon as we answer.
+            block = KvBlock.from_meta(item.meta, bytes(segment.buf[item.offset : end]))
+            self._metrics.transferred_bytes.labels("in").inc(block.nbytes)
+            if await self.store.put(block):
+                stored += 1
+            else:
+                rejected += 1
+        return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
+
+    async def Replicate(self, request: kvstore_pb2.ReplicateRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ReplicateReply:
+        if not request.target:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target is required (a peer node id or host:port)")
+        blocks, missing = [], 0
+        for raw in request.keys:
+            block = await self.store.get(BlockKey(bytes(raw)))
+            if block is None:
+                missing += 1
+            else:
+                blocks.append(block)
+        result = await self.peers.client(request.target).put(blocks)
+        if result.failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach {request.target}")
+        return kvstore_pb2.ReplicateReply(replicated=result.stored, missing=missing)
+
+    async def Remove(self, request: kvstore_pb2.KeysRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.RemoveReply:
+        removed = 0
+        for raw in request.keys:
+            removed += await self.store.remove(BlockKey(bytes(raw)))
+        return kvstore_pb2.RemoveReply(removed=removed)
+
+    # -- operators ------------------------------------------------------------------------
+
+    async def Exists(self, request: kvstore_pb2.KeysRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ExistsReply:
+        return kvstore_pb2.ExistsReply(present=[self.store.exists(BlockKey(bytes(k))) for k in request.keys])
+
+    async def Stat(self, request: kvstore_pb2.StatRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.StatReply:
+        reply = kvstore_pb2.StatReply(node_id=self.settings.node_id, leased_blocks=self.store.leased_count())
+        for usage in self.store.usage():
+            reply.tiers.add(
+                tier=usage.kind, blocks=usage.blocks, bytes=usage.bytes,
+                capacity_bytes=usage.capacity_bytes, evictions=usage.evictions,
+            )
+        return reply
+
+    async def List(self, request: kvstore_pb2.ListRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ListReply:
+        limit = request.limit or DEFAULT_LIST_LIMIT
+        rows = sorted(
+            (key, i, info) for key, i, info in self.store.blocks()
+            if key > request.start_after and (not request.tier or self.store.tiers[i].kind == request.tier)
+        )
+        reply = kvstore_pb2.ListReply(truncated=len(rows) > limit)
+        for key, i, info in rows[:limit]:
+            reply.blocks.add(
+                key=key, parent_key=info.parent_key or b"", model_id=info.model_id, tier=self.store.tiers[i].kind,
+                nbytes=info.nbytes, num_tokens=info.num_tokens, leased=self.store.pinned(key),
+            )
+        return reply

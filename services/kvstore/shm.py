@@ -1,0 +1,100 @@
+"""Same-host shared memory segments for block payloads (files under /dev/shm, mmapped).
+
+The client creates and owns a segment; the server maps it by name for the length of a call.
+Plain files plus mmap instead of ``multiprocessing.shared_memory``: its resource tracker would
+unlink a segment the server only attached to.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from collections import OrderedDict
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "crescent-kv-"
+_NAME = re.compile(r"^crescent-kv-[0-9a-f]{8,64}$")
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class ShmError(ValueError):
+    """A segment name that is not ours, or a segment that is gone or too small."""
+
+
+def available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+class ShmSegment:
+    """A mapped segment. ``create`` makes (and later unlinks) one; ``attach`` maps an existing one."""
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+        self.name, self.size, self.owner = name, size, owner
+        self._map = mapping
+        self.buf = memoryview(mapping)
+
+    @classmethod
+    def create(cls, size: int) -> ShmSegment:
+        name = NAME_PREFIX + secrets.token_hex(12)
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> ShmSegment:
+        if not _NAME.match(name):
+            raise ShmError(f"{name!r} is not a kvstore shared memory segment")
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
+        except FileNotFoundError:
+            raise ShmError(f"shared memory segment {name} does not exist on this host") from None
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=False)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._map.close()
+        if self.owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+
+
+class AttachedSegments:
+    """The server's cache of mapped client segments, so a hot client costs no mmap per call."""
+
+    def __init__(self, limit: int = 32) -> None:
+        self._limit = limit
+        self._segments: OrderedDict[str, ShmSegment] = OrderedDict()
+
+    def get(self, name: str) -> ShmSegment:
+        segment = self._segments.get(name)
+        if segment is not None and (SHM_DIR / name).exists():
+            self._segments.move_to_end(name)
+            return segment
+        if segment is not None:
+            self.forget(name)
+        segment = ShmSegment.attach(name)
+        self._segments[name] = segment
+        while len(self._segments) > self._limit:
+            _, old = self._segments.popitem(last=False)
+            old.close()
+        return segment
+
+    def forget(self, name: str) -> None:
+        segment = self._segments.pop(name, None)
+        if segment is not None:
+            segment.close()
+
+    def close(self) -> None:
+        for name in list(self._segments):
+            self.forget(name)

@@ -1,0 +1,314 @@
+"""The tiered block store of one node: placement across tiers, eviction with demotion,
+promotion on lower-tier hits, leases, integrity checks, and "where is this block" events.
+
+Tiers are ordered fastest first. A put lands in the fastest tier with room (write-through also
+copies it to every lower tier); eviction past a tier's high watermark frees it down to its low
+watermark, demoting each victim one tier down unless a lower tier already has it; a hit in a
+lower tier copies the block back up. Leased blocks are never evicted from any tier. Every read
+is verified; a bad copy is deleted, counted, and the next tier is tried.
+
+Runs on one asyncio loop; no locks, and every await leaves the index consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from crescent.protos import common_pb2
+from crescent.services.common.block_keys import BlockKey
+from crescent.services.common.kv_block import BlockFormatError, BlockIntegrityError, KvBlock
+from crescent.services.common.metrics import KvStoreMetrics
+from crescent.services.kvstore.eviction import EvictionPolicy, make_policy
+from crescent.services.kvstore.tier import BlockInfo, Tier
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[common_pb2.BlockEvent], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    kind: int
+    label: str
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    evictions: int
+
+
+class LeaseTable:
+    """Key -> expiry on the monotonic clock. A leased key is pinned in every tier."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._expiry: dict[BlockKey, float] = {}
+        self._clock = clock
+
+    def grant(self, key: BlockKey, lease_ms: int) -> None:
+        if lease_ms <= 0:
+            return
+        until = self._clock() + lease_ms / 1000
+        self._expiry[key] = max(until, self._expiry.get(key, 0.0))
+        if len(self._expiry) > 4096:
+            self.prune()
+
+    def release(self, key: BlockKey) -> None:
+        self._expiry.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        until = self._expiry.get(key)  # type: ignore[arg-type]
+        return until is not None and until > self._clock()
+
+    def prune(self) -> int:
+        now = self._clock()
+        for key in [k for k, until in self._expiry.items() if until <= now]:
+            del self._expiry[key]
+        return len(self._expiry)
+
+
+class TieredStore:
+    def __init__(
+        self,
+        tiers: list[Tier],
+        metrics: KvStoreMetrics,
+        *,
+        eviction_policy: str = "lru",
+        write_through: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = tiers
+        self.metrics = metrics
+        self.write_through = write_through
+        self.policies: list[EvictionPolicy] = [make_policy(eviction_policy) for _ in tiers]
+        self.leases = LeaseTable(clock)
+        self._evictions = [0 for _ in tiers]
+        self._sinks: list[EventSink] = []
+        for i in range(len(tiers)):
+            self.adopt(i)
+
+    def adopt(self, index: int, *, announce: bool = False) -> None:
+        """Track blocks a tier found by itself (a disk or S3 tier re-indexed after a restart);
+        ``announce`` sends STORED events for those no faster tier holds."""
+        tier, policy = self.tiers[index], self.policies[index]
+        for key, info in tier.items():
+            if key not in policy:
+                policy.insert(key)
+                if announce and self.location(key) == index:
+                    for sink in self._sinks:
+                        sink(self._event(common_pb2.BLOCK_EVENT_STORED, key, index, info))
+        self._refresh(tier)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def subscribe(self, sink: EventSink) -> None:
+        self._sinks.append(sink)
+
+    def location(self, key: BlockKey) -> int | None:
+        """Index of the fastest tier holding ``key``."""
+        for i, tier in enumerate(self.tiers):
+            if key in tier:
+                return i
+        return None
+
+    def _event(self, kind: int, key: BlockKey, tier_index: int | None, info: BlockInfo | None) -> common_pb2.BlockEvent:
+        return common_pb2.BlockEvent(
+            kind=kind,
+            key=key,
+            parent_key=(info.parent_key or b"") if info else b"",
+            tier=self.tiers[tier_index].kind if tier_index is not None else common_pb2.KV_TIER_UNSPECIFIED,
+            num_tokens=info.num_tokens if info else 0,
+        )
+
+    def _announce(self, key: BlockKey, before: int | None, info: BlockInfo | None) -> None:
+        after = self.location(key)
+        if after == before:
+            return
+        if before is None:
+            kind = common_pb2.BLOCK_EVENT_STORED
+        elif after is None:
+            kind = common_pb2.BLOCK_EVENT_REMOVED
+        else:
+            kind = common_pb2.BLOCK_EVENT_TIER_CHANGED
+        event = self._event(kind, key, after, info)
+        for sink in self._sinks:
+            sink(event)
+
+    def snapshot_events(self) -> list[common_pb2.BlockEvent]:
+        """One STORED event per block held, at its fastest tier: a full view for the scheduler."""
+        events, seen = [], set()
+        for i, tier in enumerate(self.tiers):
+            for key, info in tier.items():
+                if key not in seen:
+                    seen.add(key)
+                    events.append(self._event(common_pb2.BLOCK_EVENT_STORED, key, i, info))
+        return events
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def _refresh(self, tier: Tier) -> None:
+        m, label = self.metrics, tier.label
+        m.blocks.labels(label).set(len(tier))
+        m.bytes.labels(label).set(tier.used_bytes)
+        m.capacity_bytes.labels(label).set(tier.capacity_bytes)
+
+    def pinned(self, key: BlockKey) -> bool:
+        return key in self.leases
+
+    def usage(self) -> list[TierUsage]:
+        return [
+            TierUsage(t.kind, t.label, len(t), t.used_bytes, t.capacity_bytes, self._evictions[i])
+            for i, t in enumerate(self.tiers)
+        ]
+
+    def leased_count(self) -> int:
+        count = self.leases.prune()
+        self.metrics.leased_blocks.set(count)
+        return count
+
+    def blocks(self) -> Iterator[tuple[BlockKey, int, BlockInfo]]:
+        """Every block once, at its fastest tier: (key, tier index, info)."""
+        seen: set[BlockKey] = set()
+        for i, tier in enumerate(self.tiers):
+            for key, info in tier.items():
+                if key not in seen:
+                    seen.add(key)
+                    yield key, i, info
+
+    # -- placement and eviction -----------------------------------------------------------
+
+    async def _make_room(self, index: int, nbytes: int) -> bool:
+        tier, policy = self.tiers[index], self.policies[index]
+        capacity = tier.effective_capacity()
+        if nbytes > capacity:
+            return False
+        if tier.used_bytes + nbytes <= tier.high_watermark * capacity:
+            return True
+        target = min(tier.low_watermark * capacity, capacity - nbytes)
+        while tier.used_bytes > target:
+            victim = policy.pop_victim(self.pinned)
+            if victim is None:
+                break  # the rest is leased
+            await self._evict(index, victim)
+        return tier.used_bytes + nbytes <= capacity
+
+    async def _evict(self, index: int, key: BlockKey) -> None:
+        tier = self.tiers[index]
+        before, info = self.location(key), tier.info(key)
+        lower_has_it = any(key in t for t in self.tiers[index + 1 :])
+        block = None
+        if index + 1 < len(self.tiers) and not lower_has_it:
+            try:
+                block = await tier.read(key)
+            except BlockFormatError:
+                block = None  # unreadable: nothing worth demoting
+        await tier.delete(key)
+        self._evictions[index] += 1
+        self.metrics.evictions.labels(tier.label).inc()
+        self._refresh(tier)
+        if block is not None and await self._place(block, index + 1, copy_down=False) is not None:
+            self.metrics.demotions.labels(tier.label).inc()
+        self._announce(key, before, info)
+
+    async def _place(self, block: KvBlock, start: int, *, copy_down: bool, stop: int | None = None) -> int | None:
+        """Write ``block`` into the first tier from ``start`` (before ``stop``) that takes it;
+        with ``copy_down`` also into every tier below that one. Returns the tier index."""
+        placed = None
+        for i in range(start, len(self.tiers) if stop is None else stop):
+            tier = self.tiers[i]
+            if block.key in tier:
+                self.policies[i].touch(block.key)
+                placed = i
+                break
+            if await self._make_room(i, block.nbytes) and await tier.write(block):
+                self.policies[i].insert(block.key)
+                self._refresh(tier)
+                placed = i
+                break
+        if placed is not None and copy_down:
+            for j in range(placed + 1, len(self.tiers)):
+                tier = self.tiers[j]
+                if block.key not in tier and await self._make_room(j, block.nbytes) and await tier.write(block):
+                    self.policies[j].insert(block.key)
+                    self._refresh(tier)
+        return placed
+
+    # -- the API --------------------------------------------------------------------------
+
+    async def put(self, block: KvBlock) -> bool:
+        """Store a block; False when it is corrupt or no tier has room for it."""
+        try:
+            block.verify(None)
+        except BlockIntegrityError as exc:
+            log.warning("rejecting put: %s", exc)
+            self.metrics.checksum_failures.labels("put").inc()
+            return False
+        before = self.location(block.key)
+        placed = await self._place(block, 0, copy_down=self.write_through)
+        self._announce(block.key, before, BlockInfo.of(block))
+        if placed is None:
+            log.info("no tier has room for block %s (%d bytes)", block.key.hex(), block.nbytes)
+        return placed is not None
+
+    async def get(self, key: BlockKey, model_id: str | None = None, lease_ms: int = 0) -> KvBlock | None:
+        """The block from the fastest tier with a valid copy, promoted to faster tiers; None on
+        a miss. ``lease_ms`` pins it against eviction for that long."""
+        for i, tier in enumerate(self.tiers):
+            if key not in tier:
+                continue
+            try:
+                block = await tier.read(key)
+                if block is None:
+                    continue
+                block.verify(None)
+                if block.key != key:
+                    raise BlockIntegrityError(f"tier {tier.label} returned block {block.key.hex()} for {key.hex()}")
+            except (BlockFormatError, BlockIntegrityError) as exc:
+                log.warning("corrupt copy in tier %s, deleting it: %s", tier.label, exc)
+                self.metrics.checksum_failures.labels(tier.label).inc()
+                before, info = self.location(key), tier.info(key)
+                await tier.delete(key)
+                self.policies[i].discard(key)
+                self._refresh(tier)
+                self._announce(key, before, info)
+                continue
+            if model_id and block.model_id != model_id:
+                log.warning("block %s belongs to model %r, not %r", key.hex(), block.model_id, model_id)
+                break
+            self.metrics.hits.labels(tier.label).inc()
+            self.policies[i].touch(key)
+            self.leases.grant(key, lease_ms)
+            if i > 0:
+                await self._promote(block, i)
+            return block
+        self.metrics.misses.inc()
+        return None
+
+    async def _promote(self, block: KvBlock, found_at: int) -> None:
+        before = self.location(block.key)
+        if await self._place(block, 0, copy_down=False, stop=found_at) is not None:
+            self.metrics.promotions.labels(self.tiers[found_at].label).inc()
+            self._announce(block.key, before, BlockInfo.of(block))
+
+    def exists(self, key: BlockKey) -> bool:
+        return self.location(key) is not None
+
+    async def remove(self, key: BlockKey) -> bool:
+        before = self.location(key)
+        if before is None:
+            return False
+        info = self.tiers[before].info(key)
+        for tier, policy in zip(self.tiers, self.policies):
+            if await tier.delete(key):
+                policy.discard(key)
+                self._refresh(tier)
+        self.leases.release(key)
+        self._announce(key, before, info)
+        return True
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            await tier.close()

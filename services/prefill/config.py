@@ -1,0 +1,20 @@
+"""Settings of a prefill instance (env prefix ``CRESCENT_PREFILL``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from crescent.services.common.settings import ListenSettings, StrictModel
+from crescent.services.engine.settings import EngineSettings
+
+ENV_PREFIX = "CRESCENT_PREFILL"
+
+
+class PrefillSettings(StrictModel):
+    listen: ListenSettings = ListenSettings()
+    instance_id: str = Field(default="", description="unique id; empty: prefill-<host>-<port>")
+    advertise_address: str = Field(default="", description="host:port others dial; empty: listen host:port")
+    scheduler_address: str = Field(description="host:port of the scheduler")
+    kvstore_address: str = Field(default="", description="host:port of this node's kvstore; empty: no kvstore")
+    kvstore_lease_ms: int = Field(default=30_000, ge=0, description="how long fetched blocks stay pinned")
+    engine: EngineSettings = EngineSettings()

@@ -1,0 +1,47 @@
+"""``crescent serve prefill``: one prefill instance."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from crescent.protos import prefill_pb2_grpc
+from crescent.services.common.logs import configure_logging
+from crescent.services.common.settings import load_settings
+from crescent.services.engine.instance import EngineInstance
+from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.prefill.config import ENV_PREFIX, PrefillSettings
+from crescent.services.prefill.servicer import PrefillServicer
+
+
+async def serve(settings: PrefillSettings) -> None:
+    instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
+                              settings.instance_id, settings.advertise_address)
+
+    async def attach(server: grpc.aio.Server):
+        assert instance.engine is not None
+        kvstore = KvStoreClient(settings.kvstore_address) if settings.kvstore_address else None
+
+        def publish_soon() -> None:
+            if instance.agent is not None:
+                asyncio.get_running_loop().create_task(instance.agent.publish_now())
+
+        servicer = PrefillServicer(instance.engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon)
+        instance.load = lambda: (instance.worker.pending, 0, servicer.running)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+
+        async def cleanup() -> None:
+            await servicer.close()
+            if kvstore is not None:
+                await kvstore.close()
+
+        return cleanup
+
+    await instance.run(attach)
+
+
+def main(config_path: Path | None = None) -> None:
+    configure_logging("prefill")
+    asyncio.run(serve(load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)))

@@ -1,0 +1,218 @@
+"""The Prefill gRPC servicer: cached prefix in, first token and a handed-off request out.
+
+For each request: attach the longest locally cached prefix, fetch the following prefix blocks
+from the kvstore, compute the rest, sample the first token and stream it to the gateway at once;
+then push the request and all its KV to the chosen decode instance, and write the prompt's new
+full blocks to the kvstore in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import warnings
+
+import grpc
+import torch
+
+from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.kv_block import KvBlock, chunks_of
+from crescent.services.common.logs import request_id_var
+from crescent.services.common.metrics import engine_metrics
+from crescent.services.engine.engine import Engine, Sequence
+from crescent.services.engine.kv_cache import CacheFullError
+from crescent.services.engine.runtime import EngineWorker
+from crescent.services.engine.sampler import sample_batch
+from crescent.services.engine.wire import sampling_config
+from crescent.services.kvstore.client import KvStoreClient
+
+log = logging.getLogger(__name__)
+
+DTYPE = "float32"
+
+
+def _payload_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only buffers are fine: the engine copies them into its pool
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(block.payload, dtype=torch.float32).view(shape)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
+                 on_blocks_stored) -> None:
+        self.engine = engine
+        self.worker = worker
+        self.kvstore = kvstore
+        self.lease_ms = lease_ms
+        self._on_blocks_stored = on_blocks_stored
+        self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self.metrics = engine_metrics("prefill")
+        self.running = 0
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for channel in self._decode_channels.values():
+            await channel.close()
+
+    def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
+        if address not in self._decode_channels:
+            self._decode_channels[address] = insecure_channel(address)
+        return decode_pb2_grpc.DecodeStub(self._decode_channels[address])
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        request_id_var.set(request.request_id)
+        cfg = self.engine.config
+        if request.model_id and request.model_id != self.engine.model_id:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this instance serves {self.engine.model_id!r}, not {request.model_id!r}")
+        tokens = list(request.token_ids)
+        if not tokens:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
+        if len(tokens) >= cfg.max_position_embeddings:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(tokens)} tokens leave no room in the {cfg.max_position_embeddings}-token context")
+        if not request.decode_address and request.sampling.max_tokens != 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required")
+        if any(t < 0 or t >= cfg.vocab_size for t in tokens):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be in [0, {cfg.vocab_size})")
+
+        self.metrics.queue_depth.labels("prefill").set(self.worker.pending + 1)
+        self.running += 1
+        seq: Sequence | None = None
+        try:
+            seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt)
+            local_hit = seq.num_cached
+            remote_hit = await self._attach_from_kvstore(seq)
+            start = time.perf_counter()
+            sampling = sampling_config(request.sampling)
+            first = await self.worker.run(lambda: sample_batch(self.engine.prefill(seq)[None], [sampling], [0])[0])
+            self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
+            self._count(len(tokens), local_hit, remote_hit)
+
+            stop_ids = set(request.sampling.stop_token_ids)
+            if not request.sampling.ignore_eos:
+                stop_ids.update(cfg.eos_token_ids)
+            finished = first in stop_ids or request.sampling.max_tokens <= 1
+            yield prefill_pb2.PrefillEvent(
+                first_token=prefill_pb2.FirstToken(
+                    token_id=first, prompt_tokens=len(tokens), cached_tokens=seq.num_cached, finished=finished,
+                    finish_reason=("stop" if first in stop_ids else "length") if finished else "",
+                )
+            )
+            new_blocks = await self._export_new_blocks(seq, local_hit + remote_hit)
+            if not finished:
+                await self._hand_off(request, seq, first)
+                yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
+            if new_blocks and self.kvstore is not None:
+                self._spawn(self._store_blocks(new_blocks))
+            self.metrics.requests.labels("prefill", "ok").inc()
+        except CacheFullError as exc:
+            self.metrics.requests.labels("prefill", "error").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("prefill", "aborted").inc()
+            raise
+        finally:
+            self.running -= 1
+            self.metrics.queue_depth.labels("prefill").set(self.worker.pending)
+            if seq is not None:
+                await self.worker.run(self.engine.release, seq)
+                self._on_blocks_stored()
+
+    def _count(self, prompt: int, local_hit: int, remote_hit: int) -> None:
+        m = self.metrics
+        m.prompt_tokens.labels("prefill").inc(prompt)
+        m.cached_tokens.labels("prefill", "local").inc(local_hit)
+        m.cached_tokens.labels("prefill", "kvstore").inc(remote_hit)
+        m.computed_tokens.labels("prefill").inc(prompt - local_hit - remote_hit)
+
+    async def _attach_from_kvstore(self, seq: Sequence) -> int:
+        if self.kvstore is None:
+            return 0
+        keys = self.engine.missing_prefix_keys(seq)
+        if not keys:
+            return 0
+        start = time.perf_counter()
+        blocks = await self.kvstore.get_prefix(keys, self.engine.model_id, lease_ms=self.lease_ms)
+        shape = self.engine.cache.block_shape
+        first_block = seq.num_computed // self.engine.page_size
+        usable = []
+        for i, block in enumerate(blocks):
+            expected = seq.token_ids[(first_block + i) * self.engine.page_size : (first_block + i + 1) * self.engine.page_size]
+            if block.key != keys[i] or list(block.token_ids) != expected or tuple(block.shape) != shape or block.dtype != DTYPE:
+                log.warning("kvstore block %s does not match the prompt; recomputing from there", block.key.hex())
+                break
+            usable.append(_payload_tensor(block, shape))
+        added = await self.worker.run(self.engine.attach_blocks, seq, usable) if usable else 0
+        if added:
+            nbytes = sum(b.nbytes for b in blocks[: len(usable)])
+            self.metrics.transfer_bytes.labels("prefill", "from_kvstore").inc(nbytes)
+            self.metrics.transfer_seconds.labels("prefill", "from_kvstore").observe(time.perf_counter() - start)
+        return added
+
+    async def _export_new_blocks(self, seq: Sequence, already_cached: int) -> list[KvBlock]:
+        """Copies of the prompt's full blocks that came from neither cache, for the kvstore."""
+        if self.kvstore is None:
+            return []
+        page = self.engine.page_size
+        first = already_cached // page
+
+        def export() -> list[KvBlock]:
+            blocks = []
+            for i in range(first, len(seq.block_keys)):
+                payload = self.engine.block_payload(seq, i).numpy().tobytes()
+                blocks.append(KvBlock.build(
+                    seq.block_keys[i], seq.block_keys[i - 1] if i else None, self.engine.model_id, DTYPE,
+                    self.engine.cache.block_shape, seq.token_ids[i * page : (i + 1) * page], payload,
+                ))
+            return blocks
+
+        return await self.worker.run(export)
+
+    async def _store_blocks(self, blocks: list[KvBlock]) -> None:
+        assert self.kvstore is not None
+        start = time.perf_counter()
+        await self.kvstore.put(blocks)
+        self.metrics.transfer_bytes.labels("prefill", "to_kvstore").inc(sum(b.nbytes for b in blocks))
+        self.metrics.transfer_seconds.labels("prefill", "to_kvstore").observe(time.perf_counter() - start)
+
+    async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, first: int) -> None:
+        start = time.perf_counter()
+        prompt_len = len(request.token_ids)
+        page = self.engine.page_size
+        num_blocks = -(-prompt_len // page)
+
+        def payloads() -> list[bytes]:
+            return [
+                self.engine.block_payload(seq, i, min(page, prompt_len - i * page)).numpy().tobytes()
+                for i in range(num_blocks)
+            ]
+
+        blobs = await self.worker.run(payloads)
+        shape = list(self.engine.cache.block_shape)
+
+        def parts():
+            yield decode_pb2.HandoffPart(header=decode_pb2.HandoffHeader(
+                request_id=request.request_id, model_id=self.engine.model_id, prompt_token_ids=request.token_ids,
+                first_token_id=first, sampling=request.sampling, kv_dtype=DTYPE, kv_block_shape=shape,
+                num_blocks=num_blocks,
+            ))
+            for i, blob in enumerate(blobs):
+                tokens = min(page, prompt_len - i * page)
+                block_shape = shape[:2] + [tokens] + shape[3:]
+                meta = common_pb2.BlockMeta(key=f"{request.request_id}/{i}".encode(), model_id=self.engine.model_id,
+                                            dtype=DTYPE, shape=block_shape, nbytes=len(blob), found=True)
+                for chunk in chunks_of(meta, blob):
+                    yield decode_pb2.HandoffPart(block=chunk)
+
+        await self._decode_stub(request.decode_address).Handoff(parts(), timeout=60)
+        self.metrics.transfer_bytes.labels("prefill", "handoff_out").inc(sum(len(b) for b in blobs))
+        self.metrics.transfer_seconds.labels("prefill", "handoff_out").observe(time.perf_counter() - start)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,101 @@
+"""Settings of the scheduler service (the Conductor): YAML file plus ``CRESCENT_SCHEDULER__*`` env vars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
+from crescent.services.scheduler.policies import POLICIES
+
+ENV_PREFIX = "CRESCENT_SCHEDULER"
+
+
+class SloSettings(StrictModel):
+    """Service-level objectives; a request predicted to break one is rejected early (HTTP 429)."""
+
+    ttft_s: float = Field(default=60.0, gt=0, description="time to first token")
+    tbt_s: float = Field(default=1.0, gt=0, description="time between tokens (mean of the longest 10%)")
+    reject_early: bool = Field(default=True, description="false: place every request, however late")
+
+
+class PrefillCostSettings(StrictModel):
+    """t = fixed_s + per_token_s * u + attention_s * (u*c + u*u/2), u new tokens after c cached ones."""
+
+    # Defaults: the embedded SmolLM2-135M in fp32 on 2 CPU cores (2k tokens ≈ 6 s, 4k ≈ 14 s).
+    fixed_s: float = Field(default=0.02, ge=0)
+    per_token_s: float = Field(default=0.0028, ge=0)
+    attention_s: float = Field(default=2.5e-7, ge=0)
+
+
+class DecodeCostSettings(StrictModel):
+    """Step time = fixed_s + per_sequence_s * batch + per_context_token_s * total context tokens."""
+
+    # Defaults: the embedded model on 2 CPU cores (15 tok/s at batch 1, 65 tok/s at batch 8).
+    fixed_s: float = Field(default=0.06, ge=0)
+    per_sequence_s: float = Field(default=0.008, ge=0)
+    per_context_token_s: float = Field(default=1e-6, ge=0)
+
+
+class TransferCostSettings(StrictModel):
+    """Moving KV between nodes: bytes per token and bandwidth per source tier."""
+
+    kv_bytes_per_token: int = Field(default=46_080, gt=0, description="default model, fp32")
+    latency_s: float = Field(default=0.002, ge=0, description="per transfer")
+    engine_gbps: float = Field(default=1.0, gt=0, description="GB/s from another engine's cache")
+    gpu_gbps: float = Field(default=1.0, gt=0)
+    host_gbps: float = Field(default=1.0, gt=0)
+    disk_gbps: float = Field(default=0.5, gt=0)
+    s3_gbps: float = Field(default=0.1, gt=0)
+
+
+class CostSettings(StrictModel):
+    """Cost models; preset "paper" uses Mooncake's LLaMA3-70B on 8xA800 setting instead."""
+
+    preset: str = Field(default="custom", pattern="^(custom|paper)$")
+    prefill: PrefillCostSettings = PrefillCostSettings()
+    decode: DecodeCostSettings = DecodeCostSettings()
+    transfer: TransferCostSettings = TransferCostSettings()
+
+
+class PolicySettings(StrictModel):
+    name: str = Field(default="kvcache_centric", description="random, round_robin, least_loaded, cache_aware, kvcache_centric")
+    seed: int = Field(default=0, description="for the random policy")
+    remote_prefix_threshold_blocks: int = Field(
+        default=2, ge=0, description="pull a remote prefix only when it beats the local one by more blocks than this"
+    )
+    allow_remote_prefix: bool = Field(default=True, description="false: only an instance's own cache counts")
+
+    @field_validator("name")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)}")
+        return name
+
+
+class IndexSettings(StrictModel):
+    max_blocks: int = Field(default=4_000_000, gt=0, description="bounded memory: oldest entries are forgotten first")
+
+
+class SchedulerSettings(StrictModel):
+    listen: ListenSettings = ListenSettings()
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=3.0, gt=0, description="drop an instance after this long without a heartbeat")
+    policy: PolicySettings = PolicySettings()
+    slo: SloSettings = SloSettings()
+    cost: CostSettings = CostSettings()
+    index: IndexSettings = IndexSettings()
+    no_instance_retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After when a role has no instance")
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _timeout_covers_interval(self) -> SchedulerSettings:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must be longer than heartbeat_interval_s")
+        return self
+
+
+def load_scheduler_settings(path: Path | None = None, **overrides: object) -> SchedulerSettings:
+    return load_settings(SchedulerSettings, path, env_prefix=ENV_PREFIX, overrides=overrides or None)

@@ -1,0 +1,119 @@
+"""Plain data the scheduling core works on: no protobuf, no network, no clock of its own.
+
+The live service converts protobuf to these; the simulator builds them directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+from crescent.services.common.block_keys import BlockKey
+
+InstanceId = NewType("InstanceId", str)
+SourceId = NewType("SourceId", str)  # an instance or a kvstore node that holds blocks
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives; values match ``crescent.v1.KvTier``."""
+
+    GPU = 1
+    HOST = 2
+    DISK = 3
+    S3 = 4
+    ENGINE = 5
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCandidate:
+    """A live prefill instance as the policy sees it."""
+
+    instance_id: InstanceId
+    queue_s: float              # predicted wait before this request's prefill starts
+    queued_requests: int = 0
+    address: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCandidate:
+    """A live decode instance: its running batch and free KV room."""
+
+    instance_id: InstanceId
+    batch_size: int
+    context_tokens: int         # total context of the running batch
+    free_kv_tokens: int | None  # None: the instance did not say (no limit assumed)
+    max_batch_size: int = 0     # 0: no limit
+    address: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    request_id: str
+    block_keys: tuple[BlockKey, ...]
+    prompt_tokens: int
+    max_tokens: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPull:
+    """Blocks the prefill instance should load from another source (and keep: replication)."""
+
+    source: SourceId
+    blocks: int                 # leading blocks of the prompt available there
+    seconds: float              # predicted transfer time
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    prefill: InstanceId
+    decode: InstanceId
+    local_blocks: int           # leading blocks already in the prefill instance's own cache
+    pull: PrefixPull | None     # set when a longer prefix is pulled from elsewhere
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+
+    @property
+    def cached_blocks(self) -> int:
+        return max(self.local_blocks, self.pull.blocks if self.pull else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: str                 # "no_prefill_instance", "no_decode_instance", "ttft_slo", "tbt_slo", "decode_kv_full"
+    message: str
+    retry_after_s: float
+
+
+Decision = Placement | Rejection
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float
+    tbt_s: float
+    reject_early: bool = True
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """Leading blocks of one prompt held by each source (only sources with at least one)."""
+
+    by_source: dict[SourceId, int] = field(default_factory=dict)
+
+    def blocks(self, source: str) -> int:
+        return self.by_source.get(SourceId(source), 0)
+
+    def best(self, exclude: str | None = None) -> tuple[SourceId | None, int]:
+        best_src: SourceId | None = None
+        best = 0
+        for src, n in self.by_source.items():
+            if src != exclude and n > best:
+                best_src, best = src, n
+        return best_src, best

@@ -1,0 +1,162 @@
+"""gRPC servicer of the scheduler: converts protobuf to the Conductor's types and back."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from crescent.services.common.block_keys import BlockKey
+from crescent.services.common.logs import request_id_var
+from crescent.services.common.metrics import scheduler_metrics
+from crescent.services.scheduler.conductor import BlockUpdate, Conductor
+from crescent.services.scheduler.datatypes import InstanceId, Placement, Role, Tier
+from crescent.services.scheduler.registry import InstanceSpec, LoadReport
+
+log = logging.getLogger(__name__)
+
+_ROLES = {scheduler_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL, scheduler_pb2.INSTANCE_ROLE_DECODE: Role.DECODE}
+_ROLE_PB = {v: k for k, v in _ROLES.items()}
+_STORED = {common_pb2.BLOCK_EVENT_STORED, common_pb2.BLOCK_EVENT_TIER_CHANGED}
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+        self.metrics = scheduler_metrics()
+
+    async def Register(self, request: scheduler_pb2.InstanceInfo, context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterReply:
+        role = _ROLES.get(request.role)
+        problems = []
+        if not request.instance_id:
+            problems.append("instance_id is empty")
+        if role is None:
+            problems.append("role must be INSTANCE_ROLE_PREFILL or INSTANCE_ROLE_DECODE")
+        if not request.address:
+            problems.append("address is empty")
+        if request.block_size <= 0:
+            problems.append("block_size must be positive")
+        if problems:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+        assert role is not None
+        self.conductor.register(
+            InstanceSpec(
+                instance_id=InstanceId(request.instance_id),
+                role=role,
+                address=request.address,
+                model_id=request.model_id,
+                block_size=request.block_size,
+                kv_capacity_tokens=request.kv_capacity_tokens,
+                max_batch_size=request.max_batch_size,
+            )
+        )
+        self._count_instances()
+        interval_ms = round(self.conductor.settings.heartbeat_interval_s * 1000)
+        return scheduler_pb2.RegisterReply(heartbeat_interval_ms=interval_ms)
+
+    async def Heartbeat(self, request: scheduler_pb2.InstanceLoad, context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatReply:
+        load = LoadReport(
+            queued_requests=max(request.queued_requests, 0),
+            queued_tokens=max(request.queued_tokens, 0),
+            running_requests=max(request.running_requests, 0),
+            free_kv_tokens=max(request.free_kv_tokens, 0),
+        )
+        return scheduler_pb2.HeartbeatReply(known=self.conductor.heartbeat(InstanceId(request.instance_id), load))
+
+    async def Place(self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Placement:
+        token = request_id_var.set(request.request_id or "-")
+        try:
+            if request.prompt_tokens <= 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
+            start = time.perf_counter()
+            decision = self.conductor.place(
+                request.request_id,
+                request.model_id,
+                tuple(BlockKey(k) for k in request.block_keys),
+                request.prompt_tokens,
+                max(request.max_tokens, 1),
+            )
+            self.metrics.decision_seconds.observe(time.perf_counter() - start)
+            if not isinstance(decision, Placement):
+                self.metrics.rejections.labels(decision.reason).inc()
+                log.info("rejected: %s (%s)", decision.reason, decision.message)
+                return scheduler_pb2.Placement(
+                    rejection=scheduler_pb2.Rejection(
+                        reason=decision.reason, message=decision.message, retry_after_s=decision.retry_after_s
+                    )
+                )
+            return self._placement_pb(decision)
+        finally:
+            request_id_var.reset(token)
+
+    def _placement_pb(self, decision: Placement) -> scheduler_pb2.Placement:
+        self.metrics.placements.labels(decision.prefill, decision.decode).inc()
+        self.metrics.predicted_ttft.observe(decision.predicted_ttft_s)
+        reply = scheduler_pb2.Placement(
+            prefill=self._ref(decision.prefill),
+            decode=self._ref(decision.decode),
+            expected_cached_blocks=decision.cached_blocks,
+            predicted_ttft_s=decision.predicted_ttft_s,
+            predicted_tbt_s=decision.predicted_tbt_s,
+        )
+        if decision.pull is not None:
+            self.metrics.prefix_pulls.inc()
+            reply.prefix_source_id = decision.pull.source
+            reply.prefix_source_blocks = decision.pull.blocks
+        return reply
+
+    def _ref(self, instance_id: InstanceId) -> scheduler_pb2.InstanceRef:
+        record = self.conductor.registry.get(instance_id)
+        return scheduler_pb2.InstanceRef(instance_id=instance_id, address=record.spec.address if record else "")
+
+    async def PublishBlockEvents(self, request: common_pb2.BlockEventBatch, context: grpc.aio.ServicerContext) -> scheduler_pb2.EventsReply:
+        if not request.source_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "source_id is empty")
+        updates = []
+        for event in request.events:
+            if event.kind == common_pb2.BLOCK_EVENT_UNSPECIFIED or not event.key:
+                continue
+            tier = Tier(event.tier) if event.tier in Tier._value2member_map_ else Tier.ENGINE
+            updates.append(BlockUpdate(event.kind in _STORED, BlockKey(event.key), tier))
+        accepted, want_snapshot = self.conductor.publish(request.source_id, updates, request.full_snapshot)
+        self.metrics.indexed_blocks.set(len(self.conductor.index))
+        return scheduler_pb2.EventsReply(accepted=accepted, want_full_snapshot=want_snapshot)
+
+    async def ListInstances(self, request: scheduler_pb2.ListInstancesRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.ListInstancesReply:
+        registry = self.conductor.registry
+        reply = scheduler_pb2.ListInstancesReply()
+        for r in registry.all():
+            s, load = r.spec, r.load
+            reply.instances.append(
+                scheduler_pb2.InstanceStatus(
+                    info=scheduler_pb2.InstanceInfo(
+                        instance_id=s.instance_id, role=_ROLE_PB[s.role], address=s.address, model_id=s.model_id,
+                        block_size=s.block_size, kv_capacity_tokens=s.kv_capacity_tokens, max_batch_size=s.max_batch_size,
+                    ),
+                    load=scheduler_pb2.InstanceLoad(
+                        instance_id=s.instance_id, queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
+                        running_requests=load.running_requests, free_kv_tokens=load.free_kv_tokens,
+                    ),
+                    last_heartbeat_age_s=registry.age_s(r),
+                    indexed_blocks=self.conductor.index.blocks_of(s.instance_id),
+                )
+            )
+        return reply
+
+    async def ReportOutcome(self, request: scheduler_pb2.RequestOutcome, context: grpc.aio.ServicerContext) -> scheduler_pb2.OutcomeReply:
+        if request.ttft_s > 0:
+            self.metrics.observed_ttft.observe(request.ttft_s)
+            predicted = self.conductor.take_prediction(request.request_id)
+            if predicted is not None:
+                self.metrics.ttft_error.observe(abs(request.ttft_s - predicted))
+        return scheduler_pb2.OutcomeReply()
+
+    def _count_instances(self) -> None:
+        for role in Role:
+            self.metrics.instances.labels(role.value).set(len(self.conductor.registry.live(role)))
+
+    def refresh_gauges(self) -> None:
+        self._count_instances()
+        self.metrics.indexed_blocks.set(len(self.conductor.index))

@@ -1,0 +1,269 @@
+"""A test-only process serving fake Scheduler, Prefill and Decode gRPC services, plus HTTP control.
+
+The reply to a chat is the last user message echoed back (tokenized with the fake tokenizer),
+then end-of-turn. Directives at the start of that message script the rest:
+``#loop`` repeat the text forever (only max_tokens ends it), ``#delay=S`` seconds per decode
+event, ``#batch=N`` tokens per event, ``#prefill_delay=S`` before the first token,
+``#fail_after=N`` decode fails (UNAVAILABLE) after N events.
+
+Prefill reports cached tokens like a real prefix cache: full blocks whose salted chained keys
+it has seen before. The control API (JSON over HTTP) arms scheduler rejections, sets how many
+instances ListInstances reports, and shows what each service received and observed.
+
+Run: ``python -m tests.gateway.fake_backend --port P --control-port C --block-size B``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import FastAPI
+
+from crescent.protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
+from crescent.services.common.admin_http import AdminServer
+from crescent.services.common.block_keys import prefix_block_keys
+
+from .fake_tokenizer import IM_END, FakeTokenizer
+
+log = logging.getLogger("fake_backend")
+TOKENIZER = FakeTokenizer()
+_LAST_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
+_DIRECTIVE = re.compile(r"#(\w+)(?:=([\d.]+))?\s*")
+
+
+@dataclass
+class Script:
+    reply: list[int]           # token ids, ending with IM_END unless looping
+    loop: bool = False
+    delay_s: float = 0.0
+    batch: int = 1
+    prefill_delay_s: float = 0.0
+    fail_after: int | None = None
+
+    def token(self, index: int) -> int:
+        return self.reply[index % len(self.reply)] if self.loop else self.reply[index]
+
+    def length(self) -> float:
+        return float("inf") if self.loop else len(self.reply)
+
+
+def parse_script(prompt_ids: list[int]) -> Script:
+    text = TOKENIZER.decode(prompt_ids, skip_special_tokens=False)
+    users = _LAST_USER.findall(text)
+    message = users[-1] if users else "ok"
+    options: dict[str, str | None] = {}
+    while (m := _DIRECTIVE.match(message)) is not None:
+        options[m.group(1)] = m.group(2)
+        message = message[m.end():]
+    loop = "loop" in options
+    reply = TOKENIZER.encode(message or "ok") + ([] if loop else [IM_END])
+    return Script(
+        reply=reply, loop=loop,
+        delay_s=float(options.get("delay") or 0.0),
+        batch=int(options.get("batch") or 1),
+        prefill_delay_s=float(options.get("prefill_delay") or 0.0),
+        fail_after=int(options["fail_after"]) if options.get("fail_after") else None,
+    )
+
+
+@dataclass
+class Job:
+    script: Script
+    next_index: int            # of the reply token decode sends next
+    remaining: int             # tokens decode may still send
+
+
+@dataclass
+class State:
+    address: str
+    block_size: int
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    rejection: dict[str, Any] | None = None
+    places: list[dict[str, Any]] = field(default_factory=list)
+    prefills: list[dict[str, Any]] = field(default_factory=list)
+    decode_events: list[dict[str, Any]] = field(default_factory=list)
+    seen_keys: set[bytes] = field(default_factory=set)
+    jobs: dict[str, Job] = field(default_factory=dict)
+
+    def decode_event(self, request_id: str, event: str) -> None:
+        self.decode_events.append({"request_id": request_id, "event": event, "t": time.monotonic()})
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    async def Place(self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Placement:
+        s = self.state
+        s.places.append({
+            "request_id": request.request_id, "model_id": request.model_id,
+            "block_keys": [k.hex() for k in request.block_keys],
+            "prompt_tokens": request.prompt_tokens, "max_tokens": request.max_tokens,
+        })
+        if s.rejection is not None:
+            rejection, s.rejection = s.rejection, None
+            return scheduler_pb2.Placement(rejection=scheduler_pb2.Rejection(**rejection))
+        here = scheduler_pb2.InstanceRef(instance_id="fake", address=s.address)
+        return scheduler_pb2.Placement(prefill=here, decode=here)
+
+    async def ListInstances(self, request: Any, context: grpc.aio.ServicerContext) -> scheduler_pb2.ListInstancesReply:
+        def status(role: int, i: int) -> scheduler_pb2.InstanceStatus:
+            info = scheduler_pb2.InstanceInfo(instance_id=f"fake-{role}-{i}", role=role, address=self.state.address)
+            return scheduler_pb2.InstanceStatus(info=info)
+
+        instances = [status(scheduler_pb2.INSTANCE_ROLE_PREFILL, i) for i in range(self.state.prefill_instances)]
+        instances += [status(scheduler_pb2.INSTANCE_ROLE_DECODE, i) for i in range(self.state.decode_instances)]
+        return scheduler_pb2.ListInstancesReply(instances=instances)
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def _cached_tokens(self, request: prefill_pb2.PrefillRequest) -> int:
+        keys = prefix_block_keys(list(request.token_ids), self.state.block_size, request.model_id, request.cache_salt)
+        hits = 0
+        for key in keys:
+            if key not in self.state.seen_keys:
+                break
+            hits += 1
+        self.state.seen_keys.update(keys)
+        return hits * self.state.block_size
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: ANN201
+        s = request.sampling
+        record = {
+            "request_id": request.request_id, "model_id": request.model_id, "prompt_tokens": len(request.token_ids),
+            "cache_salt": request.cache_salt.decode(), "decode_address": request.decode_address,
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "seed": s.seed if s.has_seed else None, "max_tokens": s.max_tokens,
+            "stop_token_ids": list(s.stop_token_ids), "outcome": "running",
+        }
+        self.state.prefills.append(record)
+        script = parse_script(list(request.token_ids))
+        try:
+            await asyncio.sleep(script.prefill_delay_s)
+            cached = self._cached_tokens(request)
+            first = script.token(0)
+            finished = first == IM_END or s.max_tokens == 1
+            reason = "stop" if first == IM_END else "length"
+            yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
+                token_id=first, prompt_tokens=len(request.token_ids), cached_tokens=cached,
+                finished=finished, finish_reason=reason if finished else "",
+            ))
+            if not finished:
+                self.state.jobs[request.request_id] = Job(script, next_index=1, remaining=s.max_tokens - 1)
+                yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
+            record["outcome"] = "done"
+        except asyncio.CancelledError:
+            record["outcome"] = "cancelled"
+            raise
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    async def StreamTokens(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):  # noqa: ANN201
+        rid = request.request_id
+        self.state.decode_event(rid, "opened")
+        await context.send_initial_metadata(())
+        try:
+            job = self.state.jobs.pop(rid, None)
+            if job is None:
+                # Like a real decode, wait for a handoff that may still be on its way.
+                self.state.decode_event(rid, "waiting")
+                await asyncio.sleep(5)
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid}")
+            sent_events = 0
+            while True:
+                await asyncio.sleep(job.script.delay_s)
+                if job.script.fail_after is not None and sent_events >= job.script.fail_after:
+                    self.state.decode_event(rid, "failed")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "decode instance lost")
+                ids, reason = [], ""
+                while len(ids) < job.script.batch and not reason:
+                    token = job.script.token(job.next_index)
+                    ids.append(token)
+                    job.next_index += 1
+                    job.remaining -= 1
+                    reason = "stop" if token == IM_END else "length" if job.remaining <= 0 else ""
+                sent_events += 1
+                yield decode_pb2.TokenEvent(token_ids=ids, finished=bool(reason), finish_reason=reason)
+                if reason:
+                    self.state.decode_event(rid, "completed")
+                    return
+        except asyncio.CancelledError:
+            self.state.decode_event(rid, "cancelled")
+            raise
+
+
+def control_app(state: State) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/reject")
+    def reject(body: dict[str, Any]) -> dict[str, str]:
+        state.rejection = body
+        return {"status": "armed"}
+
+    @app.put("/instances")
+    def instances(body: dict[str, int]) -> dict[str, int]:
+        state.prefill_instances, state.decode_instances = body["prefill"], body["decode"]
+        return body
+
+    @app.get("/places")
+    def places() -> list[dict[str, Any]]:
+        return state.places
+
+    @app.get("/prefills")
+    def prefills() -> list[dict[str, Any]]:
+        return state.prefills
+
+    @app.get("/decode-events")
+    def decode_events() -> list[dict[str, Any]]:
+        return state.decode_events
+
+    return app
+
+
+async def run(port: int, control_port: int, block_size: int) -> None:
+    state = State(address=f"127.0.0.1:{port}", block_size=block_size)
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(FakeScheduler(state), server)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(FakePrefill(state), server)
+    decode_pb2_grpc.add_DecodeServicer_to_server(FakeDecode(state), server)
+    if server.add_insecure_port(state.address) == 0:
+        raise SystemExit(f"cannot listen on {state.address}")
+    await server.start()
+    control = AdminServer(control_app(state), "127.0.0.1", control_port)
+    await control.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(0.5)
+    await control.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--control-port", type=int, required=True)
+    parser.add_argument("--block-size", type=int, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(run(args.port, args.control_port, args.block_size))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Helpers for the gateway tests: real processes on 127.0.0.1, started and stopped by fixtures."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 4  # small, so short test prompts have full blocks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A child process started with ``python -m MODULE ARGS`` from the repository root."""
+
+    def __init__(self, name: str, module: str, *args: str) -> None:
+        self.name = name
+        self.argv = [sys.executable, "-m", module, *args]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_url: str, *, expect_status: int | None = 200, timeout_s: float = 20.0) -> None:
+        """Start, then poll ``ready_url`` until it answers (with ``expect_status`` unless None)."""
+        env = dict(os.environ, CRESCENT_LOG_LEVEL="WARNING")
+        self.proc = subprocess.Popen(self.argv, cwd=REPO_ROOT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                status = httpx.get(ready_url, timeout=0.5).status_code
+                if expect_status is None or status == expect_status:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"{self.name} did not become ready at {ready_url}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM, then wait; returns the exit code (SIGKILL after 10 s, which fails the caller's check)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code, self.proc = self.proc.returncode, None
+        return code
+
+
+class FakeBackend(Process):
+    def __init__(self) -> None:
+        self.port, self.control_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.control = f"http://127.0.0.1:{self.control_port}"
+        super().__init__(
+            "fake backend", "tests.gateway.fake_backend",
+            "--port", str(self.port), "--control-port", str(self.control_port), "--block-size", str(BLOCK_SIZE),
+        )
+
+    def start_backend(self) -> None:
+        self.start(f"{self.control}/places")
+
+    def get(self, path: str) -> Any:
+        return httpx.get(f"{self.control}{path}", timeout=5).json()
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        return httpx.post(f"{self.control}{path}", json=body, timeout=5).json()
+
+    def put(self, path: str, body: dict[str, Any]) -> Any:
+        return httpx.put(f"{self.control}{path}", json=body, timeout=5).json()
+
+
+class Gateway(Process):
+    def __init__(self, config_dir: Path, scheduler_address: str, **settings: Any) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "listen": {"host": "127.0.0.1", "port": self.port},
+            "scheduler_address": scheduler_address,
+            "block_size": BLOCK_SIZE,
+            "log_level": "WARNING",
+            **settings,
+        }
+        path = config_dir / f"gateway-{self.port}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        super().__init__("gateway", "tests.gateway.run_gateway", str(path))
+
+    def start_gateway(self, *, healthy: bool = True) -> None:
+        self.start(f"{self.url}/health", expect_status=200 if healthy else None)
