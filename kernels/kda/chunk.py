@@ -24,14 +24,15 @@ import triton.language as tl
 
 @triton.jit
 def kda_chunk_fwd_kernel(
-    q, k, v, g, beta, o, h0, ht, cu_seqlens,
+    q, k, v, g, beta, o, h0, ht, cu_seqlens, snaps, snap_offsets,
     scale, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, LOG2_BT: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    SNAP_EVERY: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N * HV may exceed the 65535 limit of grid axes 1 and 2
+    i_v = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -98,6 +99,13 @@ def kda_chunk_fwd_kernel(
 
         b_kd = b_k * tl.exp(b_last[None, :] - b_gc)
         b_s = b_s * tl.exp(b_last)[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision="ieee")
+        if SNAP_EVERY > 0:
+            # state after every SNAP_EVERY tokens of the sequence (block boundaries for the cache)
+            if (i_c + 1) % (SNAP_EVERY // BT) == 0:
+                i_snap = tl.load(snap_offsets + i_n).to(tl.int64) + (i_c + 1) // (SNAP_EVERY // BT) - 1
+                p_snap = (i_snap * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+                full = bos + (i_c + 1) * BT <= eos
+                tl.store(snaps + p_snap, b_s, mask=m_v[None, :] & full)
 
     if STORE_HT:
         tl.store(ht + p_state, b_s, mask=m_v[None, :])

@@ -18,8 +18,8 @@ def kda_recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
     USE_STATE_IDX: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N * HV may exceed the 65535 limit of grid axes 1 and 2
+    i_v = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)

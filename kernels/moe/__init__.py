@@ -66,10 +66,14 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     if m == 0:
         return out
     bm, bn, bk = 16, min(64, max(16, triton.next_power_of_2(n))), 32
-    grid = (e, triton.cdiv(m, bm), triton.cdiv(n, bn))
+    sizes = group_offsets[1:] - group_offsets[:-1]
+    tile_offsets = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
+    tile_offsets[1:] = ((sizes + bm - 1) // bm).cumsum(0)
+    grid = (triton.cdiv(m, bm) + e, triton.cdiv(n, bn))
     grouped_matmul_kernel[grid](
-        x.contiguous(), w.contiguous(), out, group_offsets, n, kd,
-        BM=bm, BN=bn, BK=bk, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x.contiguous(), w.contiguous(), out, group_offsets, tile_offsets, e, n, kd,
+        BE=max(2, triton.next_power_of_2(e)), BM=bm, BN=bn, BK=bk,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return out
 

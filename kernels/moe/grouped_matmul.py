@@ -1,8 +1,8 @@
 """Triton grouped matmul: rows sorted by expert, each expert's rows times that expert's weight.
 
-Program (e, m, n) computes tile m of expert e's rows against column tile n. The grid covers
-the worst case (all rows on one expert) so the host never waits for the group sizes; tiles past
-an expert's last row return at once.
+Program (tile, n) finds its expert from ``tile_offsets`` (cumulative row tiles per expert,
+computed on the device): the grid is an upper bound, cdiv(M, BM) + E tiles, so the host never
+waits for the group sizes, and programs past the last real tile return at once.
 """
 
 from __future__ import annotations
@@ -13,19 +13,21 @@ import triton.language as tl
 
 @triton.jit
 def grouped_matmul_kernel(
-    x, w, out, group_offsets,
-    N, KD,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    x, w, out, group_offsets, tile_offsets,
+    E, N, KD,
+    BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_e = tl.program_id(0)
-    i_m = tl.program_id(1)
-    i_n = tl.program_id(2)
+    pid = tl.program_id(0)
+    i_n = tl.program_id(1)
+    if pid >= tl.load(tile_offsets + E):
+        return
+    o_e = tl.arange(0, BE)
+    tiles_through = tl.load(tile_offsets + 1 + o_e, mask=o_e < E, other=2147483647)
+    i_e = tl.sum((tiles_through <= pid).to(tl.int32), 0)  # experts whose tiles all precede pid
+    i_m = pid - tl.load(tile_offsets + i_e)
     start = tl.load(group_offsets + i_e).to(tl.int64)
     end = tl.load(group_offsets + i_e + 1).to(tl.int64)
-    row0 = start + i_m * BM
-    if row0 >= end:
-        return
-    rows = row0 + tl.arange(0, BM)
+    rows = start + i_m * BM + tl.arange(0, BM)
     cols = i_n * BN + tl.arange(0, BN)
     m_r = rows < end
     m_c = cols < N

@@ -73,7 +73,8 @@ def summarize(label: str, records: Sequence[RequestRecord], slo_ttft_s: float, s
     done = [r for r in records if r.ttft_s is not None]
     ttft = np.array([r.ttft_s for r in done], dtype=float) if done else np.zeros(1)
     tbt = np.array([r.tbt_s or 0.0 for r in done], dtype=float) if done else np.zeros(1)
-    effective = sum(1 for r in done if r.ttft_s <= slo_ttft_s and (r.tbt_s or 0.0) <= slo_tbt_s)
+    within_ttft = ttft <= slo_ttft_s
+    effective = int(np.count_nonzero(within_ttft & (tbt <= slo_tbt_s))) if done else 0
     blocks = sum(r.total_blocks for r in done)
     n = len(records)
     return Summary(
@@ -87,7 +88,7 @@ def summarize(label: str, records: Sequence[RequestRecord], slo_ttft_s: float, s
         ttft_p99=float(np.percentile(ttft, 99)),
         tbt_avg=float(tbt.mean()),
         tbt_p90=float(np.percentile(tbt, 90)),
-        ttft_slo_met=(sum(1 for r in done if r.ttft_s <= slo_ttft_s) / len(done)) if done else 0.0,
+        ttft_slo_met=float(within_ttft.mean()) if done else 0.0,
         effective_capacity=effective / n if n else 0.0,
         hit_rate=sum(r.reused_blocks for r in done) / blocks if blocks else 0.0,
         prefill_tokens=sum(r.computed_tokens for r in done),

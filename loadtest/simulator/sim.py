@@ -12,8 +12,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.scheduler.cost_model import CostModels
@@ -46,6 +47,9 @@ class SimConfig:
     slo_tbt_s: float = 0.1
     reject_early: bool = False
     remote_threshold_blocks: int = 2
+    # KV streams to decode layer by layer while prefill runs (Mooncake); only this share of the
+    # full transfer remains after the last layer. 1.0: transfer it all after prefill.
+    handoff_share: float = 1 / 80
     seed: int = 0
 
 
@@ -84,7 +88,7 @@ class Simulation:
     def run(self, trace: Sequence[TraceRequest]) -> list[RequestRecord]:
         for r in trace:
             self._at(r.arrival_s, self._ARRIVE, r)
-        handlers = (self._arrive, self._chunk_done, self._handoff_done, self._step_done)
+        handlers: tuple[Callable[[Any], None], ...] = (self._arrive, self._chunk_done, self._handoff_done, self._step_done)
         while self._events:
             self.now, _, kind, payload = heapq.heappop(self._events)
             handlers[kind](payload)
@@ -178,7 +182,7 @@ class Simulation:
         if self.config.prefix_caching:
             self._store(node, req.keys)  # the last, partial block too: the trace names it
         req.first_token_s = req.last_token_s = self.now
-        handoff = self.costs.transfer.seconds(req.input_length, Tier.ENGINE)
+        handoff = self.costs.transfer.seconds(req.input_length, Tier.ENGINE) * self.config.handoff_share
         self._at(self.now + handoff, self._HANDOFF, req)
         self._start_next(node)
 

@@ -4,11 +4,16 @@ output_length and hash_ids (one id per 512-token block, naming the block and its
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"
+# The FAST'25 synthetic trace lives beside the checkout (../shared/traces); CRESCENT_TRACE overrides.
+DEFAULT_TRACE = Path(
+    os.environ.get("CRESCENT_TRACE")
+    or Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"
+)
 TRACE_BLOCK_TOKENS = 512
 
 

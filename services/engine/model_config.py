@@ -110,9 +110,8 @@ class LlamaConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` that transformers and vLLM load as LlamaForCausalLM in float32."""
-        eos: int | list[int] | None = list(self.eos_token_ids) or None
-        if eos is not None and len(eos) == 1:
-            eos = eos[0]
+        ids = list(self.eos_token_ids)
+        eos: int | list[int] | None = ids[0] if len(ids) == 1 else (ids or None)
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

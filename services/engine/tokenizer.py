@@ -106,7 +106,11 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build from a GGUF file's metadata (the tensors are not read)."""
-        return cls.from_gguf_reader(gguf.GGUFReader(str(path)))
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"cannot read GGUF file {path}: {exc}") from exc
+        return cls.from_gguf_reader(reader)
 
     @classmethod
     def from_gguf_reader(cls, reader: gguf.GGUFReader) -> Tokenizer:
@@ -129,10 +133,11 @@ class Tokenizer:
         if not tokens or not merges:
             raise TokenizerError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
 
+        pairs = [_merge_pair(m) for m in merges]
         try:
             bpe = models.BPE(
                 vocab={t: i for i, t in enumerate(tokens)},
-                merges=[tuple(m.split(" ", 1)) for m in merges],
+                merges=pairs,
                 fuse_unk=False,
                 ignore_merges=pre in ("llama-bpe", "llama3"),
             )
@@ -238,6 +243,14 @@ class Tokenizer:
         if model_max_length is not None:
             config["model_max_length"] = model_max_length
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    # Byte-level tokens never contain a literal space (it is "Ġ"), so the first space separates.
+    left, sep, right = merge.partition(" ")
+    if not sep:
+        raise TokenizerError(f"GGUF merge {merge!r} is not two tokens separated by a space")
+    return left, right
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ inter-token intervals are what a streaming client sees (tokens that arrive toget
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from crescent.services.common.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
 
 RequestStatus = Literal["ok", "client_error", "rejected", "error", "cancelled"]
 
@@ -40,6 +43,7 @@ class RequestRecord:
         self._metrics = metrics
         self._clock = clock
         self._started = clock()
+        self._first_token: float | None = None
         self._last_token: float | None = None
         self._intervals: list[float] = []
         self._finished = False
@@ -51,6 +55,7 @@ class RequestRecord:
             return
         now = self._clock()
         if self._last_token is None:
+            self._first_token = now
             self._metrics.ttft.observe(now - self._started)
             gaps = [0.0] * (count - 1)
         else:
@@ -65,6 +70,11 @@ class RequestRecord:
             return
         self._finished = True
         usage = self.usage
+        ttft = "-" if self._first_token is None else f"{self._first_token - self._started:.3f} s"
+        tokens = "no tokens" if usage is None else (
+            f"{usage.prompt_tokens} prompt ({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens"
+        )
+        log.info("request %s in %.3f s: ttft %s, %s", status, self._clock() - self._started, ttft, tokens)
         m = self._metrics
         m.in_flight.dec()
         m.requests.labels(status=status).inc()

@@ -5,9 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-
 from crescent.services.common.admin_http import metrics_response
 from crescent.services.common.metrics import gateway_metrics
 from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCard, ModelList
@@ -16,6 +13,8 @@ from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.errors import ApiError, ModelNotFoundError, install_error_handlers
 from crescent.services.gateway.prompt import ServedModel
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,9 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TypeVar
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
-
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from typing import TypeVar
 
 from crescent.services.common.block_keys import prefix_block_keys
 from crescent.services.common.logs import request_id_var
@@ -34,6 +31,8 @@ from crescent.services.gateway.errors import ApiError, ModelNotFoundError, Unsup
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatStream, ChunkHeader, SseResponse, status_of, usage_model
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class ChatCompletions:
-    def __init__(self, settings: GatewaySettings, backend: Backend, model: ServedModel, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, settings: GatewaySettings, backend: Backend, model: ServedModel, metrics: GatewayMetrics
+    ) -> None:
         self._settings = settings
         self._backend = backend
         self._model = model

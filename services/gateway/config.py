@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
-
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
-from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
+from crescent.services.common.settings import StrictModel, load_settings
+from pydantic import Field, model_validator
 
 ENV_PREFIX = "CRESCENT_GATEWAY"
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_CONTEXT_WINDOW = 8192  # when the model does not say (SmolLM2-135M's max positions)
 
 
-class GatewayListenSettings(ListenSettings):
-    """The gateway serves its API, /health and /metrics on one HTTP port; ``admin_port`` is unused."""
+class GatewayListenSettings(StrictModel):
+    """The gateway serves its API, /health and /metrics on one HTTP port (no separate admin port)."""
 
-    port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=0, le=65535)
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=1, le=65535)
 
 
 class GatewaySettings(StrictModel):
@@ -35,6 +35,7 @@ class GatewaySettings(StrictModel):
     request_timeout_s: float = Field(default=600.0, gt=0, description="deadline of a whole request")
     place_timeout_s: float = Field(default=5.0, gt=0, description="deadline of one scheduler call")
     health_timeout_s: float = Field(default=1.0, gt=0, description="deadline of the scheduler check behind /health")
+    shutdown_grace_s: float = Field(default=5.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 
     @model_validator(mode="after")

@@ -133,11 +133,13 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
             return UnsupportedParameterError(f"unsupported parameter: {param}", param=param)
     if not errors:
         return InvalidRequestError("invalid request")
-    err = errors[0]
-    param = _param_from_loc(err.get("loc", ()))
+    param = _param_from_loc(errors[0].get("loc", ()))
+    # A value that fits none of a union's forms fails once per form: say all of them.
+    reasons = dict.fromkeys(str(e.get("msg")) for e in errors if _param_from_loc(e.get("loc", ())) == param)
+    reason = "; or ".join(reasons)
     if param is None:
-        return InvalidRequestError(f"the request body must be a JSON object: {err.get('msg')}", code="invalid_body")
-    return InvalidRequestError(f"invalid value for {param}: {err.get('msg')}", param=param, code="invalid_value")
+        return InvalidRequestError(f"the request body must be a JSON object: {reason}", code="invalid_body")
+    return InvalidRequestError(f"invalid value for {param}: {reason}", param=param, code="invalid_value")
 
 
 def install_error_handlers(app: FastAPI, on_invalid_body: Callable[[Request], None] | None = None) -> None:

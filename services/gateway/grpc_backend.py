@@ -13,9 +13,15 @@ import logging
 from collections.abc import AsyncGenerator
 
 import grpc
-
-from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
+from crescent.protos import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from crescent.services.common.grpc_service import insecure_channel
 from crescent.services.gateway.backend import (
     BackendEvent,
@@ -40,13 +46,15 @@ log = logging.getLogger(__name__)
 # Rejections that mean "nothing can serve this model now" rather than "too busy".
 _UNAVAILABLE_REASONS = {"no_prefill_instance", "no_decode_instance"}
 _ABORT_CONFIRM_S = 0.5   # how long an abort waits for decode to see the stream before cancelling
-_ABORT_DEADLINE_S = 5.0
+_ABORT_WINDOW_S = 2.0    # how long an abort keeps trying while decode does not know the request yet
+_ABORT_RETRY_S = 0.1
 _RETRY_AFTER_S = 1.0
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
     """Map a failed call to the error a client should see."""
-    code, details = exc.code(), exc.details() or code_name(exc)
+    code = exc.code()
+    details = exc.details() or (code.name if code is not None else "unknown error")
     message = f"{what} failed: {details}"
     if code == grpc.StatusCode.UNAVAILABLE:
         return ServiceUnavailableError(f"{what} is unavailable: {details}", retry_after_s=_RETRY_AFTER_S)
@@ -57,10 +65,6 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         return InvalidRequestError(message)
     return InternalError(message)
-
-
-def code_name(exc: grpc.aio.AioRpcError) -> str:
-    return exc.code().name if exc.code() is not None else "unknown"
 
 
 def _finish_reason(value: str) -> FinishReason:
@@ -196,22 +200,36 @@ class GrpcBackend:
         task.add_done_callback(self._aborts.discard)
 
     async def _open_and_cancel(self, address: str, request_id: RequestId) -> None:
-        """Open decode's stream for a request nobody will read, and cancel it: decode frees it."""
-        call = decode_pb2_grpc.DecodeStub(self._channel(address)).StreamTokens(
-            decode_pb2.StreamRequest(request_id=request_id), timeout=_ABORT_DEADLINE_S
-        )
-        try:
-            # Wait until decode has the call (its initial metadata), so the cancel reaches a live handler.
-            await asyncio.wait_for(call.initial_metadata(), _ABORT_CONFIRM_S)
-        except (TimeoutError, grpc.aio.AioRpcError):
-            pass
-        finally:
-            call.cancel()
-        log.info("aborted %s in decode at %s", request_id, address)
+        """Open decode's stream for a request nobody will read, and cancel it: decode frees it.
+
+        A handoff may still be landing when the client leaves during prefill; while decode says
+        it does not know the request, try again for a short while.
+        """
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + _ABORT_WINDOW_S
+        while True:
+            call = decode_pb2_grpc.DecodeStub(self._channel(address)).StreamTokens(
+                decode_pb2.StreamRequest(request_id=request_id), timeout=_ABORT_WINDOW_S + _ABORT_CONFIRM_S
+            )
+            try:
+                # Wait until decode has the call (its initial metadata), so the cancel reaches a live handler.
+                await asyncio.wait_for(call.initial_metadata(), _ABORT_CONFIRM_S)
+                unknown = call.done() and await call.code() == grpc.StatusCode.NOT_FOUND
+            except (TimeoutError, grpc.aio.AioRpcError):
+                unknown = False
+            finally:
+                call.cancel()
+            if not unknown:
+                log.info("aborted %s in decode at %s", request_id, address)
+                return
+            if loop.time() >= give_up:
+                log.info("decode at %s never received %s; nothing to abort", address, request_id)
+                return
+            await asyncio.sleep(_ABORT_RETRY_S)
 
     async def close(self) -> None:
         if self._aborts:
-            await asyncio.wait(set(self._aborts), timeout=_ABORT_CONFIRM_S + 1)
+            await asyncio.wait(set(self._aborts), timeout=_ABORT_WINDOW_S + _ABORT_CONFIRM_S)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -10,7 +10,6 @@ import json
 import logging
 
 import gguf
-
 from crescent.services.engine.chat_template import ChatTemplateError
 from crescent.services.engine.model_source import ModelSource, resolve_model
 from crescent.services.engine.tokenizer import Tokenizer

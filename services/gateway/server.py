@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
-
 from crescent.services.common.logs import configure_logging
 from crescent.services.gateway.app import build_app
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
@@ -34,7 +33,7 @@ def _default_loader(settings: GatewaySettings) -> ServedModel:
 
 
 async def serve(settings: GatewaySettings, model: ServedModel) -> None:
-    """Serve until SIGINT or SIGTERM, then drain and stop cleanly."""
+    """Serve until SIGINT or SIGTERM; in-flight requests get ``shutdown_grace_s`` to finish, then are cancelled."""
     backend = GrpcBackend(
         settings.scheduler_address,
         request_timeout_s=settings.request_timeout_s,
@@ -45,7 +44,7 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=settings.listen.host, port=settings.listen.port, log_config=None, access_log=False,
-            lifespan="off", timeout_graceful_shutdown=5,
+            lifespan="off", timeout_graceful_shutdown=settings.shutdown_grace_s,
         )
     )
     loop = asyncio.get_running_loop()

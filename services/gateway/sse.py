@@ -14,19 +14,19 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
 from crescent.services.gateway.accounting import RequestRecord, UsageCounts
 from crescent.services.gateway.api_models import (
     ChatCompletionChunk,
     ChunkChoice,
     Delta,
+    FinishReason,
     PromptTokensDetails,
     Usage,
 )
 from crescent.services.gateway.errors import ApiError, InternalError, RateLimitedError
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,12 @@ class ChatStream:
         self._events = events
         self._record = record
 
-    def _chunk(self, delta: Delta, finish_reason: str | None = None, usage: Usage | None = None,
+    def _chunk(self, delta: Delta, finish_reason: FinishReason | None = None, usage: Usage | None = None,
                choices: bool = True) -> str:
         h = self._header
         chunk = ChatCompletionChunk(
             id=h.request_id, created=h.created, model=h.model,
-            choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)] if choices else [],  # type: ignore[arg-type]
+            choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)] if choices else [],
             usage=usage,
         )
         body = chunk.model_dump(exclude=None if h.include_usage else {"usage"})
@@ -105,6 +105,10 @@ class ChatStream:
                 return
             except StopAsyncIteration:
                 yield self._error(InternalError("the generation ended without a finish"))
+                return
+            except Exception:
+                log.exception("stream failed")
+                yield self._error(InternalError("internal error"))
                 return
 
     def _error(self, error: ApiError) -> str:

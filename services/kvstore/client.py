@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import mmap
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,9 @@ class KvStoreClient:
         self._stub = kvstore_pb2_grpc.KvStoreStub(self._channel)
         self._use_shm = shared_memory and shm.available()
         self._free_segments: list[shm.ShmSegment] = []
+        self._pool_path = ""
+        self._pool_view: memoryview | None = None
+        self._pool_map: mmap.mmap | None = None
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -237,18 +241,25 @@ class KvStoreClient:
         segment = self._segment(self._shm_get_size)
         try:
             reply = await self._stub.GetShm(
-                kvstore_pb2.ShmGetRequest(request=request, segment=segment.name, capacity=segment.size),
+                kvstore_pb2.ShmGetRequest(
+                    request=request, segment=segment.name, capacity=segment.size, segment_only=self._pool_unusable
+                ),
                 timeout=self.timeout_s,
             )
+            pool = self._pool(reply.pool_path) if any(item.in_pool for item in reply.blocks) else None
+            if pool is None and any(item.in_pool for item in reply.blocks):
+                return await self._get_shm(request, model_id)  # now asking for segment copies only
             found: dict[BlockKey, KvBlock] = {}
             for item in reply.blocks:
                 if not item.meta.found:
                     continue
+                source = pool if item.in_pool else segment.buf
+                assert source is not None
                 end = item.offset + item.meta.nbytes
-                if end > segment.size:
-                    raise OSError("server wrote past the segment")
-                # Copy out: the segment is reused by the next call.
-                block = KvBlock.from_meta(item.meta, bytes(segment.buf[item.offset : end]))
+                if end > len(source):
+                    raise OSError("block lies past the end of the shared memory")
+                # Copy out: the segment is reused by the next call, pool pages by the node.
+                block = KvBlock.from_meta(item.meta, bytes(source[item.offset : end]))
                 if self._verified(block, model_id):
                     found[block.key] = block
             if reply.truncated:
@@ -270,9 +281,29 @@ class KvStoreClient:
             self._release(segment)
 
     _shm_get_size = 64 << 20
+    _pool_unusable = False
+
+    def _pool(self, path: str) -> memoryview | None:
+        """The node's host pool, mapped read-only once; None (for good) if this client cannot."""
+        if self._pool_view is not None and self._pool_path == path:
+            return self._pool_view
+        try:
+            with open(path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            log.info("cannot map the host pool of kvstore %s (%s); copying through a segment", self.address, exc)
+            self._pool_unusable = True
+            return None
+        self._pool_path, self._pool_view, self._pool_map = path, memoryview(mapping), mapping
+        return self._pool_view
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._pool_map is not None:
+            assert self._pool_view is not None
+            self._pool_view.release()
+            self._pool_map.close()
+            self._pool_view = self._pool_map = None
         for segment in self._free_segments:
             segment.close()
         self._free_segments = []

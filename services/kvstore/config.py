@@ -29,6 +29,22 @@ class TierSettings(StrictModel):
         return self
 
 
+class HostTierSettings(TierSettings):
+    """Host DRAM, preallocated (and touched) at start so copies never wait on page faults."""
+
+    page_bytes: int = Field(
+        default=256 * 1024, ge=1024,
+        description="allocation unit; a 2.9 MB block wastes under 9% at 256 KiB",
+    )
+
+
+    @model_validator(mode="after")
+    def _room_for_a_page(self) -> HostTierSettings:
+        if self.enabled and self.capacity_bytes < self.page_bytes:
+            raise ValueError("tiers.host.capacity_bytes is smaller than one page (tiers.host.page_bytes)")
+        return self
+
+
 class DiskTierSettings(TierSettings):
     enabled: bool = False
     path: Path | None = Field(default=None, description="directory of the SSD tier; required when enabled")
@@ -74,7 +90,7 @@ class GpuTierSettings(TierSettings):
 
 class TiersSettings(StrictModel):
     gpu: GpuTierSettings = GpuTierSettings()
-    host: TierSettings = TierSettings()
+    host: HostTierSettings = HostTierSettings()
     disk: DiskTierSettings = DiskTierSettings()
     s3: S3TierSettings = S3TierSettings()
 
@@ -105,7 +121,12 @@ class KvStoreSettings(StrictModel):
     max_lease_ms: int = Field(default=600_000, ge=0)
     max_block_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
     max_chunk_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    shared_memory: bool = Field(default=True, description="serve the same-host shared-memory RPCs")
+    shared_memory: bool = Field(
+        default=True, description="serve the same-host shared-memory RPCs and let local clients map the host pool"
+    )
+    transfer_lease_ms: int = Field(
+        default=2000, ge=1, description="how long a block read from the host pool by a local client stays put"
+    )
 
     @model_validator(mode="after")
     def _known_policy(self) -> KvStoreSettings:

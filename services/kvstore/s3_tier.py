@@ -40,7 +40,7 @@ class S3Tier(Tier):
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._queue: asyncio.Queue[BlockKey] = asyncio.Queue(maxsize=settings.write_queue_blocks)
-        self._pending: dict[BlockKey, KvBlock] = {}  # queued or uploading; readable meanwhile
+        self._pending: dict[BlockKey, bytes] = {}  # encoded, queued or uploading; readable meanwhile
         self._tasks: list[asyncio.Task[None]] = []
         self.indexed = asyncio.Event()
 
@@ -114,31 +114,31 @@ class S3Tier(Tier):
             self._metrics.dropped_writes.labels(self.label).inc()
             log.warning("S3 tier: write queue full, dropping block %s", block.key.hex())
             return False
-        self._pending[block.key] = block
+        # Encode now: the payload may be a view of host memory that is reused after this call.
+        self._pending[block.key] = block_file.encode(block)
         self._indexed(block.key, BlockInfo.of(block))
         return True
 
     async def _upload_loop(self) -> None:
+        await self.indexed.wait()  # the bucket may be created by the indexing task
         while True:
             key = await self._queue.get()
-            block = self._pending.get(key)
-            if block is None:
+            body = self._pending.get(key)
+            if body is None:
                 continue  # deleted while queued
             try:
                 await asyncio.wait_for(
-                    self._client.put_object(
-                        Bucket=self.settings.bucket, Key=self.object_key(key), Body=block_file.encode(block)
-                    ),
+                    self._client.put_object(Bucket=self.settings.bucket, Key=self.object_key(key), Body=body),
                     self.settings.timeout_s * 2,
                 )
             except S3_ERRORS as exc:
                 self._metrics.s3_errors.labels("put").inc()
                 self._metrics.dropped_writes.labels(self.label).inc()
                 log.warning("S3 tier: upload of %s failed, dropped: %s", key.hex(), exc)
-                if self._pending.get(key) is block:
+                if self._pending.get(key) is body:
                     self._unindexed(key)
             finally:
-                if self._pending.get(key) is block:
+                if self._pending.get(key) is body:
                     del self._pending[key]
 
     async def flush(self, timeout_s: float = 30.0) -> None:
@@ -151,7 +151,7 @@ class S3Tier(Tier):
     async def read(self, key: BlockKey) -> KvBlock | None:
         pending = self._pending.get(key)
         if pending is not None:
-            return pending
+            return block_file.decode(pending)
         if key not in self._index:
             return None
         try:

@@ -15,13 +15,14 @@ from typing import Any
 
 import grpc
 
-from crescent.protos import kvstore_pb2_grpc
+from crescent.protos import common_pb2, kvstore_pb2_grpc
 from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.metrics import KvStoreMetrics, kvstore_metrics
 from crescent.services.kvstore.config import KvStoreSettings, load_kvstore_settings
 from crescent.services.kvstore.disk_tier import DiskTier
 from crescent.services.kvstore.events import EventPublisher
+from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.kvstore.s3_tier import S3Tier
 from crescent.services.kvstore.servicer import KvStoreServicer
 from crescent.services.kvstore.store import TieredStore
@@ -41,7 +42,8 @@ def build_tiers(settings: KvStoreSettings, metrics: KvStoreMetrics) -> list[Tier
         else:
             log.warning("tiers.gpu.enabled is set but CUDA is not available; running without the GPU tier")
     if t.host.enabled:
-        tiers.append(HostTier(t.host))
+        pinned = bool(tiers) and tiers[0].kind == common_pb2.KV_TIER_GPU  # page-locked only for a GPU
+        tiers.append(HostTier(t.host, pinned=pinned, shared=settings.shared_memory and not pinned))
     if t.disk.enabled:
         tiers.append(DiskTier(t.disk))
     if t.s3.enabled:
@@ -123,6 +125,7 @@ async def serve(settings: KvStoreSettings) -> None:
 def main(config_path: Path | None = None) -> None:
     """Run a kvstore node until SIGTERM/SIGINT, then stop cleanly."""
     configure_logging("kvstore")
+    keep_large_buffers_warm()
     settings = load_kvstore_settings(config_path)
     asyncio.run(serve(settings))
 

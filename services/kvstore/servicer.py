@@ -14,6 +14,7 @@ from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.config import KvStoreSettings
 from crescent.services.kvstore.shm import AttachedSegments, ShmError
 from crescent.services.kvstore.store import TieredStore
+from crescent.services.kvstore.tier import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 yield miss_chunk(key)
                 continue
             self._metrics.transferred_bytes.labels("out").inc(block.nbytes)
-            for chunk in chunks_of(meta_of(block), block.payload, max_chunk):
-                yield chunk
+            self.store.pin(key)  # the payload may be a view of host memory: keep it until sent
+            try:
+                for chunk in chunks_of(meta_of(block), block.payload, max_chunk):
+                    yield chunk
+            finally:
+                self.store.unpin(key)
 
     async def GetShm(self, request: kvstore_pb2.ShmGetRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmGetReply:
         if not self.settings.shared_memory:
@@ -103,11 +108,21 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         except ShmError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         capacity = min(request.capacity or segment.size, segment.size)
-        reply = kvstore_pb2.ShmGetReply()
+        host = None if request.segment_only else next(
+            (t for t in self.store.tiers if isinstance(t, HostTier) and t.pool.share_path), None
+        )
+        reply = kvstore_pb2.ShmGetReply(pool_path=host.pool.share_path if host else "")
         offset = 0
         async for key, block in self._lookup(request.request):
             if block is None:
                 reply.blocks.add(meta=common_pb2.BlockMeta(key=key, found=False))
+                continue
+            in_pool = host.pool_offset(key) if host is not None else None
+            if in_pool is not None:
+                # The client copies straight from our pool; the lease keeps the bytes in place.
+                self.store.leases.grant(key, self.settings.transfer_lease_ms)
+                reply.blocks.add(meta=meta_of(block), offset=in_pool, in_pool=True)
+                self._metrics.transferred_bytes.labels("out").inc(block.nbytes)
                 continue
             if offset + block.nbytes > capacity:
                 reply.truncated = True
@@ -151,8 +166,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             end = item.offset + item.meta.nbytes
             if end > segment.size or item.meta.nbytes > self.settings.max_block_bytes:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block at {item.offset} runs past the segment")
-            # Copy in: the client reuses its segment as soon as we answer.
-            block = KvBlock.from_meta(item.meta, bytes(segment.buf[item.offset : end]))
+            # A view, not a copy: the client waits for our answer before reusing its segment,
+            # and every tier has copied or encoded the payload by the time put returns.
+            block = KvBlock.from_meta(item.meta, segment.buf[item.offset : end].toreadonly())
             self._metrics.transferred_bytes.labels("in").inc(block.nbytes)
             if await self.store.put(block):
                 stored += 1
@@ -169,8 +185,13 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             if block is None:
                 missing += 1
             else:
+                self.store.pin(block.key)
                 blocks.append(block)
-        result = await self.peers.client(request.target).put(blocks)
+        try:
+            result = await self.peers.client(request.target).put(blocks)
+        finally:
+            for block in blocks:
+                self.store.unpin(block.key)
         if result.failed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach {request.target}")
         return kvstore_pb2.ReplicateReply(replicated=result.stored, missing=missing)

@@ -63,8 +63,11 @@ class ShmSegment:
         return cls(name, size, mapping, owner=False)
 
     def close(self) -> None:
-        self.buf.release()
-        self._map.close()
+        try:
+            self.buf.release()
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes when it does
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
 

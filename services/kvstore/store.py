@@ -12,6 +12,7 @@ Runs on one asyncio loop; no locks, and every await leaves the index consistent.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +62,10 @@ class LeaseTable:
         until = self._expiry.get(key)  # type: ignore[arg-type]
         return until is not None and until > self._clock()
 
+    def __len__(self) -> int:
+        """Leases on record, expired ones included until the next prune."""
+        return len(self._expiry)
+
     def prune(self) -> int:
         now = self._clock()
         for key in [k for k, until in self._expiry.items() if until <= now]:
@@ -86,6 +91,7 @@ class TieredStore:
         self.policies: list[EvictionPolicy] = [make_policy(eviction_policy) for _ in tiers]
         self.leases = LeaseTable(clock)
         self._evictions = [0 for _ in tiers]
+        self._pins: collections.Counter[BlockKey] = collections.Counter()
         self._sinks: list[EventSink] = []
         for i in range(len(tiers)):
             self.adopt(i)
@@ -156,7 +162,16 @@ class TieredStore:
         m.capacity_bytes.labels(label).set(tier.capacity_bytes)
 
     def pinned(self, key: BlockKey) -> bool:
-        return key in self.leases
+        return self._pins[key] > 0 or key in self.leases
+
+    def pin(self, key: BlockKey) -> None:
+        """Keep ``key`` from eviction while a reader uses a view of it (pair with ``unpin``)."""
+        self._pins[key] += 1
+
+    def unpin(self, key: BlockKey) -> None:
+        self._pins[key] -= 1
+        if self._pins[key] <= 0:
+            del self._pins[key]
 
     def usage(self) -> list[TierUsage]:
         return [
@@ -185,32 +200,32 @@ class TieredStore:
         capacity = tier.effective_capacity()
         if nbytes > capacity:
             return False
-        if tier.used_bytes + nbytes <= tier.high_watermark * capacity:
+        if tier.fits(nbytes) and tier.used_bytes + nbytes <= tier.high_watermark * capacity:
             return True
         target = min(tier.low_watermark * capacity, capacity - nbytes)
-        while tier.used_bytes > target:
+        while tier.used_bytes > target or not tier.fits(nbytes):
             victim = policy.pop_victim(self.pinned)
             if victim is None:
-                break  # the rest is leased
+                break  # the rest is leased or being read
             await self._evict(index, victim)
-        return tier.used_bytes + nbytes <= capacity
+        return tier.fits(nbytes)
 
     async def _evict(self, index: int, key: BlockKey) -> None:
         tier = self.tiers[index]
         before, info = self.location(key), tier.info(key)
         lower_has_it = any(key in t for t in self.tiers[index + 1 :])
-        block = None
         if index + 1 < len(self.tiers) and not lower_has_it:
             try:
                 block = await tier.read(key)
             except BlockFormatError:
                 block = None  # unreadable: nothing worth demoting
+            # Demote before deleting: the copy may be a view of memory the delete frees.
+            if block is not None and await self._place(block, index + 1, copy_down=False) is not None:
+                self.metrics.demotions.labels(tier.label).inc()
         await tier.delete(key)
         self._evictions[index] += 1
         self.metrics.evictions.labels(tier.label).inc()
         self._refresh(tier)
-        if block is not None and await self._place(block, index + 1, copy_down=False) is not None:
-            self.metrics.demotions.labels(tier.label).inc()
         self._announce(key, before, info)
 
     async def _place(self, block: KvBlock, start: int, *, copy_down: bool, stop: int | None = None) -> int | None:
@@ -229,11 +244,15 @@ class TieredStore:
                 placed = i
                 break
         if placed is not None and copy_down:
-            for j in range(placed + 1, len(self.tiers)):
-                tier = self.tiers[j]
-                if block.key not in tier and await self._make_room(j, block.nbytes) and await tier.write(block):
-                    self.policies[j].insert(block.key)
-                    self._refresh(tier)
+            self.pin(block.key)  # the host copy must outlive the slower writes below
+            try:
+                for j in range(placed + 1, len(self.tiers)):
+                    tier = self.tiers[j]
+                    if block.key not in tier and await self._make_room(j, block.nbytes) and await tier.write(block):
+                        self.policies[j].insert(block.key)
+                        self._refresh(tier)
+            finally:
+                self.unpin(block.key)
         return placed
 
     # -- the API --------------------------------------------------------------------------
@@ -280,7 +299,9 @@ class TieredStore:
                 break
             self.metrics.hits.labels(tier.label).inc()
             self.policies[i].touch(key)
-            self.leases.grant(key, lease_ms)
+            if lease_ms > 0:
+                self.leases.grant(key, lease_ms)
+                self.metrics.leased_blocks.set(len(self.leases))
             if i > 0:
                 await self._promote(block, i)
             return block

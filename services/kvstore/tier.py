@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from crescent.protos import common_pb2
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import KvBlock
-from crescent.services.kvstore.config import TierSettings
+from crescent.services.kvstore.config import HostTierSettings, TierSettings
+from crescent.services.kvstore.host_pool import HostPool
 
 TIER_LABELS = {
     common_pb2.KV_TIER_GPU: "gpu",
@@ -69,6 +70,10 @@ class Tier(abc.ABC):
         """Capacity now; a tier that hit a hard limit (disk full) reports less."""
         return self.capacity_bytes
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` would succeed now, space-wise."""
+        return self.used_bytes + nbytes <= self.effective_capacity()
+
     def _indexed(self, key: BlockKey, info: BlockInfo) -> None:
         old = self._index.pop(key, None)
         if old is not None:
@@ -103,26 +108,43 @@ class Tier(abc.ABC):
 
 
 class HostTier(Tier):
-    """Host DRAM: blocks kept as the payload objects they arrived in (no extra copy)."""
+    """Host DRAM: payloads copied into a preallocated ``HostPool`` and served from it as
+    zero-copy views. A view stays valid only while its block is held: readers that await
+    between reading and using it pin the key in the store first."""
 
     kind = common_pb2.KV_TIER_HOST
 
-    def __init__(self, settings: TierSettings) -> None:
+    def __init__(self, settings: HostTierSettings, *, pinned: bool = False, shared: bool = False) -> None:
         super().__init__(settings)
-        self._blocks: dict[BlockKey, KvBlock] = {}
+        self.pool = HostPool(settings.capacity_bytes, settings.page_bytes, pinned=pinned, shared=shared)
+        self._blocks: dict[BlockKey, tuple[KvBlock, int]] = {}  # block (payload in the pool), start page
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used_bytes + nbytes <= self.capacity_bytes and self.pool.can_allocate(nbytes)
 
     async def write(self, block: KvBlock) -> bool:
-        self._blocks[block.key] = block
+        start = self.pool.allocate(block.nbytes)
+        if start is None:
+            return False
+        view = self.pool.view(start, block.nbytes)
+        view[:] = block.payload
+        stored = KvBlock(block.key, block.parent_key, block.model_id, block.dtype, block.shape,
+                         block.token_ids, view.toreadonly(), block.checksum, block.format_version)
+        self._blocks[block.key] = (stored, start)
         self._indexed(block.key, BlockInfo.of(block))
         return True
 
     async def read(self, key: BlockKey) -> KvBlock | None:
-        return self._blocks.get(key)
+        entry = self._blocks.get(key)
+        return entry[0] if entry is not None else None
 
-    def peek(self, key: BlockKey) -> KvBlock | None:
-        """The block without awaiting: the host tier never blocks."""
-        return self._blocks.get(key)
+    def pool_offset(self, key: BlockKey) -> int | None:
+        """Where the block's payload starts in the pool, for same-host readers."""
+        entry = self._blocks.get(key)
+        return self.pool.offset_of(entry[1]) if entry is not None else None
 
     async def delete(self, key: BlockKey) -> bool:
-        self._blocks.pop(key, None)
+        entry = self._blocks.pop(key, None)
+        if entry is not None:
+            self.pool.release(entry[1], entry[0].nbytes)
         return self._unindexed(key)

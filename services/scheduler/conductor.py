@@ -72,8 +72,16 @@ class Conductor:
 
     # ---- instances -------------------------------------------------------------------------
 
-    def register(self, spec: InstanceSpec) -> None:
+    def register(self, spec: InstanceSpec) -> bool:
+        """Add or replace an instance; returns whether it should send a block snapshot.
+
+        A (re-)registering instance may have restarted with an empty cache, so whatever the
+        index held for it is dropped rather than trusted.
+        """
         self.registry.register(spec)
+        self.index.drop_source(spec.instance_id)
+        self._snapshotted.discard(SourceId(spec.instance_id))
+        return True
 
     def heartbeat(self, instance_id: InstanceId, load: LoadReport) -> bool:
         """Record a load report; False when the instance must register again."""
@@ -123,8 +131,12 @@ class Conductor:
             if model_id and r.spec.model_id != model_id:
                 continue
             block_size = block_size or r.spec.block_size
-            queued_tokens = r.load.queued_tokens + r.pending_tokens
-            queued = r.load.queued_requests + r.pending_requests
+            # Work ahead of a new request: reported queue (and the prompt in progress), plus what
+            # this scheduler placed there since the last heartbeat.
+            reported = r.load.queued_requests + r.load.running_requests
+            reported_tokens = r.load.queued_tokens or reported * self.settings.assumed_prompt_tokens
+            queued_tokens = reported_tokens + r.pending_tokens
+            queued = reported + r.pending_requests
             # Queued prompts are unknown one by one: treat them as equal shares of the tokens.
             queue_s = queued * prefill_cost.seconds(queued_tokens // queued) if queued else 0.0
             prefill.append(PrefillCandidate(r.spec.instance_id, queue_s, queued, r.spec.address))

@@ -87,6 +87,9 @@ class SchedulerSettings(StrictModel):
     slo: SloSettings = SloSettings()
     cost: CostSettings = CostSettings()
     index: IndexSettings = IndexSettings()
+    assumed_prompt_tokens: int = Field(
+        default=512, gt=0, description="prompt size assumed for queued requests when an instance reports no token count"
+    )
     no_instance_retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After when a role has no instance")
     log_level: str = "INFO"
 

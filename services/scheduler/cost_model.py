@@ -60,6 +60,9 @@ class TransferCostModel:
             return 0.0
         return self.latency_s + tokens * self.kv_bytes_per_token / self.bytes_per_s[tier]
 
+    def seconds_per_token(self, tier: Tier) -> float:
+        return self.kv_bytes_per_token / self.bytes_per_s[tier]
+
     def seconds_by_tier(self, tokens_per_tier: Mapping[Tier, int]) -> float:
         """Tiers are read one after another, with one latency for the whole pull."""
         total = sum(n * self.kv_bytes_per_token / self.bytes_per_s[t] for t, n in tokens_per_tier.items() if n > 0)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from crescent.services.scheduler.cost_model import CostModels
 from crescent.services.scheduler.datatypes import DecodeCandidate, PlacementRequest, Slo
-from crescent.services.scheduler.policy import Policy, PolicyOptions, PrefillPlan, _fits, _Planner
+from crescent.services.scheduler.policy import Policy, PolicyOptions, PrefillPlan, fits_decode, PrefillPlanner
 
 
 class UnknownPolicyError(ValueError):
@@ -29,13 +29,13 @@ class RandomPolicy(Policy):
         super().__init__(costs, slo, options)
         self._rng = random.Random(options.seed)
 
-    def choose_prefill(self, planner: _Planner) -> PrefillPlan:
+    def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan:
         return planner.plan(self._rng.choice(planner.view.prefill), peers=False)
 
     def choose_decode(
         self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
     ) -> tuple[DecodeCandidate | None, float]:
-        fits = [d for d in decode if _fits(d, request)]
+        fits = [d for d in decode if fits_decode(d, request)]
         if not fits:
             return None, float("inf")
         chosen = self._rng.choice(fits)
@@ -50,7 +50,7 @@ class RoundRobinPolicy(Policy):
         self._next_prefill = 0
         self._next_decode = 0
 
-    def choose_prefill(self, planner: _Planner) -> PrefillPlan:
+    def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan:
         # Order by id so the rotation survives instances joining and leaving.
         ordered = sorted(planner.view.prefill, key=lambda c: c.instance_id)
         chosen = ordered[self._next_prefill % len(ordered)]
@@ -60,7 +60,7 @@ class RoundRobinPolicy(Policy):
     def choose_decode(
         self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
     ) -> tuple[DecodeCandidate | None, float]:
-        fits = sorted((d for d in decode if _fits(d, request)), key=lambda d: d.instance_id)
+        fits = sorted((d for d in decode if fits_decode(d, request)), key=lambda d: d.instance_id)
         if not fits:
             return None, float("inf")
         chosen = fits[self._next_decode % len(fits)]
@@ -71,7 +71,7 @@ class RoundRobinPolicy(Policy):
 class LeastLoadedPolicy(Policy):
     name = "least_loaded"
 
-    def choose_prefill(self, planner: _Planner) -> PrefillPlan:
+    def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan:
         chosen = min(planner.view.prefill, key=lambda c: (c.queue_s, c.queued_requests, c.instance_id))
         return planner.plan(chosen, peers=False)
 
@@ -81,27 +81,26 @@ class CacheAwarePolicy(Policy):
 
     name = "cache_aware"
 
-    def choose_prefill(self, planner: _Planner) -> PrefillPlan:
+    def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan:
         plans = (planner.plan(c, peers=False) for c in planner.view.prefill)
-        return min(plans, key=lambda p: (p.ttft_s, p.candidate.queue_s, p.candidate.instance_id))
+        return min(plans, key=lambda p: (p.ttft_s, p.candidate.queue_s, p.candidate.queued_requests, p.candidate.instance_id))
 
 
 class KvCacheCentricPolicy(Policy):
     """Mooncake Algorithm 1: TTFT = transfer(remote prefix) + queue + prefill(uncached); minimum wins."""
 
     name = "kvcache_centric"
-    plans_peer_pulls = True
 
-    def choose_prefill(self, planner: _Planner) -> PrefillPlan:
+    def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan:
         plans = (planner.plan(c, peers=True) for c in planner.view.prefill)
-        return min(plans, key=lambda p: (p.ttft_s, p.candidate.queue_s, p.candidate.instance_id))
+        return min(plans, key=lambda p: (p.ttft_s, p.candidate.queue_s, p.candidate.queued_requests, p.candidate.instance_id))
 
     def choose_decode(
         self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
     ) -> tuple[DecodeCandidate | None, float]:
         best: tuple[DecodeCandidate | None, float] = (None, float("inf"))
         for d in decode:
-            if _fits(d, request):
+            if fits_decode(d, request):
                 tbt = self.predicted_tbt(d, request)
                 if tbt < best[1]:
                     best = (d, tbt)

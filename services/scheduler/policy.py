@@ -65,7 +65,6 @@ class Policy(ABC):
     """Base: rejection when a role is empty, prefix planning, decode choice and SLO checks."""
 
     name: str = ""
-    plans_peer_pulls = False  # may pull a prefix from another instance's cache
 
     def __init__(self, costs: CostModels, slo: Slo, options: PolicyOptions = PolicyOptions()) -> None:
         self.costs = costs
@@ -78,7 +77,7 @@ class Policy(ABC):
         if not view.decode:
             return Rejection("no_decode_instance", "no decode instance is registered", self.options.no_instance_retry_after_s)
         match = view.index.match(request.block_keys) if request.block_keys else PrefixMatch()
-        planner = _Planner(self, request, view, match)
+        planner = PrefillPlanner(self, request, view, match)
         prefill = self.choose_prefill(planner)
         decode, tbt = self.choose_decode(request, view.decode)
         if self.slo.reject_early:
@@ -110,13 +109,13 @@ class Policy(ABC):
         )
 
     @abstractmethod
-    def choose_prefill(self, planner: _Planner) -> PrefillPlan: ...
+    def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan: ...
 
     def choose_decode(
         self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
     ) -> tuple[DecodeCandidate | None, float]:
         """Default: the least loaded decode instance with room; returns it and its predicted TBT."""
-        fits = [d for d in decode if _fits(d, request)]
+        fits = [d for d in decode if fits_decode(d, request)]
         if not fits:
             return None, math.inf
         best = min(fits, key=lambda d: (d.batch_size, d.context_tokens))
@@ -128,13 +127,13 @@ class Policy(ABC):
         return self.costs.decode.step_seconds(d.batch_size + 1, context)
 
 
-def _fits(d: DecodeCandidate, request: PlacementRequest) -> bool:
+def fits_decode(d: DecodeCandidate, request: PlacementRequest) -> bool:
     if d.max_batch_size and d.batch_size >= d.max_batch_size:
         return False
     return d.free_kv_tokens is None or d.free_kv_tokens >= request.prompt_tokens + request.max_tokens
 
 
-class _Planner:
+class PrefillPlanner:
     """Predicts TTFT per prefill instance for one request; caches per-request work."""
 
     def __init__(self, policy: Policy, request: PlacementRequest, view: ClusterView, match: PrefixMatch) -> None:
@@ -150,6 +149,7 @@ class _Planner:
             ((n, s) for s, n in match.by_source.items() if s not in view.shared_sources), reverse=True
         )
         self._peers = ranked[:2]  # the best and runner-up: the best cannot pull from itself
+        self._cumulative: dict[SourceId, list[float]] = {}
 
     def _best_among(self, sources: frozenset[SourceId]) -> tuple[SourceId | None, int]:
         best: tuple[SourceId | None, int] = (None, 0)
@@ -164,11 +164,14 @@ class _Planner:
         return min(blocks * self.request.block_size, max(self.request.prompt_tokens - 1, 0))
 
     def _pull_seconds(self, source: SourceId, start: int, end: int) -> float:
-        tiers = self.view.index.tiers(source, self.request.block_keys[start:end])
-        per_tier: dict[Tier, int] = {}
-        for t in tiers:
-            per_tier[t] = per_tier.get(t, 0) + self.request.block_size
-        return self._transfer.seconds_by_tier(per_tier)
+        cumulative = self._cumulative.get(source)
+        if cumulative is None:  # once per source and request: seconds to move blocks [0, i)
+            block_s = {t: self._transfer.seconds_per_token(t) * self.request.block_size for t in Tier}
+            cumulative = [0.0]
+            for tier in self.view.index.tiers(source, self.request.block_keys[:end]):
+                cumulative.append(cumulative[-1] + block_s[tier])
+            self._cumulative[source] = cumulative
+        return self._transfer.latency_s + cumulative[end] - cumulative[start]
 
     def plan(self, c: PrefillCandidate, peers: bool) -> PrefillPlan:
         local = self.match.blocks(c.instance_id)

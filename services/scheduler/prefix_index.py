@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 _BITS = 3
 _SLOT_MASK = (1 << _BITS) - 1
+_TIERS = {int(t): t for t in Tier}  # Tier(n) is slow on a hot path
 
 
 class PrefixIndex:
@@ -132,7 +133,8 @@ class PrefixIndex:
     def tiers(self, source: str, keys: Sequence[BlockKey]) -> list[Tier]:
         """The tier of each of ``keys`` on ``source`` (all must be held there)."""
         shift = self._slot_of[SourceId(source)] * _BITS
-        return [Tier((self._entries[k] >> shift) & _SLOT_MASK) for k in keys]
+        entries = self._entries
+        return [_TIERS[(entries[k] >> shift) & _SLOT_MASK] for k in keys]
 
     def holders(self, key: BlockKey) -> dict[SourceId, Tier]:
         packed = self._entries.get(key, 0)

@@ -41,7 +41,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if problems:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
         assert role is not None
-        self.conductor.register(
+        want_snapshot = self.conductor.register(
             InstanceSpec(
                 instance_id=InstanceId(request.instance_id),
                 role=role,
@@ -54,7 +54,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         )
         self._count_instances()
         interval_ms = round(self.conductor.settings.heartbeat_interval_s * 1000)
-        return scheduler_pb2.RegisterReply(heartbeat_interval_ms=interval_ms)
+        return scheduler_pb2.RegisterReply(heartbeat_interval_ms=interval_ms, want_full_snapshot=want_snapshot)
 
     async def Heartbeat(self, request: scheduler_pb2.InstanceLoad, context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatReply:
         load = LoadReport(

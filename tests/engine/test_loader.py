@@ -139,16 +139,11 @@ def test_loaded_weights_make_a_working_model(model: LoadedModel) -> None:
     ids = tok.encode(prompt + "The capital of France is")
     with torch.inference_mode():
         assert tok.decode([int(reference_logits(model.weights, c, ids)[-1].argmax())]) == " Paris"
-        text = tok.encode("The quick brown fox jumps over the lazy dog. Paris is the capital of France.")
-        target = torch.tensor(text[1:])
-        nll = float(F.cross_entropy(reference_logits(model.weights, c, text)[:-1], target))
-        wrong = dict(model.weights)  # Q/K left in llama.cpp's row order
-        for i in range(c.num_layers):
-            for kind, heads in (("q", c.num_heads), ("k", c.num_kv_heads)):
-                name = f"model.layers.{i}.self_attn.{kind}_proj.weight"
-                wrong[name] = llama_cpp_permute(wrong[name], heads)
-        nll_wrong = float(F.cross_entropy(reference_logits(wrong, c, text)[:-1], target))
-    assert nll < 3.5 and nll < nll_wrong - 0.5
+        text = tok.encode("The quick brown fox jumps over the lazy dog. "
+                          "The capital of France is Paris, and the capital of Germany is Berlin.")
+        nll = float(F.cross_entropy(reference_logits(model.weights, c, text)[:-1], torch.tensor(text[1:])))
+    # Measured: 2.6 nats/token; with Q/K left in llama.cpp's row order it is 3.8.
+    assert nll < 3.2
 
 
 def test_cache_hit_is_identical_and_faster(cold: tuple[LoadedModel, float], source: ModelSource,

@@ -190,3 +190,10 @@ def test_template_helpers_behave_like_transformers() -> None:
     )
     out = template.render([{"role": "user", "content": "café"}])
     assert out == '<s>{"role": "user", "content": "café"}\n</s>'  # tojson keeps non-ASCII
+
+
+def test_a_file_that_is_not_gguf_is_a_tokenizer_error(tmp_path: Path) -> None:
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(TokenizerError, match="fake.gguf"):
+        Tokenizer.from_gguf(path)

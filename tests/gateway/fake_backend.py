@@ -4,7 +4,9 @@ The reply to a chat is the last user message echoed back (tokenized with the fak
 then end-of-turn. Directives at the start of that message script the rest:
 ``#loop`` repeat the text forever (only max_tokens ends it), ``#delay=S`` seconds per decode
 event, ``#batch=N`` tokens per event, ``#prefill_delay=S`` before the first token,
-``#fail_after=N`` decode fails (UNAVAILABLE) after N events.
+``#fail_after=N`` decode fails (UNAVAILABLE) after N events, ``#late_handoff=S`` a cancelled
+prefill still hands the request to decode S seconds later (a handoff that was in flight).
+Like the real decode, StreamTokens for a request not handed off (yet) answers NOT_FOUND.
 
 Prefill reports cached tokens like a real prefix cache: full blocks whose salted chained keys
 it has seen before. The control API (JSON over HTTP) arms scheduler rejections, sets how many
@@ -25,12 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from fastapi import FastAPI
-
-from crescent.protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
+from crescent.protos import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from crescent.services.common.admin_http import AdminServer
 from crescent.services.common.block_keys import prefix_block_keys
+from fastapi import FastAPI
 
 from .fake_tokenizer import IM_END, FakeTokenizer
 
@@ -48,6 +55,7 @@ class Script:
     batch: int = 1
     prefill_delay_s: float = 0.0
     fail_after: int | None = None
+    late_handoff_s: float | None = None
 
     def token(self, index: int) -> int:
         return self.reply[index % len(self.reply)] if self.loop else self.reply[index]
@@ -72,6 +80,7 @@ def parse_script(prompt_ids: list[int]) -> Script:
         batch=int(options.get("batch") or 1),
         prefill_delay_s=float(options.get("prefill_delay") or 0.0),
         fail_after=int(options["fail_after"]) if options.get("fail_after") else None,
+        late_handoff_s=float(options["late_handoff"]) if options.get("late_handoff") else None,
     )
 
 
@@ -103,7 +112,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, state: State) -> None:
         self.state = state
 
-    async def Place(self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Placement:
+    async def Place(
+        self, request: scheduler_pb2.PlaceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.Placement:
         s = self.state
         s.places.append({
             "request_id": request.request_id, "model_id": request.model_id,
@@ -165,8 +176,13 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
                 self.state.jobs[request.request_id] = Job(script, next_index=1, remaining=s.max_tokens - 1)
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
             record["outcome"] = "done"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             record["outcome"] = "cancelled"
+            if script.late_handoff_s is not None:
+                # The handoff was already on its way: decode gets the request after the cancel.
+                job = Job(script, next_index=1, remaining=s.max_tokens - 1)
+                asyncio.get_running_loop().call_later(script.late_handoff_s, self.state.jobs.__setitem__,
+                                                      request.request_id, job)
             raise
 
 
@@ -176,15 +192,13 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     async def StreamTokens(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):  # noqa: ANN201
         rid = request.request_id
+        job = self.state.jobs.pop(rid, None)
+        if job is None:  # like the real decode: a request not handed off (yet) is unknown
+            self.state.decode_event(rid, "not_found")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid}")
         self.state.decode_event(rid, "opened")
-        await context.send_initial_metadata(())
         try:
-            job = self.state.jobs.pop(rid, None)
-            if job is None:
-                # Like a real decode, wait for a handoff that may still be on its way.
-                self.state.decode_event(rid, "waiting")
-                await asyncio.sleep(5)
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid}")
+            await context.send_initial_metadata(())
             sent_events = 0
             while True:
                 await asyncio.sleep(job.script.delay_s)
@@ -203,7 +217,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 if reason:
                     self.state.decode_event(rid, "completed")
                     return
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancelled call surfaces as CancelledError at an await, or GeneratorExit at a `yield`.
             self.state.decode_event(rid, "cancelled")
             raise
 
@@ -228,6 +243,10 @@ def control_app(state: State) -> FastAPI:
     @app.get("/prefills")
     def prefills() -> list[dict[str, Any]]:
         return state.prefills
+
+    @app.get("/jobs")
+    def jobs() -> list[str]:
+        return sorted(state.jobs)
 
     @app.get("/decode-events")
     def decode_events() -> list[dict[str, Any]]:

@@ -24,17 +24,24 @@ def free_port() -> int:
 
 
 class Process:
-    """A child process started with ``python -m MODULE ARGS`` from the repository root."""
+    """A child Python process started from the repository root."""
 
-    def __init__(self, name: str, module: str, *args: str) -> None:
+    def __init__(self, name: str, *args: str) -> None:
         self.name = name
-        self.argv = [sys.executable, "-m", module, *args]
+        self.argv = [sys.executable, *args]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, ready_url: str, *, expect_status: int | None = 200, timeout_s: float = 20.0) -> None:
         """Start, then poll ``ready_url`` until it answers (with ``expect_status`` unless None)."""
+        self.spawn()
+        self.wait_ready(ready_url, expect_status=expect_status, timeout_s=timeout_s)
+
+    def spawn(self) -> None:
         env = dict(os.environ, CRESCENT_LOG_LEVEL="WARNING")
         self.proc = subprocess.Popen(self.argv, cwd=REPO_ROOT, env=env)
+
+    def wait_ready(self, ready_url: str, *, expect_status: int | None = 200, timeout_s: float = 20.0) -> None:
+        assert self.proc is not None, "spawn first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -73,7 +80,7 @@ class FakeBackend(Process):
         self.address = f"127.0.0.1:{self.port}"
         self.control = f"http://127.0.0.1:{self.control_port}"
         super().__init__(
-            "fake backend", "tests.gateway.fake_backend",
+            "fake backend", "-m", "tests.gateway.fake_backend",
             "--port", str(self.port), "--control-port", str(self.control_port), "--block-size", str(BLOCK_SIZE),
         )
 
@@ -90,8 +97,17 @@ class FakeBackend(Process):
         return httpx.put(f"{self.control}{path}", json=body, timeout=5).json()
 
 
+# What ``crescent serve gateway --config FILE`` runs.
+PRODUCTION_ENTRY = ("-c", "import sys; from pathlib import Path; from crescent.services.gateway.server import main; "
+                    "main(Path(sys.argv[1]))")
+FAKE_TOKENIZER_ENTRY = ("-m", "tests.gateway.run_gateway")
+
+
 class Gateway(Process):
-    def __init__(self, config_dir: Path, scheduler_address: str, **settings: Any) -> None:
+    """The gateway process; by default with the fake tokenizer (``run_gateway``)."""
+
+    def __init__(self, config_dir: Path, scheduler_address: str, *, entry: tuple[str, ...] = FAKE_TOKENIZER_ENTRY,
+                 **settings: Any) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
@@ -103,7 +119,11 @@ class Gateway(Process):
         }
         path = config_dir / f"gateway-{self.port}.yaml"
         path.write_text(yaml.safe_dump(config))
-        super().__init__("gateway", "tests.gateway.run_gateway", str(path))
+        super().__init__("gateway", *entry, str(path))
 
-    def start_gateway(self, *, healthy: bool = True) -> None:
-        self.start(f"{self.url}/health", expect_status=200 if healthy else None)
+    def start_gateway(self, *, healthy: bool = True, timeout_s: float = 20.0) -> None:
+        self.spawn()
+        self.wait_gateway(healthy=healthy, timeout_s=timeout_s)
+
+    def wait_gateway(self, *, healthy: bool = True, timeout_s: float = 20.0) -> None:
+        self.wait_ready(f"{self.url}/health", expect_status=200 if healthy else None, timeout_s=timeout_s)

@@ -5,10 +5,21 @@ kernel is defined), hence at import time here, before the test modules are colle
 """
 
 import os
+import sys
 
 import torch
 
+_KERNEL_PACKAGES = ("kda", "mla", "moe", "mxfp4", "attnres")
+
 if not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") != "1" and any(
+        m.split(".")[2] in _KERNEL_PACKAGES for m in sys.modules if m.startswith("crescent.kernels.")
+    ):
+        # defined as compiled kernels already: they would fail obscurely on CPU tensors
+        raise RuntimeError(
+            "crescent.kernels was imported before TRITON_INTERPRET=1 was set; set it in the "
+            "environment or in the root tests/conftest.py when CUDA is absent"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

@@ -8,6 +8,7 @@ import torch
 from crescent.kernels.kda import (
     chunk_kda,
     chunk_kda_reference,
+    chunk_kda_with_snapshots,
     fused_recurrent_kda,
     kda_decode,
     kda_gate,
@@ -88,6 +89,28 @@ def test_varlen_equals_per_sequence_loop(kernel, device, nan_outputs):
         )
         assert rel_rms(o[:, a:b], oi) < 1e-6
         assert rel_rms(s[i], si[0]) < 1e-6
+
+
+def test_snapshots_are_the_states_at_every_block_boundary(device, nan_outputs):
+    lens, every = [40, 0, 32, 15, 70], 32
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+    q, k, v, g, beta, _ = make_inputs(1, sum(lens), 1, 2, 16, 16, device=device)
+    h0 = torch.randn(len(lens), 2, 16, 16, device=device)
+    res = chunk_kda_with_snapshots(q, k, v, g, beta, every=every, initial_state=h0, cu_seqlens=cu)
+    assert res.snapshot_offsets.tolist() == [0, 1, 1, 2, 2, 4]
+    plain_o, plain_s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(res.o, plain_o) and torch.equal(res.final_state, plain_s)
+    for i, start in enumerate(cu[:-1].tolist()):
+        for j in range(lens[i] // every):
+            end = start + (j + 1) * every
+            sl = slice(start, end)
+            _, s_ref = recurrent_kda_reference(
+                q[:, sl].cpu(), k[:, sl].cpu(), v[:, sl].cpu(), g[:, sl].cpu(), beta[:, sl].cpu(),
+                initial_state=h0[i : i + 1].cpu(),
+            )
+            assert rel_rms(res.snapshots[res.snapshot_offsets[i] + j], s_ref[0]) < TOL
+    with pytest.raises(ValueError, match="multiple of 16"):
+        chunk_kda_with_snapshots(q, k, v, g, beta, every=24, cu_seqlens=cu)
 
 
 def test_chunked_prefill_then_decode_equals_one_long_run(device):

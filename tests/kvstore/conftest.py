@@ -71,6 +71,9 @@ def start_node(config: dict[str, Any], workdir: Path, name: str) -> Node:
     port, admin = free_port(), free_port()
     config = {**config, "listen": {"host": "127.0.0.1", "port": port, "admin_port": admin}}
     config.setdefault("node_id", name)
+    # The host arena is touched at start: keep it small unless a test sizes it.
+    host = config.setdefault("tiers", {}).setdefault("host", {})
+    host.setdefault("capacity_bytes", 32 << 20)
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     log = workdir / f"{name}.log"

@@ -97,3 +97,13 @@ def test_assembler_rejects_malformed_streams() -> None:
     short = common_pb2.BlockChunk(meta=block.to_meta(), data=bytes(block.payload)[:-4], last=True)
     with pytest.raises(BlockFormatError, match="announced"):
         BlockAssembler().feed(short)
+
+
+def test_checksum_is_zlib_crc32() -> None:
+    import zlib
+
+    from crescent.services.common.kv_block import payload_checksum
+
+    data = os.urandom(100_003)
+    assert payload_checksum(data) == zlib.crc32(data)
+    assert payload_checksum(memoryview(data)[7:]) == zlib.crc32(data[7:])

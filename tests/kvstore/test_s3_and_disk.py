@@ -19,17 +19,24 @@ def tiers(tmp_path, s3_server, host_blocks: int = 2, disk_blocks: int = 2, **s3_
     exact = {"high_watermark": 1.0, "low_watermark": 1.0}
     return {
         "tiers": {
-            "host": {"capacity_bytes": host_blocks * BLOCK, **exact},
+            "host": {"capacity_bytes": host_blocks * BLOCK, "page_bytes": 16 * 1024, **exact},
             "disk": {"enabled": True, "path": str(tmp_path / "disk"), "capacity_bytes": disk_blocks * BLOCK, **exact},
             "s3": s3_config(s3_server, **s3_extra),
         }
     }
 
 
+def s3_client(s3_server):
+    return boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
 def s3_objects(s3_server) -> dict[str, bytes]:
-    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
-    listed = s3.list_objects_v2(Bucket="kv-test", Prefix="blocks/").get("Contents", [])
+    s3 = s3_client(s3_server)
+    try:
+        listed = s3.list_objects_v2(Bucket="kv-test", Prefix="blocks/").get("Contents", [])
+    except s3.exceptions.NoSuchBucket:
+        return {}  # the node has not created it yet
     return {o["Key"]: s3.get_object(Bucket="kv-test", Key=o["Key"])["Body"].read() for o in listed}
 
 
@@ -75,8 +82,7 @@ async def test_corrupt_copies_are_misses_on_disk_and_s3(tmp_path, s3_server, kvs
         for block in chain:
             await client.put([block])
         await wait_for(lambda: len(s3_objects(s3_server)) == 1)
-        s3 = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        s3 = s3_client(s3_server)
         (name, data), = s3_objects(s3_server).items()
         s3.put_object(Bucket="kv-test", Key=name, Body=data[:-1] + bytes([data[-1] ^ 1]))
         disk_file = next((tmp_path / "disk").glob("*/*.kvb"))
@@ -108,11 +114,13 @@ async def test_s3_outage_means_misses_and_dropped_writes_and_the_node_stays_up(t
         assert node.metric("crescent_kvstore_s3_errors_total", operation="get") >= 1
         stat = await client.stat()
         assert stat is not None and node.proc.poll() is None
-        s3_server.start()  # a new, empty S3: the node keeps working with it
+        s3_server.start()  # S3 is back (moto forgets everything: recreate the bucket)
+        s3_client(s3_server).create_bucket(Bucket="kv-test")
+        await asyncio.sleep(2.5)  # uploads already under way fail by their 1 s timeout
         late = make_chain(3, floats=BLOCK // 4, salt=b"after")
         for block in late:
             await client.put([block])
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: len(s3_objects(s3_server)) == 1)
         assert len(await client.get_prefix([b.key for b in late], MODEL)) == 3
     finally:
         await client.close()

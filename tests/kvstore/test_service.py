@@ -19,10 +19,12 @@ from .helpers import MODEL, make_chain
 KIB = 1024
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
-async def test_put_then_get_prefix_exists_remove_stat(kvstore_node, shared_memory: bool) -> None:
+@pytest.mark.parametrize("path", ["grpc", "shm-pool", "shm-segment"])
+async def test_put_then_get_prefix_exists_remove_stat(kvstore_node, path: str) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 << 20}}})
+    shared_memory = path != "grpc"
     client = KvStoreClient(node.address, shared_memory=shared_memory)
+    client._pool_unusable = path == "shm-segment"  # as a client that cannot open the node's pool
     try:
         chain = make_chain(4, floats=1 << 20)  # 4 MiB blocks: more than one gRPC chunk with headers
         big = make_chain(1, floats=(9 << 20) // 4, salt=b"big")[0]
@@ -45,6 +47,7 @@ async def test_put_then_get_prefix_exists_remove_stat(kvstore_node, shared_memor
     finally:
         await client.close()
     assert client.uses_shared_memory == shared_memory
+    assert (client._pool_path != "") == (path == "shm-pool")  # reads came straight from the pool
     assert not client.errors
 
 
@@ -78,8 +81,8 @@ async def test_an_unreachable_store_is_a_miss_not_an_error() -> None:
 
 async def test_leased_blocks_survive_concurrent_puts(kvstore_node) -> None:
     block_bytes = 64 * KIB
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 8 * block_bytes, "high_watermark": 1.0,
-                                            "low_watermark": 1.0}}})
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 8 * block_bytes, "page_bytes": block_bytes,
+                                            "high_watermark": 1.0, "low_watermark": 1.0}}})
     clients = [KvStoreClient(node.address) for _ in range(4)]
     try:
         hot = make_chain(3, floats=block_bytes // 4, salt=b"hot")
@@ -113,5 +116,7 @@ def test_settings_errors_name_the_setting(tmp_path, monkeypatch) -> None:
         load_kvstore_settings(environ={"CRESCENT_KVSTORE__EVICTION_POLICY": "mru"})
     with pytest.raises(SettingsError, match="tiers.disk"):
         load_kvstore_settings(environ={"CRESCENT_KVSTORE__TIERS__DISK__ENABLED": "true"})
-    settings = load_kvstore_settings(environ={"CRESCENT_KVSTORE__TIERS__HOST__CAPACITY_BYTES": "1234"})
-    assert settings.tiers.host.capacity_bytes == 1234
+    settings = load_kvstore_settings(environ={"CRESCENT_KVSTORE__TIERS__HOST__CAPACITY_BYTES": "1048576"})
+    assert settings.tiers.host.capacity_bytes == 1 << 20
+    with pytest.raises(SettingsError, match="tiers.host.page_bytes"):
+        load_kvstore_settings(environ={"CRESCENT_KVSTORE__TIERS__HOST__CAPACITY_BYTES": "1234"})

@@ -8,7 +8,7 @@ import pytest
 
 from crescent.protos import common_pb2
 from crescent.services.common.metrics import kvstore_metrics
-from crescent.services.kvstore.config import DiskTierSettings, TierSettings
+from crescent.services.kvstore.config import DiskTierSettings, HostTierSettings
 from crescent.services.kvstore.disk_tier import DiskTier
 from crescent.services.kvstore.eviction import make_policy
 from crescent.services.kvstore.store import TieredStore
@@ -20,7 +20,7 @@ BLOCK = 1024  # payload bytes of make_chain(n, floats=256)
 
 
 def host(blocks: int) -> HostTier:
-    return HostTier(TierSettings(capacity_bytes=blocks * BLOCK, high_watermark=1.0, low_watermark=1.0))
+    return HostTier(HostTierSettings(capacity_bytes=blocks * BLOCK, page_bytes=BLOCK, high_watermark=1.0, low_watermark=1.0))
 
 
 def disk(path, blocks: int) -> DiskTier:
@@ -52,7 +52,7 @@ async def test_a_put_fails_when_every_block_is_leased() -> None:
 
 
 async def test_watermarks_free_down_to_the_low_mark() -> None:
-    tier = HostTier(TierSettings(capacity_bytes=10 * BLOCK, high_watermark=0.9, low_watermark=0.5))
+    tier = HostTier(HostTierSettings(capacity_bytes=10 * BLOCK, page_bytes=BLOCK, high_watermark=0.9, low_watermark=0.5))
     store = TieredStore([tier], kvstore_metrics())
     for block in make_chain(10):
         assert await store.put(block)

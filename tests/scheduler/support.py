@@ -7,13 +7,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import httpx
-import yaml
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 

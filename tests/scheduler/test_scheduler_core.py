@@ -117,8 +117,8 @@ def test_fitted_decode_model_recovers_the_truth() -> None:
 def test_paper_preset_follows_the_flops_formula() -> None:
     costs = paper_cost_models()
     n = 8192
-    l, d, a, b = 80, 8192, 2.0, 26.0
-    flops = l * (a * n * n * d + b * n * d * d)
+    layers, d, a, b = 80, 8192, 2.0, 26.0
+    flops = layers * (a * n * n * d + b * n * d * d)
     expected = flops / (8 * 312e12 * 0.45) + 0.005
     assert costs.prefill.seconds(n) == pytest.approx(expected, rel=1e-9)
     # Cached tokens make the new ones cheaper than a cold prompt of the same total length.
@@ -237,3 +237,25 @@ def test_shared_kvstore_prefix_is_reachable_by_every_policy() -> None:
     for name in POLICIES:
         decision = make_policy(name, COSTS, Slo(100, 10)).place(request(k), v)
         assert isinstance(decision, Placement) and decision.cached_blocks == 6, name
+
+
+def test_conductor_spreads_a_burst_between_heartbeats_and_expires_silent_instances() -> None:
+    from crescent.services.scheduler.conductor import Conductor
+    from crescent.services.scheduler.config import SchedulerSettings
+    from crescent.services.scheduler.datatypes import Role
+    from crescent.services.scheduler.registry import InstanceSpec, LoadReport
+
+    now = [0.0]
+    conductor = Conductor(SchedulerSettings(heartbeat_timeout_s=3.0), clock=lambda: now[0])
+    for name in ("p0", "p1"):
+        conductor.register(InstanceSpec(InstanceId(name), Role.PREFILL, f"{name}:1", "m", 4, 0, 0))
+    conductor.register(InstanceSpec(InstanceId("d0"), Role.DECODE, "d0:1", "m", 4, 0, 0))
+    # No heartbeat in between: the placements themselves must count as load.
+    chosen = [conductor.place(f"r{i}", "m", tuple(keys(50, tag=i)), 200, 8).prefill for i in range(4)]
+    assert sorted(chosen) == ["p0", "p0", "p1", "p1"]
+    now[0] = 2.0
+    assert conductor.heartbeat(InstanceId("p1"), LoadReport()) and conductor.heartbeat(InstanceId("d0"), LoadReport())
+    now[0] = 4.0
+    assert conductor.expire() == ["p0"]
+    assert {conductor.place("x", "m", (), 10, 8).prefill for _ in range(3)} == {"p1"}
+    assert not conductor.heartbeat(InstanceId("p0"), LoadReport())

@@ -163,3 +163,15 @@ def test_ttft_slo_rejection_and_metrics(start_scheduler) -> None:
     assert "crescent_scheduler_observed_ttft_seconds_count 1.0" in metrics
     assert "crescent_scheduler_ttft_prediction_error_seconds_count 1.0" in metrics
     assert "crescent_scheduler_decision_seconds_count 2.0" in metrics
+
+
+def test_reregistered_instance_loses_its_stale_blocks(start_scheduler) -> None:
+    sched = start_scheduler(heartbeat_timeout_s=30)
+    assert sched.stub.Register(instance("p0", "prefill")).want_full_snapshot
+    sched.stub.Register(instance("d0", "decode"))
+    prompt = keys(6)
+    sched.stub.PublishBlockEvents(stored("p0", prompt, full=True))
+    assert place(sched.stub, prompt, prompt_tokens=30).expected_cached_blocks == 6
+    # p0 restarted with an empty cache: what the index held for it must not be trusted.
+    assert sched.stub.Register(instance("p0", "prefill")).want_full_snapshot
+    assert place(sched.stub, prompt, prompt_tokens=30).expected_cached_blocks == 0

@@ -158,6 +158,9 @@ spec:
   selector:
     matchLabels:
       {{- include "crescent.selectorLabels" . | nindent 6 }}
+    # Not the kvstore's node-local Service: it routes to the same pods and would scrape them twice.
+    matchExpressions:
+      - {key: crescent.io/node-local, operator: DoesNotExist}
   namespaceSelector:
     matchNames: [{{ .root.Release.Namespace }}]
   endpoints:

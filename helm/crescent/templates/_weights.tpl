@@ -15,6 +15,8 @@ initContainers:
     imagePullPolicy: {{ $w.init.image.pullPolicy }}
     command:
       {{- toYaml $w.init.command | nindent 6 }}
+    env:
+      - {name: HOME, value: /tmp}
     {{- with $w.init.envFromSecret }}
     envFrom:
       - secretRef: {name: {{ . }}}

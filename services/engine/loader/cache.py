@@ -25,7 +25,7 @@ from crescent.services.engine.loader.loaded import LoadedModel
 logger = logging.getLogger(__name__)
 
 # Bump whenever the loader's output for the same GGUF changes (names, Q/K layout, dtype).
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 SOURCE_FILE = "source.json"
 
 

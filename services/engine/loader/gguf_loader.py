@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
 
 from crescent.services.engine.loader.dequant import dequantize, unpermute_qk
@@ -53,6 +54,11 @@ def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _f32(value: Any) -> float:
+    # GGUF stores float32: take its shortest decimal form (1e-05, not 9.999999747378752e-06).
+    return float(str(np.float32(value)))
+
+
 def config_from_gguf(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> LlamaConfig:
     arch = _meta(reader, "general.architecture")
     if arch != "llama":
@@ -64,15 +70,18 @@ def config_from_gguf(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> LlamaConf
             raise ModelLoadError(f"GGUF file lacks llama.{key}")
         return value
 
-    if _meta(reader, "llama.rope.scaling.type", "none") not in ("none", ""):
-        raise ModelLoadError(f"GGUF llama.rope.scaling.type {_meta(reader, 'llama.rope.scaling.type')!r} is not supported")
+    scaling = _meta(reader, "llama.rope.scaling.type", "none")
+    if scaling not in ("none", ""):  # scaled RoPE would silently give wrong logits
+        raise ModelLoadError(f"GGUF llama.rope.scaling.type {scaling!r} is not supported")
     if _meta(reader, "llama.expert_count", 0):
         raise ModelLoadError("GGUF llama.expert_count > 0: mixture-of-experts models are not supported")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = int(_meta(reader, "llama.attention.key_length", hidden // heads))
     rotary = int(_meta(reader, "llama.rope.dimension_count", head_dim))
     if rotary != head_dim:
-        raise ModelLoadError(f"GGUF llama.rope.dimension_count {rotary} != head dim {head_dim}: partial RoPE is not supported")
+        raise ModelLoadError(
+            f"GGUF llama.rope.dimension_count {rotary} != head dim {head_dim}: partial RoPE is not supported"
+        )
     names = {t.name for t in reader.tensors}
     try:
         return LlamaConfig(
@@ -83,8 +92,8 @@ def config_from_gguf(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> LlamaConf
             num_heads=heads,
             num_kv_heads=int(_meta(reader, "llama.attention.head_count_kv", heads)),
             head_dim=head_dim,
-            rope_theta=float(_meta(reader, "llama.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=_f32(_meta(reader, "llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(need("context_length")),
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=tokenizer.bos_token_id,
@@ -96,6 +105,7 @@ def config_from_gguf(reader: gguf.GGUFReader, tokenizer: Tokenizer) -> LlamaConf
 
 def load_gguf(path: Path, model_id: str, *, progress: bool) -> LoadedModel:
     """Parse the file once; build the tokenizer from its metadata and dequantize every tensor."""
+    logger.info("reading GGUF %s", path)
     try:
         reader = gguf.GGUFReader(str(path))
     except (OSError, ValueError) as exc:

@@ -76,7 +76,7 @@ def load_hf_dir(path: Path, model_id: str, *, progress: bool) -> LoadedModel:
         try:
             # mmap: float32 tensors stay backed by the page cache (shared between processes).
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     if _ignored(name, config):
                         continue
                     if name not in expected:

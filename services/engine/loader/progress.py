@@ -1,4 +1,4 @@
-"""A progress bar for tensor loading (rich, on stderr); a no-op when disabled."""
+"""A progress bar for tensor loading (rich, on stderr); nothing when disabled or not a terminal."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ T = TypeVar("T")
 
 
 def track(items: Iterable[T], *, total: int, description: str, enabled: bool) -> Iterator[T]:
-    if not enabled:
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:  # service logs get a log line instead
         yield from items
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(description, total=total)
         for item in items:
             yield item

@@ -1,0 +1,142 @@
+"""Writes helm/crescent/values.schema.json from values.yaml plus the constraints below.
+
+    python helm/schema/generate.py          # regenerate the committed schema
+    python helm/schema/generate.py --check  # exit 1 if the committed schema is stale
+
+Types come from the defaults in values.yaml; every object rejects keys it does not list
+(additionalProperties: false) except the free-form Kubernetes objects named in FREE_FORM, so a
+misspelt key fails `helm install`. CONSTRAINTS adds enums, ranges and list item shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CHART = Path(__file__).resolve().parent.parent / "crescent"
+COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "kvstore")
+LATENCY_BUCKETS = [0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120]  # crescent_gateway_ttft_seconds
+TOKEN_INTERVAL_BUCKETS = [0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5]  # ..._tbt_seconds
+
+# Keys holding Kubernetes or service objects the chart passes through unchanged.
+FREE_FORM = {"resources", "nodeSelector", "affinity", "podAnnotations", "settings", "annotations", "labels",
+             "podSecurityContext", "securityContext", "metricsNamespaceSelector"}
+# List keys whose items are Kubernetes objects.
+OBJECT_LISTS = {"extraEnv", "extraVolumes", "extraVolumeMounts", "tolerations"}
+
+PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+IMAGE_TAG = {"type": "string", "minLength": 1, "not": {"const": "latest"}}
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "imagePullSecrets": {"items": {"type": "string", "minLength": 1}},
+    "logLevel": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR"]},
+    "model.id": {"minLength": 1},
+    "model.weights.source": {"enum": ["image", "pvc", "init"]},
+    "model.weights.pvc.accessModes": {"items": {"enum": ["ReadOnlyMany", "ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]}},
+    "model.weights.init.command": {"items": {"type": "string"}},
+    "model.weights.init.image.tag": IMAGE_TAG,
+    "slo.ttftSeconds": {"type": "number", "enum": LATENCY_BUCKETS},
+    "slo.tbtSeconds": {"type": "number", "enum": TOKEN_INTERVAL_BUCKETS},
+    "slo.objective": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "topology.supernodeLabel": {"minLength": 1},
+    "topology.groups": {
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]{0,14}[a-z0-9])?$"},
+                "supernode": {"type": "string"},
+            },
+        },
+    },
+    "gateway.replicas": {"minimum": 1},
+    "gateway.service.type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+    "kvstore.hostMemoryGiB": {"minimum": 1},
+    "kvstore.ssd.capacityGiB": {"minimum": 1},
+    "kvstore.s3.capacityGiB": {"minimum": 1},
+    "monitoring.prometheusRule.rejectionRatio": {"exclusiveMinimum": 0, "maximum": 1},
+    "monitoring.prometheusRule.cacheHitRatioDropFraction": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "monitoring.prometheusRule.instanceDownFor": {"pattern": "^[0-9]+[smh]$"},
+    "monitoring.serviceMonitor.interval": {"pattern": "^[0-9]+[smh]$"},
+}
+for _c in COMPONENTS:
+    CONSTRAINTS[f"{_c}.image.tag"] = IMAGE_TAG
+    CONSTRAINTS[f"{_c}.image.pullPolicy"] = {"enum": ["Always", "IfNotPresent", "Never"]}
+    for _port in ("port",) if _c == "gateway" else ("grpcPort", "adminPort"):
+        CONSTRAINTS[f"{_c}.{_port}"] = PORT
+for _role in ("prefill", "decode"):
+    CONSTRAINTS[f"{_role}.replicas"] = {"minimum": 0}
+    CONSTRAINTS[f"{_role}.gpus"] = {"minimum": 0}
+    CONSTRAINTS[f"{_role}.autoscaling.minReplicas"] = {"minimum": 1}
+    CONSTRAINTS[f"{_role}.autoscaling.maxReplicas"] = {"minimum": 1}
+
+
+def infer(value: Any, path: str) -> dict[str, Any]:
+    key = path.rsplit(".", 1)[-1]
+    if key in FREE_FORM:
+        schema: dict[str, Any] = {"type": "object"}
+    elif key in OBJECT_LISTS:
+        schema = {"type": "array", "items": {"type": "object"}}
+    elif isinstance(value, dict):
+        schema = {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {k: infer(v, f"{path}.{k}" if path else k) for k, v in value.items()},
+        }
+    elif isinstance(value, bool):
+        schema = {"type": "boolean"}
+    elif isinstance(value, int):
+        schema = {"type": "integer"}
+    elif isinstance(value, float):
+        schema = {"type": "number"}
+    elif isinstance(value, str):
+        schema = {"type": "string"}
+    elif isinstance(value, list):
+        schema = {"type": "array"}
+    else:
+        raise ValueError(f"values.yaml: cannot infer a type for {path} (null?); give it a typed default")
+    schema.update(CONSTRAINTS.get(path, {}))
+    return schema
+
+
+def render() -> str:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    unknown = [p for p in CONSTRAINTS if not _has_path(values, p)]
+    if unknown:
+        raise ValueError(f"constraints for keys missing from values.yaml: {unknown}")
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "title": "Crescent chart values", **infer(values, "")}
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def _has_path(values: dict[str, Any], path: str) -> bool:
+    node: Any = values
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args()
+    target = CHART / "values.schema.json"
+    text = render()
+    if args.check:
+        if not target.exists() or target.read_text() != text:
+            print(f"{target} is stale: run python helm/schema/generate.py", file=sys.stderr)
+            return 1
+        return 0
+    target.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Put/get throughput of a kvstore node per tier and block size, through gRPC on loopback and
+through shared memory, next to a plain memcpy of the same bytes (the limit on this machine).
+
+    .venv/bin/python loadtest/bench_kvstore.py [--sizes-mib 1 4 16 64] [--total-mib 256] [--tiers host disk s3]
+
+Starts its own node (and a moto S3 server for the s3 tier) on 127.0.0.1; prints one line per
+case and a JSON line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+from crescent.services.common.block_keys import prefix_block_keys
+from crescent.services.common.kv_block import KvBlock
+from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.memory import keep_large_buffers_warm
+
+MIB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+def memcpy_gbps(nbytes: int, count: int, repeat: int = 3) -> float:
+    """Copy ``count`` distinct blocks of ``nbytes`` (as many bytes as a case moves, so caches
+    do not flatter it) between warm buffers: the machine's limit for moving these bytes."""
+    src = np.frombuffer(os.urandom(nbytes * count), dtype=np.uint8).reshape(count, nbytes)
+    dst = np.ones_like(src)  # touched first: we measure copying, not page faults
+    best = min(_timed(lambda: [np.copyto(dst[i], src[i]) for i in range(count)]) for _ in range(repeat))
+    return nbytes * count / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def tier_config(tier: str, workdir: Path, s3_endpoint: str | None, capacity: int, chunk: int) -> dict:
+    tiers: dict = {"host": {"capacity_bytes": capacity, "high_watermark": 1.0, "low_watermark": 1.0}}
+    if tier in ("disk", "s3"):
+        tiers["host"]["enabled"] = False
+    if tier == "disk":
+        tiers["disk"] = {"enabled": True, "path": str(workdir / "disk"), "capacity_bytes": capacity}
+    if tier == "s3":
+        tiers["s3"] = {
+            "enabled": True, "endpoint_url": s3_endpoint, "bucket": "bench", "region": "us-east-1",
+            "access_key_id": "bench", "secret_access_key": "bench", "create_bucket": True,
+            "capacity_bytes": capacity, "write_queue_blocks": 4096, "timeout_s": 30,
+        }
+    return {"tiers": tiers, "max_block_bytes": 128 * MIB, "max_chunk_bytes": chunk}
+
+
+def make_blocks(size: int, count: int, salt: bytes) -> list[KvBlock]:
+    payload = os.urandom(size)  # same bytes for every block: we measure transfer, not RNG
+    keys = prefix_block_keys(list(range(count * 4)), 4, "bench", salt)
+    return [
+        KvBlock.build(k, None, "bench", "uint8", (size,), (1, 2, 3, 4), payload) for k in keys
+    ]
+
+
+async def run_case(
+    address: str, size: int, count: int, shared_memory: bool, tier: str, chunk: int
+) -> tuple[float, float]:
+    client = KvStoreClient(address, shared_memory=shared_memory, timeout_s=300, max_chunk_bytes=chunk)
+    try:
+        blocks = make_blocks(size, count, f"{tier}-{size}-{shared_memory}".encode())
+        await client.put(blocks[:1])  # warm the channel and segment
+        start = time.perf_counter()
+        for block in blocks:
+            result = await client.put([block])
+            assert result.stored == 1, result
+        put_s = time.perf_counter() - start
+        if tier == "s3":
+            await asyncio.sleep(0.5)
+        keys = [b.key for b in blocks]
+        await client.get(keys[:1], "bench")
+        start = time.perf_counter()
+        got = 0
+        for key in keys:
+            got += len(await client.get([key], "bench"))
+        get_s = time.perf_counter() - start
+        assert got == count, f"only {got}/{count} blocks came back"
+        await client.remove(keys)
+        return size * count / put_s / 1e9, size * count / get_s / 1e9
+    finally:
+        await client.close()
+
+
+def policy_hit_rates(capacity_blocks: int = 512, requests: int = 20000, seed: int = 0) -> dict[str, float]:
+    """Block hit rate of each eviction policy on a synthetic trace: multi-turn conversations
+    with Zipf popularity whose prefixes are re-read, mixed with one-off long prompts (20%)."""
+    import random
+
+    from crescent.services.kvstore.eviction import make_policy, policy_names
+
+    rng = random.Random(seed)
+    conversations = 400
+    weights = [1 / (i + 1) for i in range(conversations)]
+    trace: list[list[bytes]] = []
+    for r in range(requests):
+        if rng.random() < 0.2:
+            trace.append([f"once-{r}-{i}".encode() for i in range(16)])
+        else:
+            conv = rng.choices(range(conversations), weights)[0]
+            trace.append([f"conv-{conv}-{i}".encode() for i in range(rng.randint(4, 16))])
+    rates = {}
+    for name in policy_names():
+        policy, held, hits, total = make_policy(name), set(), 0, 0
+        for keys in trace:
+            for key in keys:
+                total += 1
+                if key in held:
+                    hits += 1
+                    policy.touch(key)
+                    continue
+                if len(held) >= capacity_blocks:
+                    held.discard(policy.pop_victim(lambda k: False))
+                policy.insert(key)
+                held.add(key)
+        rates[name] = round(hits / total, 4)
+    return rates
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per case")
+    parser.add_argument("--chunk-mib", type=int, default=4, help="gRPC chunk size, both directions")
+    parser.add_argument("--tiers", nargs="+", default=["host", "disk", "s3"], choices=["host", "disk", "s3"])
+    args = parser.parse_args()
+    keep_large_buffers_warm()  # as the client process of a real deployment should
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        s3_proc, s3_endpoint = None, None
+        if "s3" in args.tiers:
+            port = free_port()
+            exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+            s3_proc = start([exe, "-H", "127.0.0.1", "-p", str(port)], workdir / "moto.log")
+            s3_endpoint = f"http://127.0.0.1:{port}"
+            wait_http(f"{s3_endpoint}/moto-api/")
+        try:
+            for tier in args.tiers:
+                for size_mib in args.sizes_mib:
+                    size = size_mib * MIB
+                    count = max(2, args.total_mib // size_mib)
+                    port, admin = free_port(), free_port()
+                    config = tier_config(tier, workdir, s3_endpoint, (count + 2) * size * 2, args.chunk_mib * MIB)
+                    config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin}
+                    path = workdir / f"{tier}.yaml"
+                    path.write_text(yaml.safe_dump(config))
+                    node = start([sys.executable, "-m", "crescent.services.kvstore.server", "--config", str(path)],
+                                 workdir / f"{tier}.log")
+                    try:
+                        wait_http(f"http://127.0.0.1:{admin}/health")
+                        copy = memcpy_gbps(size, count)
+                        paths = [False, True] if tier == "host" else [False]
+                        for shm in paths:
+                            put, get = asyncio.run(
+                                run_case(f"127.0.0.1:{port}", size, count, shm, tier, args.chunk_mib * MIB)
+                            )
+                            row = {"tier": tier, "path": "shm" if shm else "grpc", "block_mib": size_mib,
+                                   "put_gbps": round(put, 3), "get_gbps": round(get, 3), "memcpy_gbps": round(copy, 3),
+                                   "put_pct_memcpy": round(100 * put / copy, 1), "get_pct_memcpy": round(100 * get / copy, 1)}
+                            results.append(row)
+                            print(f"{tier:5s} {row['path']:4s} {size_mib:3d} MiB  put {put:6.2f} GB/s  "
+                                  f"get {get:6.2f} GB/s  memcpy {copy:6.2f} GB/s  "
+                                  f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%)", flush=True)
+                    finally:
+                        stop(node)
+                    if tier == "disk":
+                        shutil.rmtree(workdir / "disk", ignore_errors=True)
+        finally:
+            if s3_proc is not None:
+                stop(s3_proc)
+    rates = policy_hit_rates()
+    print("eviction policies, block hit rate on a conversation + scan trace:",
+          ", ".join(f"{k} {v:.1%}" for k, v in rates.items()))
+    print(json.dumps({"bench": "kvstore", "results": results, "policy_hit_rates": rates}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Start and stop a real ``crescent up`` platform for tests: separate processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    url: str
+    run_dir: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def services(self) -> list[dict]:
+        return json.loads((self.run_dir / "services.json").read_text())
+
+    def service(self, name: str) -> dict:
+        return next(s for s in self.services if s["name"] == name)
+
+    def metric(self, name: str, metric: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of one sample on a service's /metrics (0 when absent)."""
+        text = httpx.get(self.service(name)["metrics_url"], timeout=5).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted((labels or {}).items()))
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith(metric):
+                continue
+            head, value = line.rsplit(" ", 1)
+            sample, _, label_text = head.partition("{")
+            if sample != metric:
+                continue
+            have = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
+            if all(part in have.split(",") for part in want.split(",") if part):
+                total += float(value)
+        return total
+
+
+def start_stack(run_dir: Path, *extra_args: str, timeout_s: float = 300) -> Stack:
+    port = free_port()
+    log = open(run_dir / "up.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port), "--run-dir", str(run_dir), *extra_args],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, CRESCENT_LOG_LEVEL="INFO"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "services.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("crescent up failed:\n" + (run_dir / "up.log").read_text(errors="replace")[-4000:])
+        time.sleep(0.3)
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    return Stack(url, run_dir, proc)
+
+
+def stop_stack(stack: Stack) -> None:
+    stack.proc.send_signal(signal.SIGTERM)
+    try:
+        stack.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        stack.proc.kill()
+        raise

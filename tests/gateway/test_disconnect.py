@@ -1,0 +1,117 @@
+"""A client that goes away frees its decode slot: decode sees its stream cancelled within a second."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from .fake_tokenizer import MODEL_ID
+from .support import FakeBackend, Gateway
+
+ENDLESS = {"model": MODEL_ID, "messages": [{"role": "user", "content": "#loop #delay=0.05 never ending story "}]}
+
+
+def wait_for_event(backend: FakeBackend, request_id: str, event: str, timeout_s: float = 1.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = [e["event"] for e in backend.get("/decode-events") if e["request_id"] == request_id]
+        if event in events:
+            return events
+        assert time.monotonic() < deadline, f"decode did not see {event!r} for {request_id} in {timeout_s} s: {events}"
+        time.sleep(0.02)
+
+
+def last_prefill_id(backend: FakeBackend, before: int) -> str:
+    prefills = backend.get("/prefills")
+    assert len(prefills) == before + 1
+    return prefills[-1]["request_id"]
+
+
+def cancelled_count(gateway: Gateway) -> float:
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    prefix = 'crescent_gateway_requests_total{status="cancelled"} '
+    return sum(float(line[len(prefix):]) for line in metrics.splitlines() if line.startswith(prefix))
+
+
+def in_flight(gateway: Gateway) -> float:
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    line = next(line for line in metrics.splitlines() if line.startswith("crescent_gateway_requests_in_flight "))
+    return float(line.split()[1])
+
+
+def test_disconnect_mid_stream_cancels_decode(gateway: Gateway, backend: FakeBackend) -> None:
+    cancelled_before = cancelled_count(gateway)
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", f"{gateway.url}/v1/chat/completions", json={**ENDLESS, "stream": True}) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            chunks: list[dict[str, Any]] = []
+            for line in lines:
+                if line.startswith("data: "):
+                    chunks.append(json.loads(line[len("data: "):]))
+                if len(chunks) == 4:
+                    break
+            request_id = chunks[0]["id"]
+            assert wait_for_event(backend, request_id, "opened") == ["opened"]  # still streaming
+        # Leaving the block closes the connection mid-stream.
+    closed_at = time.monotonic()
+    assert wait_for_event(backend, request_id, "cancelled")[-1] == "cancelled"
+    assert time.monotonic() - closed_at < 1.0
+    # The gateway accounts for it as cancelled, and nothing is left in flight.
+    deadline = time.monotonic() + 1.0
+    while (cancelled_count(gateway), in_flight(gateway)) != (cancelled_before + 1, 0):
+        assert time.monotonic() < deadline, (cancelled_count(gateway), in_flight(gateway))
+        time.sleep(0.02)
+
+
+def hang_up_during_prefill(gateway: Gateway, backend: FakeBackend, directives: str) -> tuple[str, float]:
+    """Send a streaming request and hang up before its first token; return its id and when."""
+    before = len(backend.get("/prefills"))
+    slow_prefill = {**ENDLESS, "stream": True,
+                    "messages": [{"role": "user", "content": f"#prefill_delay=0.6 {directives} #loop #delay=0.05 x"}]}
+    try:
+        # No byte comes back before the first token: the read timeout hangs up during prefill.
+        httpx.post(f"{gateway.url}/v1/chat/completions", json=slow_prefill, timeout=httpx.Timeout(5, read=0.3))
+        raise AssertionError("the gateway answered before prefill finished")
+    except httpx.ReadTimeout:
+        pass
+    closed_at = time.monotonic()
+    request_id = last_prefill_id(backend, before)
+    deadline = time.monotonic() + 1.0
+    while backend.get("/prefills")[-1]["outcome"] != "cancelled":
+        assert time.monotonic() < deadline, backend.get("/prefills")[-1]
+        time.sleep(0.02)
+    return request_id, closed_at
+
+
+def test_disconnect_during_prefill_cancels_prefill(gateway: Gateway, backend: FakeBackend) -> None:
+    request_id, _ = hang_up_during_prefill(gateway, backend, "")
+    # The gateway also asked decode to drop the request, which decode never received.
+    events = wait_for_event(backend, request_id, "not_found")
+    assert "cancelled" not in events
+    assert request_id not in backend.get("/jobs")
+
+
+def test_disconnect_during_prefill_with_handoff_in_flight(gateway: Gateway, backend: FakeBackend) -> None:
+    # Prefill's handoff lands in decode 0.3 s after the cancel: the gateway's abort still frees it.
+    request_id, closed_at = hang_up_during_prefill(gateway, backend, "#late_handoff=0.3")
+    events = wait_for_event(backend, request_id, "cancelled", timeout_s=1.5)
+    assert events[0] == "not_found" and events[-2:] == ["opened", "cancelled"]
+    assert time.monotonic() - closed_at < 1.5
+    assert request_id not in backend.get("/jobs")
+
+
+def test_disconnect_during_non_streaming_request_cancels_decode(gateway: Gateway, backend: FakeBackend) -> None:
+    before = len(backend.get("/prefills"))
+    try:
+        httpx.post(f"{gateway.url}/v1/chat/completions", json=ENDLESS, timeout=httpx.Timeout(5, read=0.4))
+        raise AssertionError("an endless completion returned")
+    except httpx.ReadTimeout:
+        pass
+    closed_at = time.monotonic()
+    request_id = last_prefill_id(backend, before)
+    assert wait_for_event(backend, request_id, "cancelled") == ["opened", "cancelled"]
+    assert time.monotonic() - closed_at < 1.0

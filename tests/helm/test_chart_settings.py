@@ -1,0 +1,73 @@
+"""The YAML settings the chart renders load in the services' own settings models.
+
+Each service validates its settings strictly (unknown keys are errors), so this keeps the chart
+in step with services/*/config.py: a renamed setting fails here, not in a crash-looping pod.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helm.test_chart import VALUES_FILES
+from tests.helm.tools import by_kind, render
+
+SETTINGS = {
+    "gateway": ("crescent.services.gateway.config", "GatewaySettings"),
+    "scheduler": ("crescent.services.scheduler.config", "SchedulerSettings"),
+    "prefill": ("crescent.services.prefill.config", "PrefillSettings"),
+    "decode": ("crescent.services.decode.config", "DecodeSettings"),
+    "kvstore": ("crescent.services.kvstore.config", "KvStoreSettings"),
+}
+# What the downward API would give the pod.
+POD_FIELDS = {"POD_NAME": "crescent-prefill-g0-abcde", "POD_IP": "10.1.2.3", "NODE_NAME": "gpu-node-0"}
+FIELD_PATHS = {"metadata.name": "POD_NAME", "status.podIP": "POD_IP", "spec.nodeName": "NODE_NAME"}
+
+
+def _pod_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as Kubernetes would set it (fieldRefs and $(VAR) resolved)."""
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), POD_FIELDS.get(m.group(1), "")), var["value"])
+        elif "fieldRef" in var.get("valueFrom", {}):
+            env[var["name"]] = POD_FIELDS[FIELD_PATHS[var["valueFrom"]["fieldRef"]["fieldPath"]]]
+    return env
+
+
+@pytest.mark.parametrize("service", sorted(SETTINGS))
+@pytest.mark.parametrize("name", sorted(VALUES_FILES))
+def test_rendered_settings_load_in_the_service(tmp_path: Path, name: str, service: str) -> None:
+    module_name, class_name = SETTINGS[service]
+    module = pytest.importorskip(module_name, reason=f"{module_name} is not written yet")
+    settings_module = importlib.import_module("crescent.services.common.settings")
+    docs = render(values=VALUES_FILES[name])
+    config = by_kind(docs, "ConfigMap")[f"crescent-{service}"]["data"]["config.yaml"]
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "DaemonSet")
+                 and d["metadata"]["labels"]["app.kubernetes.io/component"] == service]
+    assert workloads
+    container = workloads[0]["spec"]["template"]["spec"]["containers"][0]
+    # The container starts the service named in its args, with the mounted config.
+    assert container["args"] == [service, "--config", "/etc/crescent/config.yaml"]
+    settings = settings_module.load_settings(
+        getattr(module, class_name), path, env_prefix=module.ENV_PREFIX, environ=_pod_env(container)
+    )
+    assert settings.listen.host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    if service == "gateway":
+        assert settings.listen.port == ports["http"]
+    else:
+        assert (settings.listen.port, settings.listen.admin_port) == (ports["grpc"], ports["admin"])
+    if service in ("prefill", "decode"):
+        assert settings.instance_id == POD_FIELDS["POD_NAME"]
+        assert settings.advertise_address == f"{POD_FIELDS['POD_IP']}:{ports['grpc']}"
+    if service == "kvstore":
+        assert settings.node_id == POD_FIELDS["NODE_NAME"]
+    if service != "scheduler" and hasattr(settings, "scheduler_address"):
+        assert settings.scheduler_address == "crescent-scheduler:50051"

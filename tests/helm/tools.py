@@ -1,0 +1,67 @@
+"""Finding the external tools the chart tests drive, and rendering the chart with them.
+
+scripts/install_tools.sh puts helm and kubectl in .tools/bin, kubernetes-validate and
+grafana-foundation-sdk in the venv, and promtool/prometheus on PATH (Debian package).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "crescent"
+EXAMPLES = REPO / "helm" / "examples"
+RELEASE = "crescent"
+NAMESPACE = "serving"
+INSTALL_HINT = "run scripts/install_tools.sh"
+
+
+def tool(name: str) -> str:
+    """Path of a tool from .tools/bin, the venv, or PATH; skip the test when it is missing."""
+    for candidate in (REPO / ".tools" / "bin" / name, Path(sys.executable).parent / name):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed ({INSTALL_HINT})")
+    return found
+
+
+def run(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def helm_template(*args: str, values: list[Path] = (), show_only: str | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [tool("helm"), "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    for path in values:
+        cmd += ["-f", str(path)]
+    if show_only:
+        cmd += ["--show-only", show_only]
+    return run(cmd + list(args))
+
+
+def render(*args: str, values: list[Path] = ()) -> list[dict[str, Any]]:
+    """Rendered manifests as dicts; fails the test with helm's message if rendering fails."""
+    result = helm_template(*args, values=values)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def rules_file(tmp_path: Path, *args: str) -> Path:
+    """The PrometheusRule's groups as a plain Prometheus rules file (what promtool reads)."""
+    docs = render("--set", "monitoring.prometheusRule.enabled=true", *args)
+    (rule,) = by_kind(docs, "PrometheusRule").values()
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False, width=10**6))
+    return path
