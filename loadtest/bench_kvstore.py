@@ -76,7 +76,7 @@ def tier_config(tier: str, workdir: Path, s3_endpoint: str | None, capacity: int
     if tier == "s3":
         tiers["s3"] = {
             "enabled": True, "endpoint_url": s3_endpoint, "bucket": "bench", "region": "us-east-1",
-            "access_key_id": "bench", "secret_access_key": "bench", "create_bucket": True,
+            "access_key_id": "bench", "secret_access_key": "bench", "create_bucket": True, "prefix": "kv/",
             "capacity_bytes": capacity, "write_queue_blocks": 4096, "timeout_s": 30,
         }
     return {"tiers": tiers, "max_block_bytes": 128 * MIB, "max_chunk_bytes": chunk}
@@ -88,6 +88,39 @@ def make_blocks(size: int, count: int, salt: bytes) -> list[KvBlock]:
     return [
         KvBlock.build(k, None, "bench", "uint8", (size,), (1, 2, 3, 4), payload) for k in keys
     ]
+
+
+S3_ENDPOINT: str | None = None
+
+
+def _s3():
+    import boto3
+
+    return boto3.client("s3", endpoint_url=S3_ENDPOINT, region_name="us-east-1",
+                        aws_access_key_id="bench", aws_secret_access_key="bench")
+
+
+def s3_object_count() -> int:
+    pages = _s3().get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix="kv/")
+    return sum(len(page.get("Contents", [])) for page in pages)
+
+
+def raw_tier_gbps(tier: str, size: int, count: int, workdir: Path) -> tuple[float, float]:
+    """The same bytes through the tier's medium with no kvstore: plain files, or boto3 to S3."""
+    payload = os.urandom(size)
+    if tier == "disk":
+        root = workdir / "raw"
+        root.mkdir(exist_ok=True)
+        put = _timed(lambda: [(root / str(i)).write_bytes(payload) for i in range(count)])
+        get = _timed(lambda: [(root / str(i)).read_bytes() for i in range(count)])
+        shutil.rmtree(root)
+    else:
+        s3 = _s3()
+        put = _timed(lambda: [s3.put_object(Bucket="bench", Key=f"raw/{i}", Body=payload) for i in range(count)])
+        get = _timed(lambda: [s3.get_object(Bucket="bench", Key=f"raw/{i}")["Body"].read() for i in range(count)])
+        for i in range(count):
+            s3.delete_object(Bucket="bench", Key=f"raw/{i}")
+    return size * count / put / 1e9, size * count / get / 1e9
 
 
 async def run_case(
@@ -102,8 +135,9 @@ async def run_case(
             result = await client.put([block])
             assert result.stored == 1, result
         put_s = time.perf_counter() - start
-        if tier == "s3":
-            await asyncio.sleep(0.5)
+        if tier == "s3":  # a put to S3 returns once queued: count until the objects are there
+            while s3_object_count() < count + 1:
+                await asyncio.sleep(0.01)
         keys = [b.key for b in blocks]
         await client.get(keys[:1], "bench")
         start = time.perf_counter()
@@ -181,6 +215,8 @@ def main() -> None:
             s3_proc = start([exe, "-H", "127.0.0.1", "-p", str(port)], workdir / "moto.log")
             s3_endpoint = f"http://127.0.0.1:{port}"
             wait_http(f"{s3_endpoint}/moto-api/")
+            global S3_ENDPOINT
+            S3_ENDPOINT = s3_endpoint
         try:
             for tier in args.tiers:
                 for size_mib in args.sizes_mib:
@@ -204,10 +240,15 @@ def main() -> None:
                             row = {"tier": tier, "path": "shm" if shm else "grpc", "block_mib": size_mib,
                                    "put_gbps": round(put, 3), "get_gbps": round(get, 3), "memcpy_gbps": round(copy, 3),
                                    "put_pct_memcpy": round(100 * put / copy, 1), "get_pct_memcpy": round(100 * get / copy, 1)}
+                            raw = ""
+                            if tier != "host":
+                                raw_put, raw_get = raw_tier_gbps(tier, size, count, workdir)
+                                row |= {"raw_put_gbps": round(raw_put, 3), "raw_get_gbps": round(raw_get, 3)}
+                                raw = f"  raw {tier}: put {raw_put:5.2f} get {raw_get:5.2f} GB/s"
                             results.append(row)
                             print(f"{tier:5s} {row['path']:4s} {size_mib:3d} MiB  put {put:6.2f} GB/s  "
                                   f"get {get:6.2f} GB/s  memcpy {copy:6.2f} GB/s  "
-                                  f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%)", flush=True)
+                                  f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%){raw}", flush=True)
                     finally:
                         stop(node)
                     if tier == "disk":

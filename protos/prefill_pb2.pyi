@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "sampling", "decode_address")
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "sampling", "decode_address", "prefix_source_id", "prefix_source_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: bytes
     sampling: _common_pb2.SamplingParams
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    prefix_source_id: str
+    prefix_source_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., prefix_source_id: _Optional[str] = ..., prefix_source_blocks: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "prompt_tokens", "cached_tokens", "finished", "finish_reason")
@@ -50,3 +54,13 @@ class PrefillEvent(_message.Message):
     first_token: FirstToken
     handed_off: HandedOff
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., handed_off: _Optional[_Union[HandedOff, _Mapping]] = ...) -> None: ...
+
+class FetchPrefixRequest(_message.Message):
+    __slots__ = ("model_id", "block_keys", "token_ids")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

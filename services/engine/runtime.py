@@ -28,18 +28,24 @@ T = TypeVar("T")
 
 def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     torch.set_num_threads(settings.threads)
-    loaded = load_model(resolve_model(settings.model), progress=progress)
+    source = resolve_model(settings.model)
+    if source.kind == "kimi_k3":  # the hybrid family loads through its own package
+        from crescent.services.engine.kimi_k3.loading import load_k3_model
+
+        model, model_id = load_k3_model(source), source.model_id
+    else:
+        loaded = load_model(source, progress=progress)
+        model, model_id = LlamaModel(loaded.config, loaded.weights), loaded.model_id
     engine = Engine(
-        LlamaModel(loaded.config, loaded.weights),
-        model_id=loaded.model_id,
+        model,
+        model_id=model_id,
         kv_capacity_tokens=settings.kv_capacity_tokens,
         page_size=settings.block_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
     log.info(
         "engine ready: model %s, %d KV pages of %d tokens (%.2f GB)",
-        loaded.model_id, engine.cache.pages.num_pages, settings.block_size,
-        engine.cache.pool.numel() * engine.cache.pool.element_size() / 1e9,
+        model_id, engine.cache.pages.num_pages, settings.block_size, engine.cache.nbytes() / 1e9,
     )
     return engine
 

@@ -6,9 +6,18 @@ the platform does not implement is a 400 that names it (``extra="forbid"``), nev
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic_core import PydanticCustomError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 MAX_STOP_STRINGS = 4
 
@@ -22,16 +31,71 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class AssistantToolCall(RequestModel):
+    """A tool call of an earlier assistant turn, sent back by the client."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(RequestModel):
+    # Declared before content: its validator reads them.
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    tool_calls: list[AssistantToolCall] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = Field(default=None, description="extension: an assistant turn's reasoning")
+
+    @field_validator("tool_calls", "reasoning_content")
+    @classmethod
+    def _assistant_only(cls, value: object, info: ValidationInfo) -> object:
+        if value is not None and info.data.get("role") != "assistant":
+            # Reported like an unknown field: in such a message it is not a parameter at all.
+            raise PydanticCustomError("extra_forbidden", "only assistant messages carry {field}",
+                                      {"field": info.field_name})
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_tool_calls(cls, value: object, info: ValidationInfo) -> object:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        return value
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(RequestModel):
@@ -57,6 +121,9 @@ class ChatCompletionRequest(RequestModel):
     logprobs: bool = False
     user: str | None = None
     cache_salt: str | None = Field(default=None, description="extension: isolates a tenant's prefix cache")
+    ignore_eos: bool = Field(default=False, description="extension: generate max_tokens even past end-of-sequence")
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @field_validator("stop")
     @classmethod
@@ -70,6 +137,10 @@ class ChatCompletionRequest(RequestModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def offers_tools(self) -> bool:
+        """Tools are given and may be called: render them into the prompt and parse calls from the reply."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -85,10 +156,24 @@ class ChatCompletionRequest(RequestModel):
             problems.append(("frequency_penalty", "only frequency_penalty=0 is supported"))
         if self.logprobs:
             problems.append(("logprobs", "logprobs are not supported"))
+        if self.tool_choice not in (None, "none", "auto"):
+            problems.append(("tool_choice", "only tool_choice 'auto' and 'none' are supported (a call cannot be forced)"))
+        elif self.tool_choice == "auto" and not self.tools:
+            problems.append(("tool_choice", "tool_choice 'auto' needs tools"))
         return problems
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class _DropsNone(BaseModel):
+    """Serializes without the fields that are None (OpenAI omits them in deltas and messages)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k in self.KEEP_NONE}
+
+    KEEP_NONE: ClassVar[frozenset[str]] = frozenset()
 
 
 class PromptTokensDetails(BaseModel):
@@ -102,9 +187,23 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class AssistantMessage(BaseModel):
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class AssistantMessage(_DropsNone):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the reply is only tool calls
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+    KEEP_NONE: ClassVar[frozenset[str]] = frozenset({"content"})
 
 
 class Choice(BaseModel):
@@ -123,14 +222,27 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class Delta(BaseModel):
+class FunctionDelta(_DropsNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(_DropsNone):
+    """A piece of a streamed tool call: id, type and name come once, then argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
+class Delta(_DropsNone):
+    """A delta carries only what changed: the role once, then content, reasoning or tool calls."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="plain")
-    def _drop_unset(self) -> dict[str, Any]:
-        # A delta carries only what changed: the role once, then content.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChunkChoice(BaseModel):

@@ -26,6 +26,7 @@ class Sampling:
     seed: int | None
     max_tokens: int                 # the first token included
     stop_token_ids: tuple[int, ...]
+    ignore_eos: bool = False        # benchmarks: run to max_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,14 @@ from crescent.services.gateway.api_models import (
     ChatCompletion,
     ChatCompletionRequest,
     Choice,
+    FunctionCallOut,
+    ToolCallOut,
 )
+from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
-from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
+from crescent.services.gateway.generation import Finished, TextDelta, generate_text
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatStream, ChunkHeader, SseResponse, status_of, usage_model
 from fastapi import Request
@@ -109,7 +112,8 @@ class ChatCompletions:
                 top_k=max(body.top_k, 0),
                 seed=body.seed,
                 max_tokens=prompt.max_tokens,
-                stop_token_ids=tuple(self._model.tokenizer.eos_token_ids),
+                stop_token_ids=() if body.ignore_eos else tuple(self._model.tokenizer.eos_token_ids),
+                ignore_eos=body.ignore_eos,
             ),
         )
 
@@ -119,8 +123,10 @@ class ChatCompletions:
         record = RequestRecord(self._metrics)
         try:
             generation_request = await self._generation_request(body, request_id)
-            events = generate_text(
-                self._backend, self._model.tokenizer, generation_request, body.stop_strings(), record
+            output_format = self._model.output_format
+            events = parse_output(
+                generate_text(self._backend, self._model.tokenizer, generation_request, body.stop_strings(), record),
+                output_format if body.offers_tools() else output_format.without_tools(),
             )
             header = ChunkHeader(
                 request_id=request_id,
@@ -153,17 +159,33 @@ class ChatCompletions:
             record.finish("error")
             raise
 
-    async def _collect(self, header: ChunkHeader, events: AsyncGenerator[GenerationEvent, None]) -> ChatCompletion:
+    async def _collect(self, header: ChunkHeader, events: AsyncGenerator[OutputEvent, None]) -> ChatCompletion:
         parts: list[str] = []
+        reasoning: list[str] = []
+        calls: dict[int, tuple[str, str, list[str]]] = {}  # index -> id, name, argument fragments
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
+                elif isinstance(event, ReasoningDelta):
+                    reasoning.append(event.text)
+                elif isinstance(event, ToolCallDelta):
+                    if event.call_id is not None:
+                        calls[event.index] = (event.call_id, event.name or "", [])
+                    calls[event.index][2].append(event.arguments)
                 elif isinstance(event, Finished):
+                    tool_calls = [
+                        ToolCallOut(id=call_id, function=FunctionCallOut(name=name, arguments="".join(args)))
+                        for call_id, name, args in (calls[i] for i in sorted(calls))
+                    ]
+                    message = AssistantMessage(
+                        content="".join(parts) if parts or not tool_calls else None,
+                        reasoning_content="".join(reasoning) if reasoning else None,
+                        tool_calls=tool_calls or None,
+                    )
                     return ChatCompletion(
                         id=header.request_id, created=header.created, model=header.model,
-                        choices=[Choice(message=AssistantMessage(content="".join(parts)),
-                                        finish_reason=event.finish_reason)],
+                        choices=[Choice(message=message, finish_reason=event.finish_reason)],
                         usage=usage_model(event.usage),
                     )
         raise AssertionError("generate_text always ends with Finished or an error")

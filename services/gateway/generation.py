@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Literal
 
 from crescent.services.gateway.accounting import RequestRecord, UsageCounts
 from crescent.services.gateway.backend import Backend, FinishReason, FirstToken, GenerationRequest
@@ -28,7 +29,7 @@ class TextDelta:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    finish_reason: FinishReason
+    finish_reason: FinishReason | Literal["tool_calls"]  # "tool_calls": set by assistant_output
     usage: UsageCounts
 
 

@@ -22,6 +22,7 @@ from crescent.protos import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.grpc_service import insecure_channel
 from crescent.services.gateway.backend import (
     BackendEvent,
@@ -49,6 +50,7 @@ _ABORT_CONFIRM_S = 0.5   # how long an abort waits for decode to see the stream 
 _ABORT_WINDOW_S = 2.0    # how long an abort keeps trying while decode does not know the request yet
 _ABORT_RETRY_S = 0.1
 _RETRY_AFTER_S = 1.0
+_OUTCOME_TIMEOUT_S = 2.0  # ReportOutcome is best effort: metrics only
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
@@ -75,9 +77,11 @@ def _finish_reason(value: str) -> FinishReason:
 
 class GrpcBackend:
     def __init__(self, scheduler_address: str, *, request_timeout_s: float, place_timeout_s: float,
-                 health_timeout_s: float) -> None:
+                 health_timeout_s: float, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._aborts: set[asyncio.Task[None]] = set()
+        self._outcomes: set[asyncio.Task[None]] = set()   # ReportOutcome calls in flight
+        self._block_size = block_size
         self._request_timeout_s = request_timeout_s
         self._place_timeout_s = place_timeout_s
         self._health_timeout_s = health_timeout_s
@@ -126,7 +130,7 @@ class GrpcBackend:
             raise InternalError("the scheduler returned a placement without addresses")
         return placement
 
-    def _prefill_request(self, request: GenerationRequest, decode_address: str) -> prefill_pb2.PrefillRequest:
+    def _prefill_request(self, request: GenerationRequest, placement: scheduler_pb2.Placement) -> prefill_pb2.PrefillRequest:
         s = request.sampling
         return prefill_pb2.PrefillRequest(
             request_id=request.request_id,
@@ -136,18 +140,22 @@ class GrpcBackend:
             sampling=common_pb2.SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                 has_seed=s.seed is not None, seed=s.seed or 0,
-                max_tokens=s.max_tokens, stop_token_ids=list(s.stop_token_ids),
+                max_tokens=s.max_tokens, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
             ),
-            decode_address=decode_address,
+            decode_address=placement.decode.address,
+            # Hot-prefix replication: the chosen prefill pulls a longer prefix from this source and keeps it.
+            prefix_source_id=placement.prefix_source_id,
+            prefix_source_blocks=placement.prefix_source_blocks,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._request_timeout_s
+        started = loop.time()
+        deadline = started + self._request_timeout_s
         placement = await self._place(request)
         decode_address = placement.decode.address
         prefill_call = prefill_pb2_grpc.PrefillStub(self._channel(placement.prefill.address)).Prefill(
-            self._prefill_request(request, decode_address), timeout=max(deadline - loop.time(), 0.001)
+            self._prefill_request(request, placement), timeout=max(deadline - loop.time(), 0.001)
         )
         stream_call = None
         finished = False
@@ -158,6 +166,7 @@ class GrpcBackend:
                 raise InternalError(f"{stage} did not send a first token")
             token = first.first_token
             finished = token.finished
+            self._report_outcome(request.request_id, loop.time() - started, token.cached_tokens)
             yield FirstToken(
                 token_id=token.token_id,
                 prompt_tokens=token.prompt_tokens,
@@ -194,6 +203,20 @@ class GrpcBackend:
             elif not finished:
                 self._abort_in_decode(decode_address, request.request_id)
 
+    def _report_outcome(self, request_id: RequestId, ttft_s: float, cached_tokens: int) -> None:
+        """Tell the scheduler the measured TTFT (predicted-vs-actual metrics), without delaying the stream."""
+        outcome = scheduler_pb2.RequestOutcome(request_id=request_id, ttft_s=ttft_s,
+                                               cached_blocks=cached_tokens // self._block_size)
+        task = asyncio.get_running_loop().create_task(self._send_outcome(outcome))
+        self._outcomes.add(task)
+        task.add_done_callback(self._outcomes.discard)
+
+    async def _send_outcome(self, outcome: scheduler_pb2.RequestOutcome) -> None:
+        try:
+            await self._scheduler.ReportOutcome(outcome, timeout=_OUTCOME_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("could not report the outcome of %s: %s", outcome.request_id, exc.code().name)
+
     def _abort_in_decode(self, address: str, request_id: RequestId) -> None:
         task = asyncio.get_running_loop().create_task(self._open_and_cancel(address, request_id))
         self._aborts.add(task)
@@ -228,8 +251,8 @@ class GrpcBackend:
             await asyncio.sleep(_ABORT_RETRY_S)
 
     async def close(self) -> None:
-        if self._aborts:
-            await asyncio.wait(set(self._aborts), timeout=_ABORT_WINDOW_S + _ABORT_CONFIRM_S)
+        if self._aborts or self._outcomes:
+            await asyncio.wait(self._aborts | self._outcomes, timeout=_ABORT_WINDOW_S + _ABORT_CONFIRM_S)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

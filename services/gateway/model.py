@@ -11,10 +11,12 @@ import logging
 
 import gguf
 from crescent.services.engine.chat_template import ChatTemplateError
+from crescent.services.engine.kimi_tokenizer import KimiTokenizer, tokenizer_for
 from crescent.services.engine.model_source import ModelSource, resolve_model
 from crescent.services.engine.tokenizer import Tokenizer
 from crescent.services.gateway.config import DEFAULT_CONTEXT_WINDOW, GatewaySettings
-from crescent.services.gateway.prompt import ServedModel
+from crescent.services.gateway.output_format import KIMI_OUTPUT, PLAIN_OUTPUT
+from crescent.services.gateway.prompt import ChatTokenizer, ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +33,25 @@ def _gguf_tokenizer_and_window(source: ModelSource) -> tuple[Tokenizer, int | No
     return Tokenizer.from_gguf_reader(reader), None if window is None else int(window)  # type: ignore[call-overload]
 
 
-def _hf_tokenizer_and_window(source: ModelSource) -> tuple[Tokenizer, int | None]:
+def _hf_tokenizer_and_window(source: ModelSource) -> tuple[ChatTokenizer, int | None]:
     config_path = source.path / "config.json"
     window = json.loads(config_path.read_text(encoding="utf-8")).get("max_position_embeddings")
-    return Tokenizer.from_hf_dir(source.path), int(window) if isinstance(window, int) else None
+    return tokenizer_for(source), int(window) if isinstance(window, int) else None  # Kimi's for Kimi models
 
 
 def load_served_model(settings: GatewaySettings) -> ServedModel:
     """Resolve ``settings.model``; raises the engine's ``ModelNotFoundError`` for an unknown spec."""
     source = resolve_model(settings.model)
+    tokenizer: ChatTokenizer
     if source.kind == "gguf":
         tokenizer, model_window = _gguf_tokenizer_and_window(source)
     else:
         tokenizer, model_window = _hf_tokenizer_and_window(source)
     window = settings.context_window or model_window or DEFAULT_CONTEXT_WINDOW
     log.info("model %s (%s): context window %d tokens", source.model_id, source.path, window)
+    # Kimi models reason in <think> tags and call tools in Kimi's markup; the others get plain text.
+    output_format = KIMI_OUTPUT if isinstance(tokenizer, KimiTokenizer) else PLAIN_OUTPUT
     return ServedModel(
-        tokenizer=tokenizer, model_id=source.model_id, context_window=window, template_errors=(ChatTemplateError,)
+        tokenizer=tokenizer, model_id=source.model_id, context_window=window, template_errors=(ChatTemplateError,),
+        output_format=output_format,
     )

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from crescent.services.gateway.api_models import ChatCompletionRequest
-from crescent.services.gateway.errors import ContextLengthExceededError, InvalidRequestError
+from crescent.services.gateway.api_models import ChatCompletionRequest, Message
+from crescent.services.gateway.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    UnsupportedParameterError,
+)
+from crescent.services.gateway.output_format import PLAIN_OUTPUT, OutputFormat
 
 
 class Detokenizer(Protocol):
@@ -33,6 +38,13 @@ class ChatTokenizer(Protocol):
     def new_detokenizer(self) -> Detokenizer: ...
 
 
+class ToolChatTokenizer(ChatTokenizer, Protocol):
+    """A tokenizer whose chat format also renders tool definitions (``KimiTokenizer``)."""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """What the gateway knows about the model it fronts."""
@@ -41,6 +53,7 @@ class ServedModel:
     model_id: str                     # names the model to the engines and in block keys
     context_window: int               # prompt + completion tokens
     template_errors: tuple[type[Exception], ...] = ()  # errors meaning "these messages don't fit the template"
+    output_format: OutputFormat = PLAIN_OUTPUT  # reasoning/tool-call markup; tools need a ToolChatTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +67,41 @@ class Prompt:
 _TEMPLATE_ROLE = {"developer": "system"}
 
 
+def _template_message(message: Message) -> dict[str, Any]:
+    fields: dict[str, Any] = {"role": _TEMPLATE_ROLE.get(message.role, message.role), "content": message.text()}
+    if message.tool_calls:
+        fields["content"] = None if message.content is None else message.text()
+        fields["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(message, key) is not None:
+            fields[key] = getattr(message, key)
+    return fields
+
+
+def _check_tools_supported(request: ChatCompletionRequest, model: ServedModel) -> None:
+    if model.output_format.supports_tools:
+        return
+    why = "this model's chat template has no tool support"
+    if request.tools:
+        raise UnsupportedParameterError(f"tools are not supported: {why}", param="tools")
+    if any(m.tool_calls for m in request.messages):
+        raise UnsupportedParameterError(f"messages with tool_calls are not supported: {why}", param="messages")
+
+
+def _render(request: ChatCompletionRequest, model: ServedModel) -> str:
+    messages = [_template_message(m) for m in request.messages]
+    if not request.offers_tools():
+        return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+    tokenizer: ToolChatTokenizer = model.tokenizer  # type: ignore[assignment]  # supports_tools says so
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+
+
 def build_prompt(request: ChatCompletionRequest, model: ServedModel, default_max_tokens: int) -> Prompt:
     """Render and tokenize the request's messages; check that prompt plus completion fit."""
-    messages = [{"role": _TEMPLATE_ROLE.get(m.role, m.role), "content": m.text()} for m in request.messages]
+    _check_tools_supported(request, model)
     try:
-        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = _render(request, model)
     except model.template_errors as exc:
         raise InvalidRequestError(f"messages do not fit the model's chat template: {exc}", param="messages") from exc
     token_ids = tuple(model.tokenizer.encode(text))

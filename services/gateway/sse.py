@@ -1,6 +1,7 @@
 """Server-sent events for streamed chat completions.
 
-The stream is ``data: {chunk}\\n\\n`` lines: a first chunk with ``delta.role``, content chunks,
+The stream is ``data: {chunk}\\n\\n`` lines: a first chunk with ``delta.role``, content (or
+``reasoning_content``, or ``tool_calls``) chunks,
 a chunk with ``finish_reason``, a usage chunk when ``stream_options.include_usage`` is set, then
 ``data: [DONE]``. An error after the stream started is sent as ``data: {"error": ...}`` (the
 ``openai`` client raises it). However the response ends (finished, client gone, server
@@ -20,11 +21,14 @@ from crescent.services.gateway.api_models import (
     ChunkChoice,
     Delta,
     FinishReason,
+    FunctionDelta,
     PromptTokensDetails,
+    ToolCallChunk,
     Usage,
 )
+from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta
 from crescent.services.gateway.errors import ApiError, InternalError, RateLimitedError
-from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
+from crescent.services.gateway.generation import Finished, TextDelta
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -65,8 +69,8 @@ class ChatStream:
     def __init__(
         self,
         header: ChunkHeader,
-        first: GenerationEvent,
-        events: AsyncGenerator[GenerationEvent, None],
+        first: OutputEvent,
+        events: AsyncGenerator[OutputEvent, None],
         record: RequestRecord,
     ) -> None:
         self._header = header
@@ -87,10 +91,14 @@ class ChatStream:
 
     async def sse(self) -> AsyncIterator[str]:
         yield self._chunk(Delta(role="assistant", content=""))
-        event: GenerationEvent = self._first
+        event: OutputEvent = self._first
         while True:
             if isinstance(event, TextDelta):
                 yield self._chunk(Delta(content=event.text))
+            elif isinstance(event, ReasoningDelta):
+                yield self._chunk(Delta(reasoning_content=event.text))
+            elif isinstance(event, ToolCallDelta):
+                yield self._chunk(Delta(tool_calls=[_tool_call_chunk(event)]))
             elif isinstance(event, Finished):
                 yield self._chunk(Delta(), finish_reason=event.finish_reason)
                 if self._header.include_usage:
@@ -120,6 +128,13 @@ class ChatStream:
         """Cancel whatever is still running; a stream that did not finish counts as cancelled."""
         await self._events.aclose()
         self._record.finish("cancelled")
+
+
+def _tool_call_chunk(event: ToolCallDelta) -> ToolCallChunk:
+    if event.call_id is None:
+        return ToolCallChunk(index=event.index, function=FunctionDelta(arguments=event.arguments))
+    return ToolCallChunk(index=event.index, id=event.call_id, type="function",
+                         function=FunctionDelta(name=event.name, arguments=event.arguments))
 
 
 class SseResponse(StreamingResponse):

@@ -28,8 +28,9 @@ async def serve(settings: PrefillSettings) -> None:
             if instance.agent is not None:
                 asyncio.get_running_loop().create_task(instance.agent.publish_now())
 
-        servicer = PrefillServicer(instance.engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon)
-        instance.load = lambda: (instance.worker.pending, 0, servicer.running)
+        servicer = PrefillServicer(instance.engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon,
+                                   scheduler_address=settings.scheduler_address)
+        instance.load = servicer.load.report
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
 
         async def cleanup() -> None:

@@ -27,6 +27,8 @@ from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import sample_batch
 from crescent.services.engine.wire import sampling_config
 from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.prefill.load import PrefillLoad
+from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ def _payload_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
-                 on_blocks_stored) -> None:
+                 on_blocks_stored, scheduler_address: str = "") -> None:
         self.engine = engine
         self.worker = worker
         self.kvstore = kvstore
@@ -51,6 +53,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = engine_metrics("prefill")
         self.running = 0
+        self.load = PrefillLoad()
+        self.puller = (PrefixPuller(engine, worker, self.metrics, PeerDirectory(scheduler_address))
+                       if scheduler_address else None)
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -58,6 +63,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await asyncio.gather(*self._background, return_exceptions=True)
         for channel in self._decode_channels.values():
             await channel.close()
+        if self.puller is not None:
+            await self.puller.close()
 
     def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
         if address not in self._decode_channels:
@@ -81,16 +88,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         self.metrics.queue_depth.labels("prefill").set(self.worker.pending + 1)
         self.running += 1
+        self.load.admit(request.request_id, len(tokens))
         seq: Sequence | None = None
         try:
             seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt)
             local_hit = seq.num_cached
+            peer_hit = await self._pull_from_peer(request, seq)
             remote_hit = await self._attach_from_kvstore(seq)
+            self.load.cached(request.request_id, seq.num_cached)
             start = time.perf_counter()
             sampling = sampling_config(request.sampling)
+            self.load.computing(request.request_id)
             first = await self.worker.run(lambda: sample_batch(self.engine.prefill(seq)[None], [sampling], [0])[0])
+            self.load.done(request.request_id)
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
-            self._count(len(tokens), local_hit, remote_hit)
+            self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
             stop_ids = set(request.sampling.stop_token_ids)
             if not request.sampling.ignore_eos:
@@ -117,17 +129,36 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise
         finally:
             self.running -= 1
+            self.load.done(request.request_id)
             self.metrics.queue_depth.labels("prefill").set(self.worker.pending)
             if seq is not None:
                 await self.worker.run(self.engine.release, seq)
                 self._on_blocks_stored()
 
-    def _count(self, prompt: int, local_hit: int, remote_hit: int) -> None:
+    def _count(self, prompt: int, local_hit: int, remote_hit: int, peer_hit: int = 0) -> None:
         m = self.metrics
         m.prompt_tokens.labels("prefill").inc(prompt)
         m.cached_tokens.labels("prefill", "local").inc(local_hit)
         m.cached_tokens.labels("prefill", "kvstore").inc(remote_hit)
-        m.computed_tokens.labels("prefill").inc(prompt - local_hit - remote_hit)
+        m.cached_tokens.labels("prefill", "peer").inc(peer_hit)
+        m.computed_tokens.labels("prefill").inc(prompt - local_hit - remote_hit - peer_hit)
+
+    # ---- hot-prefix replication (see prefix_pull.py) -----------------------------------------
+
+    async def _pull_from_peer(self, request: prefill_pb2.PrefillRequest, seq: Sequence) -> int:
+        """Prefix blocks the placement says a peer holds beyond our own: pull and keep them."""
+        if self.puller is None or not request.prefix_source_id or request.prefix_source_blocks <= 0:
+            return 0
+        return await self.puller.pull(seq, request.prefix_source_id, request.prefix_source_blocks)
+
+    async def FetchPrefix(self, request: prefill_pb2.FetchPrefixRequest, context: grpc.aio.ServicerContext):
+        if request.model_id and request.model_id != self.engine.model_id:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this instance serves {self.engine.model_id!r}, not {request.model_id!r}")
+        if len(request.token_ids) != len(request.block_keys) * self.engine.page_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.block_keys)} block keys need {len(request.block_keys) * self.engine.page_size} token ids")
+        async for chunk in serve_prefix(self.engine, self.worker, self.metrics, request):
+            yield chunk
 
     async def _attach_from_kvstore(self, seq: Sequence) -> int:
         if self.kvstore is None:
@@ -175,7 +206,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _store_blocks(self, blocks: list[KvBlock]) -> None:
         assert self.kvstore is not None
         start = time.perf_counter()
-        await self.kvstore.put(blocks)
+        result = await self.kvstore.put(blocks)
+        if result.rejected:
+            log.warning("kvstore kept %d of %d new blocks", result.stored, len(blocks))
         self.metrics.transfer_bytes.labels("prefill", "to_kvstore").inc(sum(b.nbytes for b in blocks))
         self.metrics.transfer_seconds.labels("prefill", "to_kvstore").observe(time.perf_counter() - start)
 
@@ -202,7 +235,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             ))
             for i, blob in enumerate(blobs):
                 tokens = min(page, prompt_len - i * page)
-                block_shape = shape[:2] + [tokens] + shape[3:]
+                block_shape = list(self.engine.cache.payload_shape(tokens))
                 meta = common_pb2.BlockMeta(key=f"{request.request_id}/{i}".encode(), model_id=self.engine.model_id,
                                             dtype=DTYPE, shape=block_shape, nbytes=len(blob), found=True)
                 for chunk in chunks_of(meta, blob):

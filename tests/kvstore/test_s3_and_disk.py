@@ -120,7 +120,7 @@ async def test_s3_outage_means_misses_and_dropped_writes_and_the_node_stays_up(t
         late = make_chain(3, floats=BLOCK // 4, salt=b"after")
         for block in late:
             await client.put([block])
-        await wait_for(lambda: len(s3_objects(s3_server)) == 1)
+        await wait_for(lambda: len(s3_objects(s3_server)) >= 1)  # demotions reach S3 again
         assert len(await client.get_prefix([b.key for b in late], MODEL)) == 3
     finally:
         await client.close()

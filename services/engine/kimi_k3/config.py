@@ -1,0 +1,175 @@
+"""The shape of a Kimi K3-class hybrid model: which layers are KDA and which gated MLA, the
+dense first layer(s), the latent MoE, Block Attention Residuals, SiTU-GLU constants.
+
+One frozen dataclass, read from (and written to) a Hugging Face ``config.json`` with
+``model_type: "kimi_k3"``. ``K3_FULL`` is the published K3 shape (sizes the issue lists; the
+KDA head layout and the MLA/KDA interleave are assumptions, see docs/k3.md); ``NANO`` is the
+tiny test model behind the ``kimi-k3-nano`` preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from crescent.services.engine.model_config import ModelConfigError
+
+MODEL_TYPE = "kimi_k3"
+KIMI_VOCAB_SIZE = 163840  # the Kimi tiktoken tokenizer's id space (regular + special tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class K3Config:
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]  # "kda" or "mla", one per layer
+    first_dense_layers: int       # leading layers with a dense SiTU-GLU FFN instead of MoE
+    dense_intermediate_size: int
+    # Kimi Delta Attention
+    kda_num_heads: int            # q/k heads (H)
+    kda_num_v_heads: int          # value heads (HV, a multiple of H)
+    kda_head_dim: int             # K
+    kda_v_head_dim: int           # V
+    kda_gate_rank: int            # rank of the low-rank gate projections f (decay) and output gate
+    kda_conv_width: int
+    kda_lower_bound: float
+    # gated MLA
+    mla_num_heads: int
+    q_lora_rank: int              # 0: a direct q projection
+    kv_lora_rank: int             # Dc, the cached latent
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int         # Dr, the cached decoupled RoPE key
+    v_head_dim: int
+    rope_theta: float
+    # latent MoE
+    num_experts: int
+    num_shared_experts: int
+    num_experts_per_tok: int
+    moe_latent_size: int          # routed experts run in this down-projected space
+    moe_intermediate_size: int
+    shared_intermediate_size: int
+    routed_scaling_factor: float
+    # Block Attention Residuals: the 2 * layers sublayers form this many blocks (the last may be short)
+    attn_res_blocks: int
+    situ_beta_gate: float
+    situ_beta_up: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in ("kda", "mla")]
+        if bad or not self.layer_types:
+            raise ModelConfigError(f"layer_types must be a non-empty list of 'kda'/'mla', got {list(self.layer_types)}")
+        if self.kda_num_v_heads % self.kda_num_heads:
+            raise ModelConfigError(f"kda_num_v_heads ({self.kda_num_v_heads}) must be a multiple of kda_num_heads")
+        if not 1 <= self.attn_res_blocks <= 2 * self.num_layers:
+            raise ModelConfigError(f"attn_res_blocks must be in [1, {2 * self.num_layers}] (the sublayers)")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok must be in [1, {self.num_experts}]")
+        if not 0 <= self.first_dense_layers <= self.num_layers:
+            raise ModelConfigError(f"first_dense_layers must be in [0, {self.num_layers}]")
+        if self.qk_rope_head_dim % 2:
+            raise ModelConfigError("qk_rope_head_dim must be even for RoPE")
+
+    # ---- derived shape ------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "kda")
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "mla")
+
+    @property
+    def sublayers_per_block(self) -> int:
+        return -(-2 * self.num_layers // self.attn_res_blocks)
+
+    @property
+    def kda_qk_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def kda_v_dim(self) -> int:
+        return self.kda_num_v_heads * self.kda_v_head_dim
+
+    @property
+    def kda_conv_dim(self) -> int:
+        """Channels of the short convolutions (q, k and v side by side)."""
+        return 2 * self.kda_qk_dim + self.kda_v_dim
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """Floats cached per token per MLA layer: c_kv then k_rope."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_dense_layers
+
+    # ---- Hugging Face config.json -------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> K3Config:
+        if cfg.get("model_type") != MODEL_TYPE:
+            raise ModelConfigError(f"config.json model_type is {cfg.get('model_type')!r}, not {MODEL_TYPE!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - names - {"model_type", "architectures", "torch_dtype", "eos_token_id", "quantization_config"})
+        if unknown:
+            raise ModelConfigError(f"config.json has fields a kimi_k3 model does not know: {', '.join(unknown)}")
+        values: dict[str, Any] = {k: v for k, v in cfg.items() if k in names}
+        eos = cfg.get("eos_token_id")
+        values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        values["layer_types"] = tuple(values.get("layer_types", ()))
+        try:
+            return cls(**values)
+        except TypeError as exc:  # a missing field
+            raise ModelConfigError(f"config.json: {exc}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["layer_types"] = list(self.layer_types)
+        eos = list(out.pop("eos_token_ids"))
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+        return {"model_type": MODEL_TYPE, "architectures": ["KimiK3ForCausalLM"], "torch_dtype": "float32", **out}
+
+
+def _k3_layer_types() -> tuple[str, ...]:
+    # 93 layers, 24 MLA: every fourth layer is MLA (23 of them in 92 layers) plus the last one.
+    return tuple("mla" if i % 4 == 3 or i == 92 else "kda" for i in range(93))
+
+
+K3_FULL = K3Config(
+    vocab_size=160 * 1024, hidden_size=7168, layer_types=_k3_layer_types(),
+    first_dense_layers=1, dense_intermediate_size=33792,
+    kda_num_heads=96, kda_num_v_heads=96, kda_head_dim=128, kda_v_head_dim=128, kda_gate_rank=128,
+    kda_conv_width=4, kda_lower_bound=-5.0,
+    mla_num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, rope_theta=50000.0,
+    num_experts=896, num_shared_experts=2, num_experts_per_tok=16, moe_latent_size=3584,
+    moe_intermediate_size=3072, shared_intermediate_size=3072, routed_scaling_factor=2.5,
+    attn_res_blocks=8, situ_beta_gate=4.0, situ_beta_up=25.0, rms_norm_eps=1e-6,
+    max_position_embeddings=1 << 20, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(),
+)
+
+NANO = K3Config(
+    vocab_size=KIMI_VOCAB_SIZE, hidden_size=64, layer_types=("kda", "kda", "mla", "kda", "kda", "mla"),
+    first_dense_layers=1, dense_intermediate_size=128,
+    kda_num_heads=2, kda_num_v_heads=4, kda_head_dim=16, kda_v_head_dim=16, kda_gate_rank=16,
+    kda_conv_width=4, kda_lower_bound=-5.0,
+    mla_num_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+    v_head_dim=16, rope_theta=10000.0,
+    num_experts=8, num_shared_experts=1, num_experts_per_tok=2, moe_latent_size=32,
+    moe_intermediate_size=32, shared_intermediate_size=64, routed_scaling_factor=1.0,
+    attn_res_blocks=3, situ_beta_gate=4.0, situ_beta_up=25.0, rms_norm_eps=1e-6,
+    max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=None,
+    eos_token_ids=(163585, 163586),  # [EOS] and <|im_end|> in the Kimi tokenizer
+)

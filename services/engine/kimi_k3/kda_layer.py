@@ -1,0 +1,140 @@
+"""A Kimi Delta Attention layer over the K3 cache's per-block state snapshots.
+
+Per token: q, k, v projections, each through a causal depthwise short convolution (width W,
+SiLU); the K3 lower-bounded per-channel decay ``g = lb·sigmoid(exp(A_log)·(f(x) + dt_bias))``
+with f low-rank; ``beta = sigmoid(b(x))``; the delta rule (``crescent.kernels.kda``); an output
+RMSNorm gated by sigmoid of a low-rank gate projection; the output projection.
+
+A sequence's new tokens are cut at block boundaries into segments. Each segment starts from the
+state stored in the page of the token before it and leaves its final state (and conv tail) in
+the page of its own last token, so every full page ends up holding its block-boundary snapshot
+and a prefix hit, a chunked prefill and a single pass all run the very same segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from crescent.kernels.kda.reference import gated_rms_norm_reference, kda_gate, short_conv_reference
+from crescent.services.engine.kimi_k3.cache import K3Cache
+from crescent.services.engine.kimi_k3.config import K3Config
+from crescent.services.engine.kimi_k3.ops import K3Ops, linear
+from crescent.services.engine.llama import ForwardBatch
+
+
+@dataclass(frozen=True, slots=True)
+class KdaWeights:
+    qkv: torch.Tensor      # q, k, v projections stacked [2·H·K + HV·V, D]
+    conv: torch.Tensor     # q, k, v short-conv weights stacked [conv_dim, W]
+    f_a: torch.Tensor
+    f_b: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    b: torch.Tensor
+    g_a: torch.Tensor
+    g_b: torch.Tensor
+    o_norm: torch.Tensor
+    o: torch.Tensor
+
+    @staticmethod
+    def take(w: dict[str, torch.Tensor], p: str) -> KdaWeights:
+        return KdaWeights(
+            qkv=torch.cat([w[p + f"{n}_proj.weight"] for n in "qkv"]).contiguous(),
+            conv=torch.cat([w[p + f"{n}_conv1d.weight"] for n in "qkv"]).contiguous(),
+            f_a=w[p + "f_a_proj.weight"], f_b=w[p + "f_b_proj.weight"], a_log=w[p + "A_log"],
+            dt_bias=w[p + "dt_bias"], b=w[p + "b_proj.weight"], g_a=w[p + "g_a_proj.weight"],
+            g_b=w[p + "g_b_proj.weight"], o_norm=w[p + "o_norm.weight"], o=w[p + "o_proj.weight"],
+        )
+
+
+def conv_step(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the causal short conv + SiLU for N sequences: x ``[N, C]``, tail ``[N, C, W-1]``."""
+    window = torch.cat([tail, x[:, :, None]], dim=2)
+    return F.silu((window * weight).sum(-1)), window[:, :, 1:]
+
+
+class KdaLayer:
+    def __init__(self, cfg: K3Config, weights: KdaWeights, slot: int, ops: K3Ops) -> None:
+        self.cfg, self.w, self.slot, self.ops = cfg, weights, slot, ops  # slot: index among KDA layers
+        self.scale = cfg.kda_head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: K3Cache) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        n = x.shape[0]
+        hv, dk, dv = cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
+        mixed = linear(x, w.qkv)
+        g = kda_gate(linear(linear(x, w.f_a), w.f_b).view(n, hv, dk), w.a_log, w.dt_bias, cfg.kda_lower_bound)
+        beta = torch.sigmoid(linear(x, w.b))
+        out = x.new_empty((n, hv, dv))
+        singles, start = [], 0
+        for chunk in batch.chunks:
+            first = chunk.context_len - chunk.num_new
+            if chunk.num_new == 1:
+                singles.append((start, first, chunk.pages))
+            else:
+                self._prefill(chunk.pages, first, chunk.context_len, slice(start, start + chunk.num_new),
+                              mixed, g, beta, out, cache)
+            start += chunk.num_new
+        if singles:
+            self._decode(singles, mixed, g, beta, out, cache)
+        gate = linear(linear(x, w.g_a), w.g_b).view(n, hv, dv)
+        o = gated_rms_norm_reference(out, gate, w.o_norm, cfg.rms_norm_eps)
+        return linear(o.reshape(n, hv * dv), w.o)
+
+    def _split(self, y: torch.Tensor):
+        cfg = self.cfg
+        qk = cfg.kda_qk_dim
+        lead = y.shape[:-1]
+        q = y[..., :qk].reshape(*lead, cfg.kda_num_heads, cfg.kda_head_dim)
+        k = y[..., qk : 2 * qk].reshape(*lead, cfg.kda_num_heads, cfg.kda_head_dim)
+        v = y[..., 2 * qk :].reshape(*lead, cfg.kda_num_v_heads, cfg.kda_v_head_dim)
+        return q, k, v
+
+    def _decode(self, singles, mixed, g, beta, out, cache: K3Cache) -> None:
+        rows = torch.tensor([r for r, _, _ in singles], dtype=torch.int64)
+        positions = [p for _, p, _ in singles]
+        pages = [pg for _, _, pg in singles]
+        state, tail = self._load_many(cache, pages, positions)
+        y, tail = conv_step(mixed[rows], self.w.conv, tail)
+        q, k, v = self._split(y)
+        o, state = self.ops.kda_step(q, k, v, g[rows], beta[rows], state, self.scale)
+        out[rows] = o.to(out.dtype)
+        self._store_many(cache, pages, positions, state, tail)
+
+    def _load_many(self, cache: K3Cache, pages_list, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """State and conv tail after the token before each position (zeros at position 0)."""
+        ps = cache.page_size
+        src = torch.tensor([pg[(p - 1) // ps] if p else 0 for pg, p in zip(pages_list, positions)], dtype=torch.int64)
+        fresh = torch.tensor([p == 0 for p in positions])[:, None, None]
+        state = cache.kda_state[src, self.slot].masked_fill(fresh[..., None], 0.0)
+        tail = cache.conv_tail[src, self.slot].masked_fill(fresh, 0.0)
+        return state, tail
+
+    def _store_many(self, cache: K3Cache, pages_list, positions: list[int], state, tail) -> None:
+        """Leave state/tail in the page of the token at each (last) position."""
+        dst = torch.tensor([pg[p // cache.page_size] for pg, p in zip(pages_list, positions)], dtype=torch.int64)
+        cache.kda_state[dst, self.slot] = state
+        cache.conv_tail[dst, self.slot] = tail
+
+    def _prefill(self, pages, first: int, end: int, rows: slice, mixed, g, beta, out, cache: K3Cache) -> None:
+        ps = cache.page_size
+        state, tail = self._load_many(cache, [pages], [first])
+        state, tail = state[0], tail[0]
+        a = first
+        while a < end:
+            b = min(end, (a // ps + 1) * ps)  # up to the next block boundary
+            r = slice(rows.start + a - first, rows.start + b - first)
+            if b - a == 1:
+                y, new_tail = conv_step(mixed[r], self.w.conv, tail[None])
+                tail = new_tail[0]
+            else:
+                y, tail = short_conv_reference(mixed[r][None], self.w.conv, tail[None])
+                y, tail = y[0], tail[0]
+            q, k, v = self._split(y)
+            o, state = self.ops.kda_segment(q, k, v, g[r], beta[r], state, self.scale)
+            out[r] = o.to(out.dtype)
+            self._store_many(cache, [pages], [b - 1], state[None], tail[None])
+            a = b

@@ -1,0 +1,92 @@
+"""A gated Multi-head Latent Attention layer over the K3 cache's paged latents.
+
+Per token the cache keeps only the normalised latent c_kv (``kv_lora_rank``) and the decoupled
+RoPE key (``qk_rope_head_dim``); attention runs in absorbed form (``crescent.kernels.mla``):
+queries are mapped into the latent space per head, and head outputs are expanded back by W_uv,
+then gated by ``sigmoid(g_proj(x))`` per element before the output projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from crescent.kernels.reference import apply_rope, rms_norm
+from crescent.services.engine.kimi_k3.cache import K3Cache
+from crescent.services.engine.kimi_k3.config import K3Config
+from crescent.services.engine.kimi_k3.ops import K3Ops, linear
+from crescent.services.engine.llama import ForwardBatch
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE tables for these positions only (a 1M-token table would not fit)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(positions.to(torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+@dataclass(frozen=True, slots=True)
+class MlaWeights:
+    q: torch.Tensor | None      # direct q projection, or None with the low-rank q path below
+    q_a: torch.Tensor | None
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor | None
+    kv_a: torch.Tensor
+    kv_a_norm: torch.Tensor
+    w_uk: torch.Tensor          # [H, Dc, Dn]: per head, the linear weight that absorbs q_nope
+    w_uv_t: torch.Tensor        # [H, Dv, Dc]: per head, the linear weight that expands o_lat
+    gate: torch.Tensor
+    o: torch.Tensor
+
+    @staticmethod
+    def take(cfg: K3Config, w: dict[str, torch.Tensor], p: str) -> MlaWeights:
+        h, dn, dv = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        kv_b = w[p + "kv_b_proj.weight"].view(h, dn + dv, cfg.kv_lora_rank)
+        low_rank = cfg.q_lora_rank > 0
+        return MlaWeights(
+            q=None if low_rank else w[p + "q_proj.weight"],
+            q_a=w[p + "q_a_proj.weight"] if low_rank else None,
+            q_a_norm=w[p + "q_a_layernorm.weight"] if low_rank else None,
+            q_b=w[p + "q_b_proj.weight"] if low_rank else None,
+            kv_a=w[p + "kv_a_proj_with_mqa.weight"], kv_a_norm=w[p + "kv_a_layernorm.weight"],
+            w_uk=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv_t=kv_b[:, dn:, :].contiguous(),
+            gate=w[p + "g_proj.weight"], o=w[p + "o_proj.weight"],
+        )
+
+
+class MlaLayer:
+    def __init__(self, cfg: K3Config, weights: MlaWeights, slot: int, ops: K3Ops) -> None:
+        self.cfg, self.w, self.slot, self.ops = cfg, weights, slot, ops  # slot: index among MLA layers
+        self.scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: K3Cache) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        n, h, dn, dc = x.shape[0], cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        if w.q is not None:
+            q = linear(x, w.q)
+        else:
+            q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+        q = q.view(n, h, dn + cfg.qk_rope_head_dim)
+        q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
+        kv = linear(x, w.kv_a)
+        c_kv = rms_norm(kv[:, :dc], w.kv_a_norm, cfg.rms_norm_eps)
+        k_rope = apply_rope(kv[:, None, dc:], cos, sin)[:, 0]
+        layer_cache = cache.latent[self.slot]
+        layer_cache[batch.slot_pages, batch.slot_offsets] = torch.cat([c_kv, k_rope], dim=-1)
+
+        q_lat = torch.stack([linear(q_nope[:, i], w.w_uk[i]) for i in range(h)], dim=1)
+        chunks = batch.chunks
+        width = max(-(-c.context_len // cache.page_size) for c in chunks)
+        table = torch.tensor([list(c.pages[:width]) + [0] * (width - min(width, len(c.pages))) for c in chunks],
+                             dtype=torch.int64)
+        seq_lens = torch.tensor([c.context_len for c in chunks], dtype=torch.int64)
+        cu_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        cu_q[1:] = torch.tensor([c.num_new for c in chunks]).cumsum(0)
+        o_lat = self.ops.mla_attention(q_lat.contiguous(), q_rope.contiguous(), layer_cache, table.to(x.device),
+                                       seq_lens.to(x.device), cu_q.to(x.device), self.scale)
+        o = torch.stack([linear(o_lat[:, i], w.w_uv_t[i]) for i in range(h)], dim=1)
+        o = o * torch.sigmoid(linear(x, w.gate)).view(n, h, cfg.v_head_dim)
+        return linear(o.reshape(n, -1), w.o)

@@ -1,0 +1,106 @@
+"""The kimi_k3 hybrid decoder: KDA and gated MLA layers, SiTU-GLU FFN / latent MoE, Block AttnRes.
+
+Each layer has two sublayers (attention, then FFN), each pre-normed. Block Attention Residuals
+replace the residual sum: a sublayer's input is a softmax mix, with its own learned
+pseudo-query, over the block representations so far — the embedding, each completed block's
+sum of sublayer outputs and the current block's partial sum — and its output joins the partial
+sum. The logits read a last mix (``model.final_res``) through the final norm.
+
+Serves through ``Engine`` like ``LlamaModel``: ``forward(batch, cache, logits_for)`` over the
+engine's flat variable-length ``ForwardBatch``, with the cache from ``make_cache``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from crescent.kernels.reference import rms_norm
+from crescent.services.engine.kimi_k3.cache import K3Cache
+from crescent.services.engine.kimi_k3.config import K3Config
+from crescent.services.engine.kimi_k3.ffn import DenseFfn, LatentMoe, MoeWeights
+from crescent.services.engine.kimi_k3.kda_layer import KdaLayer, KdaWeights
+from crescent.services.engine.kimi_k3.memory import CacheFootprint, k3_footprint
+from crescent.services.engine.kimi_k3.mla_layer import MlaLayer, MlaWeights
+from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, linear, select_backend
+from crescent.services.engine.kimi_k3.weights import weight_shapes
+from crescent.services.engine.llama import ForwardBatch
+
+
+class K3Model:
+    """Weights and the forward pass. Inference only; call under ``torch.inference_mode()``."""
+
+    def __init__(self, config: K3Config, weights: dict[str, torch.Tensor], *, backend: Backend | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        expected = weight_shapes(config)
+        missing = sorted(expected.keys() - weights.keys())
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:5])}")
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+        self.config = config
+        self.device = torch.device(device)
+        self.ops = K3Ops(backend or select_backend(self.device))
+        w = {k: v.to(self.device, torch.float32).contiguous() for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.attn, self.ffn, self.norms, self.mix = [], [], [], []
+        kda_slot = mla_slot = 0
+        for i, kind in enumerate(config.layer_types):
+            p = f"model.layers.{i}."
+            if kind == "kda":
+                self.attn.append(KdaLayer(config, KdaWeights.take(w, p + "self_attn."), kda_slot, self.ops))
+                kda_slot += 1
+            else:
+                self.attn.append(MlaLayer(config, MlaWeights.take(config, w, p + "self_attn."), mla_slot, self.ops))
+                mla_slot += 1
+            moe = config.is_moe_layer(i)
+            self.ffn.append(LatentMoe(config, MoeWeights.take(w, p + "mlp."), self.ops) if moe else DenseFfn(config, w, p + "mlp."))
+            self.norms += [w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]]
+            self.mix += [(w[p + f"{s}.query"], w[p + f"{s}.norm.weight"]) for s in ("attn_res", "mlp_res")]
+        self.final_mix = (w["model.final_res.query"], w["model.final_res.norm.weight"])
+
+    # ---- what the engine asks of a model with its own cache layout ---------------------------
+
+    def make_cache(self, num_pages: int, page_size: int) -> K3Cache:
+        return K3Cache(self.config, num_pages, page_size, self.device)
+
+    def footprint(self) -> CacheFootprint:
+        return k3_footprint(self.config)
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens routed to each expert so far, ``[moe_layers, E]`` (the expert-load metric)."""
+        loads = [f.load for f in self.ffn if isinstance(f, LatentMoe)]
+        return torch.stack(loads) if loads else torch.zeros((0, self.config.num_experts), dtype=torch.int64)
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def forward(self, batch: ForwardBatch, cache: K3Cache, logits_for: list[int]) -> torch.Tensor:
+        """Run the batch, writing latents and state snapshots into ``cache``; logits of the last
+        token of each chunk listed in ``logits_for``, ``(len(logits_for), vocab)``."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        per_block = cfg.sublayers_per_block
+        blocks = [self.embed[batch.token_ids.to(self.device)]]
+        partial: torch.Tensor | None = None
+        done = 0
+        for index in range(2 * cfg.num_layers):
+            sources = blocks if partial is None else [*blocks, partial]
+            query, key_norm = self.mix[index]
+            h = self.ops.attn_res(torch.stack(sources), query, key_norm, eps)
+            x = rms_norm(h, self.norms[index], eps)
+            layer = index // 2
+            y = self.attn[layer].forward(x, batch, cache) if index % 2 == 0 else self.ffn[layer].forward(x)
+            partial = y if partial is None else partial + y
+            done += 1
+            if done == per_block:
+                blocks.append(partial)
+                partial, done = None, 0
+        if not logits_for:
+            return blocks[0].new_empty((0, cfg.vocab_size))
+        ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
+        rows = ends[torch.tensor(logits_for)].to(self.device)
+        sources = torch.stack([s[rows] for s in (blocks if partial is None else [*blocks, partial])])
+        last = self.ops.attn_res(sources, *self.final_mix, eps)
+        return linear(rms_norm(last, self.norm, eps), self.lm_head)

@@ -1,0 +1,148 @@
+"""The kernel switch of the kimi_k3 model: fp32 PyTorch references or Triton kernels.
+
+``select_backend(device)`` picks Triton on CUDA and the references elsewhere: the Triton CPU
+interpreter is far too slow to serve with, and the kernels refuse CPU tensors without it. The
+choice is explicit (``K3Ops(Backend.TRITON)`` under ``TRITON_INTERPRET=1`` runs the kernels on
+CPU, which is how tests/engine/test_kimi_k3.py checks that both backends compute the same ops).
+
+Every reference op computes a token's (or a sequence's) result from that token (sequence) alone,
+so a decode step gives bitwise the same result whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+
+from crescent.kernels.reference import batch_invariant_linear
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Backend(Enum):
+    REFERENCE = "reference"
+    TRITON = "triton"
+
+
+def select_backend(device: torch.device | str) -> Backend:
+    return Backend.TRITON if torch.device(device).type == "cuda" else Backend.REFERENCE
+
+
+def situ_glu(gate_up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU over ``[..., 2F]`` = [gate | up] -> ``[..., F]``:
+    ``beta_g·tanh(G/beta_g)·sigmoid(G) · beta_u·tanh(U/beta_u)`` (Kimi K3 report, eq. 12)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return beta_gate * torch.tanh(gate / beta_gate) * torch.sigmoid(gate) * (beta_up * torch.tanh(up / beta_up))
+
+
+def kda_prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalise q, k ``[N, H, K]`` (the kernels' eps), scale q, repeat to the value heads."""
+    from crescent.kernels.kda.reference import l2_normalize
+
+    rep = num_v_heads // q.shape[-2]
+    return (l2_normalize(q.float()) * scale).repeat_interleave(rep, dim=-2), l2_normalize(k.float()).repeat_interleave(rep, dim=-2)
+
+
+def kda_step_reference(q, k, v, g, beta, states: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One delta-rule step for N independent sequences: q,k ``[N,H,K]``, v ``[N,HV,V]``,
+    g ``[N,HV,K]``, beta ``[N,HV]``, states ``[N,HV,K,V]`` -> (o ``[N,HV,V]``, new states)."""
+    q, k = kda_prepare(q, k, v.shape[-2], scale)
+    s = states * g.float().exp()[..., None]
+    err = v.float() - (k[..., None] * s).sum(-2)
+    s = s + k[..., None] * (beta.float()[..., None] * err)[..., None, :]
+    return (q[..., None] * s).sum(-2), s
+
+
+@dataclass(frozen=True, slots=True)
+class K3Ops:
+    backend: Backend
+
+    def kda_segment(self, q, k, v, g, beta, state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """KDA over ``T`` consecutive tokens of one sequence from ``state`` ``[HV,K,V]``:
+        q,k ``[T,H,K]``, v ``[T,HV,V]``, g ``[T,HV,K]``, beta ``[T,HV]`` -> (o ``[T,HV,V]``, state)."""
+        if q.shape[0] == 1:
+            o, s = self.kda_step(q, k, v, g, beta, state[None], scale)
+            return o, s[0]
+        if self.backend is Backend.TRITON:
+            from crescent.kernels.kda import chunk_kda
+
+            o, s = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                             initial_state=state[None].contiguous(), output_final_state=True)
+            return o[0], s[0]
+        from crescent.kernels.kda.reference import chunk_kda_reference
+
+        o, s = chunk_kda_reference(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=state[None])
+        return o[0], s[0]
+
+    def kda_step(self, q, k, v, g, beta, states: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode token for each of N sequences; states ``[N,HV,K,V]`` (not modified)."""
+        if self.backend is Backend.TRITON:
+            from crescent.kernels.kda import kda_decode
+
+            new = states.float().contiguous().clone()
+            return kda_decode(q, k, v, g, beta, new, scale=scale), new
+        return kda_step_reference(q, k, v, g, beta, states, scale)
+
+    def mla_attention(self, q_lat, q_rope, cache, block_table, seq_lens, cu_q, scale: float) -> torch.Tensor:
+        """Absorbed causal latent attention over a paged cache ``[P, S, Dc+Dr]``: see
+        ``crescent.kernels.mla``. Returns o_lat ``[Tq, H, Dc]``."""
+        if self.backend is Backend.TRITON:
+            from crescent.kernels.mla import mla_paged_attention
+
+            return mla_paged_attention(q_lat, q_rope, cache, block_table, seq_lens, cu_q, scale=scale)
+        page, dc = cache.shape[1], q_lat.shape[-1]
+        out = torch.empty_like(q_lat)
+        for i, (length, a, b) in enumerate(zip(seq_lens.tolist(), cu_q[:-1].tolist(), cu_q[1:].tolist())):
+            lat = cache[block_table[i, : -(-length // page)]].reshape(-1, cache.shape[-1])[:length]
+            scores = torch.einsum("thc,lc->htl", q_lat[a:b], lat[:, :dc])
+            scores = scores + torch.einsum("thr,lr->htl", q_rope[a:b], lat[:, dc:])
+            pos = torch.arange(length - (b - a), length)[:, None]
+            scores = scores.masked_fill(torch.arange(length)[None, :] > pos, float("-inf")) * scale
+            out[a:b] = torch.einsum("htl,lc->thc", scores.softmax(-1), lat[:, :dc])
+        return out
+
+    def moe_routed(self, x, weights, ids, w_gate_up, w_down, act: Act) -> torch.Tensor:
+        """Routed experts: x ``[T, L]``, routing (weights, ids) ``[T, k]``, w_gate_up ``[E, L, 2F]``,
+        w_down ``[E, F, L]`` -> ``[T, L]`` = sum over a token's k experts of weight · expert(x)."""
+        t, top_k = ids.shape
+        e = w_gate_up.shape[0]
+        if self.backend is Backend.TRITON:
+            from crescent.kernels.moe import grouped_matmul
+
+            flat = ids.flatten()
+            order = torch.argsort(flat, stable=True)
+            offsets = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
+            offsets[1:] = torch.bincount(flat, minlength=e).cumsum(0)
+            h = act(grouped_matmul(x[order // top_k], w_gate_up, offsets))
+            per_slot = torch.empty(t * top_k, x.shape[1], dtype=torch.float32, device=x.device)
+            per_slot[order] = grouped_matmul(h.to(x.dtype).contiguous(), w_down, offsets).float()
+            return (per_slot.view(t, top_k, -1) * weights[..., None]).sum(1)
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32)
+        for expert in torch.unique(ids).tolist():  # ascending: a token sums its experts in id order
+            tok, slot = (ids == expert).nonzero(as_tuple=True)
+            h = act(batch_invariant_linear(x[tok], w_gate_up[expert].t()))
+            out.index_add_(0, tok, batch_invariant_linear(h, w_down[expert].t()) * weights[tok, slot, None])
+        return out
+
+    def attn_res(self, sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Block AttnRes mix over ``[N, T, D]`` sources -> ``[T, D]``."""
+        if sources.shape[0] == 1:
+            return sources[0]  # softmax over one source is 1
+        if self.backend is Backend.TRITON:
+            from crescent.kernels.attnres import block_attn_res
+
+            return block_attn_res(sources, query, norm_weight, eps)
+        # the reference's math with row-wise reductions only (no GEMV), so rows are batch-invariant
+        v = sources.float()
+        keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        mix = torch.softmax((keys * query.float()).sum(-1), dim=0)
+        return (mix[..., None] * v).sum(0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with each row's result independent of the batch (see kernels.reference)."""
+    return batch_invariant_linear(x, weight) if x.device.type == "cpu" else F.linear(x, weight)

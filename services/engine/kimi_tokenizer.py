@@ -1,0 +1,326 @@
+"""Tokenizer and chat format of Moonshot's Kimi models, built on ``tiktoken``.
+
+A Kimi tokenizer directory holds ``tiktoken.model`` (one base64 token and its rank per line)
+and ``tokenizer_config.json`` (the special tokens and their ids). ``KimiTokenizer`` offers the
+same interface as ``crescent.services.engine.tokenizer.Tokenizer`` plus tool definitions in
+``apply_chat_template``.
+
+The pre-tokenizer regex is the ``pat_str`` of Kimi K2's ``tokenization_kimi.py``
+(Han runs; letter runs with optional English contractions, split at case changes; digits in
+groups of up to three; punctuation; newlines; whitespace). Like Kimi's own tokenizer, very long
+runs of whitespace or non-whitespace are cut before the regex runs, which keeps encoding linear.
+
+The chat format (``KIMI_CHAT_TEMPLATE``) follows Kimi K2's published one:
+
+- ``<|im_system|>tool_declare<|im_middle|>[tools as compact JSON]<|im_end|>`` first, when tools are given;
+- ``<|im_system|>system<|im_middle|>...<|im_end|>`` (a default system prompt if there is none),
+  ``<|im_user|>user<|im_middle|>...<|im_end|>``, ``<|im_assistant|>assistant<|im_middle|>...<|im_end|>``;
+- an assistant turn is ``<think>reasoning</think>`` + content + tool calls, where the reasoning
+  is kept only for turns after the last user message (the current agentic loop); older turns
+  carry an empty ``<think></think>``, as Kimi K2 Thinking renders them;
+- tool calls: ``<|tool_calls_section_begin|>`` then per call
+  ``<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`` then
+  ``<|tool_calls_section_end|>``; ids have the native form ``functions.NAME:INDEX``;
+- a tool result: ``<|im_system|>NAME<|im_middle|>## Return of ID\\nRESULT<|im_end|>``
+  (NAME is the message's ``name``, else ``tool``);
+- the reply starts after ``<|im_assistant|>assistant<|im_middle|>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import codecs
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+
+from crescent.services.engine.chat_template import ChatTemplate
+from crescent.services.engine.model_source import ModelSource
+from crescent.services.engine.tokenizer import Tokenizer, TokenizerError
+
+logger = logging.getLogger(__name__)
+
+VOCAB_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+# Where the Kimi vocabulary lives when a model directory does not ship one (e.g. a preset with
+# random weights): this environment variable, else ``../shared/kimi-tokenizer`` beside the repo.
+TOKENIZER_DIR_ENV = "CRESCENT_KIMI_TOKENIZER_DIR"
+# ``model_type`` values (config.json) of models that use the Kimi vocabulary.
+KIMI_MODEL_TYPES = frozenset({"kimi_k3", "kimi_k2", "kimi_linear"})
+NUM_RESERVED_SPECIAL = 256  # ids [len(ranks), len(ranks) + 256) are special; unnamed ones are reserved
+
+PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+_MAX_RUN = 25_000  # longest run of (non-)whitespace handed to the regex in one piece
+_RUNS = re.compile(r"\s+|\S+")
+
+DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+END_OF_TURN = "<|im_end|>"
+END_OF_TEXT = "[EOS]"
+
+KIMI_CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content is not none -%}"
+    "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set role = m['role'] -%}"
+    "{%- if role == 'user' -%}<|im_user|>user<|im_middle|>{{ text(m['content']) }}"
+    "{%- elif role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
+    "<think>{{ m['reasoning_content'] }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ text(m.get('content')) }}"
+    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for call in m['tool_calls'] -%}"
+    "{%- set args = call['function']['arguments'] -%}"
+    "<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
+    "{{ args if args is string else args | tojson }}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- endif -%}"
+    "{%- elif role == 'tool' -%}<|im_system|>{{ m.get('name') or 'tool' }}<|im_middle|>"
+    "## Return of {{ m.get('tool_call_id') or '' }}\n{{ text(m['content']) }}"
+    "{%- elif role == 'system' -%}<|im_system|>system<|im_middle|>{{ text(m['content']) }}"
+    "{%- else -%}{{ raise_exception('unknown role ' + role) }}"
+    "{%- endif -%}"
+    "<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+
+class KimiDetokenizer:
+    """Turns a stream of token ids into text, emitting only whole UTF-8 characters."""
+
+    __slots__ = ("_encoding", "_skip", "_utf8")
+
+    def __init__(self, encoding: tiktoken.Encoding, skip: frozenset[int]) -> None:
+        self._encoding = encoding
+        self._skip = skip
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes (often ``""`` mid-character)."""
+        if token_id in self._skip:
+            return ""
+        return self._utf8.decode(_token_bytes(self._encoding, token_id))
+
+
+class KimiTokenizer:
+    """Encode/decode, stop tokens and chat format of a Kimi model (see the module docstring)."""
+
+    __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template")
+
+    supports_tools = True  # the chat format renders tool definitions, calls and results
+
+    def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: Mapping[str, int]) -> None:
+        for name in ("[BOS]", "[EOS]", END_OF_TURN, "<|im_middle|>"):
+            if name not in special_tokens:
+                raise TokenizerError(f"Kimi special token {name} is missing from {CONFIG_FILE}")
+        self._enc = tiktoken.Encoding(
+            "kimi", pat_str=PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=dict(special_tokens)
+        )
+        self._special_ids = dict(special_tokens)
+        self._skip_ids: frozenset[int] = frozenset()
+        self._template = ChatTemplate(KIMI_CHAT_TEMPLATE, bos_token="[BOS]", eos_token=END_OF_TEXT)
+
+    # --- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> KimiTokenizer:
+        """Load ``tiktoken.model`` and ``tokenizer_config.json`` from a directory."""
+        path = Path(path)
+        ranks = _read_ranks(path / VOCAB_FILE)
+        config = _read_config(path / CONFIG_FILE)
+        table = config.get("added_tokens_decoder")
+        if not isinstance(table, Mapping):
+            raise TokenizerError(f"{path / CONFIG_FILE} has no added_tokens_decoder table")
+        named: dict[int, tuple[str, bool]] = {}
+        for key, entry in table.items():
+            if not (isinstance(entry, Mapping) and isinstance(entry.get("content"), str) and str(key).isdigit()):
+                raise TokenizerError(f"{path / CONFIG_FILE}: bad added_tokens_decoder entry {key!r}")
+            named[int(key)] = (entry["content"], bool(entry.get("special", True)))
+        first = len(ranks)
+        specials: dict[str, int] = {}
+        skip: set[int] = set()
+        for token_id in range(first, first + NUM_RESERVED_SPECIAL):
+            text, special = named.pop(token_id, (f"<|reserved_token_{token_id}|>", True))
+            specials[text] = token_id
+            if special:
+                skip.add(token_id)  # dropped by decode(skip_special_tokens=True); <think> and tool markers are kept
+        if named:
+            raise TokenizerError(
+                f"{path / CONFIG_FILE}: special token ids {sorted(named)} lie outside [{first}, "
+                f"{first + NUM_RESERVED_SPECIAL})"
+            )
+        tok = cls(ranks, specials)
+        tok._skip_ids = frozenset(skip)
+        logger.info("Kimi tokenizer from %s: %d tokens", path, tok.vocab_size)
+        return tok
+
+    # --- use ------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        # <|im_end|> first: it ends an assistant turn; [EOS] ends a document.
+        return (self._special_ids[END_OF_TURN], self._special_ids[END_OF_TEXT])
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_ids["[BOS]"]
+
+    @property
+    def chat_template(self) -> str:
+        return self._template.source
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token text such as ``<|im_end|>`` maps to its id."""
+        ids: list[int] = []
+        for piece in _pieces(text):
+            ids += self._enc.encode(piece, allowed_special="all")
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        kept = [i for i in ids if not (skip_special_tokens and i in self._skip_ids)]
+        return b"".join(_token_bytes(self._enc, i) for i in kept).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a special token's text, or of a text that is exactly one ordinary token."""
+        if token in self._special_ids:
+            return self._special_ids[token]
+        try:
+            return self._enc.encode_single_token(token.encode("utf-8"))
+        except KeyError:
+            return None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation; ``tools`` are OpenAI tool definitions (``{"type": "function", ...}``)."""
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools or None)
+
+    def new_detokenizer(self) -> KimiDetokenizer:
+        return KimiDetokenizer(self._enc, self._skip_ids)
+
+
+def _token_bytes(encoding: tiktoken.Encoding, token_id: int) -> bytes:
+    try:
+        return encoding.decode_single_token_bytes(int(token_id))
+    except KeyError as exc:
+        raise TokenizerError(f"token id {token_id} is not in the vocabulary") from exc
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """``text`` cut between runs longer than ``_MAX_RUN`` characters (whole text if none is)."""
+    start = 0
+    for run in _RUNS.finditer(text):
+        if run.end() - run.start() <= _MAX_RUN:
+            continue
+        for cut in range(run.start() + _MAX_RUN, run.end(), _MAX_RUN):
+            yield text[start:cut]
+            start = cut
+    yield text[start:]
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    ranks: dict[bytes, int] = {}
+    try:
+        for line in lines:
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (ValueError, binascii.Error) as exc:
+        raise TokenizerError(f"{path} is not a tiktoken vocabulary (base64 token and rank per line): {exc}") from exc
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{path}: ranks are not 0..{len(ranks) - 1} without gaps or repeats")
+    return ranks
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} is not a JSON object")
+    return data
+
+
+# --- choosing a tokenizer for a model ------------------------------------------------------
+
+
+def default_tokenizer_dir() -> Path:
+    """``$CRESCENT_KIMI_TOKENIZER_DIR``, else ``../shared/kimi-tokenizer`` beside the repository."""
+    configured = os.environ.get(TOKENIZER_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    return Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
+
+
+def is_kimi_model_dir(path: Path) -> bool:
+    """A model directory that ships a Kimi vocabulary, or whose config.json names a Kimi model type."""
+    if (path / VOCAB_FILE).is_file():
+        return True
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return False
+    try:
+        model_type = json.loads(config_path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return model_type in KIMI_MODEL_TYPES
+
+
+def load_kimi_tokenizer(model_dir: Path | None = None) -> KimiTokenizer:
+    """The Kimi tokenizer of ``model_dir`` if it ships one, else the one in ``default_tokenizer_dir()``."""
+    if model_dir is not None and (model_dir / VOCAB_FILE).is_file():
+        return KimiTokenizer.from_dir(model_dir)
+    fallback = default_tokenizer_dir()
+    if not (fallback / VOCAB_FILE).is_file():
+        raise TokenizerError(
+            f"the Kimi vocabulary ({VOCAB_FILE} + {CONFIG_FILE}) is not in "
+            f"{model_dir or 'the model directory'} nor in {fallback}; set {TOKENIZER_DIR_ENV} to its directory"
+        )
+    return KimiTokenizer.from_dir(fallback)
+
+
+def tokenizer_for(source: ModelSource) -> Tokenizer | KimiTokenizer:
+    """The tokenizer of a resolved model: Kimi's for Kimi model directories, else ``Tokenizer.for_model``."""
+    if source.kind == "hf" and source.path.is_dir() and is_kimi_model_dir(source.path):
+        return load_kimi_tokenizer(source.path)
+    return Tokenizer.for_model(source)
