@@ -105,6 +105,55 @@ def up(
     console.print("All services stopped.")
 
 
+@app.command()
+def profile(
+    model: Annotated[str, typer.Option(help="preset name, .gguf file or Hugging Face directory")] = DEFAULT_MODEL,
+    out: Annotated[Path | None, typer.Option(help="write the YAML snippet here; default: print it on stdout")] = None,
+    quick: Annotated[bool, typer.Option(help="a few small points (seconds): a smoke test, not a calibration")] = False,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads, as the engine will serve")] = 2,
+    block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = DEFAULT_BLOCK_SIZE,
+) -> None:
+    """Measure prefill and decode times of the engine here and fit the scheduler's cost models."""
+    import platform as host
+
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from crescent.services.engine.runtime import build_engine
+    from crescent.services.engine.settings import EngineSettings
+    from crescent.services.profile import DEFAULT_PLAN, QUICK_PLAN, cost_settings_yaml, fit_error, run_profile, table_rows
+
+    plan = QUICK_PLAN if quick else DEFAULT_PLAN
+    with console.status(f"loading {model}…"):
+        engine = build_engine(EngineSettings(model=model, threads=threads, block_size=block_size,
+                                             kv_capacity_tokens=plan.kv_tokens_needed(block_size)), progress=False)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("profiling", total=plan.points)
+
+        def advance(what: str) -> None:
+            progress.update(task, description=what)
+            progress.advance(task)
+
+        result = run_profile(engine, plan, on_point=advance)
+    table = Table(title=f"{engine.model_id}: measured vs fitted")
+    for column in ("kind", "point", "measured s", "fitted s"):
+        table.add_column(column, justify="left" if column in ("kind", "point") else "right")
+    rows = table_rows(result)
+    for kind, point, measured, fitted in rows:
+        table.add_row(kind, point, f"{measured:.4f}", f"{fitted:.4f}")
+    console.print(table)
+    console.print(f"largest fit error: {fit_error(rows):.0%}")
+    header = (f"crescent profile{' --quick' if quick else ''}: {engine.model_id}, {threads} threads, "
+              f"block size {block_size}, on {host.node()} ({host.machine()}) at {time.strftime('%Y-%m-%d %H:%M')}\n"
+              "scheduler settings: put this under the scheduler's config (or merge its cost: section)")
+    snippet = cost_settings_yaml(result, header)
+    if out is None:
+        sys.stdout.write(snippet)
+    else:
+        out.write_text(snippet)
+        console.print(f"wrote {out}")
+
+
 def main() -> None:
     app()
 

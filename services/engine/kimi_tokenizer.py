@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import tiktoken
-
 from crescent.services.engine.chat_template import ChatTemplate
 from crescent.services.engine.model_source import ModelSource
 from crescent.services.engine.tokenizer import Tokenizer, TokenizerError
@@ -52,8 +51,6 @@ CONFIG_FILE = "tokenizer_config.json"
 # Where the Kimi vocabulary lives when a model directory does not ship one (e.g. a preset with
 # random weights): this environment variable, else ``../shared/kimi-tokenizer`` beside the repo.
 TOKENIZER_DIR_ENV = "CRESCENT_KIMI_TOKENIZER_DIR"
-# ``model_type`` values (config.json) of models that use the Kimi vocabulary.
-KIMI_MODEL_TYPES = frozenset({"kimi_k3", "kimi_k2", "kimi_linear"})
 NUM_RESERVED_SPECIAL = 256  # ids [len(ranks), len(ranks) + 256) are special; unnamed ones are reserved
 
 PAT_STR = "|".join([
@@ -139,9 +136,9 @@ class KimiTokenizer:
 
     __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template")
 
-    supports_tools = True  # the chat format renders tool definitions, calls and results
-
-    def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: Mapping[str, int]) -> None:
+    def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: Mapping[str, int], *,
+                 skip_ids: frozenset[int]) -> None:
+        """``skip_ids``: the special tokens ``decode(skip_special_tokens=True)`` and the detokenizer drop."""
         for name in ("[BOS]", "[EOS]", END_OF_TURN, "<|im_middle|>"):
             if name not in special_tokens:
                 raise TokenizerError(f"Kimi special token {name} is missing from {CONFIG_FILE}")
@@ -149,7 +146,7 @@ class KimiTokenizer:
             "kimi", pat_str=PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=dict(special_tokens)
         )
         self._special_ids = dict(special_tokens)
-        self._skip_ids: frozenset[int] = frozenset()
+        self._skip_ids = skip_ids
         self._template = ChatTemplate(KIMI_CHAT_TEMPLATE, bos_token="[BOS]", eos_token=END_OF_TEXT)
 
     # --- construction -------------------------------------------------------------------
@@ -181,8 +178,7 @@ class KimiTokenizer:
                 f"{path / CONFIG_FILE}: special token ids {sorted(named)} lie outside [{first}, "
                 f"{first + NUM_RESERVED_SPECIAL})"
             )
-        tok = cls(ranks, specials)
-        tok._skip_ids = frozenset(skip)
+        tok = cls(ranks, specials, skip_ids=frozenset(skip))
         logger.info("Kimi tokenizer from %s: %d tokens", path, tok.vocab_size)
         return tok
 
@@ -292,20 +288,6 @@ def default_tokenizer_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
 
 
-def is_kimi_model_dir(path: Path) -> bool:
-    """A model directory that ships a Kimi vocabulary, or whose config.json names a Kimi model type."""
-    if (path / VOCAB_FILE).is_file():
-        return True
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        return False
-    try:
-        model_type = json.loads(config_path.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return model_type in KIMI_MODEL_TYPES
-
-
 def load_kimi_tokenizer(model_dir: Path | None = None) -> KimiTokenizer:
     """The Kimi tokenizer of ``model_dir`` if it ships one, else the one in ``default_tokenizer_dir()``."""
     if model_dir is not None and (model_dir / VOCAB_FILE).is_file():
@@ -320,7 +302,11 @@ def load_kimi_tokenizer(model_dir: Path | None = None) -> KimiTokenizer:
 
 
 def tokenizer_for(source: ModelSource) -> Tokenizer | KimiTokenizer:
-    """The tokenizer of a resolved model: Kimi's for Kimi model directories, else ``Tokenizer.for_model``."""
-    if source.kind == "hf" and source.path.is_dir() and is_kimi_model_dir(source.path):
-        return load_kimi_tokenizer(source.path)
+    """The tokenizer of a resolved model: Kimi's where the source says so (``tokenizer="kimi"``) or
+    where its directory ships ``tiktoken.model`` without ``tokenizer.json``; else ``Tokenizer.for_model``."""
+    model_dir = source.path if source.kind != "gguf" and source.random_seed is None and source.path.is_dir() else None
+    if source.tokenizer == "kimi":
+        return load_kimi_tokenizer(model_dir)
+    if model_dir is not None and (model_dir / VOCAB_FILE).is_file() and not (model_dir / "tokenizer.json").is_file():
+        return KimiTokenizer.from_dir(model_dir)
     return Tokenizer.for_model(source)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.reference import apply_rope, batch_invariant_linear, paged_attention, rms_norm, rope_tables, silu_and_mul
+from crescent.kernels.reference import InvariantLinear, apply_rope, paged_attention, rms_norm, rope_tables, silu_and_mul
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.model_config import LlamaConfig
 
@@ -58,11 +58,11 @@ class ForwardBatch:
 @dataclass(frozen=True, slots=True)
 class _LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor      # q, k and v projections stacked: one GEMM instead of three
-    o: torch.Tensor
+    qkv: InvariantLinear      # q, k and v projections stacked: one GEMM instead of three
+    o: InvariantLinear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up stacked
-    down: torch.Tensor
+    gate_up: InvariantLinear  # gate and up stacked
+    down: InvariantLinear
 
 
 class LlamaModel:
@@ -85,15 +85,16 @@ class LlamaModel:
             self.layers.append(
                 _LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-                    o=take(p + "self_attn.o_proj.weight"),
+                    qkv=InvariantLinear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+                    o=InvariantLinear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=InvariantLinear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                    down=InvariantLinear(take(p + "mlp.down_proj.weight")),
                 )
             )
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in w else take("lm_head.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in w
+        self.lm_head = InvariantLinear(self.embed if tied else take("lm_head.weight"))
         self.cos, self.sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._q_width = config.num_heads * config.head_dim
@@ -114,7 +115,7 @@ class LlamaModel:
         h = self.embed[batch.token_ids]
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = batch_invariant_linear(x, layer.qkv)
+            qkv = layer.qkv(x)
             q = qkv[:, : self._q_width].view(n, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self._q_width : self._q_width + self._kv_width].view(n, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self._q_width + self._kv_width :].view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -128,11 +129,11 @@ class LlamaModel:
                 end = start + chunk.num_new
                 attn[start:end] = paged_attention(q[start:end], layer_pool[table], chunk.context_len, self.scale)
                 start = end
-            h = h + batch_invariant_linear(attn.view(n, -1), layer.o)
+            h = h + layer.o(attn.view(n, -1))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            h = h + batch_invariant_linear(silu_and_mul(batch_invariant_linear(x, layer.gate_up)), layer.down)
+            h = h + layer.down(silu_and_mul(layer.gate_up(x)))
         if not logits_for:
             return h.new_empty((0, cfg.vocab_size))
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
         last = h[ends[torch.tensor(logits_for)]]
-        return batch_invariant_linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)
+        return self.lm_head(rms_norm(last, self.norm, cfg.rms_norm_eps))

@@ -47,6 +47,14 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         "engine ready: model %s, %d KV pages of %d tokens (%.2f GB)",
         model_id, engine.cache.pages.num_pages, settings.block_size, engine.cache.nbytes() / 1e9,
     )
+    footprint = getattr(model, "footprint", None)  # hybrid models: latents per token, state per block
+    if footprint is not None:
+        from crescent.services.engine.kimi_k3.metrics import publish_expert_load
+
+        publish_expert_load(model)
+        fp = footprint()
+        log.info("cache footprint: %d B of latents per token, %d B of recurrent state per sequence and per block",
+                 fp.kv_bytes_per_token, fp.snapshot_bytes_per_block)
     return engine
 
 

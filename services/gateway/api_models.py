@@ -157,7 +157,7 @@ class ChatCompletionRequest(RequestModel):
         if self.logprobs:
             problems.append(("logprobs", "logprobs are not supported"))
         if self.tool_choice not in (None, "none", "auto"):
-            problems.append(("tool_choice", "only tool_choice 'auto' and 'none' are supported (a call cannot be forced)"))
+            problems.append(("tool_choice", "only 'auto' and 'none' are supported (a tool call cannot be forced)"))
         elif self.tool_choice == "auto" and not self.tools:
             problems.append(("tool_choice", "tool_choice 'auto' needs tools"))
         return problems

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
 from crescent.services.gateway.output_format import OutputFormat
@@ -36,8 +36,8 @@ class ToolCallDelta:
     arguments: str
 
 
-OutputEvent = TextDelta | ReasoningDelta | ToolCallDelta | Finished
-ReplyFinishReason = Literal["stop", "length", "tool_calls"]
+OutputEvent: TypeAlias = TextDelta | ReasoningDelta | ToolCallDelta | Finished
+ReplyFinishReason: TypeAlias = Literal["stop", "length", "tool_calls"]
 
 
 class AssistantOutputParser:

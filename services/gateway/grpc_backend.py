@@ -80,7 +80,7 @@ class GrpcBackend:
                  health_timeout_s: float, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._aborts: set[asyncio.Task[None]] = set()
-        self._outcomes: set[asyncio.Task[None]] = set()   # ReportOutcome calls in flight
+        self._outcomes: set[asyncio.Task[None]] = set()   # ReportOutcome calls and finishing prefills
         self._block_size = block_size
         self._request_timeout_s = request_timeout_s
         self._place_timeout_s = place_timeout_s
@@ -197,11 +197,29 @@ class GrpcBackend:
             raise rpc_error(exc, stage) from exc
         finally:
             # No awaits here: this runs inside a cancelled task when the client went away.
-            prefill_call.cancel()
+            if finished and stream_call is None:
+                self._let_prefill_finish(prefill_call)
+            else:
+                prefill_call.cancel()
             if stream_call is not None:
                 stream_call.cancel()
             elif not finished:
                 self._abort_in_decode(decode_address, request.request_id)
+
+    def _let_prefill_finish(self, call: grpc.aio.UnaryStreamCall) -> None:
+        """A request that ended at its first token: prefill still writes the prompt's blocks to
+        the kvstore after sending it, so read its stream to the end instead of cancelling it."""
+
+        async def drain() -> None:
+            try:
+                while await call.read() is not grpc.aio.EOF:  # read(), not async for: the two styles do not mix
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                log.debug("prefill stream after the last token ended with %s", exc.code().name)
+
+        task = asyncio.get_running_loop().create_task(drain())
+        self._outcomes.add(task)
+        task.add_done_callback(self._outcomes.discard)
 
     def _report_outcome(self, request_id: RequestId, ttft_s: float, cached_tokens: int) -> None:
         """Tell the scheduler the measured TTFT (predicted-vs-actual metrics), without delaying the stream."""

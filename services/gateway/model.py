@@ -35,7 +35,9 @@ def _gguf_tokenizer_and_window(source: ModelSource) -> tuple[Tokenizer, int | No
 
 def _hf_tokenizer_and_window(source: ModelSource) -> tuple[ChatTokenizer, int | None]:
     config_path = source.path / "config.json"
-    window = json.loads(config_path.read_text(encoding="utf-8")).get("max_position_embeddings")
+    window = None
+    if source.random_seed is None:  # a seeded preset has no files: the default window applies
+        window = json.loads(config_path.read_text(encoding="utf-8")).get("max_position_embeddings")
     return tokenizer_for(source), int(window) if isinstance(window, int) else None  # Kimi's for Kimi models
 
 

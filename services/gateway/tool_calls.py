@@ -10,6 +10,7 @@ The model writes, after any answer text::
 ``ToolCallParser`` turns that into events: plain text, the header of a call (its index in the
 reply, its id and function name) once the id is complete, then the arguments as they stream.
 Markers may span several pieces of text: a tail that may still grow into a marker is held back.
+Inside the section only calls count (text between them is dropped); text after it is content.
 The arguments are passed on as the model wrote them (OpenAI's ``arguments`` is a string the
 client parses); ids keep the native ``functions.NAME:INDEX`` form, which the Kimi chat format
 renders back when the client returns the call and its result.
@@ -89,10 +90,6 @@ class ToolCallParser:
         self._index = 0           # of the call being read
         self.completed_calls = 0  # calls whose arguments were closed by <|tool_call_end|>
 
-    @property
-    def started_calls(self) -> int:
-        return self._index + (1 if self._state is _State.ARGUMENTS else 0)
-
     def push(self, text: str) -> list[ToolCallEvent]:
         self._pending += text
         out: list[ToolCallEvent] = []
@@ -105,7 +102,7 @@ class ToolCallParser:
         tail, self._pending = self._pending, ""
         if self._state is _State.ARGUMENTS and tail:
             return [ToolCallArguments(self._index, tail)]
-        if (self._state is _State.TEXT and tail) or (self._state is _State.SECTION and tail.strip()):
+        if self._state is _State.TEXT and tail:
             return [ContentText(tail)]
         return []
 
@@ -120,19 +117,16 @@ class ToolCallParser:
             self._pending, self._state = pending[cut + len(m.section_begin):], _State.SECTION
             return True
         if self._state is _State.SECTION:
-            stripped = pending.lstrip()
-            for marker, state in ((m.call_begin, _State.CALL_ID), (m.section_end, _State.TEXT)):
-                if stripped.startswith(marker):
-                    self._pending, self._state = stripped[len(marker):], state
-                    return True
-            if any(marker.startswith(stripped) for marker in (m.call_begin, m.section_end)):
+            # Between calls only markers count: whitespace or stray text there is dropped.
+            found = [(i, marker, state)
+                     for marker, state in ((m.call_begin, _State.CALL_ID), (m.section_end, _State.TEXT))
+                     if (i := pending.find(marker)) >= 0]
+            if not found:
+                hold = partial_suffix_len(pending, (m.call_begin, m.section_end))
+                self._pending = pending[len(pending) - hold:]
                 return False
-            # Stray text inside the section: pass it on as content rather than lose it.
-            cuts = [i for i in (pending.find(m.call_begin), pending.find(m.section_end)) if i >= 0]
-            if not cuts:
-                return self._release(out, ContentText, (m.call_begin, m.section_end))
-            _emit(out, ContentText(pending[: min(cuts)]))
-            self._pending = pending[min(cuts):]
+            cut, marker, state = min(found)
+            self._pending, self._state = pending[cut + len(marker):], state
             return True
         if self._state is _State.CALL_ID:
             cut = pending.find(m.argument_begin)

@@ -36,6 +36,10 @@ class HostTierSettings(TierSettings):
         default=256 * 1024, ge=1024,
         description="allocation unit; a 2.9 MB block wastes under 9% at 256 KiB",
     )
+    prefault: bool = Field(
+        default=False,
+        description="touch the whole arena at start (slower start, full RSS at once); else pages fault on first use",
+    )
 
 
     @model_validator(mode="after")

@@ -1,7 +1,7 @@
 """A preallocated host-memory arena for the DRAM tier, cut into pages.
 
-Fresh memory is slow to touch on a VM (every page faults), so the tier's bytes are mapped and
-touched once at start and reused for the life of the process. Each block takes one contiguous
+Fresh memory is slow to touch on a VM (every page faults), so the tier's bytes are mapped once
+(and, with ``prefault``, touched at start) and reused for the life of the process. Each block takes one contiguous
 run of pages, so it can be handed out as a zero-copy ``memoryview``; free runs are kept sorted
 and merged, and allocation is first-fit. When no run is long enough the tier asks the store to
 evict more (``fits``), so fragmentation costs evictions, never correctness.
@@ -21,7 +21,9 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class HostPool:
-    def __init__(self, capacity_bytes: int, page_bytes: int, *, pinned: bool = False, shared: bool = False) -> None:
+    def __init__(
+        self, capacity_bytes: int, page_bytes: int, *, pinned: bool = False, shared: bool = False, prefault: bool = False
+    ) -> None:
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.page_bytes = page_bytes
@@ -30,6 +32,7 @@ class HostPool:
         self._keepalive: Any = None
         self._fd: int | None = None
         self.share_path = ""  # same-host clients map the pool read-only from here
+        self._flags = _POPULATE if prefault else 0
         self.buf = self._allocate(self.size, pinned, shared)
         self._starts: list[int] = [0] if self.pages else []  # free runs, sorted by start page
         self._lengths: dict[int, int] = {0: self.pages} if self.pages else {}
@@ -43,7 +46,7 @@ class HostPool:
             # client of the same user opens it through /proc/<pid>/fd/<fd>.
             self._fd = os.memfd_create("crescent-kv-pool", os.MFD_CLOEXEC)
             os.ftruncate(self._fd, size)
-            area = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            area = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | self._flags)
             self._keepalive = area
             self.share_path = f"/proc/{os.getpid()}/fd/{self._fd}"
             return memoryview(area)
@@ -53,7 +56,7 @@ class HostPool:
             tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self._keepalive = tensor
             return memoryview(tensor.numpy())
-        area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | self._flags)
         self._keepalive = area
         return memoryview(area)
 

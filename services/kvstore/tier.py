@@ -116,7 +116,9 @@ class HostTier(Tier):
 
     def __init__(self, settings: HostTierSettings, *, pinned: bool = False, shared: bool = False) -> None:
         super().__init__(settings)
-        self.pool = HostPool(settings.capacity_bytes, settings.page_bytes, pinned=pinned, shared=shared)
+        self.pool = HostPool(
+            settings.capacity_bytes, settings.page_bytes, pinned=pinned, shared=shared, prefault=settings.prefault
+        )
         self._blocks: dict[BlockKey, tuple[KvBlock, int]] = {}  # block (payload in the pool), start page
 
     def fits(self, nbytes: int) -> bool:

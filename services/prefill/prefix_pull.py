@@ -52,6 +52,10 @@ class PeerDirectory:
             await self._refresh()
         return self._addresses.get(instance_id)
 
+    def forget(self, instance_id: str) -> None:
+        """The address did not answer: look it up again next time (the peer may have moved)."""
+        self._addresses.pop(instance_id, None)
+
     async def _refresh(self) -> None:
         self._refreshed_at = time.monotonic()
         try:
@@ -80,7 +84,7 @@ def _read_cached_blocks(engine: Engine, keys: list[BlockKey], token_blocks: list
     try:
         blocks = []
         for i, page in enumerate(pages):
-            payload = engine.cache.pool[page].numpy().tobytes()
+            payload = engine.cache.read_block(page).numpy().tobytes()
             blocks.append(KvBlock.build(keys[i], keys[i - 1] if i else parent, engine.model_id, DTYPE,
                                         engine.cache.block_shape, token_blocks[i], payload))
         return blocks
@@ -158,6 +162,8 @@ class PrefixPuller:
             payloads, nbytes = await asyncio.wait_for(self._fetch(address, keys, seq, first), PULL_TIMEOUT_S)
         except (grpc.aio.AioRpcError, TimeoutError, BlockFormatError) as exc:
             reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.directory.forget(source_id)
             log.warning("pulling %d prefix blocks from %s failed (%s); computing them", len(keys), source_id, reason)
             return 0
         added = await self.worker.run(self.engine.attach_blocks, seq, payloads) if payloads else 0

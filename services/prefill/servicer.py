@@ -114,7 +114,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     finish_reason=("stop" if first in stop_ids else "length") if finished else "",
                 )
             )
-            new_blocks = await self._export_new_blocks(seq, local_hit + remote_hit)
+            new_blocks = await self._export_new_blocks(seq, local_hit + peer_hit + remote_hit)
             if not finished:
                 await self._hand_off(request, seq, first)
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))

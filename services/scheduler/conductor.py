@@ -91,6 +91,13 @@ class Conductor:
             return False
         return True
 
+    def deregister(self, instance_id: InstanceId) -> bool:
+        """Drop an instance known to be gone (e.g. its endpoint left), with its index entries."""
+        removed = self.registry.remove(instance_id)
+        self.index.drop_source(instance_id)
+        self._snapshotted.discard(SourceId(instance_id))
+        return removed
+
     def expire(self) -> list[InstanceId]:
         dead = self.registry.expire()
         for instance_id in dead:

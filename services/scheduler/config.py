@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
+from crescent.services.scheduler.discovery import DiscoverySettings
 from crescent.services.scheduler.policies import POLICIES
 
 ENV_PREFIX = "CRESCENT_SCHEDULER"
@@ -87,6 +88,7 @@ class SchedulerSettings(StrictModel):
     slo: SloSettings = SloSettings()
     cost: CostSettings = CostSettings()
     index: IndexSettings = IndexSettings()
+    discovery: DiscoverySettings = DiscoverySettings()
     assumed_prompt_tokens: int = Field(
         default=512, gt=0, description="prompt size assumed for queued requests when an instance reports no token count"
     )

@@ -75,6 +75,16 @@ class InstanceRegistry:
         record.last_seen = self._clock()
         record.pending_requests = record.pending_tokens = record.pending_kv_tokens = 0
 
+    def touch(self, instance_id: InstanceId) -> None:
+        """Alive without a load report (e.g. its Kubernetes endpoint is ready); the last load stays."""
+        record = self._records.get(instance_id)
+        if record is not None:
+            record.last_seen = self._clock()
+
+    def remove(self, instance_id: InstanceId) -> bool:
+        """Forget an instance now (it is known to be gone); False if it was not registered."""
+        return self._records.pop(instance_id, None) is not None
+
     def note_placed(self, instance_id: InstanceId, tokens: int, kv_tokens: int = 0) -> None:
         record = self._records.get(instance_id)
         if record is not None:

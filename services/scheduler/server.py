@@ -15,7 +15,8 @@ from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.logs import configure_logging
 from crescent.services.scheduler.conductor import Conductor
 from crescent.services.scheduler.config import SchedulerSettings, load_scheduler_settings
-from crescent.services.scheduler.datatypes import Role
+from crescent.services.scheduler.datatypes import InstanceId, Role
+from crescent.services.scheduler.discovery import DiscoveredEndpoint, DiscoveredMembership, EndpointSliceWatcher
 from crescent.services.scheduler.servicer import SchedulerServicer
 
 log = logging.getLogger(__name__)
@@ -29,23 +30,38 @@ class SchedulerService:
         self.conductor = Conductor(settings)
         self.servicer = SchedulerServicer(self.conductor)
         self._reaper: asyncio.Task[None] | None = None
+        self._discovery: asyncio.Task[None] | None = None
+        self.membership: DiscoveredMembership | None = None
+        if settings.discovery.enabled:
+            self.membership = DiscoveredMembership(self.conductor, settings.discovery)
         self.grpc = GrpcService("scheduler", settings.listen, self._setup, self._cleanup, details=self._details)
 
     async def _setup(self, server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
         self._reaper = asyncio.create_task(self._reap(), name="scheduler-reaper")
+        if self.membership is not None:
+            watcher = EndpointSliceWatcher(self.settings.discovery, self._discovered)
+            self._discovery = asyncio.create_task(watcher.run(), name="scheduler-discovery")
+
+    def _discovered(self, endpoints: dict[InstanceId, DiscoveredEndpoint]) -> None:
+        assert self.membership is not None
+        self.membership.update(endpoints)
+        self.servicer.refresh_gauges()
 
     async def _cleanup(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        for task in (self._discovery, self._reaper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reaper = self._discovery = None
 
     async def _reap(self) -> None:
         period = min(self.settings.heartbeat_interval_s, self.settings.heartbeat_timeout_s / 3)
         while True:
             await asyncio.sleep(period)
+            if self.membership is not None:
+                self.membership.keep_alive()
             self.conductor.expire()
             self.servicer.refresh_gauges()
 

@@ -15,6 +15,14 @@ from pathlib import Path
 import httpx
 
 
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,9 +80,13 @@ def start_stack(run_dir: Path, *extra_args: str, timeout_s: float = 300) -> Stac
 
 
 def stop_stack(stack: Stack) -> None:
+    """SIGTERM, as Ctrl-C or a container runtime would; every service must be gone afterwards."""
+    pids = [s["pid"] for s in stack.services]
     stack.proc.send_signal(signal.SIGTERM)
     try:
-        stack.proc.wait(timeout=30)
+        assert stack.proc.wait(timeout=30) == 0, "crescent up should exit 0 on SIGTERM"
     except subprocess.TimeoutExpired:
         stack.proc.kill()
         raise
+    left = [pid for pid in pids if process_alive(pid)]
+    assert not left, f"services still running after crescent up stopped: {left}"

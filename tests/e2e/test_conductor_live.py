@@ -66,8 +66,9 @@ def test_hot_prefix_placed_on_the_other_prefill_is_pulled_and_kept(conductor_sta
     first = [{"role": "system", "content": HOT_CONTEXT}, {"role": "user", "content": "Do gift cards expire?"}]
     hot = [{"role": "system", "content": HOT_CONTEXT}, {"role": "user", "content": "When do you open on Sunday?"}]
     busy = [{"role": "system", "content": "You index inventory."},
-            {"role": "user", "content": " ".join(f"sku{i}" for i in range(450))}]  # ~1,400 tokens
-    first_ids, _, _ = reference_reply(reference, first, 1)
+            {"role": "user", "content": " ".join(f"sku{i}" for i in range(320))}]  # ~1,350 tokens
+    _, tokenizer = reference
+    first_ids = tokenizer.encode(tokenizer.apply_chat_template(first))
     hot_ids, cold_text, _ = reference_reply(reference, hot, 16)
     expected = shared_blocks(first_ids, hot_ids)
     assert expected >= 8

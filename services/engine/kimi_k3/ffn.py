@@ -17,7 +17,7 @@ import torch
 
 from crescent.kernels.moe.reference import route
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.ops import K3Ops, linear, situ_glu
+from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise, situ_glu
 
 
 class DenseFfn:
@@ -36,8 +36,8 @@ class MoeWeights:
     offsets: torch.Tensor      # [E]
     latent_down: torch.Tensor  # [L, D]
     latent_up: torch.Tensor    # [D, L]
-    gate_up: torch.Tensor      # [E, L, 2F] (the grouped-matmul layout: x @ w[e])
-    down: torch.Tensor         # [E, F, L]
+    gate_up: torch.Tensor      # [E, 2F, L]: as in the checkpoint ([out, in]); see K3Ops.expert_weights
+    down: torch.Tensor         # [E, L, F]
     shared_gate_up: torch.Tensor | None  # [S, 2Fs, D]
     shared_down: torch.Tensor | None     # [S, D, Fs]
 
@@ -47,8 +47,7 @@ class MoeWeights:
         return MoeWeights(
             router=w[p + "gate.weight"], offsets=w[p + "gate.e_score_correction_bias"],
             latent_down=w[p + "latent_down.weight"], latent_up=w[p + "latent_up.weight"],
-            gate_up=w[p + "experts.gate_up_proj"].transpose(1, 2).contiguous(),
-            down=w[p + "experts.down_proj"].transpose(1, 2).contiguous(),
+            gate_up=w[p + "experts.gate_up_proj"], down=w[p + "experts.down_proj"],
             shared_gate_up=w[p + "shared_experts.gate_up_proj"] if shared else None,
             shared_down=w[p + "shared_experts.down_proj"] if shared else None,
         )
@@ -57,21 +56,22 @@ class MoeWeights:
 class LatentMoe:
     def __init__(self, cfg: K3Config, weights: MoeWeights, ops: K3Ops) -> None:
         self.cfg, self.w, self.ops = cfg, weights, ops
+        self.experts = ops.expert_weights(weights.gate_up, weights.down)
         self.act = partial(situ_glu, beta_gate=cfg.situ_beta_gate, beta_up=cfg.situ_beta_up)
         self.load = torch.zeros(cfg.num_experts, dtype=torch.int64)  # tokens routed to each expert, ever
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]``, expert ids ``[T, k]``) for each token, from that token alone."""
-        scores = torch.sigmoid(linear(x, self.w.router).float())
+        scores = pointwise(torch.sigmoid, linear(x, self.w.router).float())
         return route(scores, self.w.offsets.float(), self.cfg.num_experts_per_tok, self.cfg.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
         weights, ids = self.route(x)
         self.load += torch.bincount(ids.flatten().cpu(), minlength=self.cfg.num_experts)
-        routed = self.ops.moe_routed(linear(x, w.latent_down), weights, ids, w.gate_up, w.down, self.act)
+        routed = self.ops.moe_routed(linear(x, w.latent_down), weights, ids, *self.experts, self.act)
         out = linear(routed.to(x.dtype), w.latent_up)
-        if w.shared_gate_up is not None:
+        if w.shared_gate_up is not None and w.shared_down is not None:
             for s in range(w.shared_gate_up.shape[0]):
                 out = out + linear(self.act(linear(x, w.shared_gate_up[s])), w.shared_down[s])
         return out

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from crescent.kernels.kda.reference import gated_rms_norm_reference, kda_gate, short_conv_reference
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.ops import K3Ops, linear
+from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise
 from crescent.services.engine.llama import ForwardBatch
 
 
@@ -67,7 +67,7 @@ class KdaLayer:
         hv, dk, dv = cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
         mixed = linear(x, w.qkv)
         g = kda_gate(linear(linear(x, w.f_a), w.f_b).view(n, hv, dk), w.a_log, w.dt_bias, cfg.kda_lower_bound)
-        beta = torch.sigmoid(linear(x, w.b))
+        beta = pointwise(torch.sigmoid, linear(x, w.b))
         out = x.new_empty((n, hv, dv))
         singles, start = [], 0
         for chunk in batch.chunks:
@@ -108,7 +108,7 @@ class KdaLayer:
         """State and conv tail after the token before each position (zeros at position 0)."""
         ps = cache.page_size
         src = torch.tensor([pg[(p - 1) // ps] if p else 0 for pg, p in zip(pages_list, positions)], dtype=torch.int64)
-        fresh = torch.tensor([p == 0 for p in positions])[:, None, None]
+        fresh = torch.tensor([p == 0 for p in positions], device=cache.state.device)[:, None, None]
         state = cache.kda_state[src, self.slot].masked_fill(fresh[..., None], 0.0)
         tail = cache.conv_tail[src, self.slot].masked_fill(fresh, 0.0)
         return state, tail

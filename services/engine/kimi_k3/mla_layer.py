@@ -15,7 +15,7 @@ import torch
 from crescent.kernels.reference import apply_rope, rms_norm
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.ops import K3Ops, linear
+from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise
 from crescent.services.engine.llama import ForwardBatch
 
 
@@ -24,7 +24,7 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     angles = torch.outer(positions.to(torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return pointwise(torch.cos, angles).float(), pointwise(torch.sin, angles).float()
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class MlaLayer:
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: K3Cache) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         n, h, dn, dc = x.shape[0], cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        cos, sin = rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        cos, sin = (t.to(x.device) for t in rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta))
         if w.q is not None:
             q = linear(x, w.q)
         else:
@@ -88,5 +88,5 @@ class MlaLayer:
         o_lat = self.ops.mla_attention(q_lat.contiguous(), q_rope.contiguous(), layer_cache, table.to(x.device),
                                        seq_lens.to(x.device), cu_q.to(x.device), self.scale)
         o = torch.stack([linear(o_lat[:, i], w.w_uv_t[i]) for i in range(h)], dim=1)
-        o = o * torch.sigmoid(linear(x, w.gate)).view(n, h, cfg.v_head_dim)
+        o = o * pointwise(torch.sigmoid, linear(x, w.gate)).view(n, h, cfg.v_head_dim)
         return linear(o.reshape(n, -1), w.o)

@@ -101,6 +101,6 @@ class K3Model:
             return blocks[0].new_empty((0, cfg.vocab_size))
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
         rows = ends[torch.tensor(logits_for)].to(self.device)
-        sources = torch.stack([s[rows] for s in (blocks if partial is None else [*blocks, partial])])
-        last = self.ops.attn_res(sources, *self.final_mix, eps)
+        final = torch.stack([s[rows] for s in (blocks if partial is None else [*blocks, partial])])
+        last = self.ops.attn_res(final, *self.final_mix, eps)
         return linear(rms_norm(last, self.norm, eps), self.lm_head)

@@ -32,6 +32,23 @@ def select_backend(device: torch.device | str) -> Backend:
     return Backend.TRITON if torch.device(device).type == "cuda" else Backend.REFERENCE
 
 
+_VECTOR_CHUNK = 64  # floats; a multiple of what PyTorch's vectorised CPU loops take per step
+
+
+def pointwise(fn: Act, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn``, computed so that each element's result does not depend
+    on the tensor's size: PyTorch's CPU loops run whole vector steps with SLEEF (exp, tanh,
+    sigmoid...) and leave a short tail to scalar libm, whose last bit can differ. Padding to whole
+    steps keeps every element on the vector path, so a decode row is the same in any batch."""
+    if x.device.type != "cpu":
+        return fn(x)
+    n = x.numel()
+    flat = x.reshape(-1)
+    if n % _VECTOR_CHUNK:
+        flat = torch.cat([flat, flat.new_zeros(_VECTOR_CHUNK - n % _VECTOR_CHUNK)])
+    return fn(flat)[:n].view(x.shape)
+
+
 def situ_glu(gate_up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
     """SiTU-GLU over ``[..., 2F]`` = [gate | up] -> ``[..., F]``:
     ``beta_g·tanh(G/beta_g)·sigmoid(G) · beta_u·tanh(U/beta_u)`` (Kimi K3 report, eq. 12)."""
@@ -105,9 +122,17 @@ class K3Ops:
             out[a:b] = torch.einsum("htl,lc->thc", scores.softmax(-1), lat[:, :dc])
         return out
 
+    def expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checkpoint expert tensors (``[E, 2F, L]``, ``[E, L, F]``, i.e. [out, in]) in the layout
+        :meth:`moe_routed` of this backend takes: as they are for the reference (contiguous linear
+        weights keep rows batch-invariant), ``[E, in, out]`` for the grouped-matmul kernel."""
+        if self.backend is Backend.TRITON:
+            return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+        return gate_up.contiguous(), down.contiguous()
+
     def moe_routed(self, x, weights, ids, w_gate_up, w_down, act: Act) -> torch.Tensor:
-        """Routed experts: x ``[T, L]``, routing (weights, ids) ``[T, k]``, w_gate_up ``[E, L, 2F]``,
-        w_down ``[E, F, L]`` -> ``[T, L]`` = sum over a token's k experts of weight · expert(x)."""
+        """Routed experts: x ``[T, L]``, routing (weights, ids) ``[T, k]``, expert weights from
+        :meth:`expert_weights` -> ``[T, L]`` = sum over a token's k experts of weight · expert(x)."""
         t, top_k = ids.shape
         e = w_gate_up.shape[0]
         if self.backend is Backend.TRITON:
@@ -124,8 +149,8 @@ class K3Ops:
         out = torch.zeros(t, x.shape[1], dtype=torch.float32)
         for expert in torch.unique(ids).tolist():  # ascending: a token sums its experts in id order
             tok, slot = (ids == expert).nonzero(as_tuple=True)
-            h = act(batch_invariant_linear(x[tok], w_gate_up[expert].t()))
-            out.index_add_(0, tok, batch_invariant_linear(h, w_down[expert].t()) * weights[tok, slot, None])
+            h = act(batch_invariant_linear(x[tok], w_gate_up[expert]))
+            out.index_add_(0, tok, batch_invariant_linear(h, w_down[expert]) * weights[tok, slot, None])
         return out
 
     def attn_res(self, sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,7 +164,8 @@ class K3Ops:
         # the reference's math with row-wise reductions only (no GEMV), so rows are batch-invariant
         v = sources.float()
         keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-        mix = torch.softmax((keys * query.float()).sum(-1), dim=0)
+        # softmax over the sources, one contiguous row per token (a row-wise kernel)
+        mix = torch.softmax((keys * query.float()).sum(-1).t().contiguous(), dim=-1).t()
         return (mix[..., None] * v).sum(0)
 
 

@@ -1,0 +1,124 @@
+"""Build a K3Model from a ``ModelSource``: a seeded preset, or a Hugging Face-style directory.
+
+A directory holds ``config.json`` (``model_type: kimi_k3``) and safetensors shards (listed by
+``model.safetensors.index.json`` when present). A tensor is stored in float32/bfloat16/float16,
+or in MXFP4 as ``NAME_blocks`` (uint8 ``[..., K/32, 16]``) and ``NAME_scales`` (uint8
+``[..., K/32]``), possibly in different shards; MXFP4 tensors are dequantised to fp32 at load
+(the engine computes in fp32 on CPU; the MXFP4 Triton matmul is not wired in yet).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from crescent.kernels.mxfp4.reference import dequantize_mxfp4, quantize_mxfp4
+from crescent.kernels.moe.reference import quantile_balance_offsets
+from crescent.services.engine.kimi_k3.config import NANO, K3Config
+from crescent.services.engine.kimi_k3.model import K3Model
+from crescent.services.engine.kimi_k3.weights import random_weights, weight_shapes
+from crescent.services.engine.loader.errors import ModelLoadError
+from crescent.services.engine.loader.hf_loader import weight_files
+from crescent.services.engine.model_source import ModelSource
+
+log = logging.getLogger(__name__)
+
+SEEDED_CONFIGS: dict[str, K3Config] = {"kimi-k3-nano": NANO}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu") -> K3Model:
+    if source.random_seed is not None:
+        cfg = SEEDED_CONFIGS[source.model_id]
+        return K3Model(cfg, seeded_weights(cfg, source.random_seed), device=device)
+    cfg = read_config(source.path)
+    return K3Model(cfg, load_weights(source.path, cfg), device=device)
+
+
+def seeded_weights(cfg: K3Config, seed: int) -> dict[str, torch.Tensor]:
+    """``random_weights`` with router offsets quantile-balanced on a seeded calibration sample."""
+    weights = random_weights(cfg, seed)
+    balance_router_offsets(cfg, weights, torch.randn(4 * cfg.num_experts * 32, cfg.hidden_size,
+                                                     generator=torch.Generator().manual_seed(seed + 1)))
+    return weights
+
+
+def balance_router_offsets(cfg: K3Config, weights: dict[str, torch.Tensor], calibration: torch.Tensor) -> None:
+    """Set every MoE layer's ``e_score_correction_bias`` so that the calibration tokens spread
+    evenly over the experts (``quantile_balance_offsets`` on their router scores)."""
+    x = calibration * torch.rsqrt(calibration.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    for i in range(cfg.num_layers):
+        if cfg.is_moe_layer(i):
+            p = f"model.layers.{i}.mlp.gate."
+            scores = torch.sigmoid(x @ weights[p + "weight"].t())
+            weights[p + "e_score_correction_bias"] = quantile_balance_offsets(scores, cfg.num_experts_per_tok)
+
+
+def read_config(path: Path) -> K3Config:
+    try:
+        return K3Config.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError) as exc:  # ModelConfigError is a ValueError
+        raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+
+
+def load_weights(path: Path, cfg: K3Config) -> dict[str, torch.Tensor]:
+    expected = weight_shapes(cfg)
+    weights: dict[str, torch.Tensor] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    base, _, part = name.rpartition("_")
+                    if part in ("blocks", "scales") and base in expected:
+                        packed.setdefault(base, {})[part] = f.get_tensor(name)
+                        continue
+                    if name not in expected:
+                        raise ModelLoadError(f"{file.name}: tensor {name!r} is not part of this kimi_k3 model")
+                    tensor = f.get_tensor(name)
+                    if tensor.dtype not in _FLOATS:
+                        raise ModelLoadError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}")
+                    weights[name] = tensor.to(torch.float32)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+    for name, parts in packed.items():
+        if set(parts) != {"blocks", "scales"}:
+            raise ModelLoadError(f"MXFP4 tensor {name!r} lacks its {'scales' if 'blocks' in parts else 'blocks'}")
+        if parts["blocks"].dtype != torch.uint8 or parts["scales"].dtype != torch.uint8:
+            raise ModelLoadError(f"MXFP4 tensor {name!r}: blocks and scales must be uint8")
+        weights[name] = dequantize_mxfp4(parts["blocks"], parts["scales"])
+    for name, shape in expected.items():
+        if name not in weights:
+            raise ModelLoadError(f"{path} lacks tensor {name!r}")
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+    return weights
+
+
+def save_hf_dir(path: Path, cfg: K3Config, weights: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
+                mxfp4: bool = False, shards: int = 2) -> None:
+    """Write a checkpoint directory this module loads (tests, conversions). With ``mxfp4``, every
+    2-D+ projection whose input width is a multiple of 32 is stored as ``_blocks``/``_scales``."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = cfg.to_hf_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if mxfp4 and t.dim() >= 2 and t.shape[-1] % 32 == 0 and name != "model.embed_tokens.weight":
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(t)
+        else:
+            tensors[name] = t.to(dtype).contiguous()
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[s::shards]}
+        save_file(part, str(path / file))
+        weight_map.update({n: file for n in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}), encoding="utf-8")

@@ -1,0 +1,179 @@
+"""``crescent profile``: measure this machine's engine and fit the scheduler's cost models.
+
+Prefill is timed over (prompt length, cached prefix length): the prefix is computed first so
+the timed run attaches it from the engine's cache, as a prefix hit does in service. Decode is
+timed per step over (batch size, context per sequence): the sequences' KV is zero-filled
+rather than computed, since a step's time does not depend on the values it reads.
+
+The fits (``cost_model.fit_prefill_model`` / ``fit_decode_model``) become a YAML snippet under
+``cost:`` that the scheduler's settings file accepts as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import yaml
+
+from crescent.services.engine.engine import Engine
+from crescent.services.scheduler.cost_model import (
+    DecodeCostModel,
+    DecodeSample,
+    PrefillCostModel,
+    PrefillSample,
+    fit_decode_model,
+    fit_prefill_model,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePlan:
+    prefill: tuple[tuple[int, int], ...]    # (prompt tokens, cached prefix tokens)
+    decode: tuple[tuple[int, int], ...]     # (batch size, context tokens per sequence)
+    decode_steps: int                       # timed steps per decode point (after one warm-up step)
+
+    def kv_tokens_needed(self, page_size: int) -> int:
+        prefill = max(p + c for p, c in self.prefill)        # the prefix run and the timed run
+        decode = max(b * (c + self.decode_steps + 2) for b, c in self.decode)
+        return max(prefill, decode) + 2 * page_size * max(b for b, _ in self.decode)
+
+    @property
+    def points(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+
+# About a minute for the default model on 2 CPU cores; --quick takes seconds.
+DEFAULT_PLAN = ProfilePlan(
+    prefill=((128, 0), (512, 0), (1024, 0), (2048, 0), (1024, 512), (2048, 1024), (2048, 1536)),
+    decode=((1, 128), (1, 2048), (4, 512), (8, 128), (8, 1024), (16, 256), (16, 512)),
+    decode_steps=3,
+)
+QUICK_PLAN = ProfilePlan(
+    prefill=((64, 0), (192, 0), (320, 0), (320, 128), (320, 256)),
+    decode=((1, 64), (2, 256), (4, 64), (4, 192)),
+    decode_steps=2,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    prefill_samples: tuple[PrefillSample, ...]
+    decode_samples: tuple[DecodeSample, ...]
+    prefill_model: PrefillCostModel
+    decode_model: DecodeCostModel
+    kv_bytes_per_token: int
+
+
+class Profiler:
+    """Times one engine (not thread-safe, like the engine itself)."""
+
+    def __init__(self, engine: Engine, seed: int = 0) -> None:
+        self.engine = engine
+        self._rng = random.Random(seed)
+        self._runs = 0
+
+    def _tokens(self, n: int) -> list[int]:
+        # Fresh random ids for every run, so no run hits another's cached blocks by accident.
+        return [self._rng.randrange(3, self.engine.config.vocab_size) for _ in range(n)]
+
+    def _name(self) -> str:
+        self._runs += 1
+        return f"profile-{self._runs}"
+
+    def prefill(self, prompt_tokens: int, cached_tokens: int) -> PrefillSample:
+        """Time the prefill of ``prompt_tokens`` of which the first ``cached_tokens`` are cached."""
+        page = self.engine.page_size
+        if cached_tokens % page or cached_tokens >= prompt_tokens:
+            raise ValueError(f"cached tokens ({cached_tokens}) must be a multiple of {page} below the prompt length")
+        tokens = self._tokens(prompt_tokens)
+        if cached_tokens:
+            prefix = self.engine.add_sequence(self._name(), tokens[:cached_tokens], use_cache=False)
+            try:
+                self.engine.prefill(prefix)  # registers the prefix blocks in the cache
+            finally:
+                self.engine.release(prefix)
+        seq = self.engine.add_sequence(self._name(), tokens)
+        try:
+            start = time.perf_counter()
+            self.engine.prefill(seq)
+            seconds = time.perf_counter() - start
+        finally:
+            self.engine.release(seq)
+        return PrefillSample(new_tokens=prompt_tokens - seq.num_cached, cached_tokens=seq.num_cached, seconds=seconds)
+
+    def decode(self, batch_size: int, context_tokens: int, steps: int) -> DecodeSample:
+        """Mean time of ``steps`` decode steps of ``batch_size`` sequences with ``context_tokens`` each."""
+        engine, page = self.engine, self.engine.page_size
+        seqs = []
+        try:
+            for _ in range(batch_size):
+                sizes = [min(page, context_tokens - i) for i in range(0, context_tokens, page)]
+                payloads = [torch.zeros(engine.cache.payload_shape(n)) for n in sizes]
+                seqs.append(engine.adopt_sequence(self._name(), self._tokens(context_tokens + 1), context_tokens, payloads))
+            times = []
+            for _ in range(steps + 1):  # the first step warms up and is not counted
+                start = time.perf_counter()
+                engine.decode_step(seqs)
+                times.append(time.perf_counter() - start)
+                for seq in seqs:
+                    seq.token_ids.append(self._tokens(1)[0])
+        finally:
+            for seq in seqs:
+                engine.release(seq)
+        mean_context = batch_size * (context_tokens + 1 + steps / 2)
+        return DecodeSample(batch_size=batch_size, context_tokens=round(mean_context), seconds=sum(times[1:]) / steps)
+
+
+def run_profile(engine: Engine, plan: ProfilePlan, on_point: Callable[[str], None] = lambda what: None) -> ProfileResult:
+    """Measure every point of ``plan`` (after a warm-up run) and fit both cost models."""
+    profiler = Profiler(engine)
+    profiler.prefill(min(p for p, _ in plan.prefill), 0)  # warm-up: first calls allocate and load code
+    prefill = []
+    for prompt, cached in plan.prefill:
+        on_point(f"prefill {prompt} tokens, {cached} cached")
+        prefill.append(profiler.prefill(prompt, cached))
+    decode = []
+    for batch, context in plan.decode:
+        on_point(f"decode batch {batch}, {context} context tokens each")
+        decode.append(profiler.decode(batch, context, plan.decode_steps))
+    cache = engine.cache
+    kv_bytes_per_token = cache.nbytes() // (cache.pages.num_pages * engine.page_size)
+    return ProfileResult(tuple(prefill), tuple(decode), fit_prefill_model(prefill), fit_decode_model(decode), kv_bytes_per_token)
+
+
+def cost_settings_yaml(result: ProfileResult, header: str = "") -> str:
+    """The ``cost:`` section of the scheduler's settings, with the fitted coefficients."""
+    p, d = result.prefill_model, result.decode_model
+    doc = {"cost": {
+        "prefill": {"fixed_s": _round(p.fixed_s), "per_token_s": _round(p.per_token_s), "attention_s": _round(p.attention_s)},
+        "decode": {"fixed_s": _round(d.fixed_s), "per_sequence_s": _round(d.per_sequence_s),
+                   "per_context_token_s": _round(d.per_context_token_s)},
+        "transfer": {"kv_bytes_per_token": result.kv_bytes_per_token},
+    }}
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return comment + yaml.safe_dump(doc, sort_keys=False)
+
+
+def _round(value: float) -> float:
+    return float(f"{value:.4g}")
+
+
+def table_rows(result: ProfileResult) -> list[tuple[str, str, float, float]]:
+    """(kind, point, measured s, fitted s) for every sample."""
+    rows = [("prefill", f"{s.new_tokens} new + {s.cached_tokens} cached", s.seconds,
+             result.prefill_model.seconds(s.new_tokens, s.cached_tokens)) for s in result.prefill_samples]
+    rows += [("decode step", f"batch {s.batch_size}, {s.context_tokens} context", s.seconds,
+              result.decode_model.step_seconds(s.batch_size, s.context_tokens)) for s in result.decode_samples]
+    return rows
+
+
+def fit_error(rows: Sequence[tuple[str, str, float, float]]) -> float:
+    """Largest relative difference between measured and fitted times."""
+    return max(abs(fitted - measured) / measured for _, _, measured, fitted in rows)

@@ -1,0 +1,106 @@
+"""``crescent up --model kimi-k3-nano``: the hybrid model through the whole disaggregated path.
+
+Replies must equal greedy generation in this process; a shared prefix must come back as whole
+blocks (MLA latents + KDA state snapshots) from prefill's cache and, once evicted, from the
+kvstore, with the same output as a cold run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import torch
+
+from crescent.services.engine.engine import Engine
+from crescent.services.engine.kimi_k3.loading import load_k3_model
+from crescent.services.engine.kimi_tokenizer import tokenizer_for
+from crescent.services.engine.model_source import resolve_model
+from tests.e2e.stack import Stack, start_stack, stop_stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "kimi-k3-nano"
+BLOCK = 16
+KV_TOKENS = 1024
+CONTEXT = ("The lighthouse keeper logs the tide, the wind and every passing ship in a blue notebook. " * 6)
+
+
+@pytest.fixture(scope="module")
+def k3_stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    running = start_stack(tmp_path_factory.mktemp("k3-stack"), "--model", MODEL, "--block-size", str(BLOCK),
+                          "--kv-capacity-tokens", str(KV_TOKENS))
+    yield running
+    stop_stack(running)
+
+
+@pytest.fixture(scope="module")
+def k3_reference():
+    torch.set_num_threads(2)
+    source = resolve_model(MODEL)
+    engine = Engine(load_k3_model(source), model_id=MODEL, kv_capacity_tokens=4096, page_size=BLOCK)
+    return engine, tokenizer_for(source)
+
+
+def ask(stack: Stack, messages: list[dict], max_tokens: int):
+    api = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return api.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+
+
+def prompt_ids(reference, messages: list[dict]) -> list[int]:
+    tokenizer = reference[1]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+
+def reference_reply(reference, messages: list[dict], max_tokens: int) -> tuple[list[int], list[int]]:
+    ids = prompt_ids(reference, messages)
+    return ids, reference[0].generate(ids, max_tokens)
+
+
+def reply_text(reference, out: list[int]) -> str:
+    tokenizer = reference[1]
+    return tokenizer.decode([t for t in out if t not in set(tokenizer.eos_token_ids)])
+
+
+def test_reply_equals_single_process_generation(k3_stack, k3_reference):
+    messages = [{"role": "user", "content": "Describe the sea in one line."}]
+    reply = ask(k3_stack, messages, 12)
+    ids, out = reference_reply(k3_reference, messages, 12)
+    message = reply.choices[0].message
+    assert message.content == reply_text(k3_reference, out)
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_shared_prefix_resumes_from_cached_blocks(k3_stack, k3_reference):
+    first = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "Who keeps the log?"}]
+    second = [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "What colour is it?"}]
+    ask(k3_stack, first, 2)
+    reply = ask(k3_stack, second, 12)
+    first_ids, _ = reference_reply(k3_reference, first, 1)
+    second_ids, out = reference_reply(k3_reference, second, 12)
+    common = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids)) if a != b)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached == min(common, len(first_ids) - 1) // BLOCK * BLOCK  # whole blocks the first prompt computed
+    assert cached >= 4 * BLOCK
+    assert reply.choices[0].message.content == reply_text(k3_reference, out)
+
+
+def test_prefix_evicted_from_prefill_comes_back_from_the_kvstore(k3_stack, k3_reference):
+    context = CONTEXT.replace("lighthouse keeper", "ferry pilot")
+    before = k3_stack.metric("prefill-0", "crescent_engine_cached_tokens_total", {"source": "kvstore"})
+    ask(k3_stack, [{"role": "system", "content": context}, {"role": "user", "content": "Hi"}], 2)
+    for name in ("buoy", "gull"):  # two prompts of 60% of the cache each: the second evicts the context
+        flood = [{"role": "user", "content": ""}]
+        for words in range(50, 2000, 10):
+            flood[0]["content"] = " ".join(f"{name}{i}" for i in range(words))
+            if len(prompt_ids(k3_reference, flood)) > 0.6 * KV_TOKENS:
+                break
+        ask(k3_stack, flood, 2)
+        time.sleep(1.5)  # a load heartbeat (1 s) clears the scheduler's reservation for the last one
+    messages = [{"role": "system", "content": context}, {"role": "user", "content": "Where does it sail?"}]
+    reply = ask(k3_stack, messages, 12)
+    _, out = reference_reply(k3_reference, messages, 12)
+    from_kvstore = k3_stack.metric("prefill-0", "crescent_engine_cached_tokens_total", {"source": "kvstore"}) - before
+    assert from_kvstore >= 4 * BLOCK and from_kvstore % BLOCK == 0
+    assert reply.choices[0].message.content == reply_text(k3_reference, out)
