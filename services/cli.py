@@ -54,6 +54,7 @@ def up(
     kv_capacity_tokens: Annotated[int, typer.Option(min=64, help="paged KV cache per engine instance")] = 32768,
     kvstore_gb: Annotated[float, typer.Option(min=0.0, help="host-memory tier of the kvstore, GB")] = 4.0,
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = DEFAULT_BLOCK_SIZE,
+    ttft_slo: Annotated[float | None, typer.Option(help="seconds; requests predicted to miss it get 429")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="configs, logs and services.json; default: a temp dir")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds to wait for every service")] = 600.0,
 ) -> None:
@@ -61,7 +62,8 @@ def up(
     from crescent.services.launcher import LaunchError, Platform, PlatformPlan
 
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
-    plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9), block_size)
+    plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9), block_size,
+                        ttft_slo)
     platform = Platform(plan, run_dir)
     stopping = False
 

@@ -50,6 +50,7 @@ class PlatformPlan:
     kv_capacity_tokens: int
     kvstore_capacity_bytes: int
     block_size: int
+    ttft_slo_s: float | None = None
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -71,7 +72,10 @@ class PlatformPlan:
 
         specs = []
         sched_listen, scheduler, sched_admin = listen()
-        specs.append(ServiceSpec("scheduler", "scheduler", {"listen": sched_listen}, scheduler,
+        sched_config: dict[str, Any] = {"listen": sched_listen}
+        if self.ttft_slo_s is not None:
+            sched_config["slo"] = {"ttft_s": self.ttft_slo_s}
+        specs.append(ServiceSpec("scheduler", "scheduler", sched_config, scheduler,
                                  f"{sched_admin}/health", f"{sched_admin}/metrics"))
         kv_listen, kvstore, kv_admin = listen()
         specs.append(ServiceSpec("kvstore", "kvstore", {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 class ProfilePlan:
     prefill: tuple[tuple[int, int], ...]    # (prompt tokens, cached prefix tokens)
     decode: tuple[tuple[int, int], ...]     # (batch size, context tokens per sequence)
-    decode_steps: int                       # timed steps per decode point (after one warm-up step)
+    decode_steps: int                       # timed steps per decode point (after one warm-up step); median kept
+    prefill_repeats: int = 1                # runs per prefill point; the fastest is kept (others' load only adds)
 
     def kv_tokens_needed(self, page_size: int) -> int:
         prefill = max(p + c for p, c in self.prefill)        # the prefix run and the timed run
@@ -46,14 +48,16 @@ class ProfilePlan:
 
     @property
     def points(self) -> int:
-        return len(self.prefill) + len(self.decode)
+        """Measurements in all (what a progress bar counts)."""
+        return self.prefill_repeats * len(self.prefill) + len(self.decode)
 
 
 # About a minute for the default model on 2 CPU cores; --quick takes seconds.
 DEFAULT_PLAN = ProfilePlan(
     prefill=((128, 0), (512, 0), (1024, 0), (2048, 0), (1024, 512), (2048, 1024), (2048, 1536)),
     decode=((1, 128), (1, 2048), (4, 512), (8, 128), (8, 1024), (16, 256), (16, 512)),
-    decode_steps=3,
+    decode_steps=5,
+    prefill_repeats=2,
 )
 QUICK_PLAN = ProfilePlan(
     prefill=((64, 0), (192, 0), (320, 0), (320, 128), (320, 256)),
@@ -109,7 +113,7 @@ class Profiler:
         return PrefillSample(new_tokens=prompt_tokens - seq.num_cached, cached_tokens=seq.num_cached, seconds=seconds)
 
     def decode(self, batch_size: int, context_tokens: int, steps: int) -> DecodeSample:
-        """Mean time of ``steps`` decode steps of ``batch_size`` sequences with ``context_tokens`` each."""
+        """Median time of ``steps`` decode steps of ``batch_size`` sequences with ``context_tokens`` each."""
         engine, page = self.engine, self.engine.page_size
         seqs = []
         try:
@@ -128,17 +132,20 @@ class Profiler:
             for seq in seqs:
                 engine.release(seq)
         mean_context = batch_size * (context_tokens + 1 + steps / 2)
-        return DecodeSample(batch_size=batch_size, context_tokens=round(mean_context), seconds=sum(times[1:]) / steps)
+        return DecodeSample(batch_size=batch_size, context_tokens=round(mean_context), seconds=statistics.median(times[1:]))
 
 
 def run_profile(engine: Engine, plan: ProfilePlan, on_point: Callable[[str], None] = lambda what: None) -> ProfileResult:
     """Measure every point of ``plan`` (after a warm-up run) and fit both cost models."""
     profiler = Profiler(engine)
     profiler.prefill(min(p for p, _ in plan.prefill), 0)  # warm-up: first calls allocate and load code
-    prefill = []
-    for prompt, cached in plan.prefill:
-        on_point(f"prefill {prompt} tokens, {cached} cached")
-        prefill.append(profiler.prefill(prompt, cached))
+    # Repeats go round all points in turn, so a burst of load elsewhere cannot spoil every run of one point.
+    runs: list[list[PrefillSample]] = [[] for _ in plan.prefill]
+    for _ in range(plan.prefill_repeats):
+        for i, (prompt, cached) in enumerate(plan.prefill):
+            on_point(f"prefill {prompt} tokens, {cached} cached")
+            runs[i].append(profiler.prefill(prompt, cached))
+    prefill = [min(point_runs, key=lambda sample: sample.seconds) for point_runs in runs]
     decode = []
     for batch, context in plan.decode:
         on_point(f"decode batch {batch}, {context} context tokens each")

@@ -79,7 +79,7 @@ class Batcher:
             return  # its pages went back when it finished; only the record was left
         log.info("aborting %s: %s", request_id, why)
         request.finished = True
-        await self.worker.run(self.engine.release, request.seq)
+        self.worker.submit(self.engine.release, request.seq)
         self.metrics.requests.labels("decode", "aborted").inc()
         self._update_gauges()
 
@@ -141,7 +141,7 @@ class Batcher:
             else:
                 # The record stays until its stream has read this last update (or expires).
                 request.finished = True
-                await self.worker.run(self.engine.release, request.seq)
+                self.worker.submit(self.engine.release, request.seq)
                 self.metrics.requests.labels("decode", "ok").inc()
 
     async def _expire_unclaimed(self) -> None:

@@ -58,7 +58,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         prompt = list(header.prompt_token_ids)
         try:
             seq = await self.batcher.worker.run(
-                self.engine.adopt_sequence, header.request_id, prompt + [header.first_token_id], len(prompt), payloads
+                self.engine.adopt_sequence, header.request_id, prompt + [header.first_token_id], len(prompt), payloads,
+                orphan=self.engine.release,  # prefill gave up mid-call: give the pages back
             )
         except CacheFullError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
@@ -22,7 +22,6 @@ from crescent.services.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -59,18 +58,42 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
 
 
 class EngineWorker:
-    """Runs engine calls one at a time on a dedicated thread; ``pending`` counts waiting calls."""
+    """Runs engine calls one at a time, in order, on a dedicated thread.
+
+    A call, once submitted, always runs to completion: cancelling the coroutine that awaits it
+    (a client went away) only drops the result. A call that hands out resources therefore takes
+    ``orphan``, which gets the result when nobody is left to receive it (e.g. release a sequence's
+    pages). ``pending`` counts calls submitted and not finished.
+    """
 
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.pending = 0
 
-    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        self.pending += 1
+    async def run(
+        self, fn: Callable[..., T], *args: object, orphan: Callable[[T], object] | None = None, **kwargs: object
+    ) -> T:
+        job = self._submit(lambda: fn(*args, **kwargs))
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: fn(*args, **kwargs))
-        finally:
-            self.pending -= 1
+            return await asyncio.shield(asyncio.wrap_future(job))
+        except asyncio.CancelledError:
+            if orphan is not None:
+                job.add_done_callback(lambda done: done.exception() is None and self.submit(orphan, done.result()))
+            raise
+
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        """Queue a call nobody waits for (e.g. releasing pages); failures are logged."""
+        job = self._submit(lambda: fn(*args))
+        job.add_done_callback(lambda done: done.exception() and log.error("engine call %s failed", fn, exc_info=done.exception()))
+
+    def _submit(self, call: Callable[[], T]) -> Future[T]:
+        self.pending += 1
+        job = self._executor.submit(call)
+        job.add_done_callback(self._finished)
+        return job
+
+    def _finished(self, _job: Future) -> None:
+        self.pending -= 1  # runs on the worker thread; a slightly stale count is fine for metrics
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -39,6 +39,7 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
         request_timeout_s=settings.request_timeout_s,
         place_timeout_s=settings.place_timeout_s,
         health_timeout_s=settings.health_timeout_s,
+        block_size=settings.block_size,
     )
     app = build_app(settings, backend, model)
     server = uvicorn.Server(

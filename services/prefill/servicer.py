@@ -41,6 +41,23 @@ def _payload_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.frombuffer(block.payload, dtype=torch.float32).view(shape)
 
 
+class _PageHold:
+    """A sequence's pages go back once every holder (the call, the kvstore export) lets go."""
+
+    def __init__(self, worker: EngineWorker, release, seq: Sequence, after_release) -> None:
+        self._worker, self._release, self._seq, self._after = worker, release, seq, after_release
+        self._holders = 1
+
+    def acquire(self) -> None:
+        self._holders += 1
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self._worker.submit(self._release, self._seq)
+            self._after()
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
                  on_blocks_stored, scheduler_address: str = "") -> None:
@@ -90,8 +107,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.running += 1
         self.load.admit(request.request_id, len(tokens))
         seq: Sequence | None = None
+        hold: _PageHold | None = None
         try:
-            seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt)
+            seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt,
+                                        orphan=self.engine.release)
+            hold = _PageHold(self.worker, self.engine.release, seq, self._on_blocks_stored)
             local_hit = seq.num_cached
             peer_hit = await self._pull_from_peer(request, seq)
             remote_hit = await self._attach_from_kvstore(seq)
@@ -108,18 +128,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if not request.sampling.ignore_eos:
                 stop_ids.update(cfg.eos_token_ids)
             finished = first in stop_ids or request.sampling.max_tokens <= 1
+            if self.kvstore is not None:
+                # Not tied to this call: the blocks are worth keeping even if the client has gone.
+                hold.acquire()
+                self._spawn(self._store_new_blocks(seq, local_hit + peer_hit + remote_hit, hold))
             yield prefill_pb2.PrefillEvent(
                 first_token=prefill_pb2.FirstToken(
                     token_id=first, prompt_tokens=len(tokens), cached_tokens=seq.num_cached, finished=finished,
                     finish_reason=("stop" if first in stop_ids else "length") if finished else "",
                 )
             )
-            new_blocks = await self._export_new_blocks(seq, local_hit + peer_hit + remote_hit)
             if not finished:
                 await self._hand_off(request, seq, first)
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
-            if new_blocks and self.kvstore is not None:
-                self._spawn(self._store_blocks(new_blocks))
             self.metrics.requests.labels("prefill", "ok").inc()
         except CacheFullError as exc:
             self.metrics.requests.labels("prefill", "error").inc()
@@ -131,9 +152,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.running -= 1
             self.load.done(request.request_id)
             self.metrics.queue_depth.labels("prefill").set(self.worker.pending)
-            if seq is not None:
-                await self.worker.run(self.engine.release, seq)
-                self._on_blocks_stored()
+            if hold is not None:
+                hold.release()
 
     def _count(self, prompt: int, local_hit: int, remote_hit: int, peer_hit: int = 0) -> None:
         m = self.metrics
@@ -202,6 +222,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return blocks
 
         return await self.worker.run(export)
+
+    async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold) -> None:
+        try:
+            blocks = await self._export_new_blocks(seq, already_cached)
+        finally:
+            hold.release()
+        if blocks:
+            await self._store_blocks(blocks)
 
     async def _store_blocks(self, blocks: list[KvBlock]) -> None:
         assert self.kvstore is not None

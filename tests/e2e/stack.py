@@ -60,13 +60,14 @@ class Stack:
         return total
 
 
-def start_stack(run_dir: Path, *extra_args: str, timeout_s: float = 300) -> Stack:
+def start_stack(run_dir: Path, *extra_args: str, timeout_s: float = 300, env: dict[str, str] | None = None) -> Stack:
+    """``crescent up`` on a free port; ``env`` adds settings overrides (CRESCENT_<SERVICE>__...)."""
     port = free_port()
     log = open(run_dir / "up.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port), "--run-dir", str(run_dir), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=dict(os.environ, CRESCENT_LOG_LEVEL="INFO"),
+        env={**os.environ, "CRESCENT_LOG_LEVEL": "INFO", **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -50,7 +50,9 @@ def test_decode_points_leave_the_cache_as_they_found_it(engine: Engine) -> None:
 
 
 def test_fitted_snippet_is_accepted_by_the_scheduler_settings(engine: Engine, tmp_path: Path) -> None:
-    result = run_profile(engine, PLAN)
+    progress: list[str] = []
+    result = run_profile(engine, PLAN, on_point=progress.append)
+    assert len(progress) == PLAN.points  # the progress bar reaches its end
     assert len(result.prefill_samples) == len(PLAN.prefill) and len(result.decode_samples) == len(PLAN.decode)
     path = tmp_path / "scheduler.yaml"
     path.write_text(cost_settings_yaml(result, "measured here\nsecond line"))
@@ -60,7 +62,7 @@ def test_fitted_snippet_is_accepted_by_the_scheduler_settings(engine: Engine, tm
     assert models.decode.fixed_s == pytest.approx(result.decode_model.fixed_s, rel=1e-3, abs=1e-9)
     assert settings.cost.transfer.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4  # layers·(K,V)·heads·dim·fp32
     rows = table_rows(result)
-    assert len(rows) == PLAN.points and all(measured > 0 and fitted >= 0 for _, _, measured, fitted in rows)
+    assert len(rows) == len(PLAN.prefill) + len(PLAN.decode) and all(measured > 0 and fitted >= 0 for _, _, measured, fitted in rows)
 
 
 @pytest.mark.slow
