@@ -72,6 +72,22 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         keys = [BlockKey(bytes(k)) for k in request.keys]
         lease_ms = self._lease_ms(request.lease_ms)
         from_peers: dict[BlockKey, KvBlock] = {}
+        # Pin the blocks still to be read: promoting an early block of a prefix must not push a
+        # later one down a tier (or out) just before it is read. Each is unpinned once read.
+        unread = list(keys)
+        for key in unread:
+            self.store.pin(key)
+        try:
+            async for key, block in self._lookup_pinned(request, keys, lease_ms, from_peers):
+                self.store.unpin(key)
+                unread.remove(key)
+                yield key, block
+        finally:
+            for key in unread:
+                self.store.unpin(key)
+
+    async def _lookup_pinned(self, request: kvstore_pb2.GetRequest, keys: list[BlockKey], lease_ms: int,
+                             from_peers: dict[BlockKey, KvBlock]) -> AsyncIterator[tuple[BlockKey, KvBlock | None]]:
         for i, key in enumerate(keys):
             block = await self.store.get(key, request.model_id or None, lease_ms)
             if block is None and key not in from_peers and self.peers.addresses and not request.local_only:
