@@ -39,8 +39,8 @@ PARAGRAPH = (
 
 
 def long_prompt(tokens: int, nonce: str) -> str:
-    # ~95 tokens per paragraph for this vocabulary; the nonce makes every cold prompt new.
-    return f"Session {nonce}. " + PARAGRAPH * max(1, tokens // 95)
+    # ~88 tokens per paragraph for this vocabulary; the nonce makes every cold prompt new.
+    return f"Session {nonce}. " + PARAGRAPH * max(1, tokens // 88)
 
 
 def stream(url: str, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = False) -> dict:

@@ -82,11 +82,15 @@ class GrpcService:
         log.info("%s stopped", self.name)
 
     async def run_until_signalled(self) -> None:
-        """Start, serve until SIGINT or SIGTERM, then stop cleanly."""
+        """Start, serve until SIGINT or SIGTERM, then stop cleanly (the loop must own the main thread)."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        await self.run_until(stop)
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """Start, serve until ``stop`` is set, then stop cleanly."""
         await self.start()
         try:
             await stop.wait()

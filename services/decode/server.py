@@ -14,12 +14,10 @@ from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.config import ENV_PREFIX, DecodeSettings
 from crescent.services.decode.servicer import DecodeServicer
 from crescent.services.engine.instance import EngineInstance
+from crescent.services.engine.runtime import run_engine_process
 
 
-async def serve(settings: DecodeSettings) -> None:
-    instance = EngineInstance("decode", settings.listen, settings.engine, settings.scheduler_address,
-                              settings.instance_id, settings.advertise_address)
-
+async def serve(settings: DecodeSettings, instance: EngineInstance, stop: asyncio.Event) -> None:
     async def attach(server: grpc.aio.Server):
         assert instance.engine is not None
         batcher = Batcher(instance.engine, instance.worker, settings.engine.max_batch_size, settings.unclaimed_timeout_s)
@@ -35,9 +33,12 @@ async def serve(settings: DecodeSettings) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(batcher), server)
         return batcher.stop
 
-    await instance.run(attach)
+    await instance.run(attach, stop)
 
 
 def main(config_path: Path | None = None) -> None:
     configure_logging("decode")
-    asyncio.run(serve(load_settings(DecodeSettings, config_path, env_prefix=ENV_PREFIX)))
+    settings = load_settings(DecodeSettings, config_path, env_prefix=ENV_PREFIX)
+    instance = EngineInstance("decode", settings.listen, settings.engine, settings.scheduler_address,
+                              settings.instance_id, settings.advertise_address)
+    run_engine_process(instance.worker, lambda stop: serve(settings, instance, stop))

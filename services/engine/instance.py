@@ -60,9 +60,10 @@ class EngineInstance:
         self.agent: SchedulerAgent | None = None
         self.load: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)  # queued requests, queued tokens, running
 
-    async def run(self, attach: Callable[[grpc.aio.Server], Awaitable[Callable[[], Awaitable[None]]]]) -> None:
-        """Load the engine, serve until SIGTERM. ``attach`` adds servicers and returns their cleanup."""
-        self.engine = await asyncio.to_thread(build_engine, self.engine_settings)
+    async def run(self, attach: Callable[[grpc.aio.Server], Awaitable[Callable[[], Awaitable[None]]]],
+                  stop: asyncio.Event) -> None:
+        """Load the engine, serve until ``stop``. ``attach`` adds servicers and returns their cleanup."""
+        self.engine = await self.worker.run(build_engine, self.engine_settings)
         cleanups: list[Callable[[], Awaitable[None]]] = []
 
         async def setup(server: grpc.aio.Server) -> None:
@@ -73,7 +74,6 @@ class EngineInstance:
                 await self.agent.stop()
             for fn in cleanups:
                 await fn()
-            self.worker.shutdown()
 
         async def register(service: GrpcService) -> None:
             self.agent = SchedulerAgent(
@@ -88,7 +88,7 @@ class EngineInstance:
             ready=lambda: self.agent is not None and self.agent.registered.is_set(),
             details=self._details, on_started=register,
         )
-        await service.run_until_signalled()
+        await service.run_until(stop)
 
     def _info(self, port: int) -> scheduler_pb2.InstanceInfo:
         assert self.engine is not None

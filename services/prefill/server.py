@@ -11,15 +11,13 @@ from crescent.protos import prefill_pb2_grpc
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
 from crescent.services.engine.instance import EngineInstance
+from crescent.services.engine.runtime import run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.config import ENV_PREFIX, PrefillSettings
 from crescent.services.prefill.servicer import PrefillServicer
 
 
-async def serve(settings: PrefillSettings) -> None:
-    instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
-                              settings.instance_id, settings.advertise_address)
-
+async def serve(settings: PrefillSettings, instance: EngineInstance, stop: asyncio.Event) -> None:
     async def attach(server: grpc.aio.Server):
         assert instance.engine is not None
         kvstore = KvStoreClient(settings.kvstore_address) if settings.kvstore_address else None
@@ -40,9 +38,12 @@ async def serve(settings: PrefillSettings) -> None:
 
         return cleanup
 
-    await instance.run(attach)
+    await instance.run(attach, stop)
 
 
 def main(config_path: Path | None = None) -> None:
     configure_logging("prefill")
-    asyncio.run(serve(load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)))
+    settings = load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)
+    instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
+                              settings.instance_id, settings.advertise_address)
+    run_engine_process(instance.worker, lambda stop: serve(settings, instance, stop))

@@ -6,6 +6,7 @@ The pull that works is covered end to end in tests/e2e/test_conductor_live.py.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
@@ -32,6 +33,8 @@ def test_a_peer_that_is_gone_costs_a_recompute_not_an_error() -> None:
     torch.set_num_threads(1)
     engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, page_size=PAGE)
     worker = EngineWorker("test")
+    serving = threading.Thread(target=worker.serve_forever)
+    serving.start()
 
     async def scenario() -> tuple[int, int, bool]:
         directory = FixedDirectory({"prefill-9": f"127.0.0.1:{free_port()}"})
@@ -48,6 +51,7 @@ def test_a_peer_that_is_gone_costs_a_recompute_not_an_error() -> None:
         unknown, gone, still_known = asyncio.run(scenario())
     finally:
         worker.shutdown()
+        serving.join()
     assert (unknown, gone) == (0, 0)
     assert not still_known, "an unreachable peer's address is looked up again next time"
 
