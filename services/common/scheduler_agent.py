@@ -19,6 +19,7 @@ from crescent.services.common.grpc_service import insecure_channel
 log = logging.getLogger(__name__)
 
 RETRY_DELAY_S = 0.5
+NUDGE_MIN_GAP_S = 0.02  # coalesce a burst of nudges into one heartbeat
 
 
 class SchedulerAgent:
@@ -44,6 +45,7 @@ class SchedulerAgent:
         self._channel = insecure_channel(scheduler_address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._task: asyncio.Task[None] | None = None
+        self._nudged = asyncio.Event()
         self.registered = asyncio.Event()
 
     def start(self) -> None:
@@ -63,7 +65,12 @@ class SchedulerAgent:
             try:
                 interval = await self._register()
                 while await self._beat():
-                    await asyncio.sleep(interval)
+                    try:  # the next beat comes after the interval, or sooner when nudged
+                        await asyncio.wait_for(self._nudged.wait(), timeout=interval)
+                        await asyncio.sleep(NUDGE_MIN_GAP_S)
+                    except TimeoutError:
+                        pass
+                    self._nudged.clear()
                 log.warning("scheduler at %s no longer knows this instance; registering again", self._address)
             except grpc.aio.AioRpcError as exc:
                 self.registered.clear()
@@ -92,6 +99,11 @@ class SchedulerAgent:
                 )
         reply = await self._stub.Heartbeat(self._load(), timeout=5)
         return reply.known
+
+    def nudge(self) -> None:
+        """Report load now rather than at the next interval (e.g. KV just freed): the
+        scheduler admits against what instances last reported."""
+        self._nudged.set()
 
     async def publish_now(self) -> None:
         """Send queued block events at once (after a prefill stored new blocks)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crescent.services.common.metrics import engine_metrics
@@ -48,6 +49,7 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.unclaimed_timeout_s = unclaimed_timeout_s
         self.requests: dict[str, DecodeRequest] = {}
+        self.on_kv_freed: Callable[[], object] = lambda: None  # e.g. tell the scheduler at once
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.metrics = engine_metrics("decode")
@@ -79,7 +81,7 @@ class Batcher:
             return  # its pages went back when it finished; only the record was left
         log.info("aborting %s: %s", request_id, why)
         request.finished = True
-        self.worker.submit(self.engine.release, request.seq)
+        self.worker.submit(self.engine.release, request.seq, then=self.on_kv_freed)
         self.metrics.requests.labels("decode", "aborted").inc()
         self._update_gauges()
 
@@ -141,7 +143,7 @@ class Batcher:
             else:
                 # The record stays until its stream has read this last update (or expires).
                 request.finished = True
-                self.worker.submit(self.engine.release, request.seq)
+                self.worker.submit(self.engine.release, request.seq, then=self.on_kv_freed)
                 self.metrics.requests.labels("decode", "ok").inc()
 
     async def _expire_unclaimed(self) -> None:

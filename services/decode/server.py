@@ -30,6 +30,7 @@ async def serve(settings: DecodeSettings, instance: EngineInstance, stop: asynci
             return len(active) - running, context, running
 
         instance.load = load
+        batcher.on_kv_freed = lambda: instance.agent.nudge() if instance.agent is not None else None
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(batcher), server)
         return batcher.stop
 

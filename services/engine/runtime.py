@@ -90,10 +90,19 @@ class EngineWorker:
                 job.add_done_callback(lambda done: done.exception() is None and self.submit(orphan, done.result()))
             raise
 
-    def submit(self, fn: Callable[..., object], *args: object) -> None:
-        """Queue a call nobody waits for (e.g. releasing pages); failures are logged."""
+    def submit(self, fn: Callable[..., object], *args: object, then: Callable[[], object] | None = None) -> None:
+        """Queue a call nobody waits for (e.g. releasing pages); failures are logged. ``then``
+        runs on the calling event loop once the call is done."""
+        loop = asyncio.get_running_loop() if then is not None else None
         job = self._submit(lambda: fn(*args))
-        job.add_done_callback(lambda done: done.exception() and log.error("engine call %s failed", fn, exc_info=done.exception()))
+
+        def done(job: Future) -> None:
+            if job.exception() is not None:
+                log.error("engine call %s failed", fn, exc_info=job.exception())
+            if loop is not None and then is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(then)
+
+        job.add_done_callback(done)
 
     def _submit(self, call: Callable[[], T]) -> Future[T]:
         job: Future[T] = Future()
