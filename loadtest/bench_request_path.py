@@ -52,6 +52,7 @@ def stream(url: str, model: str, messages: list[dict], max_tokens: int, ignore_e
     start = time.perf_counter()
     first = None
     usage = {}
+    arrivals = []  # when each content chunk arrived
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -60,10 +61,11 @@ def stream(url: str, model: str, messages: list[dict], max_tokens: int, ignore_e
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if first is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
-                first = time.perf_counter()
+            if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter())
+                first = first or arrivals[-1]
     end = time.perf_counter()
-    return {"ttft": (first or end) - start, "start": start, "first": first or end, "end": end,
+    return {"ttft": (first or end) - start, "start": start, "first": first or end, "end": end, "arrivals": arrivals,
             "completion_tokens": usage.get("completion_tokens", 0),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "prompt_tokens": usage.get("prompt_tokens", 0)}
@@ -89,14 +91,11 @@ def measure(url: str, model: str, prompt_tokens: int, cold_runs: int, warm_runs:
     with ThreadPoolExecutor(8) as pool:
         runs = list(pool.map(lambda i: stream(url, model, [{"role": "user", "content": f"Story {i}: a lighthouse keeper."}],
                                               decode_tokens, ignore_eos=True), range(8)))
-    # Steady state: from the moment all eight are decoding to the first one finishing.
+    # Steady state: count the tokens that arrived while all eight were decoding.
     window_start = max(r["first"] for r in runs)
     window_end = min(r["end"] for r in runs)
-    if window_end > window_start:
-        rates = [(r["completion_tokens"] - 1) / (r["end"] - r["first"]) for r in runs]
-        batch8 = sum(rates)
-    else:
-        batch8 = sum(r["completion_tokens"] - 1 for r in runs) / (max(r["end"] for r in runs) - min(r["first"] for r in runs))
+    in_window = sum(window_start < t <= window_end for r in runs for t in r["arrivals"])
+    batch8 = in_window / (window_end - window_start) if window_end > window_start else float("nan")
     return {
         "prompt_tokens": statistics.median(prompt_lens),
         "cold_ttft_s": round(statistics.median(cold), 3), "cold_ttft_runs": [round(x, 3) for x in cold],

@@ -94,9 +94,14 @@ def paged_attention(
     v = kv_pages[:, 1].reshape(pages * page_size, kv_heads, head_dim)[:context_len]
     q_t, k_t, v_t = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     mask = None
-    if new_tokens > 1:
+    causal = False
+    if new_tokens == context_len and new_tokens > 1:
+        causal = True  # a prompt with nothing cached: the fused causal kernel is ~2x faster than a mask
+    elif new_tokens > 1:
         # Query i sits at position context_len - new_tokens + i and sees keys up to there.
         query_pos = torch.arange(context_len - new_tokens, context_len)[:, None]
         mask = torch.arange(context_len)[None, :] <= query_pos
-    out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=kv_heads != heads)
+    out = F.scaled_dot_product_attention(
+        q_t, k_t, v_t, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=kv_heads != heads
+    )
     return out[0].transpose(0, 1)
