@@ -139,6 +139,13 @@ def engine_metrics(role: str) -> EngineMetrics:
     )
 
 
+# Hybrid (MoE) models expose expert load through a collector read at scrape time
+# (services/engine/kimi_k3/metrics.py): tokens routed per expert, and per MoE layer the busiest
+# expert's load over the mean.
+MOE_EXPERT_TOKENS = "crescent_engine_moe_expert_tokens"  # counter, label expert
+MOE_LOAD_IMBALANCE = "crescent_engine_moe_load_imbalance"  # gauge, label layer
+
+
 @dataclass(frozen=True)
 class KvStoreMetrics:
     blocks: Gauge              # by tier

@@ -15,10 +15,11 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from crescent.services.common.metrics import MOE_EXPERT_TOKENS, MOE_LOAD_IMBALANCE
 from crescent.services.engine.kimi_k3.model import K3Model
 
-EXPERT_TOKENS = "crescent_engine_moe_expert_tokens"
-LOAD_IMBALANCE = "crescent_engine_moe_load_imbalance"
+EXPERT_TOKENS = MOE_EXPERT_TOKENS
+LOAD_IMBALANCE = MOE_LOAD_IMBALANCE
 
 
 class ExpertLoadCollector(Collector):
