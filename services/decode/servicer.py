@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 
 import grpc
 import torch
@@ -14,7 +13,7 @@ from crescent.services.common.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.common.logs import request_id_var
 from crescent.services.decode.batcher import Batcher, DecodeRequest
 from crescent.services.engine.kv_cache import CacheFullError
-from crescent.services.engine.wire import sampling_config
+from crescent.services.engine.wire import KV_DTYPE, block_tensor, sampling_config
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 block = assembler.feed(part.block)
                 if block is not None:
                     received += block.nbytes
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", UserWarning)
-                        payloads.append(torch.frombuffer(block.payload, dtype=torch.float32).view(block.shape))
+                    payloads.append(block_tensor(block, block.shape))
         except BlockFormatError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed handoff: {exc}")
         if header is None:
@@ -82,7 +79,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         prompt_len = len(header.prompt_token_ids)
         if prompt_len == 0 or prompt_len + 1 >= cfg.max_position_embeddings:
             return f"prompt of {prompt_len} tokens does not fit the context window"
-        if header.kv_dtype != "float32" or tuple(header.kv_block_shape) != self.engine.cache.block_shape:
+        if header.kv_dtype != KV_DTYPE or tuple(header.kv_block_shape) != self.engine.cache.block_shape:
             return f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} != {self.engine.cache.block_shape}"
         if len(payloads) != header.num_blocks or len(payloads) != -(-prompt_len // self.engine.page_size):
             return f"{len(payloads)} KV blocks for a prompt of {prompt_len} tokens"

@@ -1,8 +1,16 @@
-"""Conversions between protobuf messages and the engine's own types."""
+"""Conversions between what travels between services (protobuf messages, KV blocks) and the engine's own types."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
+
+import torch
+
 from crescent.protos import common_pb2
+from crescent.services.common.block_keys import BlockKey
+from crescent.services.common.kv_block import KvBlock
+from crescent.services.engine.engine import Engine
 from crescent.services.engine.sampler import SamplingConfig
 
 
@@ -13,3 +21,26 @@ def sampling_config(params: common_pb2.SamplingParams) -> SamplingConfig:
         top_k=max(params.top_k, 0),
         seed=params.seed if params.has_seed else None,
     )
+
+
+# KV travels as float32 bytes (the engine's cache dtype), whatever the hop.
+KV_DTYPE = "float32"
+
+
+def block_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
+    """A received block's payload as a tensor of ``shape``, without copying it."""
+    with warnings.catch_warnings():  # read-only buffers are fine: the engine copies them into its pool
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(block.payload, dtype=torch.float32).view(shape)
+
+
+def block_matches(block: KvBlock, key: BlockKey | None, tokens: Sequence[int], shape: tuple[int, ...]) -> bool:
+    """Whether a fetched block is the one this prompt needs here (key, tokens, layout)."""
+    return (block.key == key and list(block.token_ids) == list(tokens) and tuple(block.shape) == shape
+            and block.dtype == KV_DTYPE)
+
+
+def page_block(engine: Engine, page: int, key: BlockKey, parent: BlockKey | None, tokens: Sequence[int]) -> KvBlock:
+    """A copy of one full cached page as a ``KvBlock`` (call on the engine thread)."""
+    payload = engine.cache.read_block(page).numpy().tobytes()
+    return KvBlock.build(key, parent, engine.model_id, KV_DTYPE, engine.cache.block_shape, tokens, payload)

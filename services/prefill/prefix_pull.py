@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import warnings
 from collections.abc import AsyncIterator
 
 import grpc
@@ -28,10 +27,10 @@ from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, 
 from crescent.services.common.metrics import EngineMetrics
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.runtime import EngineWorker
+from crescent.services.engine.wire import block_matches, block_tensor, page_block
 
 log = logging.getLogger(__name__)
 
-DTYPE = "float32"
 PULL_TIMEOUT_S = 30.0        # a peer busy longer than this is not worth waiting for
 READ_BATCH_BLOCKS = 8        # blocks copied per engine call while serving a fetch
 DIRECTORY_REFRESH_S = 1.0    # ask the scheduler for peers' addresses at most this often
@@ -82,12 +81,8 @@ def _read_cached_blocks(engine: Engine, keys: list[BlockKey], token_blocks: list
     """
     pages = engine.cache.pages.match_prefix(keys, token_blocks)
     try:
-        blocks = []
-        for i, page in enumerate(pages):
-            payload = engine.cache.read_block(page).numpy().tobytes()
-            blocks.append(KvBlock.build(keys[i], keys[i - 1] if i else parent, engine.model_id, DTYPE,
-                                        engine.cache.block_shape, token_blocks[i], payload))
-        return blocks
+        return [page_block(engine, page, keys[i], keys[i - 1] if i else parent, token_blocks[i])
+                for i, page in enumerate(pages)]
     finally:
         engine.cache.pages.release(pages)
 
@@ -193,7 +188,7 @@ class PrefixPuller:
                 if not self._usable(block, keys[len(payloads)] if len(payloads) < len(keys) else None,
                                     seq.token_ids[i * page : (i + 1) * page], shape):
                     break
-                payloads.append(_payload_tensor(block, shape))
+                payloads.append(block_tensor(block, shape))
                 nbytes += block.nbytes
         finally:
             call.cancel()
@@ -205,13 +200,8 @@ class PrefixPuller:
         except BlockIntegrityError as exc:
             log.warning("peer block rejected: %s", exc)
             return False
-        if block.key != key or list(block.token_ids) != tokens or block.shape != shape or block.dtype != DTYPE:
+        if not block_matches(block, key, tokens, shape):
             log.warning("peer block %s does not match the prompt; computing from there", block.key.hex())
             return False
         return True
 
-
-def _payload_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only buffers are fine: the engine copies them into its pool
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(block.payload, dtype=torch.float32).view(shape)

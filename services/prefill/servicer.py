@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import warnings
 
 import grpc
-import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.grpc_service import insecure_channel
@@ -25,21 +23,12 @@ from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import sample_batch
-from crescent.services.engine.wire import sampling_config
+from crescent.services.engine.wire import KV_DTYPE, block_matches, block_tensor, page_block, sampling_config
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
 
 log = logging.getLogger(__name__)
-
-DTYPE = "float32"
-
-
-def _payload_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only buffers are fine: the engine copies them into its pool
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(block.payload, dtype=torch.float32).view(shape)
-
 
 class _PageHold:
     """A sequence's pages go back once every holder (the call, the kvstore export) lets go."""
@@ -193,10 +182,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         usable = []
         for i, block in enumerate(blocks):
             expected = seq.token_ids[(first_block + i) * self.engine.page_size : (first_block + i + 1) * self.engine.page_size]
-            if block.key != keys[i] or list(block.token_ids) != expected or tuple(block.shape) != shape or block.dtype != DTYPE:
+            if not block_matches(block, keys[i], expected, shape):
                 log.warning("kvstore block %s does not match the prompt; recomputing from there", block.key.hex())
                 break
-            usable.append(_payload_tensor(block, shape))
+            usable.append(block_tensor(block, shape))
         added = await self.worker.run(self.engine.attach_blocks, seq, usable) if usable else 0
         if added:
             nbytes = sum(b.nbytes for b in blocks[: len(usable)])
@@ -212,14 +201,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         first = already_cached // page
 
         def export() -> list[KvBlock]:
-            blocks = []
-            for i in range(first, len(seq.block_keys)):
-                payload = self.engine.block_payload(seq, i).numpy().tobytes()
-                blocks.append(KvBlock.build(
-                    seq.block_keys[i], seq.block_keys[i - 1] if i else None, self.engine.model_id, DTYPE,
-                    self.engine.cache.block_shape, seq.token_ids[i * page : (i + 1) * page], payload,
-                ))
-            return blocks
+            return [
+                page_block(self.engine, seq.pages[i], seq.block_keys[i], seq.block_keys[i - 1] if i else None,
+                           seq.token_ids[i * page : (i + 1) * page])
+                for i in range(first, len(seq.block_keys))
+            ]
 
         return await self.worker.run(export)
 
@@ -258,14 +244,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def parts():
             yield decode_pb2.HandoffPart(header=decode_pb2.HandoffHeader(
                 request_id=request.request_id, model_id=self.engine.model_id, prompt_token_ids=request.token_ids,
-                first_token_id=first, sampling=request.sampling, kv_dtype=DTYPE, kv_block_shape=shape,
+                first_token_id=first, sampling=request.sampling, kv_dtype=KV_DTYPE, kv_block_shape=shape,
                 num_blocks=num_blocks,
             ))
             for i, blob in enumerate(blobs):
                 tokens = min(page, prompt_len - i * page)
                 block_shape = list(self.engine.cache.payload_shape(tokens))
                 meta = common_pb2.BlockMeta(key=f"{request.request_id}/{i}".encode(), model_id=self.engine.model_id,
-                                            dtype=DTYPE, shape=block_shape, nbytes=len(blob), found=True)
+                                            dtype=KV_DTYPE, shape=block_shape, nbytes=len(blob), found=True)
                 for chunk in chunks_of(meta, blob):
                     yield decode_pb2.HandoffPart(block=chunk)
 
