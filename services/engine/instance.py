@@ -27,21 +27,22 @@ log = logging.getLogger(__name__)
 ROLES = {"prefill": scheduler_pb2.INSTANCE_ROLE_PREFILL, "decode": scheduler_pb2.INSTANCE_ROLE_DECODE}
 
 
+_EVENT_KINDS = {PageEventKind.STORED: common_pb2.BLOCK_EVENT_STORED, PageEventKind.REMOVED: common_pb2.BLOCK_EVENT_REMOVED}
+
+
+def _event(engine: Engine, kind: int, key: bytes, parent: bytes | None) -> common_pb2.BlockEvent:
+    return common_pb2.BlockEvent(kind=kind, key=key, parent_key=parent or b"", tier=common_pb2.KV_TIER_ENGINE,
+                                 num_tokens=engine.page_size)
+
+
 def block_events(engine: Engine) -> list[common_pb2.BlockEvent]:
-    kinds = {PageEventKind.STORED: common_pb2.BLOCK_EVENT_STORED, PageEventKind.REMOVED: common_pb2.BLOCK_EVENT_REMOVED}
-    return [
-        common_pb2.BlockEvent(kind=kinds[e.kind], key=e.key, parent_key=e.parent_key or b"", tier=common_pb2.KV_TIER_ENGINE,
-                              num_tokens=engine.page_size)
-        for e in engine.cache.pages.drain_events()
-    ]
+    """Blocks stored in or evicted from the engine's cache since the last call."""
+    return [_event(engine, _EVENT_KINDS[e.kind], e.key, e.parent_key) for e in engine.cache.pages.drain_events()]
 
 
 def block_snapshot(engine: Engine) -> list[common_pb2.BlockEvent]:
-    return [
-        common_pb2.BlockEvent(kind=common_pb2.BLOCK_EVENT_STORED, key=key, parent_key=parent or b"",
-                              tier=common_pb2.KV_TIER_ENGINE, num_tokens=engine.page_size)
-        for key, parent in engine.cache.pages.snapshot()
-    ]
+    """Every block the engine's cache holds, for a full resync of the scheduler's index."""
+    return [_event(engine, common_pb2.BLOCK_EVENT_STORED, key, parent) for key, parent in engine.cache.pages.snapshot()]
 
 
 class EngineInstance:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.ports import free_port  # noqa: F401  (re-exported for the tests here)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 4  # small, so short test prompts have full blocks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,11 +17,7 @@ import httpx
 import pytest
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port  # noqa: F401  (re-exported for the tests here)
 
 
 def wait_http(url: str, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:

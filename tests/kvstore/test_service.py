@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 
 import pytest
 
-from crescent.services.common.kv_block import KvBlock
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.config import load_kvstore_settings
 from crescent.services.common.settings import SettingsError

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,11 @@ import httpx
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 
+from tests.ports import free_port  # noqa: F401  (re-exported for the tests here)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # loadtest/ is not an installed package
     sys.path.insert(0, str(REPO_ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SchedulerProcess:
