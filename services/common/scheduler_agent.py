@@ -48,6 +48,10 @@ class SchedulerAgent:
         self._nudged = asyncio.Event()
         self.registered = asyncio.Event()
 
+    @property
+    def instance_id(self) -> str:
+        return self._info.instance_id
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="scheduler-agent")
 
@@ -83,11 +87,11 @@ class SchedulerAgent:
             if self._events is not None:
                 self._events()  # the snapshot below supersedes anything queued
             await self._stub.PublishBlockEvents(
-                common_pb2.BlockEventBatch(source_id=self._info.instance_id, events=self._snapshot(), full_snapshot=True),
+                common_pb2.BlockEventBatch(source_id=self.instance_id, events=self._snapshot(), full_snapshot=True),
                 timeout=10,
             )
         self.registered.set()
-        log.info("registered with scheduler at %s as %s", self._address, self._info.instance_id)
+        log.info("registered with scheduler at %s as %s", self._address, self.instance_id)
         return max(reply.heartbeat_interval_ms, 50) / 1000
 
     async def _beat(self) -> bool:
@@ -95,7 +99,7 @@ class SchedulerAgent:
             events = self._events()
             if events:
                 await self._stub.PublishBlockEvents(
-                    common_pb2.BlockEventBatch(source_id=self._info.instance_id, events=events), timeout=5
+                    common_pb2.BlockEventBatch(source_id=self.instance_id, events=events), timeout=5
                 )
         reply = await self._stub.Heartbeat(self._load(), timeout=5)
         return reply.known
@@ -113,7 +117,7 @@ class SchedulerAgent:
         if events:
             try:
                 await self._stub.PublishBlockEvents(
-                    common_pb2.BlockEventBatch(source_id=self._info.instance_id, events=events), timeout=5
+                    common_pb2.BlockEventBatch(source_id=self.instance_id, events=events), timeout=5
                 )
             except grpc.aio.AioRpcError as exc:
                 log.warning("could not publish %d block events: %s", len(events), exc.code().name)

@@ -105,7 +105,7 @@ class EngineInstance:
         assert self.engine is not None and self.agent is not None
         queued, queued_tokens, running = self.load()
         return scheduler_pb2.InstanceLoad(
-            instance_id=self.agent._info.instance_id, queued_requests=queued, queued_tokens=queued_tokens,
+            instance_id=self.agent.instance_id, queued_requests=queued, queued_tokens=queued_tokens,
             running_requests=running, free_kv_tokens=self.engine.cache.pages.free_pages * self.engine.page_size,
         )
 
