@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,13 +53,14 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
     raise TimeoutError(url)
 
 
-def memcpy_gbps(nbytes: int, count: int, repeat: int = 3) -> float:
+def memcpy_gbps(nbytes: int, count: int, repeat: int = 5) -> float:
     """Copy ``count`` distinct blocks of ``nbytes`` (as many bytes as a case moves, so caches
-    do not flatter it) between warm buffers: the machine's limit for moving these bytes."""
+    do not flatter it) between warm buffers: the machine's limit for moving these bytes.
+    The median of ``repeat`` runs, like the cases it is compared with."""
     src = np.frombuffer(os.urandom(nbytes * count), dtype=np.uint8).reshape(count, nbytes)
     dst = np.ones_like(src)  # touched first: we measure copying, not page faults
-    best = min(_timed(lambda: [np.copyto(dst[i], src[i]) for i in range(count)]) for _ in range(repeat))
-    return nbytes * count / best / 1e9
+    runs = [_timed(lambda: [np.copyto(dst[i], src[i]) for i in range(count)]) for _ in range(repeat)]
+    return nbytes * count / statistics.median(runs) / 1e9
 
 
 def _timed(fn) -> float:
@@ -100,9 +102,9 @@ def _s3():
                         aws_access_key_id="bench", aws_secret_access_key="bench")
 
 
-def s3_object_count() -> int:
+def s3_object_names() -> set[str]:
     pages = _s3().get_paginator("list_objects_v2").paginate(Bucket="bench", Prefix="kv/")
-    return sum(len(page.get("Contents", [])) for page in pages)
+    return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
 
 
 def raw_tier_gbps(tier: str, size: int, count: int, workdir: Path) -> tuple[float, float]:
@@ -124,30 +126,39 @@ def raw_tier_gbps(tier: str, size: int, count: int, workdir: Path) -> tuple[floa
 
 
 async def run_case(
-    address: str, size: int, count: int, shared_memory: bool, tier: str, chunk: int
+    address: str, size: int, count: int, shared_memory: bool, tier: str, chunk: int, per_call: int, rounds: int
 ) -> tuple[float, float]:
+    """Median put and get GB/s over ``rounds`` rounds, each moving ``count`` new blocks."""
     client = KvStoreClient(address, shared_memory=shared_memory, timeout_s=300, max_chunk_bytes=chunk)
+    puts, gets = [], []
     try:
-        blocks = make_blocks(size, count, f"{tier}-{size}-{shared_memory}".encode())
-        await client.put(blocks[:1])  # warm the channel and segment
-        start = time.perf_counter()
-        for block in blocks:
-            result = await client.put([block])
-            assert result.stored == 1, result
-        put_s = time.perf_counter() - start
-        if tier == "s3":  # a put to S3 returns once queued: count until the objects are there
-            while s3_object_count() < count:  # (the warm-up block is blocks[0] again)
-                await asyncio.sleep(0.01)
-        keys = [b.key for b in blocks]
-        await client.get(keys[:1], "bench")
-        start = time.perf_counter()
-        got = 0
-        for key in keys:
-            got += len(await client.get([key], "bench"))
-        get_s = time.perf_counter() - start
-        assert got == count, f"only {got}/{count} blocks came back"
-        await client.remove(keys)
-        return size * count / put_s / 1e9, size * count / get_s / 1e9
+        spare = make_blocks(size, 1, b"warm-up")
+        await client.put(spare)  # warm the channel and the pool mapping
+        await client.get([spare[0].key], "bench")
+        await client.remove([spare[0].key])
+        for r in range(rounds):
+            blocks = make_blocks(size, count, f"{tier}-{size}-{shared_memory}-{r}".encode())
+            batches = [blocks[i : i + per_call] for i in range(0, count, per_call)]
+            start = time.perf_counter()
+            for batch in batches:
+                result = await client.put(batch)
+                assert result.stored == len(batch), result
+            put_s = time.perf_counter() - start
+            if tier == "s3":  # a put to S3 returns once queued: wait until the objects are there
+                wanted = {f"kv/{b.key.hex()}" for b in blocks}
+                while not wanted <= s3_object_names():
+                    await asyncio.sleep(0.01)
+                put_s = time.perf_counter() - start
+            start = time.perf_counter()
+            got = 0
+            for batch in batches:
+                got += len(await client.get([b.key for b in batch], "bench"))
+            get_s = time.perf_counter() - start
+            assert got == count, f"only {got}/{count} blocks came back"
+            await client.remove([b.key for b in blocks])
+            puts.append(size * count / put_s / 1e9)
+            gets.append(size * count / get_s / 1e9)
+        return statistics.median(puts), statistics.median(gets)
     finally:
         await client.close()
 
@@ -202,6 +213,10 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per case")
     parser.add_argument("--chunk-mib", type=int, default=4, help="gRPC chunk size, both directions")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per case; medians are printed")
+    parser.add_argument("--batch-mib", type=int, default=64,
+                        help="bytes per put/get call (a prefix of blocks, as prefill reads and writes them); "
+                             "0: one block per call")
     parser.add_argument("--tiers", nargs="+", default=["host", "disk", "s3"], choices=["host", "disk", "s3"])
     args = parser.parse_args()
     keep_large_buffers_warm()  # as the client process of a real deployment should
@@ -234,10 +249,13 @@ def main() -> None:
                         copy = memcpy_gbps(size, count)
                         paths = [False, True] if tier == "host" else [False]
                         for shm in paths:
+                            per_call = max(1, args.batch_mib // size_mib)
                             put, get = asyncio.run(
-                                run_case(f"127.0.0.1:{port}", size, count, shm, tier, args.chunk_mib * MIB)
+                                run_case(f"127.0.0.1:{port}", size, count, shm, tier, args.chunk_mib * MIB, per_call,
+                                         1 if tier == "s3" else args.rounds)
                             )
                             row = {"tier": tier, "path": "shm" if shm else "grpc", "block_mib": size_mib,
+                                   "blocks_per_call": per_call,
                                    "put_gbps": round(put, 3), "get_gbps": round(get, 3), "memcpy_gbps": round(copy, 3),
                                    "put_pct_memcpy": round(100 * put / copy, 1), "get_pct_memcpy": round(100 * get / copy, 1)}
                             raw = ""
@@ -246,7 +264,7 @@ def main() -> None:
                                 row |= {"raw_put_gbps": round(raw_put, 3), "raw_get_gbps": round(raw_get, 3)}
                                 raw = f"  raw {tier}: put {raw_put:5.2f} get {raw_get:5.2f} GB/s"
                             results.append(row)
-                            print(f"{tier:5s} {row['path']:4s} {size_mib:3d} MiB  put {put:6.2f} GB/s  "
+                            print(f"{tier:5s} {row['path']:4s} {size_mib:3d} MiB x{per_call:<3d} put {put:6.2f} GB/s  "
                                   f"get {get:6.2f} GB/s  memcpy {copy:6.2f} GB/s  "
                                   f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%){raw}", flush=True)
                     finally:

@@ -168,3 +168,39 @@ class ShmGetReply(_message.Message):
     truncated: bool
     pool_path: str
     def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ..., pool_path: _Optional[str] = ...) -> None: ...
+
+class ShmReserveRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockMeta]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[_common_pb2.BlockMeta, _Mapping]]] = ...) -> None: ...
+
+class ShmSlot(_message.Message):
+    __slots__ = ("granted", "offset", "held")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    offset: int
+    held: bool
+    def __init__(self, granted: _Optional[bool] = ..., offset: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
+
+class ShmReserveReply(_message.Message):
+    __slots__ = ("reservation", "pool_path", "slots", "expires_ms")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    POOL_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation: int
+    pool_path: str
+    slots: _containers.RepeatedCompositeFieldContainer[ShmSlot]
+    expires_ms: int
+    def __init__(self, reservation: _Optional[int] = ..., pool_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+
+class ShmCommitRequest(_message.Message):
+    __slots__ = ("reservation", "written")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    reservation: int
+    written: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, reservation: _Optional[int] = ..., written: _Optional[_Iterable[bool]] = ...) -> None: ...

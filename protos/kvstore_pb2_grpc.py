@@ -80,6 +80,16 @@ class KvStoreStub:
                 request_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetRequest.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetReply.FromString,
                 _registered_method=True)
+        self.ReserveShm = channel.unary_unary(
+                '/crescent.v1.KvStore/ReserveShm',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmReserveRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmReserveReply.FromString,
+                _registered_method=True)
+        self.CommitShm = channel.unary_unary(
+                '/crescent.v1.KvStore/CommitShm',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
+                _registered_method=True)
 
 
 class KvStoreServicer:
@@ -139,6 +149,18 @@ class KvStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveShm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitShm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +208,16 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.GetShm,
                     request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetRequest.FromString,
                     response_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmGetReply.SerializeToString,
+            ),
+            'ReserveShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveShm,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmReserveRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmReserveReply.SerializeToString,
+            ),
+            'CommitShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitShm,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +463,60 @@ class KvStore:
             '/crescent.v1.KvStore/GetShm',
             crescent_dot_protos_dot_kvstore__pb2.ShmGetRequest.SerializeToString,
             crescent_dot_protos_dot_kvstore__pb2.ShmGetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/ReserveShm',
+            crescent_dot_protos_dot_kvstore__pb2.ShmReserveRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.ShmReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/CommitShm',
+            crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
             options,
             channel_credentials,
             insecure,

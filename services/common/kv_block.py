@@ -12,12 +12,13 @@ assembler writes pieces into one preallocated buffer.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from crescent.protos import common_pb2
 from crescent.services.common.block_keys import BlockKey
+from crescent.services.common.fused_copy import copy_with_checksum, crc32, empty_buffer
 
 # Bump when the payload layout of a block changes; older blocks then read as misses.
 KV_FORMAT_VERSION = 1
@@ -48,15 +49,9 @@ class BlockFormatError(ValueError):
     """A chunk stream that does not describe whole blocks (missing header, wrong length)."""
 
 
-try:  # ISA-L computes the same CRC32 as zlib, ~4x faster (carry-less multiply)
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - optional speed-up
-    _crc32 = zlib.crc32
-
-
 def payload_checksum(payload: bytes | memoryview) -> int:
     """CRC32 (zlib's polynomial) of a payload."""
-    return _crc32(payload) & 0xFFFFFFFF
+    return crc32(payload)
 
 
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -80,6 +75,9 @@ class KvBlock:
     payload: bytes | memoryview
     checksum: int
     format_version: int = KV_FORMAT_VERSION
+    # The payload's CRC32 when whoever filled the payload computed it on the way (a fused
+    # copy), so ``verify`` needs no second pass; None: ``verify`` computes it.
+    payload_crc: int | None = None
 
     @classmethod
     def build(
@@ -110,8 +108,9 @@ class KvBlock:
         )
 
     @classmethod
-    def from_meta(cls, meta: common_pb2.BlockMeta, payload: bytes | memoryview) -> KvBlock:
-        """A block as received: the checksum is the sender's; call ``verify`` before use."""
+    def from_meta(cls, meta: common_pb2.BlockMeta, payload: bytes | memoryview, payload_crc: int | None = None) -> KvBlock:
+        """A block as received: the checksum is the sender's; call ``verify`` before use.
+        ``payload_crc``: the CRC of ``payload`` if the receiver computed it while copying."""
         return cls(
             key=BlockKey(bytes(meta.key)),
             parent_key=BlockKey(bytes(meta.parent_key)) if meta.parent_key else None,
@@ -122,6 +121,7 @@ class KvBlock:
             payload=payload,
             checksum=meta.checksum,
             format_version=meta.format_version,
+            payload_crc=payload_crc,
         )
 
     @property
@@ -150,7 +150,7 @@ class KvBlock:
             raise BlockIntegrityError(
                 f"block {self.key.hex()}: {self.nbytes} payload bytes, shape {self.shape} {self.dtype} needs {want}"
             )
-        actual = payload_checksum(self.payload)
+        actual = payload_checksum(self.payload) if self.payload_crc is None else self.payload_crc
         if actual != self.checksum:
             raise BlockIntegrityError(
                 f"block {self.key.hex()}: checksum {actual:#010x}, header says {self.checksum:#010x}"
@@ -201,22 +201,35 @@ def block_to_chunks(block: KvBlock, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYT
     return chunks_of(meta_of(block), block.payload, max_chunk_bytes)
 
 
+class Chunk(Protocol):
+    """What ``BlockAssembler`` reads: ``chunk_wire.WireChunk`` (meta None when absent)."""
+
+    meta: common_pb2.BlockMeta | None
+    data: bytes | memoryview
+    last: bool
+
+
+def _parts(chunk: common_pb2.BlockChunk | Chunk) -> tuple[common_pb2.BlockMeta | None, bytes | memoryview, bool]:
+    if isinstance(chunk, common_pb2.BlockChunk):
+        return (chunk.meta if chunk.HasField("meta") else None), chunk.data, chunk.last
+    return chunk.meta, chunk.data, chunk.last
+
+
 class BlockAssembler:
     """Rebuilds blocks from a chunk stream, one block at a time.
 
     ``feed`` returns the finished block on its last chunk and None before. In a Get reply
     stream (``replies=True``) a header with ``found`` false is a miss: ``feed`` returns None and
     sets ``last_miss`` to its key.
+    A block that arrives in one chunk keeps that chunk's bytes (no copy); one in pieces is copied
+    into one buffer, checksummed on the way so ``verify`` costs no second pass.
     Raises ``BlockFormatError`` on a malformed stream; the assembler is then reset.
     """
 
     def __init__(self, *, replies: bool = False, max_block_bytes: int = 1 << 31) -> None:
         self._replies = replies  # True: a Get reply stream, where found=false marks a miss
         self._max_block_bytes = max_block_bytes
-        self._meta: common_pb2.BlockMeta | None = None
-        self._buffer: bytearray | None = None
-        self._single: bytes | None = None
-        self._filled = 0
+        self.reset()
         self.last_miss: bytes | None = None
 
     @property
@@ -224,21 +237,27 @@ class BlockAssembler:
         return self._meta is not None
 
     def reset(self) -> None:
-        self._meta, self._buffer, self._single, self._filled = None, None, None, 0
+        self._meta: common_pb2.BlockMeta | None = None
+        self._buffer: memoryview | None = None
+        self._single: bytes | memoryview | None = None
+        self._filled = 0
+        self._crc = 0
 
     def _fail(self, message: str) -> BlockFormatError:
         self.reset()
         return BlockFormatError(message)
 
-    def feed(self, chunk: common_pb2.BlockChunk) -> KvBlock | None:
+    def feed(self, chunk: common_pb2.BlockChunk | Chunk, into: memoryview | None = None) -> KvBlock | None:
+        """``into``: where to put the block this chunk starts (``meta.nbytes`` long, e.g. room
+        reserved in a host pool); by default a buffer of its own, or the chunk's own bytes."""
         self.last_miss = None
-        if chunk.HasField("meta"):
+        meta, data, last = _parts(chunk)
+        if meta is not None:
             if self._meta is not None:
                 raise self._fail(f"block {self._meta.key.hex()} ended without its last chunk")
-            meta = chunk.meta
             if self._replies and not meta.found:
                 # A Get reply's miss marker: a header alone with found=false.
-                if chunk.data or not chunk.last:
+                if len(data) or not last:
                     raise self._fail(f"miss marker for {meta.key.hex()} carries data")
                 self.last_miss = bytes(meta.key)
                 return None
@@ -246,32 +265,31 @@ class BlockAssembler:
                 raise self._fail("block header without a key")
             if meta.nbytes > self._max_block_bytes:
                 raise self._fail(f"block {meta.key.hex()} of {meta.nbytes} bytes exceeds {self._max_block_bytes}")
-            self._meta = meta
-            self._filled = 0
+            if into is not None and len(into) != meta.nbytes:
+                raise ValueError(f"a buffer of {len(into)} bytes for a block of {meta.nbytes}")
+            self._meta, self._buffer = meta, into
         elif self._meta is None:
             raise self._fail("chunk without a block header")
         meta = self._meta
-        data = chunk.data
         if self._filled + len(data) > meta.nbytes:
             raise self._fail(f"block {meta.key.hex()}: more than the {meta.nbytes} bytes announced")
-        if self._filled == 0 and chunk.last:
+        if self._filled == 0 and last and self._buffer is None:
             self._single = data  # the common case: the whole block in one message, no copy
         else:
             if self._buffer is None:
-                self._buffer = bytearray(meta.nbytes)
-            self._buffer[self._filled : self._filled + len(data)] = data
+                self._buffer = empty_buffer(meta.nbytes)
+            end = self._filled + len(data)
+            self._crc = copy_with_checksum(self._buffer[self._filled : end], data, self._crc)
         self._filled += len(data)
-        if not chunk.last:
+        if not last:
             return None
         if self._filled != meta.nbytes:
             raise self._fail(f"block {meta.key.hex()}: {self._filled} bytes received, {meta.nbytes} announced")
-        payload: bytes | memoryview
         if self._single is not None:
-            payload = self._single
+            block = KvBlock.from_meta(meta, self._single)
         else:
             assert self._buffer is not None
-            payload = memoryview(self._buffer).toreadonly()
-        block = KvBlock.from_meta(meta, payload)
+            block = KvBlock.from_meta(meta, self._buffer.toreadonly(), payload_crc=self._crc)
         self.reset()
         return block
 

@@ -131,6 +131,9 @@ class KvStoreSettings(StrictModel):
     transfer_lease_ms: int = Field(
         default=2000, ge=1, description="how long a block read from the host pool by a local client stays put"
     )
+    shm_reservation_ms: int = Field(
+        default=30_000, ge=1, description="how long a local client has to fill reserved pool room and commit it"
+    )
 
     @model_validator(mode="after")
     def _known_policy(self) -> KvStoreSettings:

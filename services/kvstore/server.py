@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from crescent.protos import common_pb2, kvstore_pb2_grpc
+from crescent.protos import common_pb2
 from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.metrics import KvStoreMetrics, kvstore_metrics
@@ -24,7 +24,7 @@ from crescent.services.kvstore.disk_tier import DiskTier
 from crescent.services.kvstore.events import EventPublisher
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.kvstore.s3_tier import S3Tier
-from crescent.services.kvstore.servicer import KvStoreServicer
+from crescent.services.kvstore.servicer import KvStoreServicer, add_to_server
 from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier, Tier
 
@@ -88,7 +88,7 @@ class KvStoreNode:
             if isinstance(tier, S3Tier):  # its index arrives when S3 answers
                 self._tasks.append(asyncio.create_task(self._adopt_when_indexed(index, tier), name="s3-adopt"))
         self.servicer = KvStoreServicer(self.store, self.settings)
-        kvstore_pb2_grpc.add_KvStoreServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)
 
     async def _adopt_when_indexed(self, index: int, tier: S3Tier) -> None:
         await tier.indexed.wait()

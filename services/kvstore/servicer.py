@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from crescent.protos import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from crescent.services.common import chunk_wire
 from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, chunks_of, meta_of, miss_chunk
+from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.config import KvStoreSettings
 from crescent.services.kvstore.shm import AttachedSegments, ShmError
 from crescent.services.kvstore.store import TieredStore
-from crescent.services.kvstore.tier import HostTier
+from crescent.services.kvstore.tier import HostTier, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +56,79 @@ class PeerSet:
             await client.close()
 
 
+def add_to_server(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with Put's requests and Get's replies through ``chunk_wire``
+    (the same bytes on the wire, without protobuf's payload copies)."""
+
+    class _Swap:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass  # rebuilt below from the swapped table
+
+        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+            handlers["Put"] = handlers["Put"]._replace(request_deserializer=chunk_wire.decode_chunk)
+            handlers["Get"] = handlers["Get"]._replace(response_serializer=chunk_wire.encode_chunk)
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+            server.add_registered_method_handlers(service, handlers)
+
+    kvstore_pb2_grpc.add_KvStoreServicer_to_server(servicer, _Swap())
+
+
+class PendingReservations:
+    """Pool room granted to same-host clients and not yet committed, given back when it expires."""
+
+    def __init__(self, store: TieredStore, lifetime_ms: int) -> None:
+        self._store = store
+        self.lifetime_s = lifetime_ms / 1000
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[float, list[tuple[common_pb2.BlockMeta, Reservation | None]]]] = {}
+
+    def add(self, slots: list[tuple[common_pb2.BlockMeta, Reservation | None]]) -> int:
+        rid = next(self._ids)
+        self._pending[rid] = (time.monotonic() + self.lifetime_s, slots)
+        return rid
+
+    def take(self, rid: int) -> list[tuple[common_pb2.BlockMeta, Reservation | None]] | None:
+        entry = self._pending.pop(rid, None)
+        return entry[1] if entry is not None else None
+
+    def expire(self) -> int:
+        now, expired = time.monotonic(), 0
+        for rid in [r for r, (deadline, _) in self._pending.items() if deadline <= now]:
+            for _, reservation in self._pending.pop(rid)[1]:
+                if reservation is not None:
+                    self._store.release(reservation)
+                    expired += 1
+        return expired
+
+    def close(self) -> None:
+        for rid in list(self._pending):
+            for _, reservation in self._pending.pop(rid)[1]:
+                if reservation is not None:
+                    self._store.release(reservation)
+
+
 class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
     def __init__(self, store: TieredStore, settings: KvStoreSettings) -> None:
         self.store = store
         self.settings = settings
         self.peers = PeerSet(settings.peers, settings.peer_timeout_s)
         self.segments = AttachedSegments()
-        self._metrics = store.metrics
+        self.reservations = PendingReservations(store, settings.shm_reservation_ms)
+        self._bytes_in = store.metrics.transferred_bytes.labels("in")
+        self._bytes_out = store.metrics.transferred_bytes.labels("out")
+        self._sweeper = asyncio.get_running_loop().create_task(self._expire_reservations(), name="shm-reservations")
+
+    async def _expire_reservations(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.reservations.lifetime_s))
+            if expired := self.reservations.expire():
+                log.warning("gave back %d reserved pool blocks a same-host client never committed", expired)
 
     async def close(self) -> None:
+        self._sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sweeper
+        self.reservations.close()
         await self.peers.close()
         self.segments.close()
 
@@ -106,12 +176,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         max_chunk = self.settings.max_chunk_bytes
         async for key, block in self._lookup(request):
             if block is None:
-                yield miss_chunk(key)
+                yield chunk_wire.miss(key)
                 continue
-            self._metrics.transferred_bytes.labels("out").inc(block.nbytes)
+            self._bytes_out.inc(block.nbytes)
             self.store.pin(key)  # the payload may be a view of host memory: keep it until sent
             try:
-                for chunk in chunks_of(meta_of(block), block.payload, max_chunk):
+                for chunk in chunk_wire.block_chunks(meta_of(block), block.payload, max_chunk):
                     yield chunk
             finally:
                 self.store.unpin(key)
@@ -138,7 +208,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 # The client copies straight from our pool; the lease keeps the bytes in place.
                 self.store.leases.grant(key, self.settings.transfer_lease_ms)
                 reply.blocks.add(meta=meta_of(block), offset=in_pool, in_pool=True)
-                self._metrics.transferred_bytes.labels("out").inc(block.nbytes)
+                self._bytes_out.inc(block.nbytes)
                 continue
             if offset + block.nbytes > capacity:
                 reply.truncated = True
@@ -146,26 +216,39 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             segment.buf[offset : offset + block.nbytes] = block.payload
             reply.blocks.add(meta=meta_of(block), offset=offset)
             offset += block.nbytes
-            self._metrics.transferred_bytes.labels("out").inc(block.nbytes)
+            self._bytes_out.inc(block.nbytes)
         return reply
 
     # -- writes ---------------------------------------------------------------------------
 
     async def Put(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
+        """Each block is assembled straight into reserved host-pool room when there is some (one
+        copy, checksummed on the way), else into a buffer and placed by the store."""
         assembler = BlockAssembler(max_block_bytes=self.settings.max_block_bytes)
         stored = rejected = 0
+        reservation: Reservation | None = None
         try:
             async for chunk in request_iterator:
-                block = assembler.feed(chunk)
+                if chunk.error:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, chunk.error)
+                meta = chunk.meta
+                if meta is not None and not assembler.in_progress and 0 < meta.nbytes <= self.settings.max_block_bytes:
+                    reservation = await self.store.reserve(meta.nbytes)
+                block = assembler.feed(chunk, into=reservation.view if reservation and meta is not None else None)
                 if block is None:
                     continue
-                self._metrics.transferred_bytes.labels("in").inc(block.nbytes)
-                if await self.store.put(block):
-                    stored += 1
+                self._bytes_in.inc(block.nbytes)
+                if reservation is not None:
+                    ok = await self.store.commit(block, reservation)
+                    reservation = None
                 else:
-                    rejected += 1
+                    ok = await self.store.put(block)
+                stored, rejected = stored + ok, rejected + (not ok)
         except BlockFormatError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block stream: {exc}")
+        finally:
+            if reservation is not None:  # the stream broke off inside a block
+                self.store.release(reservation)
         if assembler.in_progress:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended inside a block")
         return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
@@ -185,8 +268,63 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             # A view, not a copy: the client waits for our answer before reusing its segment,
             # and every tier has copied or encoded the payload by the time put returns.
             block = KvBlock.from_meta(item.meta, segment.buf[item.offset : end].toreadonly())
-            self._metrics.transferred_bytes.labels("in").inc(block.nbytes)
+            self._bytes_in.inc(block.nbytes)
             if await self.store.put(block):
+                stored += 1
+            else:
+                rejected += 1
+        return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
+
+    def _shared_pool(self) -> HostTier | None:
+        tier = self.store.tiers[0]
+        return tier if isinstance(tier, HostTier) and tier.pool.share_path else None
+
+    async def ReserveShm(self, request: kvstore_pb2.ShmReserveRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmReserveReply:
+        host = self._shared_pool() if self.settings.shared_memory else None
+        if host is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no shared host pool to write into")
+        self.reservations.expire()
+        reply = kvstore_pb2.ShmReserveReply(pool_path=host.pool.share_path, expires_ms=self.settings.shm_reservation_ms)
+        slots: list[tuple[common_pb2.BlockMeta, Reservation | None]] = []
+        for meta in request.blocks:
+            reservation = None
+            if meta.key in host:
+                self.store.policies[0].touch(BlockKey(meta.key))
+                reply.slots.add(held=True)
+            elif 0 < meta.nbytes <= self.settings.max_block_bytes:
+                reservation = await self.store.reserve(meta.nbytes)
+            slots.append((meta, reservation))
+            if reservation is not None:
+                reply.slots.add(granted=True, offset=host.pool.offset_of(reservation.start))
+            elif meta.key not in host:
+                reply.slots.add(granted=False)
+        reply.reservation = self.reservations.add(slots)
+        return reply
+
+    async def CommitShm(self, request: kvstore_pb2.ShmCommitRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
+        slots = self.reservations.take(request.reservation)
+        if slots is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {request.reservation} is unknown or expired")
+        if len(request.written) != len(slots):
+            for _, reservation in slots:
+                if reservation is not None:
+                    self.store.release(reservation)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.written)} written flags for {len(slots)} reserved blocks")
+        stored = rejected = 0
+        for (meta, reservation), written in zip(slots, request.written):
+            if reservation is None:
+                stored += meta.key in self.store.tiers[0]  # held already (the client sent nothing)
+                continue
+            if not written:
+                self.store.release(reservation)
+                rejected += 1
+                continue
+            # The client checked the CRC while copying (a same-host client can write the pool
+            # anyway, so re-reading it here would only cost a pass); the header is still checked.
+            block = KvBlock.from_meta(meta, reservation.view.toreadonly(), payload_crc=meta.checksum)
+            self._bytes_in.inc(block.nbytes)
+            if await self.store.commit(block, reservation):
                 stored += 1
             else:
                 rejected += 1

@@ -5,7 +5,11 @@ Tiers are ordered fastest first. A put lands in the fastest tier with room (writ
 copies it to every lower tier); eviction past a tier's high watermark frees it down to its low
 watermark, demoting each victim one tier down unless a lower tier already has it; a hit in a
 lower tier copies the block back up. Leased blocks are never evicted from any tier. Every read
-is verified; a bad copy is deleted, counted, and the next tier is tried.
+from disk and S3 is verified (host memory was verified on the way in, and clients verify what
+they receive); a bad copy is deleted, counted, and the next tier is tried.
+
+A block can also be written in place: ``reserve`` room in the first tier's host pool, fill it,
+``commit`` (the gRPC put stream and same-host clients do, saving a copy).
 
 Runs on one asyncio loop; no locks, and every await leaves the index consistent.
 """
@@ -23,7 +27,7 @@ from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import BlockFormatError, BlockIntegrityError, KvBlock
 from crescent.services.common.metrics import KvStoreMetrics
 from crescent.services.kvstore.eviction import EvictionPolicy, make_policy
-from crescent.services.kvstore.tier import BlockInfo, Tier
+from crescent.services.kvstore.tier import BlockInfo, HostTier, Reservation, Tier
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,9 @@ class TieredStore:
         self._evictions = [0 for _ in tiers]
         self._pins: collections.Counter[BlockKey] = collections.Counter()
         self._sinks: list[EventSink] = []
+        self._hits = [metrics.hits.labels(t.label) for t in tiers]  # labels() costs a few µs a call
+        for tier in tiers:
+            self._watch(tier)
         for i in range(len(tiers)):
             self.adopt(i)
 
@@ -106,7 +113,6 @@ class TieredStore:
                 if announce and self.location(key) == index:
                     for sink in self._sinks:
                         sink(self._event(common_pb2.BLOCK_EVENT_STORED, key, index, info))
-        self._refresh(tier)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -130,6 +136,8 @@ class TieredStore:
         )
 
     def _announce(self, key: BlockKey, before: int | None, info: BlockInfo | None) -> None:
+        if not self._sinks:
+            return
         after = self.location(key)
         if after == before:
             return
@@ -155,11 +163,12 @@ class TieredStore:
 
     # -- bookkeeping ----------------------------------------------------------------------
 
-    def _refresh(self, tier: Tier) -> None:
+    def _watch(self, tier: Tier) -> None:
+        """Tier gauges read when scraped, so the put and get paths pay nothing for them."""
         m, label = self.metrics, tier.label
-        m.blocks.labels(label).set(len(tier))
-        m.bytes.labels(label).set(tier.used_bytes)
-        m.capacity_bytes.labels(label).set(tier.capacity_bytes)
+        m.blocks.labels(label).set_function(lambda: len(tier))
+        m.bytes.labels(label).set_function(lambda: tier.used_bytes)
+        m.capacity_bytes.labels(label).set_function(lambda: tier.capacity_bytes)
 
     def pinned(self, key: BlockKey) -> bool:
         return self._pins[key] > 0 or key in self.leases
@@ -200,9 +209,9 @@ class TieredStore:
         capacity = tier.effective_capacity()
         if nbytes > capacity:
             return False
-        if tier.fits(nbytes) and tier.used_bytes + nbytes <= tier.high_watermark * capacity:
+        if tier.fits(nbytes) and tier.used_bytes + tier.reserved_bytes + nbytes <= tier.high_watermark * capacity:
             return True
-        target = min(tier.low_watermark * capacity, capacity - nbytes)
+        target = min(tier.low_watermark * capacity, capacity - nbytes) - tier.reserved_bytes
         while tier.used_bytes > target or not tier.fits(nbytes):
             victim = policy.pop_victim(self.pinned)
             if victim is None:
@@ -225,7 +234,6 @@ class TieredStore:
         await tier.delete(key)
         self._evictions[index] += 1
         self.metrics.evictions.labels(tier.label).inc()
-        self._refresh(tier)
         self._announce(key, before, info)
 
     async def _place(self, block: KvBlock, start: int, *, copy_down: bool, stop: int | None = None) -> int | None:
@@ -240,20 +248,22 @@ class TieredStore:
                 break
             if await self._make_room(i, block.nbytes) and await tier.write(block):
                 self.policies[i].insert(block.key)
-                self._refresh(tier)
                 placed = i
                 break
         if placed is not None and copy_down:
-            self.pin(block.key)  # the host copy must outlive the slower writes below
-            try:
-                for j in range(placed + 1, len(self.tiers)):
-                    tier = self.tiers[j]
-                    if block.key not in tier and await self._make_room(j, block.nbytes) and await tier.write(block):
-                        self.policies[j].insert(block.key)
-                        self._refresh(tier)
-            finally:
-                self.unpin(block.key)
+            await self._copy_down(block, placed)
         return placed
+
+    async def _copy_down(self, block: KvBlock, placed: int) -> None:
+        """Write-through: ``block`` also into every tier below ``placed`` that has room."""
+        self.pin(block.key)  # the host copy must outlive the slower writes below
+        try:
+            for j in range(placed + 1, len(self.tiers)):
+                tier = self.tiers[j]
+                if block.key not in tier and await self._make_room(j, block.nbytes) and await tier.write(block):
+                    self.policies[j].insert(block.key)
+        finally:
+            self.unpin(block.key)
 
     # -- the API --------------------------------------------------------------------------
 
@@ -282,7 +292,8 @@ class TieredStore:
                 block = await tier.read(key)
                 if block is None:
                     continue
-                block.verify(None)
+                if tier.verify_reads:
+                    block.verify(None)
                 if block.key != key:
                     raise BlockIntegrityError(f"tier {tier.label} returned block {block.key.hex()} for {key.hex()}")
             except (BlockFormatError, BlockIntegrityError) as exc:
@@ -291,13 +302,12 @@ class TieredStore:
                 before, info = self.location(key), tier.info(key)
                 await tier.delete(key)
                 self.policies[i].discard(key)
-                self._refresh(tier)
                 self._announce(key, before, info)
                 continue
             if model_id and block.model_id != model_id:
                 log.warning("block %s belongs to model %r, not %r", key.hex(), block.model_id, model_id)
                 break
-            self.metrics.hits.labels(tier.label).inc()
+            self._hits[i].inc()
             self.policies[i].touch(key)
             if lease_ms > 0:
                 self.leases.grant(key, lease_ms)
@@ -307,6 +317,45 @@ class TieredStore:
             return block
         self.metrics.misses.inc()
         return None
+
+    async def reserve(self, nbytes: int) -> Reservation | None:
+        """Room for a block of ``nbytes`` to be written in place into the host pool; None when
+        the first tier is not host memory (a GPU tier comes first) or nothing can be evicted."""
+        tier = self.tiers[0]
+        if not isinstance(tier, HostTier) or not await self._make_room(0, nbytes):
+            return None
+        return tier.reserve(nbytes)
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back room that will not become a block (the writer failed or went away)."""
+        tier = self.tiers[0]
+        assert isinstance(tier, HostTier)
+        tier.release(reservation)
+
+    async def commit(self, block: KvBlock, reservation: Reservation) -> bool:
+        """Store ``block``, whose payload was written into ``reservation`` (the block's payload is
+        that view, or its CRC is in ``payload_crc``); False, and the room is released, when the
+        block is corrupt."""
+        tier = self.tiers[0]
+        assert isinstance(tier, HostTier)
+        try:
+            block.verify(None)
+        except BlockIntegrityError as exc:
+            log.warning("rejecting put: %s", exc)
+            self.metrics.checksum_failures.labels("put").inc()
+            tier.release(reservation)
+            return False
+        before = self.location(block.key)
+        if block.key in tier:  # a concurrent writer stored it first
+            tier.release(reservation)
+            self.policies[0].touch(block.key)
+            return True
+        tier.adopt(block, reservation)
+        self.policies[0].insert(block.key)
+        if self.write_through:
+            await self._copy_down(block, 0)
+        self._announce(block.key, before, BlockInfo.of(block))
+        return True
 
     async def _promote(self, block: KvBlock, found_at: int) -> None:
         before = self.location(block.key)
@@ -325,7 +374,6 @@ class TieredStore:
         for tier, policy in zip(self.tiers, self.policies):
             if await tier.delete(key):
                 policy.discard(key)
-                self._refresh(tier)
         self.leases.release(key)
         self._announce(key, before, info)
         return True

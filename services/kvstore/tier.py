@@ -1,7 +1,7 @@
 """What every tier offers the store, and the host-memory tier.
 
 A tier holds bytes and an index of what it holds; it does not decide what to evict (the store's
-policy does) and does not verify what it returns (the store does, for every tier).
+policy does) and does not verify what it returns (the store does, for tiers with ``verify_reads``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ class Tier(abc.ABC):
     """A store of whole blocks with a byte capacity and watermarks."""
 
     kind: int = common_pb2.KV_TIER_UNSPECIFIED
+    # Whether the store checks every block this tier returns. Off only for memory this process
+    # owns and checked on the way in; every client still verifies what it receives.
+    verify_reads: bool = True
+    reserved_bytes: int = 0  # room promised to writers filling it in place (host tier only)
 
     def __init__(self, settings: TierSettings) -> None:
         self.capacity_bytes = settings.capacity_bytes
@@ -107,12 +111,26 @@ class Tier(abc.ABC):
         """Drop a block; False when the tier did not hold it."""
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Room in the host pool for one block not yet stored: whoever holds it writes the payload
+    into ``view`` in place, then the store ``commit``s or ``release``s it."""
+
+    start: int  # first page
+    nbytes: int
+    view: memoryview
+
+
 class HostTier(Tier):
-    """Host DRAM: payloads copied into a preallocated ``HostPool`` and served from it as
+    """Host DRAM: payloads live in a preallocated ``HostPool`` and are served from it as
     zero-copy views. A view stays valid only while its block is held: readers that await
-    between reading and using it pin the key in the store first."""
+    between reading and using it pin the key in the store first.
+
+    Writers can also fill the pool in place: ``reserve`` room, write into its view, ``adopt``
+    it as a block (a gRPC put stream and same-host clients do, to save a copy)."""
 
     kind = common_pb2.KV_TIER_HOST
+    verify_reads = False
 
     def __init__(self, settings: HostTierSettings, *, pinned: bool = False, shared: bool = False) -> None:
         super().__init__(settings)
@@ -120,21 +138,44 @@ class HostTier(Tier):
             settings.capacity_bytes, settings.page_bytes, pinned=pinned, shared=shared, prefault=settings.prefault
         )
         self._blocks: dict[BlockKey, tuple[KvBlock, int]] = {}  # block (payload in the pool), start page
+        self.reserved_bytes = 0
 
     def fits(self, nbytes: int) -> bool:
-        return self.used_bytes + nbytes <= self.capacity_bytes and self.pool.can_allocate(nbytes)
+        return self.used_bytes + self.reserved_bytes + nbytes <= self.capacity_bytes and self.pool.can_allocate(nbytes)
+
+    def _keep(self, block: KvBlock, start: int) -> None:
+        view = self.pool.view(start, block.nbytes).toreadonly()
+        stored = KvBlock(block.key, block.parent_key, block.model_id, block.dtype, block.shape,
+                         block.token_ids, view, block.checksum, block.format_version)
+        self._blocks[block.key] = (stored, start)
+        self._indexed(block.key, BlockInfo.of(block))
 
     async def write(self, block: KvBlock) -> bool:
         start = self.pool.allocate(block.nbytes)
         if start is None:
             return False
-        view = self.pool.view(start, block.nbytes)
-        view[:] = block.payload
-        stored = KvBlock(block.key, block.parent_key, block.model_id, block.dtype, block.shape,
-                         block.token_ids, view.toreadonly(), block.checksum, block.format_version)
-        self._blocks[block.key] = (stored, start)
-        self._indexed(block.key, BlockInfo.of(block))
+        self.pool.view(start, block.nbytes)[:] = block.payload
+        self._keep(block, start)
         return True
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Room for ``nbytes`` (the store made it), or None when no run of pages is long enough."""
+        start = self.pool.allocate(nbytes)
+        if start is None:
+            return None
+        self.reserved_bytes += nbytes
+        return Reservation(start, nbytes, self.pool.view(start, nbytes))
+
+    def release(self, reservation: Reservation) -> None:
+        self.reserved_bytes -= reservation.nbytes
+        self.pool.release(reservation.start, reservation.nbytes)
+
+    def adopt(self, block: KvBlock, reservation: Reservation) -> None:
+        """Index ``block``, whose payload was written into ``reservation``."""
+        if block.nbytes != reservation.nbytes:
+            raise ValueError(f"a block of {block.nbytes} bytes in a reservation of {reservation.nbytes}")
+        self.reserved_bytes -= reservation.nbytes
+        self._keep(block, reservation.start)
 
     async def read(self, key: BlockKey) -> KvBlock | None:
         entry = self._blocks.get(key)
