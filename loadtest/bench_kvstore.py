@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import yaml
+from dataclasses import dataclass
 
 from crescent.services.common.block_keys import prefix_block_keys
 from crescent.services.common.kv_block import KvBlock
@@ -53,14 +54,19 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
     raise TimeoutError(url)
 
 
-def memcpy_gbps(nbytes: int, count: int, repeat: int = 5) -> float:
-    """Copy ``count`` distinct blocks of ``nbytes`` (as many bytes as a case moves, so caches
-    do not flatter it) between warm buffers: the machine's limit for moving these bytes.
-    The median of ``repeat`` runs, like the cases it is compared with."""
-    src = np.frombuffer(os.urandom(nbytes * count), dtype=np.uint8).reshape(count, nbytes)
-    dst = np.ones_like(src)  # touched first: we measure copying, not page faults
-    runs = [_timed(lambda: [np.copyto(dst[i], src[i]) for i in range(count)]) for _ in range(repeat)]
-    return nbytes * count / statistics.median(runs) / 1e9
+class Memcpy:
+    """A plain copy of ``count`` distinct blocks of ``nbytes`` (as many bytes as a case moves,
+    so caches do not flatter it) between warm buffers: the machine's limit for moving them.
+    Timed in every round, next to the case, so the ratio does not drift with a noisy VM."""
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes, self.count = nbytes, count
+        self.src = np.frombuffer(os.urandom(nbytes * count), dtype=np.uint8).reshape(count, nbytes)
+        self.dst = np.ones_like(self.src)  # touched first: we measure copying, not page faults
+
+    def gbps(self) -> float:
+        seconds = _timed(lambda: [np.copyto(self.dst[i], self.src[i]) for i in range(self.count)])
+        return self.nbytes * self.count / seconds / 1e9
 
 
 def _timed(fn) -> float:
@@ -125,12 +131,23 @@ def raw_tier_gbps(tier: str, size: int, count: int, workdir: Path) -> tuple[floa
     return size * count / put / 1e9, size * count / get / 1e9
 
 
+@dataclass
+class CaseResult:
+    put_gbps: float
+    get_gbps: float
+    memcpy_gbps: float
+    put_pct: float  # median over rounds of put / memcpy in the same round
+    get_pct: float
+
+
 async def run_case(
     address: str, size: int, count: int, shared_memory: bool, tier: str, chunk: int, per_call: int, rounds: int
-) -> tuple[float, float]:
-    """Median put and get GB/s over ``rounds`` rounds, each moving ``count`` new blocks."""
+) -> CaseResult:
+    """Medians over ``rounds`` rounds, each moving ``count`` new blocks and timing a memcpy of
+    the same bytes between the put and the get."""
     client = KvStoreClient(address, shared_memory=shared_memory, timeout_s=300, max_chunk_bytes=chunk)
-    puts, gets = [], []
+    memcpy = Memcpy(size, count)
+    puts, gets, copies = [], [], []
     try:
         spare = make_blocks(size, 1, b"warm-up")
         await client.put(spare)  # warm the channel and the pool mapping
@@ -149,6 +166,7 @@ async def run_case(
                 while not wanted <= s3_object_names():
                     await asyncio.sleep(0.01)
                 put_s = time.perf_counter() - start
+            copies.append(memcpy.gbps())
             start = time.perf_counter()
             got = 0
             for batch in batches:
@@ -158,7 +176,11 @@ async def run_case(
             await client.remove([b.key for b in blocks])
             puts.append(size * count / put_s / 1e9)
             gets.append(size * count / get_s / 1e9)
-        return statistics.median(puts), statistics.median(gets)
+        median = statistics.median
+        return CaseResult(
+            median(puts), median(gets), median(copies),
+            100 * median(p / c for p, c in zip(puts, copies)), 100 * median(g / c for g, c in zip(gets, copies)),
+        )
     finally:
         await client.close()
 
@@ -246,18 +268,18 @@ def main() -> None:
                                  workdir / f"{tier}.log")
                     try:
                         wait_http(f"http://127.0.0.1:{admin}/health")
-                        copy = memcpy_gbps(size, count)
                         paths = [False, True] if tier == "host" else [False]
                         for shm in paths:
                             per_call = max(1, args.batch_mib // size_mib)
-                            put, get = asyncio.run(
+                            case = asyncio.run(
                                 run_case(f"127.0.0.1:{port}", size, count, shm, tier, args.chunk_mib * MIB, per_call,
                                          1 if tier == "s3" else args.rounds)
                             )
+                            put, get = case.put_gbps, case.get_gbps
                             row = {"tier": tier, "path": "shm" if shm else "grpc", "block_mib": size_mib,
-                                   "blocks_per_call": per_call,
-                                   "put_gbps": round(put, 3), "get_gbps": round(get, 3), "memcpy_gbps": round(copy, 3),
-                                   "put_pct_memcpy": round(100 * put / copy, 1), "get_pct_memcpy": round(100 * get / copy, 1)}
+                                   "blocks_per_call": per_call, "put_gbps": round(put, 3), "get_gbps": round(get, 3),
+                                   "memcpy_gbps": round(case.memcpy_gbps, 3),
+                                   "put_pct_memcpy": round(case.put_pct, 1), "get_pct_memcpy": round(case.get_pct, 1)}
                             raw = ""
                             if tier != "host":
                                 raw_put, raw_get = raw_tier_gbps(tier, size, count, workdir)
@@ -265,7 +287,7 @@ def main() -> None:
                                 raw = f"  raw {tier}: put {raw_put:5.2f} get {raw_get:5.2f} GB/s"
                             results.append(row)
                             print(f"{tier:5s} {row['path']:4s} {size_mib:3d} MiB x{per_call:<3d} put {put:6.2f} GB/s  "
-                                  f"get {get:6.2f} GB/s  memcpy {copy:6.2f} GB/s  "
+                                  f"get {get:6.2f} GB/s  memcpy {case.memcpy_gbps:6.2f} GB/s  "
                                   f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%){raw}", flush=True)
                     finally:
                         stop(node)

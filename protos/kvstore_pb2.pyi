@@ -198,9 +198,23 @@ class ShmReserveReply(_message.Message):
     def __init__(self, reservation: _Optional[int] = ..., pool_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., expires_ms: _Optional[int] = ...) -> None: ...
 
 class ShmCommitRequest(_message.Message):
-    __slots__ = ("reservation", "written")
+    __slots__ = ("reservation", "written", "blocks", "reserve_next")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_NEXT_FIELD_NUMBER: _ClassVar[int]
     reservation: int
     written: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, reservation: _Optional[int] = ..., written: _Optional[_Iterable[bool]] = ...) -> None: ...
+    blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockMeta]
+    reserve_next: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation: _Optional[int] = ..., written: _Optional[_Iterable[bool]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockMeta, _Mapping]]] = ..., reserve_next: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShmCommitReply(_message.Message):
+    __slots__ = ("stored", "rejected", "next")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    rejected: int
+    next: ShmReserveReply
+    def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ..., next: _Optional[_Union[ShmReserveReply, _Mapping]] = ...) -> None: ...

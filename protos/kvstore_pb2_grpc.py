@@ -88,7 +88,7 @@ class KvStoreStub:
         self.CommitShm = channel.unary_unary(
                 '/crescent.v1.KvStore/CommitShm',
                 request_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.SerializeToString,
-                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitReply.FromString,
                 _registered_method=True)
 
 
@@ -217,7 +217,7 @@ def add_KvStoreServicer_to_server(servicer, server):
             'CommitShm': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitShm,
                     request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.FromString,
-                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.SerializeToString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,7 +516,7 @@ class KvStore:
             target,
             '/crescent.v1.KvStore/CommitShm',
             crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.SerializeToString,
-            crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
+            crescent_dot_protos_dot_kvstore__pb2.ShmCommitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -84,6 +84,9 @@ class KvStoreClient:
         self._pool_writable = False
         self._pool_unusable = False
         self._reserve_unusable = False
+        # Pool room the node holds for our next put (payload sizes, reservation): a put of the
+        # same shape then costs one round trip. Blocks of one model are all one size.
+        self._ahead: tuple[tuple[int, ...], kvstore_pb2.ShmReserveReply] | None = None
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -256,20 +259,29 @@ class KvStoreClient:
         return await self._put_segment(blocks)
 
     async def _put_in_pool(self, blocks: Sequence[KvBlock]) -> PutResult | None:
-        """Reserve room in the node's pool, copy each payload there (checking its CRC on the
-        way), commit. Blocks the node had no room for go over gRPC."""
-        try:
-            reply = await self._stub.ReserveShm(
-                kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks]), timeout=self.timeout_s
-            )
-        except (grpc.aio.AioRpcError, OSError) as exc:
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
-                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
-            ):
-                self._reserve_unusable = True  # a node without a shared pool: segments from now on
-                return None
-            self._failed("put_shm", exc)
-            return PutResult(0, len(blocks), failed=True)
+        """Copy each payload into room in the node's pool (checking its CRC on the way), then
+        commit. The room is reserved ahead by the previous put of the same shape, or now; blocks
+        the node had no room for go over gRPC."""
+        sizes = tuple(b.nbytes for b in blocks)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] != sizes:
+            await self._release_ahead(ahead[1])
+            ahead = None
+        if ahead is not None:
+            reply = ahead[1]
+        else:
+            try:
+                reply = await self._stub.ReserveShm(
+                    kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks]), timeout=self.timeout_s
+                )
+            except (grpc.aio.AioRpcError, OSError) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+                    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
+                ):
+                    self._reserve_unusable = True  # a node without a shared pool: segments from now on
+                    return None
+                self._failed("put_shm", exc)
+                return PutResult(0, len(blocks), failed=True)
         pool = await self._pool(reply.pool_path, writable=True)
         assert self._copier is not None
         pairs, copied, others = [], [], []
@@ -285,17 +297,32 @@ class KvStoreClient:
             if not written[i]:
                 self.errors["integrity"] += 1
                 log.warning("block %s does not match its own checksum; not stored", blocks[i].key.hex())
+        request = kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written)
+        if ahead is not None:
+            request.blocks.extend(b.to_meta() for b in blocks)
+        if pool is not None and all(sizes):
+            request.reserve_next.extend(sizes)
         try:
-            committed = await self._stub.CommitShm(
-                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written), timeout=self.timeout_s
-            )
+            committed = await self._stub.CommitShm(request, timeout=self.timeout_s)
         except (grpc.aio.AioRpcError, OSError) as exc:
             self._failed("put_shm", exc)
             return PutResult(0, len(blocks), failed=True)
+        if committed.HasField("next"):
+            self._ahead = (sizes, committed.next)
         if pool is None and any(slot.granted for slot in reply.slots):
             return None  # this client cannot write the pool: the reservation was given back unused
         rest = await self._put_grpc(others)
         return PutResult(committed.stored + rest.stored, committed.rejected + rest.rejected, rest.failed)
+
+    async def _release_ahead(self, reply: kvstore_pb2.ShmReserveReply) -> None:
+        """Give back room held for a put that did not come (the node would after a while)."""
+        try:
+            await self._stub.CommitShm(
+                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=[False] * len(reply.slots)),
+                timeout=self.timeout_s,
+            )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            log.debug("kvstore %s: giving back reserved room failed (%s); it expires by itself", self.address, exc)
 
     async def _put_segment(self, blocks: Sequence[KvBlock]) -> PutResult | None:
         segment = self._segment(sum(b.nbytes for b in blocks))
@@ -390,6 +417,9 @@ class KvStoreClient:
         self._pool_view = self._pool_map = None
 
     async def close(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await self._release_ahead(ahead[1])
         await self._channel.close()
         self._unmap_pool()
         if self._copier is not None:

@@ -80,14 +80,15 @@ class PendingReservations:
         self._store = store
         self.lifetime_s = lifetime_ms / 1000
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[float, list[tuple[common_pb2.BlockMeta, Reservation | None]]]] = {}
+        # (deadline, [(header, room)]): no header for room reserved ahead, no room for a block held already
+        self._pending: dict[int, tuple[float, list[tuple[common_pb2.BlockMeta | None, Reservation | None]]]] = {}
 
-    def add(self, slots: list[tuple[common_pb2.BlockMeta, Reservation | None]]) -> int:
+    def add(self, slots: list[tuple[common_pb2.BlockMeta | None, Reservation | None]]) -> int:
         rid = next(self._ids)
         self._pending[rid] = (time.monotonic() + self.lifetime_s, slots)
         return rid
 
-    def take(self, rid: int) -> list[tuple[common_pb2.BlockMeta, Reservation | None]] | None:
+    def take(self, rid: int) -> list[tuple[common_pb2.BlockMeta | None, Reservation | None]] | None:
         entry = self._pending.pop(rid, None)
         return entry[1] if entry is not None else None
 
@@ -285,7 +286,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no shared host pool to write into")
         self.reservations.expire()
         reply = kvstore_pb2.ShmReserveReply(pool_path=host.pool.share_path, expires_ms=self.settings.shm_reservation_ms)
-        slots: list[tuple[common_pb2.BlockMeta, Reservation | None]] = []
+        slots: list[tuple[common_pb2.BlockMeta | None, Reservation | None]] = []
         for meta in request.blocks:
             reservation = None
             if meta.key in host:
@@ -301,24 +302,32 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         reply.reservation = self.reservations.add(slots)
         return reply
 
-    async def CommitShm(self, request: kvstore_pb2.ShmCommitRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
+    async def CommitShm(self, request: kvstore_pb2.ShmCommitRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmCommitReply:
         slots = self.reservations.take(request.reservation)
         if slots is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {request.reservation} is unknown or expired")
+        problem = ""
         if len(request.written) != len(slots):
+            problem = f"{len(request.written)} written flags for {len(slots)} reserved blocks"
+        elif request.blocks:  # a reservation made ahead: the headers come now
+            if len(request.blocks) != len(slots) or any(
+                r is None or m.nbytes != r.nbytes for m, (_, r) in zip(request.blocks, slots)
+            ):
+                problem = "the blocks do not match the sizes reserved ahead"
+            slots = [(meta, reservation) for meta, (_, reservation) in zip(request.blocks, slots)]
+        if problem:
             for _, reservation in slots:
                 if reservation is not None:
                     self.store.release(reservation)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.written)} written flags for {len(slots)} reserved blocks")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         stored = rejected = 0
         for (meta, reservation), written in zip(slots, request.written):
             if reservation is None:
-                stored += meta.key in self.store.tiers[0]  # held already (the client sent nothing)
+                stored += meta is not None and meta.key in self.store.tiers[0]  # held already: nothing was sent
                 continue
-            if not written:
+            if not written or meta is None:
                 self.store.release(reservation)
-                rejected += 1
+                rejected += meta is not None
                 continue
             # The client checked the CRC while copying (a same-host client can write the pool
             # anyway, so re-reading it here would only cost a pass); the header is still checked.
@@ -328,7 +337,30 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 stored += 1
             else:
                 rejected += 1
-        return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
+        reply = kvstore_pb2.ShmCommitReply(stored=stored, rejected=rejected)
+        if request.reserve_next and (host := self._shared_pool()) is not None:
+            ahead = await self._reserve_ahead(host, list(request.reserve_next))
+            if ahead is not None:
+                reply.next.CopyFrom(ahead)
+        return reply
+
+    async def _reserve_ahead(self, host: HostTier, sizes: list[int]) -> kvstore_pb2.ShmReserveReply | None:
+        """Room for a client's next put, from free room only: holding it must not evict anything."""
+        held: list[Reservation] = []
+        for size in sizes:
+            reservation = None
+            if 0 < size <= self.settings.max_block_bytes:
+                reservation = await self.store.reserve(size, evict=False)
+            if reservation is None:
+                for r in held:
+                    self.store.release(r)
+                return None
+            held.append(reservation)
+        reply = kvstore_pb2.ShmReserveReply(pool_path=host.pool.share_path, expires_ms=self.settings.shm_reservation_ms)
+        for r in held:
+            reply.slots.add(granted=True, offset=host.pool.offset_of(r.start))
+        reply.reservation = self.reservations.add([(None, r) for r in held])
+        return reply
 
     async def Replicate(self, request: kvstore_pb2.ReplicateRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ReplicateReply:
         if not request.target:

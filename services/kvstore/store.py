@@ -318,11 +318,17 @@ class TieredStore:
         self.metrics.misses.inc()
         return None
 
-    async def reserve(self, nbytes: int) -> Reservation | None:
+    async def reserve(self, nbytes: int, *, evict: bool = True) -> Reservation | None:
         """Room for a block of ``nbytes`` to be written in place into the host pool; None when
-        the first tier is not host memory (a GPU tier comes first) or nothing can be evicted."""
+        the first tier is not host memory (a GPU tier comes first), or there is no room (making
+        room by evicting only if ``evict``)."""
         tier = self.tiers[0]
-        if not isinstance(tier, HostTier) or not await self._make_room(0, nbytes):
+        if not isinstance(tier, HostTier):
+            return None
+        if evict:
+            if not await self._make_room(0, nbytes):
+                return None
+        elif not (tier.fits(nbytes) and tier.used_bytes + tier.reserved_bytes + nbytes <= tier.high_watermark * tier.capacity_bytes):
             return None
         return tier.reserve(nbytes)
 
