@@ -54,18 +54,20 @@ class StatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStat(_message.Message):
-    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "evictions")
+    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "evictions", "reserved_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier: _common_pb2.KvTier
     blocks: int
     bytes: int
     capacity_bytes: int
     evictions: int
-    def __init__(self, tier: _Optional[_Union[_common_pb2.KvTier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    reserved_bytes: int
+    def __init__(self, tier: _Optional[_Union[_common_pb2.KvTier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
     __slots__ = ("node_id", "tiers", "leased_blocks")

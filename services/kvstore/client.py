@@ -19,6 +19,7 @@ import collections
 import logging
 import mmap
 import os
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ class KvStoreClient:
         self._reserve_unusable = False
         # Pool room the node holds for our next put (payload sizes, reservation): a put of the
         # same shape then costs one round trip. Blocks of one model are all one size.
-        self._ahead: tuple[tuple[int, ...], kvstore_pb2.ShmReserveReply] | None = None
+        self._ahead: tuple[tuple[int, ...], kvstore_pb2.ShmReserveReply, float] | None = None  # + when received
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -97,7 +98,7 @@ class KvStoreClient:
         if isinstance(exc, grpc.aio.AioRpcError):
             log.warning("kvstore %s %s failed: %s %s", self.address, operation, exc.code().name, exc.details())
         else:
-            log.warning("kvstore %s %s failed: %r", self.address, operation, exc)
+            log.warning("kvstore %s %s failed: %s", self.address, operation, repr(exc))
 
     def _verified(self, block: KvBlock, model_id: str | None) -> bool:
         try:
@@ -105,7 +106,9 @@ class KvStoreClient:
             return True
         except BlockIntegrityError as exc:
             self.errors["integrity"] += 1
-            log.warning("kvstore %s returned a bad block, treated as a miss: %s", self.address, exc)
+            # str(exc), not exc: a kept log record would hold the traceback's frames, and with
+            # them views of the shared pool that must not outlive this call.
+            log.warning("kvstore %s returned a bad block, treated as a miss: %s", self.address, str(exc))
             return False
 
     # -- put ------------------------------------------------------------------------------
@@ -264,12 +267,13 @@ class KvStoreClient:
         the node had no room for go over gRPC."""
         sizes = tuple(b.nbytes for b in blocks)
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] != sizes:
+        if ahead is not None and (ahead[0] != sizes or not _fresh(ahead[1], ahead[2])):
             await self._release_ahead(ahead[1])
             ahead = None
         if ahead is not None:
             reply = ahead[1]
         else:
+            reserved_at = time.monotonic()
             try:
                 reply = await self._stub.ReserveShm(
                     kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks]), timeout=self.timeout_s
@@ -283,6 +287,8 @@ class KvStoreClient:
                 self._failed("put_shm", exc)
                 return PutResult(0, len(blocks), failed=True)
         pool = await self._pool(reply.pool_path, writable=True)
+        if ahead is None and not _fresh(reply, reserved_at):
+            pool = None  # this thread was held up for long: the room may be someone else's by now
         assert self._copier is not None
         pairs, copied, others = [], [], []
         for i, (block, slot) in enumerate(zip(blocks, reply.slots)):
@@ -308,7 +314,7 @@ class KvStoreClient:
             self._failed("put_shm", exc)
             return PutResult(0, len(blocks), failed=True)
         if committed.HasField("next"):
-            self._ahead = (sizes, committed.next)
+            self._ahead = (sizes, committed.next, time.monotonic())
         if pool is None and any(slot.granted for slot in reply.slots):
             return None  # this client cannot write the pool: the reservation was given back unused
         rest = await self._put_grpc(others)
@@ -412,8 +418,11 @@ class KvStoreClient:
     def _unmap_pool(self) -> None:
         if self._pool_map is not None:
             assert self._pool_view is not None
-            self._pool_view.release()
-            self._pool_map.close()
+            try:
+                self._pool_view.release()
+                self._pool_map.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes when it does
+                log.debug("kvstore %s: pool mapping still in use; left to the garbage collector", self.address)
         self._pool_view = self._pool_map = None
 
     async def close(self) -> None:
@@ -427,6 +436,12 @@ class KvStoreClient:
         for segment in self._free_segments:
             segment.close()
         self._free_segments = []
+
+
+def _fresh(reply: kvstore_pb2.ShmReserveReply, received: float) -> bool:
+    """Whether reserved room is still safely ours: the node gives it back after ``expires_ms``,
+    so a copy starts only in the first half of that (a copy takes milliseconds)."""
+    return time.monotonic() < received + reply.expires_ms / 2000
 
 
 # Map pools up to this size with MAP_POPULATE: a page's first touch through a new mapping

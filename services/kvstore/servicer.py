@@ -345,12 +345,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         return reply
 
     async def _reserve_ahead(self, host: HostTier, sizes: list[int]) -> kvstore_pb2.ShmReserveReply | None:
-        """Room for a client's next put, from free room only: holding it must not evict anything."""
+        """Room for a client's next put, from spare room only: holding it must not evict anything."""
         held: list[Reservation] = []
         for size in sizes:
             reservation = None
             if 0 < size <= self.settings.max_block_bytes:
-                reservation = await self.store.reserve(size, evict=False)
+                reservation = await self.store.reserve(size, spare_only=True)
             if reservation is None:
                 for r in held:
                     self.store.release(r)
@@ -398,7 +398,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         for usage in self.store.usage():
             reply.tiers.add(
                 tier=usage.kind, blocks=usage.blocks, bytes=usage.bytes,
-                capacity_bytes=usage.capacity_bytes, evictions=usage.evictions,
+                capacity_bytes=usage.capacity_bytes, evictions=usage.evictions, reserved_bytes=usage.reserved_bytes,
             )
         return reply
 

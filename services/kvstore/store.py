@@ -42,6 +42,7 @@ class TierUsage:
     bytes: int
     capacity_bytes: int
     evictions: int
+    reserved_bytes: int = 0
 
 
 class LeaseTable:
@@ -184,7 +185,7 @@ class TieredStore:
 
     def usage(self) -> list[TierUsage]:
         return [
-            TierUsage(t.kind, t.label, len(t), t.used_bytes, t.capacity_bytes, self._evictions[i])
+            TierUsage(t.kind, t.label, len(t), t.used_bytes, t.capacity_bytes, self._evictions[i], t.reserved_bytes)
             for i, t in enumerate(self.tiers)
         ]
 
@@ -318,17 +319,19 @@ class TieredStore:
         self.metrics.misses.inc()
         return None
 
-    async def reserve(self, nbytes: int, *, evict: bool = True) -> Reservation | None:
-        """Room for a block of ``nbytes`` to be written in place into the host pool; None when
-        the first tier is not host memory (a GPU tier comes first), or there is no room (making
-        room by evicting only if ``evict``)."""
+    async def reserve(self, nbytes: int, *, spare_only: bool = False) -> Reservation | None:
+        """Room for a block of ``nbytes`` to be written in place into the host pool, evicting to
+        make it; None when the first tier is not host memory (a GPU tier comes first) or no room
+        can be made. ``spare_only``: never evict, and stay below the low watermark (room held
+        on speculation must not cost anything a real put would need)."""
         tier = self.tiers[0]
         if not isinstance(tier, HostTier):
             return None
-        if evict:
-            if not await self._make_room(0, nbytes):
+        if spare_only:
+            after = tier.used_bytes + tier.reserved_bytes + nbytes
+            if after > tier.low_watermark * tier.capacity_bytes or not tier.fits(nbytes):
                 return None
-        elif not (tier.fits(nbytes) and tier.used_bytes + tier.reserved_bytes + nbytes <= tier.high_watermark * tier.capacity_bytes):
+        elif not await self._make_room(0, nbytes):
             return None
         return tier.reserve(nbytes)
 

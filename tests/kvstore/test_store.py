@@ -163,3 +163,44 @@ def test_s3fifo_keeps_blocks_read_again_over_one_hit_wonders() -> None:
 def test_unknown_policy_names_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="valid: lru, s3fifo"):
         make_policy("fifo")
+
+
+async def test_blocks_written_in_place_are_stored_once_committed() -> None:
+    tier = host(4)
+    store = TieredStore([tier], kvstore_metrics())
+    a, b = make_chain(2)
+    room = await store.reserve(a.nbytes)
+    assert room is not None and tier.reserved_bytes == a.nbytes and not store.exists(a.key)
+    room.view[:] = a.payload
+    stored = dataclasses.replace(a, payload=room.view.toreadonly())
+    assert await store.commit(stored, room)
+    assert tier.reserved_bytes == 0 and tier.used_bytes == a.nbytes
+    got = await store.get(a.key, MODEL)
+    assert got is not None and bytes(got.payload) == bytes(a.payload)
+    # A corrupt block is refused and its room given back.
+    room = await store.reserve(b.nbytes)
+    room.view[:] = bytes(b.nbytes)
+    assert not await store.commit(dataclasses.replace(b, payload=room.view.toreadonly()), room)
+    assert not store.exists(b.key) and tier.reserved_bytes == 0 and tier.pool.free_pages == 3
+
+
+async def test_reserved_room_is_never_evicted_and_spare_room_never_evicts() -> None:
+    tier = host(3)
+    store = TieredStore([tier], kvstore_metrics())
+    a, b, c, d = make_chain(4)
+    for block in (a, b, c):
+        assert await store.put(block)
+    assert await store.reserve(BLOCK, spare_only=True) is None  # only by evicting: refused
+    assert all(store.exists(x.key) for x in (a, b, c))
+    room = await store.reserve(BLOCK)  # a real put's room: evicts the oldest block
+    assert room is not None and not store.exists(a.key)
+    assert await store.put(d)  # evicts another block, never the room
+    assert tier.reserved_bytes == BLOCK and tier.used_bytes == 2 * BLOCK and store.exists(d.key)
+    store.release(room)
+    assert tier.reserved_bytes == 0 and tier.pool.free_pages == 1
+    assert await store.reserve(4 * BLOCK) is None  # more than the tier holds
+
+
+async def test_reserve_needs_host_memory_first(tmp_path) -> None:
+    store = TieredStore([disk(tmp_path, 4)], kvstore_metrics())  # as when a GPU tier comes first
+    assert await store.reserve(BLOCK) is None
