@@ -162,14 +162,16 @@ class ShmGetRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., segment: _Optional[str] = ..., capacity: _Optional[int] = ..., segment_only: _Optional[bool] = ...) -> None: ...
 
 class ShmGetReply(_message.Message):
-    __slots__ = ("blocks", "truncated", "pool_path")
+    __slots__ = ("blocks", "truncated", "pool_path", "pool_identity")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
+    POOL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
     truncated: bool
     pool_path: str
-    def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ..., pool_path: _Optional[str] = ...) -> None: ...
+    pool_identity: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ..., pool_path: _Optional[str] = ..., pool_identity: _Optional[str] = ...) -> None: ...
 
 class ShmReserveRequest(_message.Message):
     __slots__ = ("blocks",)
@@ -188,16 +190,18 @@ class ShmSlot(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., offset: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class ShmReserveReply(_message.Message):
-    __slots__ = ("reservation", "pool_path", "slots", "expires_ms")
+    __slots__ = ("reservation", "pool_path", "slots", "expires_ms", "pool_identity")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    POOL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     reservation: int
     pool_path: str
     slots: _containers.RepeatedCompositeFieldContainer[ShmSlot]
     expires_ms: int
-    def __init__(self, reservation: _Optional[int] = ..., pool_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+    pool_identity: str
+    def __init__(self, reservation: _Optional[int] = ..., pool_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., expires_ms: _Optional[int] = ..., pool_identity: _Optional[str] = ...) -> None: ...
 
 class ShmCommitRequest(_message.Message):
     __slots__ = ("reservation", "written", "blocks", "reserve_next")

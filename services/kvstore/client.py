@@ -83,6 +83,7 @@ class KvStoreClient:
         self._pool_view: memoryview | None = None
         self._pool_map: mmap.mmap | None = None
         self._pool_writable = False
+        self._pool_lock = asyncio.Lock()
         self._pool_unusable = False
         self._reserve_unusable = False
         # Pool room the node holds for our next put (payload sizes, reservation): a put of the
@@ -286,7 +287,7 @@ class KvStoreClient:
                     return None
                 self._failed("put_shm", exc)
                 return PutResult(0, len(blocks), failed=True)
-        pool = await self._pool(reply.pool_path, writable=True)
+        pool = await self._pool(reply.pool_path, reply.pool_identity, writable=True)
         if ahead is None and not _fresh(reply, reserved_at):
             pool = None  # this thread was held up for long: the room may be someone else's by now
         assert self._copier is not None
@@ -298,7 +299,12 @@ class KvStoreClient:
             elif not slot.granted and not slot.held:
                 others.append(block)
         written = [False] * len(reply.slots)
-        for i, crc in zip(copied, self._copier.copy(pairs)):
+        try:
+            crcs = self._copier.copy(pairs)
+        except (ValueError, BufferError, RuntimeError) as exc:  # e.g. the mapping went away
+            self._failed("put_shm", exc)
+            crcs, pool = [], None  # commit nothing, give the room back, then put another way
+        for i, crc in zip(copied, crcs):
             written[i] = crc == blocks[i].checksum
             if not written[i]:
                 self.errors["integrity"] += 1
@@ -356,8 +362,9 @@ class KvStoreClient:
                 ),
                 timeout=self.timeout_s,
             )
-            pool = await self._pool(reply.pool_path) if any(item.in_pool for item in reply.blocks) else None
-            if pool is None and any(item.in_pool for item in reply.blocks):
+            in_pool = any(item.in_pool for item in reply.blocks)
+            pool = await self._pool(reply.pool_path, reply.pool_identity) if in_pool else None
+            if pool is None and in_pool:
                 return await self._get_shm(request, model_id)  # now asking for segment copies only
             found: dict[BlockKey, KvBlock] = {}
             items, pairs = [], []
@@ -390,26 +397,31 @@ class KvStoreClient:
                     again = await self._get_shm(more, model_id)
                     found.update(again or {})
             return found
-        except (grpc.aio.AioRpcError, OSError) as exc:
-            self._shm_unusable("get_shm", exc)
+        except (grpc.aio.AioRpcError, OSError, ValueError, BufferError, RuntimeError) as exc:
+            self._shm_unusable("get_shm", exc)  # this call goes over gRPC instead
             return None
         finally:
             self._release(segment)
 
     _shm_get_size = 64 << 20
 
-    async def _pool(self, path: str, *, writable: bool = False) -> memoryview | None:
+    async def _pool(self, path: str, identity: str, *, writable: bool = False) -> memoryview | None:
         """The node's host pool, mapped once (read-write if allowed, for in-place puts); None if
         this client cannot map it (for good), or cannot write it and ``writable`` is asked."""
-        if self._pool_view is None or self._pool_path != path:
-            self._unmap_pool()
-            try:
-                mapping, self._pool_writable = await asyncio.to_thread(_map_pool, path)
-            except (OSError, ValueError) as exc:
-                log.info("cannot map the host pool of kvstore %s (%s); copying through a segment", self.address, exc)
-                self._pool_unusable = True
+        async with self._pool_lock:  # concurrent first calls map it once
+            if self._pool_unusable:
                 return None
-            self._pool_path, self._pool_view, self._pool_map = path, memoryview(mapping), mapping
+            if self._pool_view is None or self._pool_path != path:
+                # A new path: the node restarted. The old mapping is only dropped, never released
+                # here: another call may still be copying from it; it goes when they are done.
+                self._pool_view = self._pool_map = None
+                try:
+                    mapping, self._pool_writable = await asyncio.to_thread(_map_pool, path, identity)
+                except (OSError, ValueError) as exc:
+                    log.info("cannot map the host pool of kvstore %s (%s); copying through a segment", self.address, exc)
+                    self._pool_unusable = True
+                    return None
+                self._pool_path, self._pool_view, self._pool_map = path, memoryview(mapping), mapping
         if writable and not self._pool_writable:
             self._reserve_unusable = True
             return None
@@ -450,12 +462,15 @@ def _fresh(reply: kvstore_pb2.ShmReserveReply, received: float) -> bool:
 POPULATE_POOL_BYTES = 16 << 30
 
 
-def _map_pool(path: str) -> tuple[mmap.mmap, bool]:
-    """(mapping, writable): read-write when this process may write the file, else read-only."""
+def _map_pool(path: str, identity: str) -> tuple[mmap.mmap, bool]:
+    """(mapping, writable): read-write when this process may write the file, else read-only.
+    Raises OSError when ``path`` here is not the node's pool (``identity`` differs)."""
     error: OSError | ValueError | None = None
     for mode, prot in (("r+b", mmap.PROT_READ | mmap.PROT_WRITE), ("rb", mmap.PROT_READ)):
         try:
             with open(path, mode) as f:
+                if shm.file_identity(f.fileno()) != identity:
+                    raise OSError(f"{path} is not the node's pool here (another host or PID namespace)")
                 size = os.fstat(f.fileno()).st_size
                 flags = mmap.MAP_SHARED | (_POPULATE if size <= POPULATE_POOL_BYTES else 0)
                 return mmap.mmap(f.fileno(), 0, flags=flags, prot=prot), "+" in mode

@@ -15,6 +15,8 @@ import mmap
 import os
 from typing import Any
 
+from crescent.services.kvstore.shm import file_identity
+
 log = logging.getLogger(__name__)
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -31,7 +33,8 @@ class HostPool:
         self.size = self.pages * page_bytes
         self._keepalive: Any = None
         self._fd: int | None = None
-        self.share_path = ""  # same-host clients map the pool read-only from here
+        self.share_path = ""  # same-host clients map the pool from here
+        self.share_identity = ""  # and check that they opened this very file
         self._flags = _POPULATE if prefault else 0
         self.buf = self._allocate(self.size, pinned, shared)
         self._starts: list[int] = [0] if self.pages else []  # free runs, sorted by start page
@@ -49,6 +52,7 @@ class HostPool:
             area = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | self._flags)
             self._keepalive = area
             self.share_path = f"/proc/{os.getpid()}/fd/{self._fd}"
+            self.share_identity = file_identity(self._fd)
             return memoryview(area)
         if pinned:  # page-locked, so copies to and from the GPU run at full speed
             import torch

@@ -198,7 +198,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         host = None if request.segment_only else next(
             (t for t in self.store.tiers if isinstance(t, HostTier) and t.pool.share_path), None
         )
-        reply = kvstore_pb2.ShmGetReply(pool_path=host.pool.share_path if host else "")
+        reply = kvstore_pb2.ShmGetReply(
+            pool_path=host.pool.share_path if host else "", pool_identity=host.pool.share_identity if host else ""
+        )
         offset = 0
         async for key, block in self._lookup(request.request):
             if block is None:
@@ -285,7 +287,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         if host is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no shared host pool to write into")
         self.reservations.expire()
-        reply = kvstore_pb2.ShmReserveReply(pool_path=host.pool.share_path, expires_ms=self.settings.shm_reservation_ms)
+        reply = kvstore_pb2.ShmReserveReply(
+            pool_path=host.pool.share_path, pool_identity=host.pool.share_identity,
+            expires_ms=self.settings.shm_reservation_ms,
+        )
         slots: list[tuple[common_pb2.BlockMeta | None, Reservation | None]] = []
         for meta in request.blocks:
             reservation = None
@@ -356,7 +361,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     self.store.release(r)
                 return None
             held.append(reservation)
-        reply = kvstore_pb2.ShmReserveReply(pool_path=host.pool.share_path, expires_ms=self.settings.shm_reservation_ms)
+        reply = kvstore_pb2.ShmReserveReply(
+            pool_path=host.pool.share_path, pool_identity=host.pool.share_identity,
+            expires_ms=self.settings.shm_reservation_ms,
+        )
         for r in held:
             reply.slots.add(granted=True, offset=host.pool.offset_of(r.start))
         reply.reservation = self.reservations.add([(None, r) for r in held])

@@ -28,6 +28,18 @@ def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
+def file_identity(fd: int) -> str:
+    """"boot id:device:inode" of an open file. Two processes see the same string only for the
+    same file under the same running kernel, so a path like /proc/<pid>/fd/<n> that names
+    another process's file (another host, another PID namespace) is caught."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    st = os.fstat(fd)
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
 class ShmSegment:
     """A mapped segment. ``create`` makes (and later unlinks) one; ``attach`` maps an existing one."""
 

@@ -17,4 +17,8 @@ class PrefillSettings(StrictModel):
     scheduler_address: str = Field(description="host:port of the scheduler")
     kvstore_address: str = Field(default="", description="host:port of this node's kvstore; empty: no kvstore")
     kvstore_lease_ms: int = Field(default=30_000, ge=0, description="how long fetched blocks stay pinned")
+    kvstore_shared_memory: bool = Field(
+        default=True,
+        description="move blocks through shared memory when the kvstore is on this host (gRPC otherwise, found by itself)",
+    )
     engine: EngineSettings = EngineSettings()

@@ -20,7 +20,10 @@ from crescent.services.prefill.servicer import PrefillServicer
 async def serve(settings: PrefillSettings, instance: EngineInstance, stop: asyncio.Event) -> None:
     async def attach(server: grpc.aio.Server):
         assert instance.engine is not None
-        kvstore = KvStoreClient(settings.kvstore_address) if settings.kvstore_address else None
+        kvstore = (
+            KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory)
+            if settings.kvstore_address else None
+        )
 
         def publish_soon() -> None:
             if instance.agent is not None:

@@ -153,3 +153,44 @@ async def test_malformed_chunk_bytes_are_refused_and_the_node_keeps_serving(kvst
     finally:
         await channel.close()
         await client.close()
+
+
+async def test_a_pool_path_naming_another_file_here_is_never_written(kvstore_node, tmp_path) -> None:
+    """As when the node is on another host (or PID namespace) where /proc/<pid>/fd/<n> names
+    some other process's file: the client checks the file's identity and uses gRPC instead."""
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
+    decoy = tmp_path / "someone-elses-file"
+    decoy.write_bytes(bytes(16 * MIB))
+    client = KvStoreClient(node.address, shared_memory=True)
+    real_reserve = client._stub.ReserveShm
+
+    async def reserve_elsewhere(request, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        reply = await real_reserve(request, **kwargs)
+        reply.pool_path = str(decoy)
+        return reply
+
+    client._stub.ReserveShm = reserve_elsewhere
+    try:
+        chain = make_chain(3, floats=MIB // 4)
+        assert (await client.put(chain)).stored == 3
+        assert decoy.read_bytes() == bytes(16 * MIB)
+        got = await client.get_prefix([b.key for b in chain], MODEL)
+        assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert await host_reserved(client) == 0  # the unused room went back
+    finally:
+        await client.close()
+
+
+async def test_concurrent_first_calls_share_one_pool_mapping(kvstore_node) -> None:
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
+    client = KvStoreClient(node.address, shared_memory=True)
+    try:
+        chains = [make_chain(2, floats=MIB // 4, salt=bytes([i])) for i in range(6)]
+        results = await asyncio.gather(*(client.put(chain) for chain in chains))
+        assert [r.stored for r in results] == [2] * 6
+        reads = await asyncio.gather(*(client.get_prefix([b.key for b in chain], MODEL) for chain in chains))
+        for chain, got in zip(chains, reads):
+            assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert client._pool_view is not None and not client.errors
+    finally:
+        await client.close()
