@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -81,6 +81,11 @@ def copy_with_checksum(dst: memoryview, src: bytes | memoryview, crc: int = 0) -
     return crc & 0xFFFFFFFF
 
 
+def _plain_copy(dst: memoryview, src: memoryview) -> int:
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))  # frees the GIL
+    return 0
+
+
 class ParallelCopier:
     """Copies many payloads at once, each thread taking an equal share of the bytes."""
 
@@ -89,29 +94,33 @@ class ParallelCopier:
         self.threads = max(1, wanted) if _combine is not None else 1
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kv-copy") if self.threads > 1 else None
 
-    def copy(self, pairs: Sequence[tuple[memoryview, bytes | memoryview]]) -> list[int]:
-        """Copy each (dst, src) and return the CRC32 of each payload, in order."""
+    def copy(self, pairs: Sequence[tuple[memoryview, bytes | memoryview]], *, checksum: bool = True) -> list[int]:
+        """Copy each (dst, src) and return the CRC32 of each payload, in order (zeros when not
+        ``checksum``: a plain copy, for bytes whose CRC someone downstream checks anyway)."""
         pairs = [(_as_bytes(d), _as_bytes(s)) for d, s in pairs]
         for dst, src in pairs:
             if len(dst) != len(src):
                 raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
+        copy_range = self._copy_range if checksum else self._plain_copy_range
         total = sum(len(s) for _, s in pairs)
         if self._pool is None or total < MIN_PARALLEL_BYTES:
-            return [copy_with_checksum(d, s) for d, s in pairs]
+            one = copy_with_checksum if checksum else _plain_copy
+            return [one(d, s) for d, s in pairs]
         share = -(-total // self.threads)
         bounds = [(i * share, min(total, (i + 1) * share)) for i in range(self.threads)]
-        futures = [self._pool.submit(self._copy_range, pairs, a, b) for a, b in bounds[1:]]
-        parts = self._copy_range(pairs, *bounds[0])
+        futures = [self._pool.submit(copy_range, pairs, a, b) for a, b in bounds[1:]]
+        parts = copy_range(pairs, *bounds[0])
         for future in futures:
             parts += future.result()
         crcs: list[int | None] = [None] * len(pairs)
         for index, length, crc in parts:  # in stream order, so each payload's parts are in order
             before = crcs[index]
             crcs[index] = crc if before is None else crc32_combine(before, crc, length)
-        return [0 if c is None else c for c in crcs]
+        return [0 if c is None else c for c in crcs]  # None: an empty payload, whose CRC is 0
 
     @staticmethod
-    def _copy_range(pairs: list[tuple[memoryview, memoryview]], begin: int, end: int) -> list[tuple[int, int, int]]:
+    def _copy_range(pairs: list[tuple[memoryview, memoryview]], begin: int, end: int,
+                    copy: Callable[[memoryview, memoryview], int] = copy_with_checksum) -> list[tuple[int, int, int]]:
         """Copy bytes [begin, end) of the payloads laid end to end: (payload index, length, CRC)
         of each piece, in order."""
         parts, offset = [], 0
@@ -119,13 +128,15 @@ class ParallelCopier:
             lo, hi = max(begin, offset), min(end, offset + len(src))
             if lo < hi:
                 a, b = lo - offset, hi - offset
-                parts.append((index, b - a, copy_with_checksum(dst[a:b], src[a:b])))
-            elif len(src) == 0 and begin <= offset < end:
-                parts.append((index, 0, 0))
+                parts.append((index, b - a, copy(dst[a:b], src[a:b])))
             offset += len(src)
             if offset >= end:
                 break
         return parts
+
+    @classmethod
+    def _plain_copy_range(cls, pairs: list[tuple[memoryview, memoryview]], begin: int, end: int) -> list[tuple[int, int, int]]:
+        return cls._copy_range(pairs, begin, end, _plain_copy)
 
     def close(self) -> None:
         if self._pool is not None:

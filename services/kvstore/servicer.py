@@ -201,6 +201,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         reply = kvstore_pb2.ShmGetReply(
             pool_path=host.pool.share_path if host else "", pool_identity=host.pool.share_identity if host else ""
         )
+        if host is not None and self._reply_from_pool(host, request.request, reply):
+            return reply
         offset = 0
         async for key, block in self._lookup(request.request):
             if block is None:
@@ -221,6 +223,22 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             offset += block.nbytes
             self._bytes_out.inc(block.nbytes)
         return reply
+
+    def _reply_from_pool(self, host: HostTier, request: kvstore_pb2.GetRequest, reply: kvstore_pb2.ShmGetReply) -> bool:
+        """The common same-host read, every block in this node's pool: offsets and headers with
+        no tier walk. False (nothing done) when any block is elsewhere, missing, or another
+        model's: the general path handles those."""
+        keys = [BlockKey(bytes(k)) for k in request.keys]
+        metas = [host.meta(key) for key in keys]
+        if any(m is None or (request.model_id and m.model_id != request.model_id) for m in metas):
+            return False
+        index = self.store.tiers.index(host)
+        lease_ms = max(self._lease_ms(request.lease_ms), self.settings.transfer_lease_ms)  # the copy's, at least
+        for key, meta in zip(keys, metas):
+            self.store.note_hit(index, key, lease_ms)
+            reply.blocks.add(meta=meta, offset=host.pool_offset(key), in_pool=True)
+            self._bytes_out.inc(meta.nbytes)
+        return True
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -334,8 +352,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 self.store.release(reservation)
                 rejected += meta is not None
                 continue
-            # The client checked the CRC while copying (a same-host client can write the pool
-            # anyway, so re-reading it here would only cost a pass); the header is still checked.
+            # Not re-read for its CRC: the client copied the very payload the header's CRC was
+            # computed from, every reader verifies blocks, and a same-host client can write the
+            # pool anyway. The header is still checked.
             block = KvBlock.from_meta(meta, reservation.view.toreadonly(), payload_crc=meta.checksum)
             self._bytes_in.inc(block.nbytes)
             if await self.store.commit(block, reservation):

@@ -308,11 +308,7 @@ class TieredStore:
             if model_id and block.model_id != model_id:
                 log.warning("block %s belongs to model %r, not %r", key.hex(), block.model_id, model_id)
                 break
-            self._hits[i].inc()
-            self.policies[i].touch(key)
-            if lease_ms > 0:
-                self.leases.grant(key, lease_ms)
-                self.metrics.leased_blocks.set(len(self.leases))
+            self.note_hit(i, key, lease_ms)
             if i > 0:
                 await self._promote(block, i)
             return block
@@ -365,6 +361,14 @@ class TieredStore:
             await self._copy_down(block, 0)
         self._announce(block.key, before, BlockInfo.of(block))
         return True
+
+    def note_hit(self, index: int, key: BlockKey, lease_ms: int = 0) -> None:
+        """The bookkeeping of a read served from tier ``index``: hit count, recency, lease."""
+        self._hits[index].inc()
+        self.policies[index].touch(key)
+        if lease_ms > 0:
+            self.leases.grant(key, lease_ms)
+            self.metrics.leased_blocks.set(len(self.leases))
 
     async def _promote(self, block: KvBlock, found_at: int) -> None:
         before = self.location(block.key)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from crescent.protos import common_pb2
 from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.kv_block import KvBlock
+from crescent.services.common.kv_block import KvBlock, meta_of
 from crescent.services.kvstore.config import HostTierSettings, TierSettings
 from crescent.services.kvstore.host_pool import HostPool
 
@@ -137,7 +137,8 @@ class HostTier(Tier):
         self.pool = HostPool(
             settings.capacity_bytes, settings.page_bytes, pinned=pinned, shared=shared, prefault=settings.prefault
         )
-        self._blocks: dict[BlockKey, tuple[KvBlock, int]] = {}  # block (payload in the pool), start page
+        # block (payload in the pool), start page, its header (built once: same-host reads send it)
+        self._blocks: dict[BlockKey, tuple[KvBlock, int, common_pb2.BlockMeta]] = {}
         self.reserved_bytes = 0
 
     def fits(self, nbytes: int) -> bool:
@@ -147,7 +148,7 @@ class HostTier(Tier):
         view = self.pool.view(start, block.nbytes).toreadonly()
         stored = KvBlock(block.key, block.parent_key, block.model_id, block.dtype, block.shape,
                          block.token_ids, view, block.checksum, block.format_version)
-        self._blocks[block.key] = (stored, start)
+        self._blocks[block.key] = (stored, start, meta_of(stored))
         self._indexed(block.key, BlockInfo.of(block))
 
     async def write(self, block: KvBlock) -> bool:
@@ -185,6 +186,10 @@ class HostTier(Tier):
         """Where the block's payload starts in the pool, for same-host readers."""
         entry = self._blocks.get(key)
         return self.pool.offset_of(entry[1]) if entry is not None else None
+
+    def meta(self, key: BlockKey) -> common_pb2.BlockMeta | None:
+        entry = self._blocks.get(key)
+        return entry[2] if entry is not None else None
 
     async def delete(self, key: BlockKey) -> bool:
         entry = self._blocks.pop(key, None)

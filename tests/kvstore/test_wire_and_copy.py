@@ -100,7 +100,7 @@ def test_copy_with_checksum_copies_and_matches_zlib(size: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_parallel_copies_split_payloads_across_threads_correctly(threads: int) -> None:
-    sizes = [0, 5 << 20, 1, 3 << 20, 777, 2 << 20]  # payloads split at arbitrary points
+    sizes = [0, 5 << 20, 1, 3 << 20, 777, 2 << 20, 0]  # payloads split at arbitrary points
     sources = [os.urandom(n) for n in sizes]
     targets = [empty_buffer(n) for n in sizes]
     copier = ParallelCopier(threads)
@@ -112,3 +112,16 @@ def test_parallel_copies_split_payloads_across_threads_correctly(threads: int) -
     assert [bytes(t) for t in targets] == sources
     with pytest.raises(ValueError, match="into"):
         ParallelCopier(1).copy([(empty_buffer(3), b"four")])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_parallel_copies_copy_everything(threads: int) -> None:
+    sizes = [3 << 20, 0, 5 << 20 | 3, 0]
+    sources = [os.urandom(n) for n in sizes]
+    targets = [empty_buffer(n) for n in sizes]
+    copier = ParallelCopier(threads)
+    try:
+        assert copier.copy(list(zip(targets, sources)), checksum=False) == [0] * len(sizes)
+    finally:
+        copier.close()
+    assert [bytes(t) for t in targets] == sources
