@@ -5,9 +5,9 @@ is logged, counted in ``errors`` and answered as a miss or a failed put; nothing
 into a request. Every block returned has passed ``KvBlock.verify``.
 
 Same host: with ``shared_memory=True`` only headers go over gRPC. Puts copy payloads straight
-into room reserved in the node's host pool and gets copy straight out of it (one copy each way,
-checksummed on the way); a client that cannot map the pool goes through a /dev/shm segment of
-its own, and one whose node cannot map that either (another host) uses plain gRPC for good.
+into room reserved in the node's host pool and gets copy straight out of it, checking each
+block's CRC as it is copied; a client that cannot map the pool goes through a /dev/shm segment
+of its own, and one whose node cannot map that either (another host) uses plain gRPC for good.
 
 Put and Get payloads travel through ``chunk_wire`` (protobuf's own bytes, without its copies).
 """

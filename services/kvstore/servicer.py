@@ -92,20 +92,15 @@ class PendingReservations:
         entry = self._pending.pop(rid, None)
         return entry[1] if entry is not None else None
 
-    def expire(self) -> int:
+    def expire(self, *, everything: bool = False) -> int:
+        """Give back the room of reservations past their deadline (or all); how many blocks' worth."""
         now, expired = time.monotonic(), 0
-        for rid in [r for r, (deadline, _) in self._pending.items() if deadline <= now]:
+        for rid in [r for r, (deadline, _) in self._pending.items() if everything or deadline <= now]:
             for _, reservation in self._pending.pop(rid)[1]:
                 if reservation is not None:
                     self._store.release(reservation)
                     expired += 1
         return expired
-
-    def close(self) -> None:
-        for rid in list(self._pending):
-            for _, reservation in self._pending.pop(rid)[1]:
-                if reservation is not None:
-                    self._store.release(reservation)
 
 
 class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
@@ -129,7 +124,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         self._sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._sweeper
-        self.reservations.close()
+        self.reservations.expire(everything=True)
         await self.peers.close()
         self.segments.close()
 
@@ -255,7 +250,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 meta = chunk.meta
                 if meta is not None and not assembler.in_progress and 0 < meta.nbytes <= self.settings.max_block_bytes:
                     reservation = await self.store.reserve(meta.nbytes)
-                block = assembler.feed(chunk, into=reservation.view if reservation and meta is not None else None)
+                block = assembler.feed(chunk, into=reservation.view if reservation is not None and meta is not None else None)
                 if block is None:
                     continue
                 self._bytes_in.inc(block.nbytes)
@@ -310,18 +305,24 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             expires_ms=self.settings.shm_reservation_ms,
         )
         slots: list[tuple[common_pb2.BlockMeta | None, Reservation | None]] = []
-        for meta in request.blocks:
-            reservation = None
-            if meta.key in host:
-                self.store.policies[0].touch(BlockKey(meta.key))
-                reply.slots.add(held=True)
-            elif 0 < meta.nbytes <= self.settings.max_block_bytes:
-                reservation = await self.store.reserve(meta.nbytes)
-            slots.append((meta, reservation))
-            if reservation is not None:
-                reply.slots.add(granted=True, offset=host.pool.offset_of(reservation.start))
-            elif meta.key not in host:
-                reply.slots.add(granted=False)
+        held: list[BlockKey] = []  # pinned while room is made for the others
+        try:
+            for meta in request.blocks:
+                key, reservation = BlockKey(bytes(meta.key)), None
+                if key in host:
+                    self.store.touch(key)
+                    self.store.pin(key)
+                    held.append(key)
+                    reply.slots.add(held=True)
+                else:
+                    if 0 < meta.nbytes <= self.settings.max_block_bytes:
+                        reservation = await self.store.reserve(meta.nbytes)
+                    granted = reservation is not None
+                    reply.slots.add(granted=granted, offset=host.pool.offset_of(reservation.start) if granted else 0)
+                slots.append((meta, reservation))
+        finally:
+            for key in held:
+                self.store.unpin(key)
         reply.reservation = self.reservations.add(slots)
         return reply
 

@@ -5,8 +5,8 @@ Tiers are ordered fastest first. A put lands in the fastest tier with room (writ
 copies it to every lower tier); eviction past a tier's high watermark frees it down to its low
 watermark, demoting each victim one tier down unless a lower tier already has it; a hit in a
 lower tier copies the block back up. Leased blocks are never evicted from any tier. Every read
-from disk and S3 is verified (host memory was verified on the way in, and clients verify what
-they receive); a bad copy is deleted, counted, and the next tier is tried.
+from disk and S3 is verified (host memory is not re-checked on every read: every client
+verifies what it receives); a bad copy is deleted, counted, and the next tier is tried.
 
 A block can also be written in place: ``reserve`` room in the first tier's host pool, fill it,
 ``commit`` (the gRPC put stream and same-host clients do, saving a copy).
@@ -361,6 +361,10 @@ class TieredStore:
             await self._copy_down(block, 0)
         self._announce(block.key, before, BlockInfo.of(block))
         return True
+
+    def touch(self, key: BlockKey) -> None:
+        """A writer offered a block the fastest tier holds: it is recently used again."""
+        self.policies[0].touch(key)
 
     def note_hit(self, index: int, key: BlockKey, lease_ms: int = 0) -> None:
         """The bookkeeping of a read served from tier ``index``: hit count, recency, lease."""
