@@ -13,6 +13,7 @@ from crescent.services.common.settings import load_settings
 from crescent.services.engine.instance import EngineInstance
 from crescent.services.engine.runtime import run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.config import ENV_PREFIX, PrefillSettings
 from crescent.services.prefill.servicer import PrefillServicer
 
@@ -46,6 +47,7 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, stop: async
 
 def main(config_path: Path | None = None) -> None:
     configure_logging("prefill")
+    keep_large_buffers_warm()  # KV blocks arrive as multi-MB buffers: reuse them, do not fault them in
     settings = load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)
     instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address)
