@@ -1,8 +1,8 @@
 """Copying KV payloads and checksumming them in the same pass, on one or more threads.
 
-Every block that crosses a process boundary is copied once and its CRC32 checked; doing both in
-one pass over memory, in slices small enough to still be in cache for the CRC, costs little more
-than the copy (measured on the 2-core CI VM: copy 13.3 GB/s, copy-then-CRC 8.4, fused 10.2, fused
+A block read from shared memory or assembled from a stream is copied once and its CRC32
+checked; doing both in one pass over memory, in slices small enough to still be in cache for the
+CRC, costs little more than the copy (measured on the 2-core CI VM: copy 13.3 GB/s, copy-then-CRC 8.4, fused 10.2, fused
 on two threads 15.2). numpy's copy and ISA-L's CRC both release the GIL, so threads overlap.
 Parts computed by different threads are joined with zlib's ``crc32_combine``.
 """
