@@ -249,9 +249,7 @@ class KvStoreClient:
 
     def _shm_unusable(self, operation: str, exc: BaseException) -> None:
         self._failed(operation, exc)
-        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
-            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
-        ):
+        if _refused(exc):
             log.info("kvstore %s cannot use shared memory; using gRPC from now on", self.address)
             self._use_shm = False
 
@@ -280,9 +278,7 @@ class KvStoreClient:
                     kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks]), timeout=self.timeout_s
                 )
             except (grpc.aio.AioRpcError, OSError) as exc:
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
-                    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
-                ):
+                if _refused(exc):
                     self._reserve_unusable = True  # a node without a shared pool: segments from now on
                     return None
                 self._failed("put_shm", exc)
@@ -447,6 +443,14 @@ class KvStoreClient:
         for segment in self._free_segments:
             segment.close()
         self._free_segments = []
+
+
+def _refused(exc: BaseException) -> bool:
+    """The node cannot do this for us at all (another host, a feature off or missing), as
+    opposed to a call that failed this time."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED,
+    )
 
 
 def _fresh(reply: kvstore_pb2.ShmReserveReply, received: float) -> bool:

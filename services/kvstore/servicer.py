@@ -18,7 +18,7 @@ from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.config import KvStoreSettings
-from crescent.services.kvstore.shm import AttachedSegments, ShmError
+from crescent.services.kvstore.shm import AttachedSegments, ShmError, ShmSegment
 from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier, Reservation
 
@@ -182,22 +182,47 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             finally:
                 self.store.unpin(key)
 
-    async def GetShm(self, request: kvstore_pb2.ShmGetRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmGetReply:
+    async def _client_segment(self, name: str, context: grpc.aio.ServicerContext) -> ShmSegment:
+        """A same-host client's segment, or the call ends with FAILED_PRECONDITION (the client
+        then uses gRPC)."""
         if not self.settings.shared_memory:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this node")
         try:
-            segment = self.segments.get(request.segment)
+            return self.segments.get(name)
         except ShmError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise  # abort raises; this keeps type checkers informed
+
+    def _shared_pool(self) -> HostTier | None:
+        """The host tier same-host clients map: only ever the first tier (with a GPU tier in
+        front, host memory is page-locked for it and not shared)."""
+        tier = self.store.tiers[0]
+        shared = self.settings.shared_memory and isinstance(tier, HostTier) and tier.pool.share_path
+        return tier if shared else None
+
+    def _reserve_reply(self, host: HostTier, rooms: list[Reservation | None],
+                       held: list[bool] | None = None) -> kvstore_pb2.ShmReserveReply:
+        """Where ``rooms`` lie in ``host``'s pool (None: no room granted, or ``held`` already)."""
+        reply = kvstore_pb2.ShmReserveReply(
+            pool_path=host.pool.share_path, pool_identity=host.pool.share_identity,
+            expires_ms=self.settings.shm_reservation_ms,
+        )
+        for i, room in enumerate(rooms):
+            if held is not None and held[i]:
+                reply.slots.add(held=True)
+            else:
+                reply.slots.add(granted=room is not None, offset=host.pool.offset_of(room.start) if room else 0)
+        return reply
+
+    async def GetShm(self, request: kvstore_pb2.ShmGetRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmGetReply:
+        segment = await self._client_segment(request.segment, context)
         capacity = min(request.capacity or segment.size, segment.size)
-        host = None if request.segment_only else next(
-            (t for t in self.store.tiers if isinstance(t, HostTier) and t.pool.share_path), None
-        )
-        reply = kvstore_pb2.ShmGetReply(
-            pool_path=host.pool.share_path if host else "", pool_identity=host.pool.share_identity if host else ""
-        )
-        if host is not None and self._reply_from_pool(host, request.request, reply):
-            return reply
+        host = None if request.segment_only else self._shared_pool()
+        reply = kvstore_pb2.ShmGetReply()
+        if host is not None:
+            reply.pool_path, reply.pool_identity = host.pool.share_path, host.pool.share_identity
+            if self._reply_from_pool(host, request.request, reply):
+                return reply
         offset = 0
         async for key, block in self._lookup(request.request):
             if block is None:
@@ -270,12 +295,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
 
     async def PutShm(self, request: kvstore_pb2.ShmPutRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
-        if not self.settings.shared_memory:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "shared memory is disabled on this node")
-        try:
-            segment = self.segments.get(request.segment)
-        except ShmError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        segment = await self._client_segment(request.segment, context)
         stored = rejected = 0
         for item in request.blocks:
             end = item.offset + item.meta.nbytes
@@ -291,38 +311,29 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 rejected += 1
         return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
 
-    def _shared_pool(self) -> HostTier | None:
-        tier = self.store.tiers[0]
-        return tier if isinstance(tier, HostTier) and tier.pool.share_path else None
-
     async def ReserveShm(self, request: kvstore_pb2.ShmReserveRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmReserveReply:
-        host = self._shared_pool() if self.settings.shared_memory else None
+        host = self._shared_pool()
         if host is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no shared host pool to write into")
         self.reservations.expire()
-        reply = kvstore_pb2.ShmReserveReply(
-            pool_path=host.pool.share_path, pool_identity=host.pool.share_identity,
-            expires_ms=self.settings.shm_reservation_ms,
-        )
         slots: list[tuple[common_pb2.BlockMeta | None, Reservation | None]] = []
-        held: list[BlockKey] = []  # pinned while room is made for the others
+        held: list[bool] = []
+        pinned: list[BlockKey] = []  # held blocks stay put while room is made for the others
         try:
             for meta in request.blocks:
                 key, reservation = BlockKey(bytes(meta.key)), None
-                if key in host:
+                held.append(key in host)
+                if held[-1]:
                     self.store.touch(key)
                     self.store.pin(key)
-                    held.append(key)
-                    reply.slots.add(held=True)
-                else:
-                    if 0 < meta.nbytes <= self.settings.max_block_bytes:
-                        reservation = await self.store.reserve(meta.nbytes)
-                    granted = reservation is not None
-                    reply.slots.add(granted=granted, offset=host.pool.offset_of(reservation.start) if granted else 0)
+                    pinned.append(key)
+                elif 0 < meta.nbytes <= self.settings.max_block_bytes:
+                    reservation = await self.store.reserve(meta.nbytes)
                 slots.append((meta, reservation))
         finally:
-            for key in held:
+            for key in pinned:
                 self.store.unpin(key)
+        reply = self._reserve_reply(host, [room for _, room in slots], held)
         reply.reservation = self.reservations.add(slots)
         return reply
 
@@ -381,12 +392,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     self.store.release(r)
                 return None
             held.append(reservation)
-        reply = kvstore_pb2.ShmReserveReply(
-            pool_path=host.pool.share_path, pool_identity=host.pool.share_identity,
-            expires_ms=self.settings.shm_reservation_ms,
-        )
-        for r in held:
-            reply.slots.add(granted=True, offset=host.pool.offset_of(r.start))
+        reply = self._reserve_reply(host, list(held))
         reply.reservation = self.reservations.add([(None, r) for r in held])
         return reply
 

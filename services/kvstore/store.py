@@ -331,18 +331,21 @@ class TieredStore:
             return None
         return tier.reserve(nbytes)
 
-    def release(self, reservation: Reservation) -> None:
-        """Give back room that will not become a block (the writer failed or went away)."""
+    def _front_host(self) -> HostTier:
+        """The first tier, where reserved room lives (``reserve`` checked it is host memory)."""
         tier = self.tiers[0]
         assert isinstance(tier, HostTier)
-        tier.release(reservation)
+        return tier
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back room that will not become a block (the writer failed or went away)."""
+        self._front_host().release(reservation)
 
     async def commit(self, block: KvBlock, reservation: Reservation) -> bool:
         """Store ``block``, whose payload was written into ``reservation`` (the block's payload is
         that view, or its CRC is in ``payload_crc``); False, and the room is released, when the
         block is corrupt."""
-        tier = self.tiers[0]
-        assert isinstance(tier, HostTier)
+        tier = self._front_host()
         try:
             block.verify(None)
         except BlockIntegrityError as exc:
@@ -353,7 +356,7 @@ class TieredStore:
         before = self.location(block.key)
         if block.key in tier:  # a concurrent writer stored it first
             tier.release(reservation)
-            self.policies[0].touch(block.key)
+            self.touch(block.key)
             return True
         tier.adopt(block, reservation)
         self.policies[0].insert(block.key)
