@@ -61,18 +61,9 @@ class PrefixIndex:
         slot = self._slot_of.get(SourceId(source))
         if slot is None:
             return
-        clear = ~(_SLOT_MASK << (slot * _BITS))
-        owned = self._keys_of[SourceId(source)]
-        for key in keys:
-            owned.discard(key)
-            packed = self._entries.get(key)
-            if packed is None:
-                continue
-            packed &= clear
-            if packed:
-                self._entries[key] = packed
-            else:
-                del self._entries[key]
+        keys = list(keys)
+        self._keys_of[SourceId(source)].difference_update(keys)
+        self._clear_slot(slot, keys)
 
     def replace_source(self, source: str, keys: Iterable[tuple[BlockKey, Tier]]) -> None:
         """A full snapshot: ``keys`` is everything ``source`` holds now."""
