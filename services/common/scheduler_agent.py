@@ -15,6 +15,7 @@ import grpc
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,7 @@ class SchedulerAgent:
         self._task = asyncio.create_task(self._run(), name="scheduler-agent")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         await self._channel.close()
 
     async def _run(self) -> None:

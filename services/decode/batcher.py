@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crescent.services.common.metrics import engine_metrics
+from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
@@ -59,12 +60,7 @@ class Batcher:
         self._task = asyncio.create_task(self._loop(), name="decode-batcher")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         for request in list(self.requests.values()):
             await self.abort(request.request_id, "shutdown")
 

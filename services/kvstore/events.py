@@ -17,6 +17,7 @@ import grpc
 
 from crescent.protos import common_pb2, scheduler_pb2_grpc
 from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.kvstore.config import EventSettings
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,8 @@ class EventPublisher:
         self._task = asyncio.create_task(self._run(), name="kvstore-events")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self._channel.close()
 
     def _next_batch(self) -> common_pb2.BlockEventBatch | None:

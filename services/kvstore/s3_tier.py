@@ -21,6 +21,7 @@ from crescent.protos import common_pb2
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import KvBlock
 from crescent.services.common.metrics import KvStoreMetrics
+from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.kvstore import block_file
 from crescent.services.kvstore.config import S3TierSettings
 from crescent.services.kvstore.tier import BlockInfo, Tier
@@ -63,11 +64,7 @@ class S3Tier(Tier):
         self._tasks.append(asyncio.create_task(self._index_until_done(), name="s3-reindex"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         await self._stack.aclose()
 

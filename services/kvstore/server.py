@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from crescent.protos import common_pb2
 from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.metrics import KvStoreMetrics, kvstore_metrics
+from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.kvstore.config import KvStoreSettings, load_kvstore_settings
 from crescent.services.kvstore.disk_tier import DiskTier
 from crescent.services.kvstore.events import EventPublisher
@@ -96,10 +96,7 @@ class KvStoreNode:
         self.store.adopt(index, announce=True)
 
     async def _cleanup(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self.publisher is not None:
             await self.publisher.close()
         if self.servicer is not None:

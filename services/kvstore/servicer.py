@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -16,6 +15,7 @@ from crescent.protos import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from crescent.services.common import chunk_wire
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
+from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.config import KvStoreSettings
 from crescent.services.kvstore.shm import AttachedSegments, ShmError, ShmSegment
@@ -121,9 +121,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 log.warning("gave back %d reserved pool blocks a same-host client never committed", expired)
 
     async def close(self) -> None:
-        self._sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._sweeper
+        await cancel_and_wait(self._sweeper)
         self.reservations.expire(everything=True)
         await self.peers.close()
         self.segments.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import grpc
 from crescent.protos import scheduler_pb2_grpc
 from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.logs import configure_logging
+from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.scheduler.conductor import Conductor
 from crescent.services.scheduler.config import SchedulerSettings, load_scheduler_settings
 from crescent.services.scheduler.datatypes import InstanceId, Role
@@ -49,11 +49,7 @@ class SchedulerService:
         self.servicer.refresh_gauges()
 
     async def _cleanup(self) -> None:
-        for task in (self._discovery, self._reaper):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._discovery, self._reaper)
         self._reaper = self._discovery = None
 
     async def _reap(self) -> None:
