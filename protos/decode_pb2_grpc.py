@@ -44,6 +44,11 @@ class DecodeStub:
                 request_serializer=crescent_dot_protos_dot_decode__pb2.StreamRequest.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_decode__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/crescent.v1.Decode/Abort',
+                request_serializer=crescent_dot_protos_dot_decode__pb2.AbortRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_decode__pb2.AbortReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -64,6 +69,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Drop a request now and free its KV (client gone, stop string found). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.StreamTokens,
                     request_deserializer=crescent_dot_protos_dot_decode__pb2.StreamRequest.FromString,
                     response_serializer=crescent_dot_protos_dot_decode__pb2.TokenEvent.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=crescent_dot_protos_dot_decode__pb2.AbortRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_decode__pb2.AbortReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class Decode:
             '/crescent.v1.Decode/StreamTokens',
             crescent_dot_protos_dot_decode__pb2.StreamRequest.SerializeToString,
             crescent_dot_protos_dot_decode__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.Decode/Abort',
+            crescent_dot_protos_dot_decode__pb2.AbortRequest.SerializeToString,
+            crescent_dot_protos_dot_decode__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,

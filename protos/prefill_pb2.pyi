@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "sampling", "decode_address", "prefix_source_id", "prefix_source_blocks")
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "sampling", "decode_address", "prefix_source_id", "prefix_source_blocks", "prefix_source_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class PrefillRequest(_message.Message):
     decode_address: str
     prefix_source_id: str
     prefix_source_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., prefix_source_id: _Optional[str] = ..., prefix_source_blocks: _Optional[int] = ...) -> None: ...
+    prefix_source_address: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., prefix_source_id: _Optional[str] = ..., prefix_source_blocks: _Optional[int] = ..., prefix_source_address: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "prompt_tokens", "cached_tokens", "finished", "finish_reason")

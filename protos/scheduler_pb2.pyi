@@ -13,12 +13,14 @@ class InstanceRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_ROLE_UNSPECIFIED: _ClassVar[InstanceRole]
     INSTANCE_ROLE_PREFILL: _ClassVar[InstanceRole]
     INSTANCE_ROLE_DECODE: _ClassVar[InstanceRole]
+    INSTANCE_ROLE_KVSTORE: _ClassVar[InstanceRole]
 INSTANCE_ROLE_UNSPECIFIED: InstanceRole
 INSTANCE_ROLE_PREFILL: InstanceRole
 INSTANCE_ROLE_DECODE: InstanceRole
+INSTANCE_ROLE_KVSTORE: InstanceRole
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "model_id", "block_size", "kv_capacity_tokens", "max_batch_size")
+    __slots__ = ("instance_id", "role", "address", "model_id", "block_size", "kv_capacity_tokens", "max_batch_size", "kv_format", "kv_dtype")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +28,8 @@ class InstanceInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: InstanceRole
     address: str
@@ -33,7 +37,9 @@ class InstanceInfo(_message.Message):
     block_size: int
     kv_capacity_tokens: int
     max_batch_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    kv_format: str
+    kv_dtype: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_format: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "want_full_snapshot")
@@ -44,18 +50,24 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., want_full_snapshot: _Optional[bool] = ...) -> None: ...
 
 class InstanceLoad(_message.Message):
-    __slots__ = ("instance_id", "queued_requests", "queued_tokens", "running_requests", "free_kv_tokens")
+    __slots__ = ("instance_id", "queued_requests", "queued_tokens", "running_requests", "free_kv_tokens", "active_request_ids", "finished_request_ids", "draining")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     queued_requests: int
     queued_tokens: int
     running_requests: int
     free_kv_tokens: int
-    def __init__(self, instance_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ...) -> None: ...
+    active_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    draining: bool
+    def __init__(self, instance_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., active_request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
@@ -64,18 +76,20 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "block_keys", "prompt_tokens", "max_tokens")
+    __slots__ = ("request_id", "model_id", "block_keys", "prompt_tokens", "max_tokens", "block_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class InstanceRef(_message.Message):
     __slots__ = ("instance_id", "address")
@@ -96,7 +110,7 @@ class Rejection(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill", "decode", "expected_cached_blocks", "rejection", "predicted_ttft_s", "predicted_tbt_s", "prefix_source_id", "prefix_source_blocks")
+    __slots__ = ("prefill", "decode", "expected_cached_blocks", "rejection", "predicted_ttft_s", "predicted_tbt_s", "prefix_source_id", "prefix_source_blocks", "prefix_source_address")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +119,7 @@ class Placement(_message.Message):
     PREDICTED_TBT_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     prefill: InstanceRef
     decode: InstanceRef
     expected_cached_blocks: int
@@ -113,7 +128,8 @@ class Placement(_message.Message):
     predicted_tbt_s: float
     prefix_source_id: str
     prefix_source_blocks: int
-    def __init__(self, prefill: _Optional[_Union[InstanceRef, _Mapping]] = ..., decode: _Optional[_Union[InstanceRef, _Mapping]] = ..., expected_cached_blocks: _Optional[int] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_tbt_s: _Optional[float] = ..., prefix_source_id: _Optional[str] = ..., prefix_source_blocks: _Optional[int] = ...) -> None: ...
+    prefix_source_address: str
+    def __init__(self, prefill: _Optional[_Union[InstanceRef, _Mapping]] = ..., decode: _Optional[_Union[InstanceRef, _Mapping]] = ..., expected_cached_blocks: _Optional[int] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_tbt_s: _Optional[float] = ..., prefix_source_id: _Optional[str] = ..., prefix_source_blocks: _Optional[int] = ..., prefix_source_address: _Optional[str] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ()
@@ -146,14 +162,28 @@ class EventsReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., want_full_snapshot: _Optional[bool] = ...) -> None: ...
 
 class RequestOutcome(_message.Message):
-    __slots__ = ("request_id", "ttft_s", "cached_blocks")
+    __slots__ = ("request_id", "ttft_s", "cached_blocks", "released")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_s: float
     cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    released: bool
+    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterReply(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class OutcomeReply(_message.Message):
     __slots__ = ()

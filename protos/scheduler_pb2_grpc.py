@@ -65,6 +65,11 @@ class SchedulerStub:
                 request_serializer=crescent_dot_protos_dot_scheduler__pb2.RequestOutcome.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_scheduler__pb2.OutcomeReply.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/crescent.v1.Scheduler/Deregister',
+                request_serializer=crescent_dot_protos_dot_scheduler__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_scheduler__pb2.DeregisterReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -106,6 +111,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A draining instance leaves placement at once, before its heartbeats stop.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +150,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ReportOutcome,
                     request_deserializer=crescent_dot_protos_dot_scheduler__pb2.RequestOutcome.FromString,
                     response_serializer=crescent_dot_protos_dot_scheduler__pb2.OutcomeReply.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=crescent_dot_protos_dot_scheduler__pb2.DeregisterRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_scheduler__pb2.DeregisterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +319,33 @@ class Scheduler:
             '/crescent.v1.Scheduler/ReportOutcome',
             crescent_dot_protos_dot_scheduler__pb2.RequestOutcome.SerializeToString,
             crescent_dot_protos_dot_scheduler__pb2.OutcomeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.Scheduler/Deregister',
+            crescent_dot_protos_dot_scheduler__pb2.DeregisterRequest.SerializeToString,
+            crescent_dot_protos_dot_scheduler__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,

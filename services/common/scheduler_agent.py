@@ -100,6 +100,16 @@ class SchedulerAgent:
         reply = await self._stub.Heartbeat(self._load(), timeout=5)
         return reply.known
 
+    async def deregister(self, timeout_s: float = 2.0) -> None:
+        """Leave placement now (draining) and stop heartbeating, so nothing re-registers us."""
+        await cancel_and_wait(self._task)
+        self._task = None
+        self.registered.clear()
+        try:
+            await self._stub.Deregister(scheduler_pb2.DeregisterRequest(instance_id=self.instance_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not deregister from the scheduler at %s: %s", self._address, exc.code().name)
+
     def nudge(self) -> None:
         """Report load now rather than at the next interval (e.g. KV just freed): the
         scheduler admits against what instances last reported."""

@@ -153,6 +153,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.metrics.ttft_error.observe(abs(request.ttft_s - predicted))
         return scheduler_pb2.OutcomeReply()
 
+    async def Deregister(self, request: scheduler_pb2.DeregisterRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.DeregisterReply:
+        if not request.instance_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "instance_id is empty")
+        removed = self.conductor.deregister(InstanceId(request.instance_id))
+        if removed:
+            log.info("instance %s deregistered (draining)", request.instance_id)
+        self._count_instances()
+        return scheduler_pb2.DeregisterReply(removed=removed)
+
     def _count_instances(self) -> None:
         for role in Role:
             self.metrics.instances.labels(role.value).set(len(self.conductor.registry.live(role)))
