@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import signal
 import sys
 import tempfile
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
 from crescent.services.engine.model_source import DEFAULT_MODEL
 
+if TYPE_CHECKING:
+    from crescent.services.launcher import SupervisionEvent
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Crescent: LLM serving built around the KV cache.")
 console = Console(stderr=True)
+log = logging.getLogger(__name__)
 
 
 class Service(str, Enum):
@@ -40,8 +46,27 @@ def serve(
     try:
         module.main(config)
     except SettingsError as exc:
-        console.print(f"[red]crescent serve {service.value}:[/] {exc}")
+        say((f"crescent serve {service.value}:", "red"), f" {exc}")
         raise typer.Exit(2) from None
+
+
+def say(*parts: str | tuple[str, str]) -> None:
+    """Print one line to the operator: plain strings, or (text, style) pairs. Text objects, never
+    markup, so a log line with ``[...]`` in it prints as it is; a terminal that went away is
+    logged, never raised (the launcher must outlive whatever it prints)."""
+    line = Text.assemble(*parts)
+    try:
+        console.print(line)
+    except Exception:  # noqa: BLE001 - printing must never stop the supervisor
+        log.exception("cannot print to the console: %s", line.plain)
+
+
+def report(event: SupervisionEvent) -> None:
+    styles = {"crashed": "red", "restart_failed": "red", "restarted": "yellow", "ready": "green"}
+    say((f"{event.name} {event.kind.replace('_', ' ')}", f"bold {styles.get(event.kind, '')}".strip()),
+        f": {event.detail}")
+    for line in event.log_tail:
+        say(("    | ", "dim"), line)
 
 
 @app.command()
@@ -55,25 +80,26 @@ def up(
     kvstore_gb: Annotated[float, typer.Option(min=0.0, help="host-memory tier of the kvstore, GB")] = 4.0,
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = DEFAULT_BLOCK_SIZE,
     ttft_slo: Annotated[float | None, typer.Option(help="seconds; requests predicted to miss it get 429")] = None,
+    drain_grace: Annotated[float, typer.Option(min=0.0, help="seconds in-flight requests may finish on Ctrl-C")] = 30.0,
     run_dir: Annotated[Path | None, typer.Option(help="configs, logs and services.json; default: a temp dir")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds to wait for every service")] = 600.0,
 ) -> None:
-    """Start all five services as separate processes; stop them all on Ctrl-C or SIGTERM."""
-    from crescent.services.launcher import LaunchError, Platform, PlatformPlan
+    """Start all five services as separate processes and keep them running (a crashed one is
+    restarted with backoff); drain and stop them all on Ctrl-C or SIGTERM (twice: at once)."""
+    from crescent.services.launcher import LaunchError, Platform, PlatformPlan, StopRequested
 
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
     plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9), block_size,
-                        ttft_slo)
+                        ttft_slo, drain_grace)
     platform = Platform(plan, run_dir)
-    stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        raise KeyboardInterrupt
+        platform.request_stop()  # the loops below notice within a fraction of a second
 
     signal.signal(signal.SIGTERM, on_signal)
-    console.print(f"Starting Crescent ({model}: {prefill} prefill, {decode} decode); logs in {run_dir}")
+    signal.signal(signal.SIGINT, on_signal)
+    say(f"Starting Crescent ({model}: {prefill} prefill, {decode} decode); logs in {run_dir}")
+    failed = False
     try:
         platform.start()
         with console.status("waiting for services…") as status:
@@ -81,30 +107,33 @@ def up(
 
             def note(name: str) -> None:
                 ready.append(name)
-                status.update(f"ready: {', '.join(ready)}")
-                console.print(f"  [green]✓[/] {name}")
+                status.update(Text(f"ready: {', '.join(ready)}"))
+                say(("  ✓ ", "green"), name)
 
             platform.wait_ready(ready_timeout, note)
         url = f"http://{host}:{port}"
-        console.print(f"\n[bold]Crescent is up:[/] {url}/v1  (services: {run_dir / 'services.json'})")
-        console.print(
+        say("\n", ("Crescent is up: ", "bold"), f"{url}/v1  (services: {run_dir / 'services.json'})")
+        say(
             f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{Path(model).stem if '/' in model else model}\", "
             f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
             "Press Ctrl-C to stop."
         )
-        while True:
-            platform.check_alive()
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        console.print("\nStopping…")
+        while not platform.stop_requested:
+            for event in platform.supervise():
+                report(event)
+            time.sleep(0.25)
+    except StopRequested:
+        pass
     except LaunchError as exc:
-        console.print(f"[red]{exc}[/]")
-        platform.stop()
-        raise typer.Exit(1) from None
+        say((str(exc), "red"))
+        failed = True
     finally:
+        say(f"\nStopping (in-flight requests get up to {drain_grace:.0f} s; Ctrl-C again to kill now)…")
         platform.stop()
-    console.print("All services stopped.")
+    say("All services stopped.")
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()

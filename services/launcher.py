@@ -1,33 +1,47 @@
-"""``crescent up``: every service as its own OS process on this machine.
+"""``crescent up``: every service as its own OS process on this machine, kept running.
 
 Picks free loopback ports, writes one YAML config per process into the run directory, starts
 the processes, waits until each answers ``/health``, writes ``services.json`` (what runs where),
-and stops them all on Ctrl-C or SIGTERM. Children get SIGTERM if this process dies, so a killed
-launcher leaves no orphans.
+and supervises them: a service that exits without being asked to is restarted from the same
+config (so on the same ports) after an exponential backoff, and the others keep serving. Ctrl-C
+or SIGTERM drains them: the request path first (gateway, prefill, decode get SIGTERM and their
+drain grace), then the scheduler and the kvstore; SIGKILL for whatever outlives its grace.
+Children get SIGTERM if this process dies, so a killed launcher leaves no orphans.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+log = logging.getLogger(__name__)
+
 PR_SET_PDEATHSIG = 1
+REQUEST_PATH = ("gateway", "prefill", "decode")  # drained first: they finish in-flight streams
+BACKEND_GRACE_S = 10.0  # scheduler and kvstore: nothing in flight to finish
+KILL_MARGIN_S = 5.0  # past a service's own drain grace before SIGKILL
 
 
 class LaunchError(RuntimeError):
     """A service failed to start; the message includes the tail of its log."""
+
+
+class StopRequested(Exception):
+    """Ctrl-C or SIGTERM arrived while the platform was starting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +52,16 @@ class ServiceSpec:
     grpc_address: str | None
     health_url: str
     metrics_url: str
+
+
+def _takes_drain_grace(service: str) -> bool:
+    """Whether this service's settings have ``drain_grace_s`` (writing an unknown key would
+    fail its settings validation)."""
+    import importlib
+
+    module = importlib.import_module(f"crescent.services.{service}.config")
+    settings = getattr(module, f"{service.capitalize()}Settings")
+    return "drain_grace_s" in settings.model_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +75,7 @@ class PlatformPlan:
     kvstore_capacity_bytes: int
     block_size: int
     ttft_slo_s: float | None = None
+    drain_grace_s: float = 30.0
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -70,6 +95,9 @@ class PlatformPlan:
             return ({"host": host, "port": grpc_port, "admin_port": admin_port}, f"{host}:{grpc_port}",
                     f"http://{host}:{admin_port}")
 
+        def drain(service: str) -> dict[str, float]:
+            return {"drain_grace_s": self.drain_grace_s} if _takes_drain_grace(service) else {}
+
         specs = []
         sched_listen, scheduler, sched_admin = listen()
         sched_config: dict[str, Any] = {"listen": sched_listen}
@@ -88,16 +116,61 @@ class PlatformPlan:
             for i in range(count):
                 inst_listen, address, admin = listen()
                 config = {"listen": inst_listen, "instance_id": f"{role}-{i}", "scheduler_address": scheduler,
-                          "engine": engine}
+                          "engine": engine, **drain(role)}
                 if role == "prefill":
                     config["kvstore_address"] = kvstore
                 specs.append(ServiceSpec(f"{role}-{i}", role, config, address, f"{admin}/health", f"{admin}/metrics"))
         gateway = f"http://{host}:{self.port}"
         specs.append(ServiceSpec("gateway", "gateway", {
             "listen": {"host": host, "port": self.port}, "scheduler_address": scheduler, "model": self.model,
-            "block_size": self.block_size,
+            "block_size": self.block_size, **drain("gateway"),
         }, None, f"{gateway}/health", f"{gateway}/metrics"))
         return specs
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Delay before restart number ``n`` of a run of crashes: ``initial_s`` doubling up to
+    ``max_s``. A service that stayed up ``reset_after_s`` starts a new run."""
+
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def delay(self, crashes_in_a_row: int) -> float:
+        return min(self.max_s, self.initial_s * 2 ** max(0, crashes_in_a_row - 1))
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisionEvent:
+    """What the launcher tells its operator: a crash (with the log's last lines), a restart, or a
+    restarted service answering ``/health`` again."""
+
+    kind: str  # "crashed", "restarted", "ready", "restart_failed"
+    name: str
+    detail: str
+    log_tail: tuple[str, ...] = ()
+
+
+@dataclass
+class _Child:
+    spec: ServiceSpec
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    crashes_in_a_row: int = 0
+    restarts: int = 0
+    restart_at: float | None = None  # set while it is down and waiting for its backoff
+    awaiting_health: bool = False
+    last_health_check: float = 0.0
 
 
 def _die_with_parent() -> None:
@@ -108,37 +181,71 @@ def _die_with_parent() -> None:
         pass  # not Linux: Ctrl-C and SIGTERM still stop the children through Platform.stop
 
 
+@dataclass
 class Platform:
     """The running processes of one ``crescent up``."""
 
-    def __init__(self, plan: PlatformPlan, run_dir: Path) -> None:
-        self.plan = plan
-        self.run_dir = run_dir
-        self.specs = plan.services()
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+    plan: PlatformPlan
+    run_dir: Path
+    backoff: Backoff = Backoff()
+    clock: Callable[[], float] = time.monotonic
+    children: dict[str, _Child] = field(init=False)
+    stop_requested: bool = field(default=False, init=False)
+    force_stop: bool = field(default=False, init=False)  # a second Ctrl-C: SIGKILL, no more grace
+
+    def __post_init__(self) -> None:
+        self.specs = self.plan.services()
+        self.children = {spec.name: _Child(spec) for spec in self.specs}
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        return {name: c.proc for name, c in self.children.items() if c.proc is not None}
 
     def log_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.log"
 
+    def log_tail(self, name: str, lines: int = 25) -> list[str]:
+        try:
+            return self.log_path(name).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return []
+
+    def request_stop(self) -> None:
+        """From a signal handler: the first call asks for a drain, the second for SIGKILL."""
+        self.force_stop = self.stop_requested
+        self.stop_requested = True
+
+    def _spawn(self, child: _Child) -> None:
+        """Start (or restart) one service from its config, rewritten, so on the same ports."""
+        spec = child.spec
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+        config_path = self.run_dir / f"{spec.name}.yaml"
+        config_path.write_text(yaml.safe_dump(spec.config, sort_keys=False))
+        with open(self.log_path(spec.name), "ab") as log_file:  # a restart keeps the log of the crash
+            if child.restarts:
+                log_file.write(f"\n--- crescent up: restart {child.restarts} ---\n".encode())
+                log_file.flush()
+            child.proc = subprocess.Popen(
+                [sys.executable, "-m", "crescent.services.cli", "serve", spec.service, "--config", str(config_path)],
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                preexec_fn=_die_with_parent,
+            )
+        child.started_at = self.clock()
+
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-        for spec in self.specs:
-            config_path = self.run_dir / f"{spec.name}.yaml"
-            config_path.write_text(yaml.safe_dump(spec.config, sort_keys=False))
-            with open(self.log_path(spec.name), "wb") as log_file:
-                self.procs[spec.name] = subprocess.Popen(
-                    [sys.executable, "-m", "crescent.services.cli", "serve", spec.service, "--config", str(config_path)],
-                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    preexec_fn=_die_with_parent,
-                )
+        for child in self.children.values():
+            self.log_path(child.spec.name).unlink(missing_ok=True)
+            self._spawn(child)
 
-    def wait_ready(self, timeout_s: float, on_ready=lambda name: None) -> None:
+    def wait_ready(self, timeout_s: float, on_ready: Callable[[str], None] = lambda name: None) -> None:
         pending = {spec.name: spec for spec in self.specs}
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=1.0) as client:
             while pending:
                 for name, spec in list(pending.items()):
+                    if self.stop_requested:
+                        raise StopRequested
                     self.check_alive(name)
                     try:
                         if client.get(spec.health_url).status_code == 200:
@@ -152,32 +259,105 @@ class Platform:
         self.write_manifest()
 
     def check_alive(self, name: str | None = None) -> None:
-        for proc_name in [name] if name else list(self.procs):
-            code = self.procs[proc_name].poll()
+        """While starting: a service that exits is a launch failure, not something to retry."""
+        for proc_name in [name] if name else list(self.children):
+            proc = self.children[proc_name].proc
+            code = proc.poll() if proc is not None else None
             if code is not None:
-                tail = self.log_path(proc_name).read_text(errors="replace").splitlines()[-25:]
-                raise LaunchError(f"{proc_name} exited with code {code}; last log lines:\n" + "\n".join(tail))
+                tail = self.log_tail(proc_name)
+                raise LaunchError(f"{proc_name} exited ({describe_exit(code)}); last log lines:\n" + "\n".join(tail))
 
     def write_manifest(self) -> Path:
         manifest = [
             {"name": s.name, "role": s.service, "grpc": s.grpc_address, "metrics_url": s.metrics_url,
-             "health_url": s.health_url, "log": str(self.log_path(s.name)), "pid": self.procs[s.name].pid}
+             "health_url": s.health_url, "log": str(self.log_path(s.name)), "pid": self.children[s.name].proc.pid,
+             "restarts": self.children[s.name].restarts}
             for s in self.specs
         ]
         path = self.run_dir / "services.json"
-        path.write_text(json.dumps(manifest, indent=2))
+        tmp = path.with_suffix(".json.tmp")  # readers never see half a file
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.replace(path)
         return path
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process (gateway first), then SIGKILL whatever is left after ``grace_s``."""
-        for spec in reversed(self.specs):
-            proc = self.procs.get(spec.name)
-            if proc is not None and proc.poll() is None:
+    # -- supervision ----------------------------------------------------------------------
+
+    def supervise(self) -> list[SupervisionEvent]:
+        """One pass: note crashes, restart what is due, check restarted services' health."""
+        events: list[SupervisionEvent] = []
+        now = self.clock()
+        for child in self.children.values():
+            if child.restart_at is None:
+                code = child.proc.poll() if child.proc is not None else None
+                if code is not None:
+                    events.append(self._crashed(child, code, now))
+            elif now >= child.restart_at:
+                events.append(self._restart(child))
+        for child in self.children.values():
+            if child.awaiting_health and child.restart_at is None and now - child.last_health_check >= 0.5:
+                child.last_health_check = now
+                if self._healthy(child.spec):
+                    child.awaiting_health = False
+                    events.append(SupervisionEvent("ready", child.spec.name, "answers /health again"))
+        return events
+
+    def _crashed(self, child: _Child, code: int, now: float) -> SupervisionEvent:
+        up_s = now - child.started_at
+        if up_s >= self.backoff.reset_after_s:
+            child.crashes_in_a_row = 0
+        child.crashes_in_a_row += 1
+        delay = self.backoff.delay(child.crashes_in_a_row)
+        child.restart_at = now + delay
+        child.awaiting_health = False
+        in_a_row = f", {child.crashes_in_a_row} crashes in a row" if child.crashes_in_a_row > 1 else ""
+        detail = f"{describe_exit(code)} after {up_s:.1f} s up{in_a_row}; restarting in {delay:.1f} s"
+        return SupervisionEvent("crashed", child.spec.name, detail, tuple(self.log_tail(child.spec.name, 10)))
+
+    def _restart(self, child: _Child) -> SupervisionEvent:
+        child.restart_at = None
+        child.restarts += 1
+        try:
+            self._spawn(child)
+        except OSError as exc:  # e.g. out of processes: counts as another crash
+            child.proc = None
+            child.crashes_in_a_row += 1
+            delay = self.backoff.delay(child.crashes_in_a_row)
+            child.restart_at = self.clock() + delay
+            return SupervisionEvent("restart_failed", child.spec.name, f"{exc}; next try in {delay:.1f} s")
+        child.awaiting_health = True
+        self.write_manifest()
+        assert child.proc is not None
+        return SupervisionEvent("restarted", child.spec.name, f"pid {child.proc.pid} (restart {child.restarts})")
+
+    @staticmethod
+    def _healthy(spec: ServiceSpec) -> bool:
+        try:
+            return httpx.get(spec.health_url, timeout=0.3).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain the request path (SIGTERM, then SIGKILL after its drain grace plus a margin),
+        then the scheduler and the kvstore. ``force_stop`` (a second Ctrl-C) cuts the waits."""
+        for child in self.children.values():
+            child.restart_at = None  # nothing restarts from here on
+        front = [c for c in self.children.values() if c.spec.service in REQUEST_PATH]
+        back = [c for c in self.children.values() if c.spec.service not in REQUEST_PATH]
+        self._stop_group(front, self.plan.drain_grace_s + KILL_MARGIN_S if grace_s is None else grace_s)
+        self._stop_group(back, BACKEND_GRACE_S if grace_s is None else grace_s)
+
+    def _stop_group(self, children: list[_Child], grace_s: float) -> None:
+        procs = [c.proc for c in children if c.proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not self.force_stop:
+            time.sleep(0.05)
+        for proc in procs:
+            if proc.poll() is None:
+                log.warning("pid %d did not stop within %.0f s; killing it", proc.pid, grace_s)
                 proc.kill()
-                proc.wait()
+            proc.wait()
