@@ -10,6 +10,10 @@ block's CRC as it is copied; a client that cannot map the pool goes through a /d
 of its own, and one whose node cannot map that either (another host) uses plain gRPC for good.
 
 Put and Get payloads travel through ``chunk_wire`` (protobuf's own bytes, without its copies).
+
+A block that fails its check is reported back (``Remove`` with ``crescent-reason: corrupt``):
+the node does not re-check host memory on reads, so readers' checks are how it learns that a
+copy went bad; it re-checks that copy and drops and counts it if it is bad.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from crescent.services.kvstore import shm
 log = logging.getLogger(__name__)
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+# Metadata of a Remove call that reports blocks a reader found corrupt (no proto change needed).
+REASON_METADATA = "crescent-reason"
+REASON_CORRUPT = "corrupt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +108,9 @@ class KvStoreClient:
         else:
             log.warning("kvstore %s %s failed: %s", self.address, operation, repr(exc))
 
-    def _verified(self, block: KvBlock, model_id: str | None) -> bool:
+    def _verified(self, block: KvBlock, model_id: str | None, corrupt: list[BlockKey]) -> bool:
+        """Whether ``block`` is safe to use; a damaged one (not merely another model's) is
+        added to ``corrupt``, to be reported to the node."""
         try:
             block.verify(model_id)
             return True
@@ -110,7 +119,23 @@ class KvStoreClient:
             # str(exc), not exc: a kept log record would hold the traceback's frames, and with
             # them views of the shared pool that must not outlive this call.
             log.warning("kvstore %s returned a bad block, treated as a miss: %s", self.address, str(exc))
+            if model_id is None or block.model_id == model_id:
+                corrupt.append(block.key)
             return False
+
+    async def _report_corrupt(self, keys: list[BlockKey]) -> None:
+        """Tell the node which blocks failed our check, so it drops its bad copies."""
+        if not keys:
+            return
+        try:
+            reply = await self._stub.Remove(
+                kvstore_pb2.KeysRequest(keys=keys), timeout=self.timeout_s,
+                metadata=((REASON_METADATA, REASON_CORRUPT),),
+            )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            self._failed("report_corrupt", exc)
+            return
+        log.info("kvstore %s dropped %d of %d blocks reported corrupt", self.address, reply.removed, len(keys))
 
     # -- put ------------------------------------------------------------------------------
 
@@ -172,19 +197,25 @@ class KvStoreClient:
             keys=keys, model_id=model_id or "", lease_ms=lease_ms,
             stop_at_first_miss=stop_at_first_miss, local_only=local_only,
         )
-        if self._use_shm:
-            found = await self._get_shm(request, model_id)
-            if found is not None:
-                return found
+        corrupt: list[BlockKey] = []
+        found = await self._get_shm(request, model_id, corrupt) if self._use_shm else None
+        if found is None:
+            found = await self._get_grpc(request, model_id, corrupt)
+        await self._report_corrupt(corrupt)
+        return found
+
+    async def _get_grpc(
+        self, request: kvstore_pb2.GetRequest, model_id: str | None, corrupt: list[BlockKey]
+    ) -> dict[BlockKey, KvBlock]:
         found: dict[BlockKey, KvBlock] = {}
-        wanted = set(keys)
+        wanted = set(request.keys)
         assembler = BlockAssembler(replies=True)
         try:
             async for chunk in self._get_stream(request, timeout=self.timeout_s):
                 if chunk.error:
                     raise BlockFormatError(chunk.error)
                 block = assembler.feed(chunk)
-                if block is not None and block.key in wanted and self._verified(block, model_id):
+                if block is not None and block.key in wanted and self._verified(block, model_id, corrupt):
                     found[block.key] = block
         except (grpc.aio.AioRpcError, OSError, BlockFormatError) as exc:
             self._failed("get", exc)  # keep what was complete: a prefix stays a prefix
@@ -348,7 +379,9 @@ class KvStoreClient:
         finally:
             self._release(segment)
 
-    async def _get_shm(self, request: kvstore_pb2.GetRequest, model_id: str | None) -> dict[BlockKey, KvBlock] | None:
+    async def _get_shm(
+        self, request: kvstore_pb2.GetRequest, model_id: str | None, corrupt: list[BlockKey]
+    ) -> dict[BlockKey, KvBlock] | None:
         segment = self._segment(self._shm_get_size)
         try:
             reply = await self._stub.GetShm(
@@ -360,7 +393,7 @@ class KvStoreClient:
             in_pool = any(item.in_pool for item in reply.blocks)
             pool = await self._pool(reply.pool_path, reply.pool_identity) if in_pool else None
             if pool is None and in_pool:
-                return await self._get_shm(request, model_id)  # now asking for segment copies only
+                return await self._get_shm(request, model_id, corrupt)  # now asking for segment copies only
             found: dict[BlockKey, KvBlock] = {}
             items, pairs = [], []
             for item in reply.blocks:
@@ -378,7 +411,7 @@ class KvStoreClient:
             assert self._copier is not None
             for item, (payload, _), crc in zip(items, pairs, self._copier.copy(pairs)):
                 block = KvBlock.from_meta(item.meta, payload.toreadonly(), payload_crc=crc)
-                if self._verified(block, model_id):
+                if self._verified(block, model_id, corrupt):
                     found[block.key] = block
             if reply.truncated:
                 self._shm_get_size = min(segment.size * 2, 1 << 31)
@@ -389,7 +422,7 @@ class KvStoreClient:
                     more.CopyFrom(request)
                     del more.keys[:]
                     more.keys.extend(rest)
-                    again = await self._get_shm(more, model_id)
+                    again = await self._get_shm(more, model_id, corrupt)
                     found.update(again or {})
             return found
         except (grpc.aio.AioRpcError, OSError, ValueError, BufferError, RuntimeError) as exc:

@@ -64,6 +64,7 @@ class DiskTier(Tier):
             except (OSError, BlockFormatError) as exc:
                 log.warning("disk tier: dropping unreadable %s: %s", path, exc)
                 path.unlink(missing_ok=True)
+                self._unreadable += 1
                 continue
             parent = BlockKey(bytes(meta.parent_key)) if meta.parent_key else None
             self._indexed(key, BlockInfo(meta.nbytes, parent, meta.model_id, len(meta.token_ids)))

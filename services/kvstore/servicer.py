@@ -16,7 +16,7 @@ from crescent.services.common import chunk_wire
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.common.tasks import cancel_and_wait
-from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.client import REASON_CORRUPT, REASON_METADATA, KvStoreClient
 from crescent.services.kvstore.config import KvStoreSettings
 from crescent.services.kvstore.shm import AttachedSegments, ShmError, ShmSegment
 from crescent.services.kvstore.store import TieredStore
@@ -399,7 +399,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target is required (a peer node id or host:port)")
         blocks, missing = [], 0
         for raw in request.keys:
-            block = await self.store.get(BlockKey(bytes(raw)))
+            block = await self.store.get(BlockKey(bytes(raw)), verify=True)  # the peer's put would refuse a bad one
             if block is None:
                 missing += 1
             else:
@@ -415,9 +415,15 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         return kvstore_pb2.ReplicateReply(replicated=result.stored, missing=missing)
 
     async def Remove(self, request: kvstore_pb2.KeysRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.RemoveReply:
+        """Drop blocks; with ``crescent-reason: corrupt`` metadata (a reader's report) only the
+        copies that fail a check here are dropped, and counted per tier."""
+        reported_corrupt = any(
+            k == REASON_METADATA and v == REASON_CORRUPT for k, v in (context.invocation_metadata() or ())
+        )
         removed = 0
         for raw in request.keys:
-            removed += await self.store.remove(BlockKey(bytes(raw)))
+            key = BlockKey(bytes(raw))
+            removed += await (self.store.recheck(key) if reported_corrupt else self.store.remove(key))
         return kvstore_pb2.RemoveReply(removed=removed)
 
     # -- operators ------------------------------------------------------------------------

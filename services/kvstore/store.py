@@ -6,7 +6,9 @@ copies it to every lower tier); eviction past a tier's high watermark frees it d
 watermark, demoting each victim one tier down unless a lower tier already has it; a hit in a
 lower tier copies the block back up. Leased blocks are never evicted from any tier. Every read
 from disk and S3 is verified (host memory is not re-checked on every read: every client
-verifies what it receives); a bad copy is deleted, counted, and the next tier is tried.
+verifies what it receives and reports a bad block back, see ``recheck``); a bad copy is
+deleted, counted per tier, announced as gone, and the next tier is tried. A host-memory block
+is verified before it is demoted, so corruption never spreads down.
 
 A block can also be written in place: ``reserve`` room in the first tier's host pool, fill it,
 ``commit`` (the gRPC put stream and same-host clients do, saving a copy).
@@ -108,6 +110,8 @@ class TieredStore:
         """Track blocks a tier found by itself (a disk or S3 tier re-indexed after a restart);
         ``announce`` sends STORED events for those no faster tier holds."""
         tier, policy = self.tiers[index], self.policies[index]
+        if unreadable := tier.take_unreadable():  # found while re-indexing, already deleted
+            self.metrics.checksum_failures.labels(tier.label).inc(unreadable)
         for key, info in tier.items():
             if key not in policy:
                 policy.insert(key)
@@ -227,8 +231,12 @@ class TieredStore:
         if index + 1 < len(self.tiers) and not lower_has_it:
             try:
                 block = await tier.read(key)
-            except BlockFormatError:
-                block = None  # unreadable: nothing worth demoting
+                if block is not None:
+                    block.verify(None)  # a slower tier must never receive a bad copy
+            except (BlockFormatError, BlockIntegrityError) as exc:
+                log.warning("corrupt copy in tier %s, not demoting it: %s", tier.label, exc)
+                self.metrics.checksum_failures.labels(tier.label).inc()
+                block = None
             # Demote before deleting: the copy may be a view of memory the delete frees.
             if block is not None and await self._place(block, index + 1, copy_down=False) is not None:
                 self.metrics.demotions.labels(tier.label).inc()
@@ -283,27 +291,44 @@ class TieredStore:
             log.info("no tier has room for block %s (%d bytes)", block.key.hex(), block.nbytes)
         return placed is not None
 
-    async def get(self, key: BlockKey, model_id: str | None = None, lease_ms: int = 0) -> KvBlock | None:
+    async def _read_verified(self, index: int, key: BlockKey, *, verify: bool) -> KvBlock | None:
+        """Tier ``index``'s copy of ``key``, checked when ``verify``; raises on a bad copy."""
+        tier = self.tiers[index]
+        block = await tier.read(key)
+        if block is None:
+            return None
+        if verify:
+            block.verify(None)
+        if block.key != key:
+            raise BlockIntegrityError(f"tier {tier.label} returned block {block.key.hex()} for {key.hex()}")
+        return block
+
+    async def _drop_corrupt(self, index: int, key: BlockKey, exc: Exception) -> None:
+        """A bad copy: count it for its tier, delete it there, and tell subscribers (a REMOVED
+        event when no other tier holds the block, so the scheduler's index forgets it)."""
+        tier = self.tiers[index]
+        log.warning("corrupt copy in tier %s, deleting it: %s", tier.label, exc)
+        self.metrics.checksum_failures.labels(tier.label).inc()
+        before, info = self.location(key), tier.info(key)
+        await tier.delete(key)
+        self.policies[index].discard(key)
+        self._announce(key, before, info)
+
+    async def get(
+        self, key: BlockKey, model_id: str | None = None, lease_ms: int = 0, *, verify: bool = False
+    ) -> KvBlock | None:
         """The block from the fastest tier with a valid copy, promoted to faster tiers; None on
-        a miss. ``lease_ms`` pins it against eviction for that long."""
+        a miss. ``lease_ms`` pins it against eviction for that long; ``verify`` checks copies
+        from host memory too (for a block leaving the node with no reader to check it)."""
         for i, tier in enumerate(self.tiers):
             if key not in tier:
                 continue
             try:
-                block = await tier.read(key)
+                block = await self._read_verified(i, key, verify=verify or tier.verify_reads)
                 if block is None:
                     continue
-                if tier.verify_reads:
-                    block.verify(None)
-                if block.key != key:
-                    raise BlockIntegrityError(f"tier {tier.label} returned block {block.key.hex()} for {key.hex()}")
             except (BlockFormatError, BlockIntegrityError) as exc:
-                log.warning("corrupt copy in tier %s, deleting it: %s", tier.label, exc)
-                self.metrics.checksum_failures.labels(tier.label).inc()
-                before, info = self.location(key), tier.info(key)
-                await tier.delete(key)
-                self.policies[i].discard(key)
-                self._announce(key, before, info)
+                await self._drop_corrupt(i, key, exc)
                 continue
             if model_id and block.model_id != model_id:
                 log.warning("block %s belongs to model %r, not %r", key.hex(), block.model_id, model_id)
@@ -382,6 +407,22 @@ class TieredStore:
         if await self._place(block, 0, copy_down=False, stop=found_at) is not None:
             self.metrics.promotions.labels(self.tiers[found_at].label).inc()
             self._announce(block.key, before, BlockInfo.of(block))
+
+    async def recheck(self, key: BlockKey) -> bool:
+        """A reader found ``key`` corrupt: verify the copy reads are served from (the fastest
+        tier's) and drop it if it is bad. True when a bad copy was dropped; False when the copy
+        here is intact (the damage happened on the way) or the block is gone."""
+        index = self.location(key)
+        if index is None:
+            return False
+        try:
+            await self._read_verified(index, key, verify=True)
+        except (BlockFormatError, BlockIntegrityError) as exc:
+            await self._drop_corrupt(index, key, exc)
+            return True
+        log.info("a reader reported block %s corrupt, but the copy in tier %s is intact",
+                 key.hex(), self.tiers[index].label)
+        return False
 
     def exists(self, key: BlockKey) -> bool:
         return self.location(key) is not None

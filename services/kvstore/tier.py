@@ -53,10 +53,16 @@ class Tier(abc.ABC):
         self.low_watermark = settings.low_watermark
         self._index: dict[BlockKey, BlockInfo] = {}
         self.used_bytes = 0
+        self._unreadable = 0  # corrupt copies this tier found and deleted by itself (re-indexing)
 
     @property
     def label(self) -> str:
         return TIER_LABELS[self.kind]
+
+    def take_unreadable(self) -> int:
+        """Corrupt copies found and deleted since the last call (the store counts them)."""
+        found, self._unreadable = self._unreadable, 0
+        return found
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._index

@@ -79,7 +79,7 @@ async def test_blocks_demote_through_every_tier_and_promote_back(tmp_path, s3_se
         await client.close()
 
 
-async def test_corrupt_copies_are_misses_on_disk_and_s3(tmp_path, s3_server, kvstore_node) -> None:
+async def test_corrupt_copies_on_disk_and_s3_are_counted_dropped_and_stored_again(tmp_path, s3_server, kvstore_node) -> None:
     node = kvstore_node(tiers(tmp_path, s3_server, host_blocks=1, disk_blocks=1))
     client = KvStoreClient(node.address)
     try:
@@ -99,6 +99,10 @@ async def test_corrupt_copies_are_misses_on_disk_and_s3(tmp_path, s3_server, kvs
         assert node.metric("crescent_kvstore_checksum_failures_total", tier="s3") == 1
         assert node.metric("crescent_kvstore_checksum_failures_total", tier="disk") == 1
         assert await client.exists([chain[0].key, chain[1].key]) == [False, False]
+        # Gone from the index too: the next put of each stores it again.
+        assert (await client.put(chain[:2])).stored == 2
+        again = await client.get([b.key for b in chain[:2]], MODEL)
+        assert {k: bytes(b.payload) for k, b in again.items()} == {b.key: bytes(b.payload) for b in chain[:2]}
     finally:
         await client.close()
 

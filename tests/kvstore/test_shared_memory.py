@@ -86,7 +86,7 @@ async def test_room_a_writer_never_commits_is_given_back(kvstore_node) -> None:
 
 
 @pytest.mark.parametrize("path", ["shm", "grpc"])
-async def test_a_block_corrupted_in_the_pool_is_a_miss_for_readers(kvstore_node, path: str) -> None:
+async def test_a_block_corrupted_in_the_pool_is_a_miss_then_dropped_and_stored_again(kvstore_node, path: str) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     writer = KvStoreClient(node.address, shared_memory=True)
     reader = KvStoreClient(node.address, shared_memory=path == "shm")
@@ -107,6 +107,13 @@ async def test_a_block_corrupted_in_the_pool_is_a_miss_for_readers(kvstore_node,
         got = await reader.get_prefix([a.key, b.key], MODEL)
         assert [x.key for x in got] == [a.key]  # b is a miss, never wrong bytes
         assert reader.errors["integrity"] == 1
+        # The reader told the node: the bad copy is counted for host memory and dropped, so the
+        # next put of b stores it again instead of the prefix recomputing forever.
+        assert node.metric("crescent_kvstore_checksum_failures_total", tier="host") == 1
+        assert await reader.exists([a.key, b.key]) == [True, False]
+        assert (await writer.put([b])).stored == 1
+        got = await reader.get_prefix([a.key, b.key], MODEL)
+        assert [bytes(x.payload) for x in got] == [bytes(a.payload), bytes(b.payload)]
     finally:
         await writer.close()
         await reader.close()
