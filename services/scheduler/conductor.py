@@ -6,6 +6,7 @@ converts messages; tests and benchmarks drive this class directly too.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -32,11 +33,20 @@ from crescent.services.scheduler.datatypes import (
 from crescent.services.scheduler.policies import make_policy
 from crescent.services.scheduler.policy import ClusterView, PolicyOptions
 from crescent.services.scheduler.prefix_index import PrefixIndex
-from crescent.services.scheduler.registry import InstanceRegistry, InstanceSpec, LoadReport
+from crescent.services.scheduler.registry import InstanceRecord, InstanceRegistry, InstanceSpec, LoadReport
+from crescent.services.scheduler.reservations import Reservation
 
 log = logging.getLogger(__name__)
 
-_REMEMBERED_PREDICTIONS = 100_000  # placements whose predicted TTFT awaits an outcome report
+_REMEMBERED_PLACEMENTS = 100_000  # placed requests whose outcome may still be reported
+
+
+class RegistrationConflictError(ValueError):
+    """An instance disagrees with its model's other instances (block size, KV format or dtype)."""
+
+
+class BlockSizeMismatchError(ValueError):
+    """A placement asked with block keys of another block size than the model's instances use."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +56,23 @@ class BlockUpdate:
     tier: Tier
 
 
+@dataclass(slots=True)
+class _Placed:
+    prefill: InstanceId
+    decode: InstanceId
+    predicted_ttft_s: float | None  # None once reported
+
+
+# What must agree across a model's prefill and decode instances ("" : not stated, not checked).
+_AGREED = ("block_size", "kv_format", "kv_dtype")
+
+
 class Conductor:
     def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
                  costs: CostModels | None = None) -> None:
         self.settings = settings
         self.costs = costs or cost_models_from_settings(settings.cost)
+        self._clock = clock
         self.registry = InstanceRegistry(settings.heartbeat_timeout_s, clock)
         self.index = PrefixIndex(settings.index.max_blocks)
         p = settings.policy
@@ -68,7 +90,8 @@ class Conductor:
         # Sources that sent a full snapshot since this process started: until then the index
         # holds only part of what they have, which can only under-count hits.
         self._snapshotted: set[SourceId] = set()
-        self._predictions: OrderedDict[str, float] = OrderedDict()
+        self._placed: OrderedDict[str, _Placed] = OrderedDict()
+        self._anonymous = itertools.count()
 
     # ---- instances -------------------------------------------------------------------------
 
@@ -76,12 +99,47 @@ class Conductor:
         """Add or replace an instance; returns whether it should send a block snapshot.
 
         A (re-)registering instance may have restarted with an empty cache, so whatever the
-        index held for it is dropped rather than trusted.
+        index held for it is dropped rather than trusted. Raises ``RegistrationConflictError``
+        when it disagrees with the model's other instances.
         """
+        self._check_agreement(spec)
         self.registry.register(spec)
         self.index.drop_source(spec.instance_id)
         self._snapshotted.discard(SourceId(spec.instance_id))
         return True
+
+    def _check_agreement(self, spec: InstanceSpec) -> None:
+        if spec.role is Role.KVSTORE:  # model-agnostic: holds whatever engines store
+            return
+        pinned = self.settings.block_size
+        if pinned and spec.block_size != pinned:
+            raise RegistrationConflictError(
+                f"instance {spec.instance_id} has block_size {spec.block_size}, but the scheduler's "
+                f"block_size setting is {pinned}"
+            )
+        for other in self._model_records(spec.model_id):
+            if other.spec.instance_id == spec.instance_id:
+                continue
+            problems = [
+                f"{name} {getattr(spec, name)!r} differs from {getattr(other.spec, name)!r}"
+                for name in _AGREED
+                if getattr(spec, name) and getattr(other.spec, name) and getattr(spec, name) != getattr(other.spec, name)
+            ]
+            if problems:
+                raise RegistrationConflictError(
+                    f"instance {spec.instance_id} of model {spec.model_id!r}: {'; '.join(problems)} "
+                    f"of registered instance {other.spec.instance_id}"
+                )
+            return  # the registered ones agree with each other: one comparison is enough
+
+    def _model_records(self, model_id: str) -> list[InstanceRecord]:
+        return [r for role in (Role.PREFILL, Role.DECODE) for r in self.registry.live(role) if r.spec.model_id == model_id]
+
+    def model_block_size(self, model_id: str) -> int:
+        """The block size of the model's instances (the pinned one if set); 0 while unknown."""
+        if self.settings.block_size:
+            return self.settings.block_size
+        return next((r.spec.block_size for r in self._model_records(model_id) if r.spec.block_size), 0)
 
     def heartbeat(self, instance_id: InstanceId, load: LoadReport) -> bool:
         """Record a load report; False when the instance must register again."""
@@ -92,17 +150,21 @@ class Conductor:
         return True
 
     def deregister(self, instance_id: InstanceId) -> bool:
-        """Drop an instance known to be gone (e.g. its endpoint left), with its index entries."""
+        """Drop an instance known to be gone (draining, or its endpoint left), with its index entries."""
         removed = self.registry.remove(instance_id)
         self.index.drop_source(instance_id)
         self._snapshotted.discard(SourceId(instance_id))
         return removed
 
     def expire(self) -> list[InstanceId]:
+        """Drop silent instances (returned) and reservations no report covered in time."""
         dead = self.registry.expire()
         for instance_id in dead:
             self.index.drop_source(instance_id)
             self._snapshotted.discard(SourceId(instance_id))
+        expired = self.registry.expire_reservations(self.settings.reservation_timeout_s)
+        if expired:
+            log.warning("%d reservations expired without a load report covering them", expired)
         return dead
 
     # ---- block events ----------------------------------------------------------------------
@@ -129,62 +191,126 @@ class Conductor:
 
     # ---- placement -------------------------------------------------------------------------
 
-    def view(self, model_id: str = "") -> tuple[ClusterView, int]:
-        """The cluster as the policy sees it, and the prefill instances' block size."""
+    def view(self, model_id: str = "", need_kv_tokens: int = 0) -> ClusterView:
+        """The cluster as the policy sees it: reported load plus what reports do not cover yet."""
+        now = self._clock()
         prefill_cost = self.costs.prefill
         prefill, decode = [], []
-        block_size = 0
-        for r in self.registry.live(Role.PREFILL):
+        for r in self.registry.placeable(Role.PREFILL):
             if model_id and r.spec.model_id != model_id:
                 continue
-            block_size = block_size or r.spec.block_size
-            # Work ahead of a new request: reported queue (and the prompt in progress), plus what
-            # this scheduler placed there since the last heartbeat.
+            pending, pending_tokens, _ = r.reservations.pending_totals()
             reported = r.load.queued_requests + r.load.running_requests
             reported_tokens = r.load.queued_tokens or reported * self.settings.assumed_prompt_tokens
-            queued_tokens = reported_tokens + r.pending_tokens
-            queued = reported + r.pending_requests
+            queued_tokens = reported_tokens + pending_tokens
+            queued = reported + pending
             # Queued prompts are unknown one by one: treat them as equal shares of the tokens.
             queue_s = queued * prefill_cost.seconds(queued_tokens // queued) if queued else 0.0
             prefill.append(PrefillCandidate(r.spec.instance_id, queue_s, queued, r.spec.address))
-        for r in self.registry.live(Role.DECODE):
+        for r in self.registry.placeable(Role.DECODE):
             if model_id and r.spec.model_id != model_id:
                 continue
-            decode.append(
-                DecodeCandidate(
-                    r.spec.instance_id,
-                    batch_size=r.load.running_requests + r.load.queued_requests + r.pending_requests,
-                    context_tokens=r.load.queued_tokens + r.pending_kv_tokens,
-                    free_kv_tokens=(r.load.free_kv_tokens - r.pending_kv_tokens) if r.spec.kv_capacity_tokens > 0 else None,
-                    max_batch_size=r.spec.max_batch_size,
-                    address=r.spec.address,
-                )
-            )
+            decode.append(self._decode_candidate(r, need_kv_tokens, now))
         registered = {SourceId(r.spec.instance_id) for r in self.registry.all()}
-        shared = frozenset(s for s in self.index.sources() if s not in registered)
-        return ClusterView(prefill, decode, self.index, shared), block_size
+        kvstores = {SourceId(r.spec.instance_id) for r in self.registry.live(Role.KVSTORE)}
+        # Unregistered sources publishing events are older kvstore nodes: shared too.
+        shared = frozenset(kvstores | {s for s in self.index.sources() if s not in registered})
+        return ClusterView(prefill, decode, self.index, shared)
+
+    def _decode_candidate(self, r: InstanceRecord, need_kv_tokens: int, now: float) -> DecodeCandidate:
+        spec, load = r.spec, r.load
+        pending, pending_kv, pending_prompt = r.reservations.pending_totals()
+        batch = load.running_requests + load.queued_requests + pending
+        context = load.queued_tokens + pending_prompt
+        capacity = spec.kv_capacity_tokens if spec.kv_capacity_tokens > 0 else None
+        free = load.free_kv_tokens - pending_kv if capacity is not None else None
+        slot_short = bool(spec.max_batch_size) and batch + 1 > spec.max_batch_size
+        releases: tuple[tuple[float, int], ...] = ()
+        if slot_short or (free is not None and free < need_kv_tokens):  # only then the policy needs them
+            running = min(batch, spec.max_batch_size) if spec.max_batch_size else batch
+            step = self.costs.decode.step_seconds(max(running, 1), context)
+            releases = tuple(sorted(self._release_times(r, step, now)))
+        return DecodeCandidate(spec.instance_id, batch, context, free, spec.max_batch_size, spec.address,
+                               capacity, releases)
+
+    @staticmethod
+    def _release_times(r: InstanceRecord, step_s: float, now: float) -> list[tuple[float, int]]:
+        """When each request promised to or held by a decode instance frees its KV, at the latest:
+        it may stop early, never later than max_tokens steps after it arrives."""
+        times = []
+        for e in r.reservations.held():
+            since = now if e.held_since is None else e.held_since
+            done_steps = (now - since) / step_s if step_s > 0 else 0.0
+            times.append((max(e.max_tokens - done_steps, 1.0) * step_s, e.tokens))
+        for e in r.reservations.pending():
+            arrives_in = max(e.ready_in_s - (now - e.placed_at), 0.0)
+            times.append((arrives_in + e.max_tokens * step_s, e.tokens))
+        return times
 
     def place(self, request_id: str, model_id: str, block_keys: tuple[BlockKey, ...],
-              prompt_tokens: int, max_tokens: int) -> Decision:
-        view, block_size = self.view(model_id)
-        request = PlacementRequest(request_id, block_keys, prompt_tokens, max_tokens, block_size or 1)
+              prompt_tokens: int, max_tokens: int, block_size: int = 0) -> Decision:
+        """Place one request, or reject it with its true reason. ``block_size``: the one the
+        caller computed ``block_keys`` with (0: not stated); another than the model's raises
+        ``BlockSizeMismatchError``."""
+        model_block = self.model_block_size(model_id)
+        if block_size and model_block and block_size != model_block:
+            raise BlockSizeMismatchError(
+                f"block keys computed with block_size {block_size}, but the instances of model {model_id!r} "
+                f"use block_size {model_block}"
+            )
+        request_id = request_id or f"anonymous-{next(self._anonymous)}"
+        self.release(request_id)  # placed again (a retry, a migration): the earlier promise is void
+        view = self.view(model_id, prompt_tokens + max_tokens)
+        request = PlacementRequest(request_id, block_keys, prompt_tokens, max_tokens, model_block or block_size or 1)
         decision = self.policy.place(request, view)
         if isinstance(decision, Rejection) and decision.reason.startswith("no_") and model_id:
             decision = Rejection(decision.reason, f"{decision.message} for model {model_id!r}", decision.retry_after_s)
         if isinstance(decision, Placement):
-            cached = min(decision.cached_blocks * request.block_size, prompt_tokens)
-            self.registry.note_placed(decision.prefill, prompt_tokens - cached)
-            self.registry.note_placed(decision.decode, 0, prompt_tokens + max_tokens)
-            self._remember(request_id, decision.predicted_ttft_s)
+            self._reserve(request, decision)
         return decision
 
-    def _remember(self, request_id: str, predicted_ttft_s: float) -> None:
-        if not request_id:
-            return
-        self._predictions[request_id] = predicted_ttft_s
-        if len(self._predictions) > _REMEMBERED_PREDICTIONS:
-            self._predictions.popitem(last=False)
+    def _reserve(self, request: PlacementRequest, decision: Placement) -> None:
+        now = self._clock()
+        prompt, max_tokens = request.prompt_tokens, request.max_tokens
+        cached = min(decision.cached_blocks * request.block_size, prompt)
+        prefill = self.registry.get(decision.prefill)
+        decode = self.registry.get(decision.decode)
+        assert prefill is not None and decode is not None  # the view came from the registry just now
+        prefill.reservations.add(Reservation(request.request_id, prompt - cached, prompt, max_tokens, now, 0.0))
+        decode.reservations.add(
+            Reservation(request.request_id, prompt + max_tokens, prompt, max_tokens, now, decision.predicted_ttft_s)
+        )
+        self._placed[request.request_id] = _Placed(decision.prefill, decision.decode, decision.predicted_ttft_s)
+        if len(self._placed) > _REMEMBERED_PLACEMENTS:
+            self._placed.popitem(last=False)
+
+    def release(self, request_id: str) -> None:
+        """Forget every reservation of ``request_id`` (it will not reach its instances)."""
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            for instance_id in (placed.prefill, placed.decode):
+                record = self.registry.get(instance_id)
+                if record is not None:
+                    record.reservations.release(request_id)
+
+    def outcome(self, request_id: str, ttft_s: float, released: bool) -> float | None:
+        """The gateway's report on a placed request; returns its predicted TTFT, once.
+
+        A first token means prefill's work is done; ``released``: the request will not reach
+        decode (ended at its first token, failed, cancelled), so its KV promise there ends too.
+        """
+        placed = self._placed.get(request_id)
+        if placed is None:
+            return None
+        predicted, placed.predicted_ttft_s = placed.predicted_ttft_s, None
+        if ttft_s > 0:
+            record = self.registry.get(placed.prefill)
+            if record is not None:
+                record.reservations.release(request_id)
+        if released:
+            self.release(request_id)
+        return predicted
 
     def take_prediction(self, request_id: str) -> float | None:
         """The predicted TTFT of a placed request, once (for predicted-vs-actual metrics)."""
-        return self._predictions.pop(request_id, None)
+        return self.outcome(request_id, 0.0, released=False)

@@ -93,6 +93,13 @@ class SchedulerSettings(StrictModel):
         default=512, gt=0, description="prompt size assumed for queued requests when an instance reports no token count"
     )
     no_instance_retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After when a role has no instance")
+    reservation_timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="forget what a placement reserved on an instance if no load report covered it by then (lost reports)",
+    )
+    block_size: int = Field(
+        default=0, ge=0, description="tokens per KV block every engine must use; 0: the first registered instance of a model sets it"
+    )
     log_level: str = "INFO"
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ SourceId = NewType("SourceId", str)  # an instance or a kvstore node that holds 
 class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    KVSTORE = "kvstore"  # a shared source of prefix blocks; never placed on
 
 
 class Tier(enum.IntEnum):
@@ -42,14 +43,21 @@ class PrefillCandidate:
 
 @dataclass(frozen=True, slots=True)
 class DecodeCandidate:
-    """A live decode instance: its running batch and free KV room."""
+    """A live decode instance: the requests it holds or was promised, and its free KV room.
+
+    ``max_batch_size`` is not an admission limit: decode queues what exceeds it, which the
+    policy predicts as a wait for a batch slot.
+    """
 
     instance_id: InstanceId
-    batch_size: int
-    context_tokens: int         # total context of the running batch
-    free_kv_tokens: int | None  # None: the instance did not say (no limit assumed)
+    batch_size: int             # requests it holds (running or waiting) or was promised
+    context_tokens: int         # their total context
+    free_kv_tokens: int | None  # KV not promised to anyone; None: the instance did not say (no limit)
     max_batch_size: int = 0     # 0: no limit
     address: str = ""
+    kv_capacity_tokens: int | None = None  # None: not stated
+    # (seconds until it frees, KV tokens) for each request it holds or was promised, soonest first.
+    releases: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +94,9 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    reason: str                 # "no_prefill_instance", "no_decode_instance", "ttft_slo", "tbt_slo", "decode_kv_full"
+    # "no_prefill_instance", "no_decode_instance", "ttft_slo", "tbt_slo", "decode_kv_full",
+    # "exceeds_kv_capacity" (the request can never fit: not worth a retry)
+    reason: str
     message: str
     retry_after_s: float
 

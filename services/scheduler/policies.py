@@ -14,8 +14,8 @@ import random
 from collections.abc import Sequence
 
 from crescent.services.scheduler.cost_model import CostModels
-from crescent.services.scheduler.datatypes import DecodeCandidate, PlacementRequest, Slo
-from crescent.services.scheduler.policy import Policy, PolicyOptions, PrefillPlan, fits_decode, PrefillPlanner
+from crescent.services.scheduler.datatypes import Slo
+from crescent.services.scheduler.policy import DecodeEstimate, Policy, PolicyOptions, PrefillPlan, PrefillPlanner
 
 
 class UnknownPolicyError(ValueError):
@@ -32,14 +32,8 @@ class RandomPolicy(Policy):
     def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan:
         return planner.plan(self._rng.choice(planner.view.prefill), peers=False)
 
-    def choose_decode(
-        self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
-    ) -> tuple[DecodeCandidate | None, float]:
-        fits = [d for d in decode if fits_decode(d, request)]
-        if not fits:
-            return None, float("inf")
-        chosen = self._rng.choice(fits)
-        return chosen, self.predicted_tbt(chosen, request)
+    def choose_decode(self, fitting: Sequence[DecodeEstimate]) -> DecodeEstimate:
+        return self._rng.choice(fitting)
 
 
 class RoundRobinPolicy(Policy):
@@ -57,15 +51,11 @@ class RoundRobinPolicy(Policy):
         self._next_prefill += 1
         return planner.plan(chosen, peers=False)
 
-    def choose_decode(
-        self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
-    ) -> tuple[DecodeCandidate | None, float]:
-        fits = sorted((d for d in decode if fits_decode(d, request)), key=lambda d: d.instance_id)
-        if not fits:
-            return None, float("inf")
-        chosen = fits[self._next_decode % len(fits)]
+    def choose_decode(self, fitting: Sequence[DecodeEstimate]) -> DecodeEstimate:
+        ordered = sorted(fitting, key=lambda e: e.candidate.instance_id)
+        chosen = ordered[self._next_decode % len(ordered)]
         self._next_decode += 1
-        return chosen, self.predicted_tbt(chosen, request)
+        return chosen
 
 
 class LeastLoadedPolicy(Policy):
@@ -95,16 +85,8 @@ class KvCacheCentricPolicy(Policy):
         plans = (planner.plan(c, peers=True) for c in planner.view.prefill)
         return min(plans, key=lambda p: (p.ttft_s, p.candidate.queue_s, p.candidate.queued_requests, p.candidate.instance_id))
 
-    def choose_decode(
-        self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
-    ) -> tuple[DecodeCandidate | None, float]:
-        best: tuple[DecodeCandidate | None, float] = (None, float("inf"))
-        for d in decode:
-            if fits_decode(d, request):
-                tbt = self.predicted_tbt(d, request)
-                if tbt < best[1]:
-                    best = (d, tbt)
-        return best
+    def choose_decode(self, fitting: Sequence[DecodeEstimate]) -> DecodeEstimate:
+        return min(fitting, key=lambda e: e.tbt_s)
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -61,6 +61,19 @@ class PrefillPlan:
     ttft_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeEstimate:
+    """One decode instance's outlook for one request."""
+
+    candidate: DecodeCandidate
+    kv_wait_s: float            # until its KV reservation fits: 0 now, inf never (as far as known)
+    tbt_s: float                # predicted Mooncake TBT, a wait for a batch slot included
+
+    @property
+    def fits_now(self) -> bool:
+        return self.kv_wait_s == 0.0
+
+
 class Policy(ABC):
     """Base: rejection when a role is empty, prefix planning, decode choice and SLO checks."""
 
@@ -76,61 +89,128 @@ class Policy(ABC):
             return Rejection("no_prefill_instance", "no prefill instance is registered", self.options.no_instance_retry_after_s)
         if not view.decode:
             return Rejection("no_decode_instance", "no decode instance is registered", self.options.no_instance_retry_after_s)
+        too_big = exceeds_capacity(request, view.decode)
+        if too_big is not None:
+            return too_big
         match = view.index.match(request.block_keys) if request.block_keys else PrefixMatch()
-        planner = PrefillPlanner(self, request, view, match)
-        prefill = self.choose_prefill(planner)
-        decode, tbt = self.choose_decode(request, view.decode)
+        # Mooncake Algorithm 1: the prefill instance with the least TTFT, then decode by TBT.
+        prefill = self.choose_prefill(PrefillPlanner(self, request, view, match))
+        estimates = [self.estimate_decode(d, request, prefill.ttft_s) for d in view.decode]
+        now = [e for e in estimates if e.fits_now]
+        later = [e for e in estimates if not e.fits_now and math.isfinite(e.kv_wait_s)]
+        # Nothing fits now: decode queues the request, so wait where KV frees first.
+        decode = self.choose_decode(now) if now else min(later, key=_soonest, default=None)
         if self.slo.reject_early:
-            if decode is None:
-                return Rejection("decode_kv_full", "no decode instance has room for this request", self.options.tbt_retry_after_s)
-            if prefill.ttft_s > self.slo.ttft_s:
-                wait = max(MIN_RETRY_AFTER_S, math.ceil(prefill.ttft_s - self.slo.ttft_s))
-                return Rejection(
-                    "ttft_slo",
-                    f"predicted time to first token {prefill.ttft_s:.2f}s exceeds the SLO of {self.slo.ttft_s:g}s",
-                    float(wait),
-                )
-            if tbt > self.slo.tbt_s:
-                return Rejection(
-                    "tbt_slo",
-                    f"predicted time between tokens {tbt:.3f}s exceeds the SLO of {self.slo.tbt_s:g}s",
-                    self.options.tbt_retry_after_s,
-                )
-        if decode is None:  # no room anywhere and no early rejection: queue at the least loaded
-            decode = min(view.decode, key=lambda d: (d.batch_size, d.context_tokens))
-            tbt = self.predicted_tbt(decode, request)
+            rejection = self._check_slo(prefill, decode)
+            if rejection is not None:
+                return rejection
+        if decode is None:  # no room in sight and no early rejection: queue at the least loaded
+            decode = min(estimates, key=lambda e: (e.candidate.batch_size, e.candidate.context_tokens))
         return Placement(
             prefill=prefill.candidate.instance_id,
-            decode=decode.instance_id,
+            decode=decode.candidate.instance_id,
             local_blocks=prefill.local_blocks,
             pull=prefill.pull,
             predicted_ttft_s=prefill.ttft_s,
-            predicted_tbt_s=tbt,
+            predicted_tbt_s=decode.tbt_s,
         )
+
+    def _check_slo(self, prefill: PrefillPlan, decode: DecodeEstimate | None) -> Rejection | None:
+        slo = self.slo
+        if prefill.ttft_s > slo.ttft_s:
+            return Rejection(
+                "ttft_slo",
+                f"predicted time to first token {prefill.ttft_s:.2f}s exceeds the SLO of {slo.ttft_s:g}s",
+                _retry_after(prefill.ttft_s - slo.ttft_s),
+            )
+        if decode is None:
+            return Rejection(
+                "decode_kv_full", "no decode instance has KV room for this request, and none is known to free it soon",
+                self.options.tbt_retry_after_s,
+            )
+        if prefill.ttft_s + decode.kv_wait_s > slo.ttft_s:
+            return Rejection(
+                "decode_kv_full",
+                f"decode KV for this request frees in about {decode.kv_wait_s:.1f}s; with a predicted time to first "
+                f"token of {prefill.ttft_s:.2f}s that exceeds the SLO of {slo.ttft_s:g}s",
+                _retry_after(prefill.ttft_s + decode.kv_wait_s - slo.ttft_s),
+            )
+        if decode.tbt_s > slo.tbt_s:
+            return Rejection(
+                "tbt_slo",
+                f"predicted time between tokens {decode.tbt_s:.3f}s exceeds the SLO of {slo.tbt_s:g}s",
+                self.options.tbt_retry_after_s,
+            )
+        return None
 
     @abstractmethod
     def choose_prefill(self, planner: PrefillPlanner) -> PrefillPlan: ...
 
-    def choose_decode(
-        self, request: PlacementRequest, decode: Sequence[DecodeCandidate]
-    ) -> tuple[DecodeCandidate | None, float]:
-        """Default: the least loaded decode instance with room; returns it and its predicted TBT."""
-        fits = [d for d in decode if fits_decode(d, request)]
-        if not fits:
-            return None, math.inf
-        best = min(fits, key=lambda d: (d.batch_size, d.context_tokens))
-        return best, self.predicted_tbt(best, request)
+    def choose_decode(self, fitting: Sequence[DecodeEstimate]) -> DecodeEstimate:
+        """Among instances where the request fits now (never empty); default: the least loaded."""
+        return min(fitting, key=lambda e: (e.candidate.batch_size, e.candidate.context_tokens))
 
-    def predicted_tbt(self, d: DecodeCandidate, request: PlacementRequest) -> float:
-        # Over its life the request sits in a batch one larger, with its prompt plus half its output.
-        context = d.context_tokens + request.prompt_tokens + request.max_tokens // 2
-        return self.costs.decode.step_seconds(d.batch_size + 1, context)
+    def estimate_decode(self, d: DecodeCandidate, request: PlacementRequest, arrives_in_s: float = 0.0) -> DecodeEstimate:
+        """``arrives_in_s``: when the request reaches decode (its predicted TTFT); what frees
+        before then is free for it."""
+        need = request.prompt_tokens + request.max_tokens
+        kv_wait = 0.0
+        if d.free_kv_tokens is not None and d.free_kv_tokens < need:
+            if d.kv_capacity_tokens is not None and need > d.kv_capacity_tokens:
+                kv_wait = math.inf
+            else:
+                kv_wait = max(seconds_until_freed(d.releases, need - d.free_kv_tokens) - arrives_in_s, 0.0)
+        return DecodeEstimate(d, kv_wait, self.predicted_tbt(d, request, arrives_in_s))
+
+    def predicted_tbt(self, d: DecodeCandidate, request: PlacementRequest, arrives_in_s: float = 0.0) -> float:
+        """The step time of the batch the request joins (at most ``max_batch_size`` run at once);
+        a wait for a batch slot is one long interval among the longest 10% of its intervals."""
+        batch = d.batch_size + 1
+        running = min(batch, d.max_batch_size) if d.max_batch_size else batch
+        # Over its life the request sits in the batch with its prompt plus half its output.
+        context = (d.context_tokens + request.prompt_tokens + request.max_tokens // 2) * running // batch
+        step = self.costs.decode.step_seconds(running, context)
+        waiting = batch - running
+        if not waiting:
+            return step
+        known = [t for t, _ in d.releases]
+        slot_free_s = known[waiting - 1] if waiting <= len(known) else max(known[-1] if known else 0.0, waiting * step)
+        slot_wait = max(slot_free_s - arrives_in_s, 0.0)
+        longest = max(1, math.ceil(0.1 * max(request.max_tokens - 1, 1)))
+        return step + slot_wait / longest
 
 
-def fits_decode(d: DecodeCandidate, request: PlacementRequest) -> bool:
-    if d.max_batch_size and d.batch_size >= d.max_batch_size:
-        return False
-    return d.free_kv_tokens is None or d.free_kv_tokens >= request.prompt_tokens + request.max_tokens
+def _soonest(e: DecodeEstimate) -> tuple[float, float]:
+    return (e.kv_wait_s, e.tbt_s)
+
+
+def _retry_after(late_s: float) -> float:
+    return float(max(MIN_RETRY_AFTER_S, math.ceil(late_s)))
+
+
+def seconds_until_freed(releases: Sequence[tuple[float, int]], tokens: int) -> float:
+    """When ``tokens`` of KV will have been freed, from (seconds, tokens) releases soonest first."""
+    freed = 0
+    for seconds, kv in releases:
+        freed += kv
+        if freed >= tokens:
+            return max(seconds, 0.0)
+    return math.inf
+
+
+def exceeds_capacity(request: PlacementRequest, decode: Sequence[DecodeCandidate]) -> Rejection | None:
+    """A request larger than every decode instance's whole KV can never run: refused, not queued."""
+    capacities = [d.kv_capacity_tokens for d in decode]
+    need = request.prompt_tokens + request.max_tokens
+    if any(c is None or c >= need for c in capacities):
+        return None
+    largest = max(c for c in capacities if c is not None)
+    return Rejection(
+        "exceeds_kv_capacity",
+        f"the request needs {need} tokens of decode KV (prompt {request.prompt_tokens} + max_tokens "
+        f"{request.max_tokens}); the largest decode instance holds {largest}",
+        0.0,
+    )
 
 
 class PrefillPlanner:

@@ -1,8 +1,9 @@
 """The live instance registry: who is registered, their last reported load, who is alive.
 
-The clock is injected so tests can age heartbeats without sleeping. Between heartbeats the
-registry adds the work it has just placed on an instance to its last report, so a burst of
-requests inside one heartbeat interval does not all land on the same "idle" instance.
+The clock is injected so tests can age heartbeats without sleeping. Each record keeps the
+reservations of requests placed on the instance that its reports do not cover yet
+(``reservations.py``), so a burst of requests does not all land on the same "idle" instance and
+a request is never counted twice.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crescent.services.scheduler.datatypes import InstanceId, Role
+from crescent.services.scheduler.reservations import ReservationBook
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,8 @@ class InstanceSpec:
     block_size: int
     kv_capacity_tokens: int
     max_batch_size: int
+    kv_format: str = ""         # must agree across a model's instances ("" : not stated)
+    kv_dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,9 @@ class LoadReport:
     queued_tokens: int = 0
     running_requests: int = 0
     free_kv_tokens: int = 0
+    active_request_ids: tuple[str, ...] = ()    # requests the instance holds now
+    finished_request_ids: tuple[str, ...] = ()  # requests it let go of since its last report
+    draining: bool = False
 
 
 @dataclass(slots=True)
@@ -41,11 +48,14 @@ class InstanceRecord:
     spec: InstanceSpec
     load: LoadReport
     last_seen: float
-    # Placed since the last heartbeat: not yet visible in ``load``.
-    pending_requests: int = 0
-    pending_tokens: int = 0
-    pending_kv_tokens: int = 0
+    # Placed here and not yet covered by ``load`` (decode: also the held ones, see reservations.py).
+    reservations: ReservationBook = field(default_factory=lambda: ReservationBook(keep_held=False))
+    reports_request_ids: bool = False  # False: an older instance; each report covers all placed so far
     registered_at: float = field(default=0.0)
+
+    @property
+    def placeable(self) -> bool:
+        return not self.load.draining
 
 
 class UnknownInstanceError(KeyError):
@@ -64,7 +74,8 @@ class InstanceRegistry:
         if previous is not None and previous.spec != spec:
             log.info("instance %s re-registered with new details", spec.instance_id)
         load = LoadReport(free_kv_tokens=spec.kv_capacity_tokens)
-        self._records[spec.instance_id] = InstanceRecord(spec, load, last_seen=now, registered_at=now)
+        book = ReservationBook(keep_held=spec.role is Role.DECODE)
+        self._records[spec.instance_id] = InstanceRecord(spec, load, last_seen=now, reservations=book, registered_at=now)
         log.info("registered %s instance %s at %s", spec.role.value, spec.instance_id, spec.address)
 
     def heartbeat(self, instance_id: InstanceId, load: LoadReport) -> None:
@@ -72,8 +83,13 @@ class InstanceRegistry:
         if record is None:
             raise UnknownInstanceError(instance_id)
         record.load = load
-        record.last_seen = self._clock()
-        record.pending_requests = record.pending_tokens = record.pending_kv_tokens = 0
+        record.last_seen = now = self._clock()
+        if load.active_request_ids or load.finished_request_ids:
+            record.reports_request_ids = True
+        if record.reports_request_ids:
+            record.reservations.apply_report(load.active_request_ids, load.finished_request_ids, now)
+        else:
+            record.reservations.clear_pending()
 
     def touch(self, instance_id: InstanceId) -> None:
         """Alive without a load report (e.g. its Kubernetes endpoint is ready); the last load stays."""
@@ -85,16 +101,18 @@ class InstanceRegistry:
         """Forget an instance now (it is known to be gone); False if it was not registered."""
         return self._records.pop(instance_id, None) is not None
 
-    def note_placed(self, instance_id: InstanceId, tokens: int, kv_tokens: int = 0) -> None:
-        record = self._records.get(instance_id)
-        if record is not None:
-            record.pending_requests += 1
-            record.pending_tokens += tokens
-            record.pending_kv_tokens += kv_tokens
-
     def live(self, role: Role) -> list[InstanceRecord]:
         deadline = self._clock() - self.heartbeat_timeout_s
         return [r for r in self._records.values() if r.spec.role is role and r.last_seen >= deadline]
+
+    def placeable(self, role: Role) -> list[InstanceRecord]:
+        """Live and taking new work (not draining)."""
+        return [r for r in self.live(role) if r.placeable]
+
+    def expire_reservations(self, timeout_s: float) -> int:
+        """Drop reservations no report covered within ``timeout_s`` (a lost report, a lost request)."""
+        deadline = self._clock() - timeout_s
+        return sum(r.reservations.expire(deadline) for r in self._records.values())
 
     def expire(self) -> list[InstanceId]:
         """Forget instances silent for longer than the timeout; return their ids."""

@@ -11,13 +11,22 @@ from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import scheduler_metrics
-from crescent.services.scheduler.conductor import BlockUpdate, Conductor
+from crescent.services.scheduler.conductor import (
+    BlockSizeMismatchError,
+    BlockUpdate,
+    Conductor,
+    RegistrationConflictError,
+)
 from crescent.services.scheduler.datatypes import InstanceId, Placement, Role, Tier
 from crescent.services.scheduler.registry import InstanceSpec, LoadReport
 
 log = logging.getLogger(__name__)
 
-_ROLES = {scheduler_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL, scheduler_pb2.INSTANCE_ROLE_DECODE: Role.DECODE}
+_ROLES = {
+    scheduler_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL,
+    scheduler_pb2.INSTANCE_ROLE_DECODE: Role.DECODE,
+    scheduler_pb2.INSTANCE_ROLE_KVSTORE: Role.KVSTORE,
+}
 _ROLE_PB = {v: k for k, v in _ROLES.items()}
 _STORED = {common_pb2.BLOCK_EVENT_STORED, common_pb2.BLOCK_EVENT_TIER_CHANGED}
 
@@ -33,25 +42,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.instance_id:
             problems.append("instance_id is empty")
         if role is None:
-            problems.append("role must be INSTANCE_ROLE_PREFILL or INSTANCE_ROLE_DECODE")
+            problems.append("role must be INSTANCE_ROLE_PREFILL, INSTANCE_ROLE_DECODE or INSTANCE_ROLE_KVSTORE")
         if not request.address:
             problems.append("address is empty")
-        if request.block_size <= 0:
+        if request.block_size < 0 or (request.block_size == 0 and role is not Role.KVSTORE):
             problems.append("block_size must be positive")
         if problems:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
         assert role is not None
-        want_snapshot = self.conductor.register(
-            InstanceSpec(
-                instance_id=InstanceId(request.instance_id),
-                role=role,
-                address=request.address,
-                model_id=request.model_id,
-                block_size=request.block_size,
-                kv_capacity_tokens=request.kv_capacity_tokens,
-                max_batch_size=request.max_batch_size,
-            )
+        spec = InstanceSpec(
+            instance_id=InstanceId(request.instance_id),
+            role=role,
+            address=request.address,
+            model_id=request.model_id,
+            block_size=request.block_size,
+            kv_capacity_tokens=request.kv_capacity_tokens,
+            max_batch_size=request.max_batch_size,
+            kv_format=request.kv_format,
+            kv_dtype=request.kv_dtype,
         )
+        try:
+            want_snapshot = self.conductor.register(spec)
+        except RegistrationConflictError as exc:
+            log.error("refused to register %s: %s", request.instance_id, exc)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self._count_instances()
         interval_ms = round(self.conductor.settings.heartbeat_interval_s * 1000)
         return scheduler_pb2.RegisterReply(heartbeat_interval_ms=interval_ms, want_full_snapshot=want_snapshot)
@@ -62,6 +76,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             queued_tokens=max(request.queued_tokens, 0),
             running_requests=max(request.running_requests, 0),
             free_kv_tokens=max(request.free_kv_tokens, 0),
+            active_request_ids=tuple(request.active_request_ids),
+            finished_request_ids=tuple(request.finished_request_ids),
+            draining=request.draining,
         )
         return scheduler_pb2.HeartbeatReply(known=self.conductor.heartbeat(InstanceId(request.instance_id), load))
 
@@ -71,13 +88,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if request.prompt_tokens <= 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
             start = time.perf_counter()
-            decision = self.conductor.place(
-                request.request_id,
-                request.model_id,
-                tuple(BlockKey(k) for k in request.block_keys),
-                request.prompt_tokens,
-                max(request.max_tokens, 1),
-            )
+            try:
+                decision = self.conductor.place(
+                    request.request_id,
+                    request.model_id,
+                    tuple(BlockKey(k) for k in request.block_keys),
+                    request.prompt_tokens,
+                    max(request.max_tokens, 1),
+                    max(request.block_size, 0),
+                )
+            except BlockSizeMismatchError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             self.metrics.decision_seconds.observe(time.perf_counter() - start)
             if not isinstance(decision, Placement):
                 self.metrics.rejections.labels(decision.reason).inc()
@@ -105,6 +126,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.metrics.prefix_pulls.inc()
             reply.prefix_source_id = decision.pull.source
             reply.prefix_source_blocks = decision.pull.blocks
+            source = self.conductor.registry.get(InstanceId(decision.pull.source))
+            reply.prefix_source_address = source.spec.address if source is not None else ""
         return reply
 
     def _ref(self, instance_id: InstanceId) -> scheduler_pb2.InstanceRef:
@@ -134,10 +157,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     info=scheduler_pb2.InstanceInfo(
                         instance_id=s.instance_id, role=_ROLE_PB[s.role], address=s.address, model_id=s.model_id,
                         block_size=s.block_size, kv_capacity_tokens=s.kv_capacity_tokens, max_batch_size=s.max_batch_size,
+                        kv_format=s.kv_format, kv_dtype=s.kv_dtype,
                     ),
                     load=scheduler_pb2.InstanceLoad(
                         instance_id=s.instance_id, queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
                         running_requests=load.running_requests, free_kv_tokens=load.free_kv_tokens,
+                        active_request_ids=load.active_request_ids, draining=load.draining,
                     ),
                     last_heartbeat_age_s=registry.age_s(r),
                     indexed_blocks=self.conductor.index.blocks_of(s.instance_id),
@@ -146,9 +171,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return reply
 
     async def ReportOutcome(self, request: scheduler_pb2.RequestOutcome, context: grpc.aio.ServicerContext) -> scheduler_pb2.OutcomeReply:
+        predicted = self.conductor.outcome(request.request_id, max(request.ttft_s, 0.0), request.released)
         if request.ttft_s > 0:
             self.metrics.observed_ttft.observe(request.ttft_s)
-            predicted = self.conductor.take_prediction(request.request_id)
             if predicted is not None:
                 self.metrics.ttft_error.observe(abs(request.ttft_s - predicted))
         return scheduler_pb2.OutcomeReply()

@@ -1,0 +1,87 @@
+"""What the scheduler promised an instance, request by request, until the instance's own report
+covers it.
+
+A placement reserves work on its prefill instance (the tokens it must compute) and KV on its
+decode instance (prompt + max_tokens). A reservation is *pending* until the instance lists the
+request in a load report: from then on the report's own figures include it. Decode keeps such a
+request as *held* (not counted again) so the scheduler can predict when its KV frees.
+A reservation ends when the instance reports the request finished (or no longer lists it), when
+the gateway reports it released, or after a timeout — the safety net for lost reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Reservation:
+    request_id: str
+    tokens: int                  # prefill: tokens to compute; decode: KV tokens (prompt + max_tokens)
+    prompt_tokens: int
+    max_tokens: int
+    placed_at: float
+    ready_in_s: float            # decode: predicted time until the request reaches it (its TTFT)
+    held_since: float | None = None  # decode: first listed by the instance
+
+
+class ReservationBook:
+    """One instance's reservations, keyed by request id."""
+
+    def __init__(self, keep_held: bool) -> None:
+        self._keep_held = keep_held  # decode: remember held requests to predict when KV frees
+        self._entries: dict[str, Reservation] = {}
+
+    def add(self, reservation: Reservation) -> None:
+        self._entries[reservation.request_id] = reservation
+
+    def release(self, request_id: str) -> bool:
+        return self._entries.pop(request_id, None) is not None
+
+    def apply_report(self, active: Iterable[str], finished: Iterable[str], now: float) -> None:
+        """The instance holds ``active`` now and let go of ``finished`` since its last report."""
+        active = set(active)
+        for request_id in finished:
+            self._entries.pop(request_id, None)
+        for request_id, entry in list(self._entries.items()):
+            if request_id in active:
+                if not self._keep_held:
+                    del self._entries[request_id]
+                elif entry.held_since is None:
+                    entry.held_since = now
+            elif entry.held_since is not None:  # held before, gone now: it finished
+                del self._entries[request_id]
+
+    def clear_pending(self) -> None:
+        """An instance that never reports request ids: its report is taken to cover everything."""
+        for request_id in [r for r, e in self._entries.items() if e.held_since is None]:
+            del self._entries[request_id]
+
+    def expire(self, deadline: float) -> int:
+        """Drop pending reservations placed before ``deadline``; returns how many."""
+        old = [r for r, e in self._entries.items() if e.held_since is None and e.placed_at < deadline]
+        for request_id in old:
+            del self._entries[request_id]
+        return len(old)
+
+    def pending(self) -> Iterator[Reservation]:
+        return (e for e in self._entries.values() if e.held_since is None)
+
+    def held(self) -> Iterator[Reservation]:
+        return (e for e in self._entries.values() if e.held_since is not None)
+
+    def pending_totals(self) -> tuple[int, int, int]:
+        """(requests, tokens, prompt tokens) still pending."""
+        n = tokens = prompt = 0
+        for e in self.pending():
+            n += 1
+            tokens += e.tokens
+            prompt += e.prompt_tokens
+        return n, tokens, prompt
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,156 @@
+"""Admission that keeps its promises: reservations per request, queueing instead of false 429s,
+true rejection reasons, draining instances and registration that refuses a disagreeing engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from crescent.services.common.block_keys import BlockKey, prefix_block_keys
+from crescent.services.scheduler.conductor import BlockSizeMismatchError, Conductor, RegistrationConflictError
+from crescent.services.scheduler.config import SchedulerSettings
+from crescent.services.scheduler.datatypes import InstanceId, Placement, Rejection, Role
+from crescent.services.scheduler.registry import InstanceSpec, LoadReport
+
+
+class Cluster:
+    """A Conductor on a hand-driven clock with one prefill and some decode instances."""
+
+    def __init__(self, decode: int = 1, kv_capacity: int = 4096, max_batch: int = 8, **settings: object) -> None:
+        self.now = 0.0
+        self.conductor = Conductor(SchedulerSettings(**settings), clock=lambda: self.now)
+        self.register("p0", Role.PREFILL)
+        for i in range(decode):
+            self.register(f"d{i}", Role.DECODE, kv_capacity=kv_capacity, max_batch=max_batch)
+
+    def register(self, name: str, role: Role, kv_capacity: int = 4096, max_batch: int = 8, block_size: int = 64,
+                 kv_format: str = "paged-v1", kv_dtype: str = "float32", model: str = "m") -> None:
+        self.conductor.register(InstanceSpec(InstanceId(name), role, f"{name}:1", model, block_size,
+                                             kv_capacity, max_batch, kv_format, kv_dtype))
+
+    def place(self, rid: str, prompt: int = 100, max_tokens: int = 16, keys: tuple[BlockKey, ...] = ()):
+        return self.conductor.place(rid, "m", keys, prompt, max_tokens)
+
+    def beat(self, name: str, **load: object) -> None:
+        assert self.conductor.heartbeat(InstanceId(name), LoadReport(**load))
+
+
+def test_sequential_requests_ending_at_their_first_token_are_never_refused() -> None:
+    # The measured bug: 300 sequential max_tokens=1 requests got 185 x 429 decode_kv_full.
+    cluster = Cluster(kv_capacity=2048, max_batch=4)
+    for i in range(300):
+        rid = f"r{i}"
+        decision = cluster.place(rid, prompt=300, max_tokens=1)
+        assert isinstance(decision, Placement), (i, decision)
+        cluster.now += 0.2
+        # Prefill reports the request while it runs, then done; decode never sees it.
+        cluster.beat("p0", running_requests=1, queued_tokens=300, active_request_ids=(rid,))
+        cluster.conductor.outcome(rid, ttft_s=0.2, released=True)
+        cluster.beat("p0", finished_request_ids=(rid,))
+        cluster.beat("d0", free_kv_tokens=2048)
+
+
+def test_requests_are_retired_by_the_decode_report_without_outcomes() -> None:
+    cluster = Cluster(kv_capacity=1000, max_batch=4)
+    assert isinstance(cluster.place("a", prompt=400, max_tokens=100), Placement)
+    # Reported free KV does not include "a" yet: the reservation counts against it.
+    assert cluster.conductor.view("m").decode[0].free_kv_tokens == 500
+    cluster.beat("d0", running_requests=1, free_kv_tokens=500, active_request_ids=("a",))
+    view = cluster.conductor.view("m").decode[0]
+    assert (view.free_kv_tokens, view.batch_size) == (500, 1)  # counted once, inside the report
+    cluster.beat("d0", free_kv_tokens=1000, finished_request_ids=("a",))
+    assert cluster.conductor.view("m").decode[0].free_kv_tokens == 1000
+
+
+def test_a_concurrent_burst_on_an_idle_cluster_queues_instead_of_429() -> None:
+    # The measured bug: 24 concurrent requests got 8 x 429 because max_batch_size capped admission.
+    cluster = Cluster(kv_capacity=32768, max_batch=8)
+    decisions = [cluster.place(f"r{i}", prompt=120, max_tokens=64) for i in range(24)]
+    assert all(isinstance(d, Placement) for d in decisions), [d for d in decisions if isinstance(d, Rejection)]
+    # The ones beyond a full batch expect a wait for a slot: a longer predicted TBT.
+    assert decisions[-1].predicted_tbt_s > decisions[0].predicted_tbt_s
+
+
+def test_short_kv_queues_while_the_wait_meets_the_ttft_slo_then_rejects_with_the_true_reason() -> None:
+    cluster = Cluster(kv_capacity=1200, max_batch=16, slo={"ttft_s": 8.0})
+    assert isinstance(cluster.place("big", prompt=500, max_tokens=500), Placement)
+    cluster.beat("d0", running_requests=1, free_kv_tokens=200, active_request_ids=("big",))
+    # 600 more tokens do not fit now, but "big" frees 1000 within its 500 steps (~40 s at most).
+    late = cluster.place("late", prompt=300, max_tokens=300)
+    assert isinstance(late, Rejection) and late.reason == "decode_kv_full"
+    assert "SLO" in late.message and late.retry_after_s >= 1
+    # Near the end of "big", the same request queues: its KV frees before the SLO runs out.
+    cluster.now += 35.0
+    cluster.beat("p0")
+    cluster.beat("d0", running_requests=1, free_kv_tokens=200, active_request_ids=("big",))
+    queued = cluster.place("later", prompt=300, max_tokens=300)
+    assert isinstance(queued, Placement), queued
+
+
+def test_a_request_larger_than_every_decode_instance_is_refused_with_its_own_reason() -> None:
+    cluster = Cluster(decode=2, kv_capacity=1024)
+    decision = cluster.place("huge", prompt=900, max_tokens=500)
+    assert isinstance(decision, Rejection) and decision.reason == "exceeds_kv_capacity"
+    assert "1400" in decision.message and "1024" in decision.message
+
+
+def test_reservations_expire_when_no_report_ever_covers_them() -> None:
+    cluster = Cluster(kv_capacity=1000, reservation_timeout_s=120, heartbeat_timeout_s=500)
+    assert isinstance(cluster.place("lost", prompt=500, max_tokens=400), Placement)
+    cluster.beat("d0", free_kv_tokens=1000, active_request_ids=("other",))  # an instance that reports ids
+    assert cluster.conductor.view("m").decode[0].free_kv_tokens == 100
+    cluster.now += 121
+    cluster.conductor.expire()
+    assert cluster.conductor.view("m").decode[0].free_kv_tokens == 1000
+
+
+def test_placing_a_request_again_voids_its_earlier_promise() -> None:
+    cluster = Cluster(kv_capacity=1000)
+    cluster.place("m1", prompt=500, max_tokens=400)
+    cluster.place("m1", prompt=520, max_tokens=380)  # a migration: re-prefilled with what it generated
+    assert cluster.conductor.view("m").decode[0].free_kv_tokens == 100
+
+
+def test_draining_instances_get_nothing_new() -> None:
+    cluster = Cluster(decode=2)
+    cluster.beat("d0", free_kv_tokens=4096, draining=True)
+    assert {cluster.place(f"r{i}").decode for i in range(4)} == {"d1"}
+    cluster.beat("p0", draining=True)
+    assert cluster.place("x").reason == "no_prefill_instance"
+
+
+def test_registration_refuses_an_instance_that_disagrees_with_its_model() -> None:
+    cluster = Cluster()
+    with pytest.raises(RegistrationConflictError, match="block_size 32 differs from 64"):
+        cluster.register("p1", Role.PREFILL, block_size=32)
+    with pytest.raises(RegistrationConflictError, match="kv_dtype 'bfloat16' differs from 'float32'"):
+        cluster.register("d1", Role.DECODE, kv_dtype="bfloat16")
+    cluster.register("p9", Role.PREFILL, block_size=16, model="other")  # another model sets its own
+    cluster.register("kv0", Role.KVSTORE, block_size=0, kv_format="", kv_dtype="")  # kvstores hold any model
+    assert cluster.conductor.model_block_size("m") == 64
+    pinned = Conductor(SchedulerSettings(block_size=32))
+    with pytest.raises(RegistrationConflictError, match="block_size setting is 32"):
+        pinned.register(InstanceSpec(InstanceId("p0"), Role.PREFILL, "p0:1", "m", 64, 0, 0))
+
+
+def test_placement_with_another_block_size_is_refused() -> None:
+    cluster = Cluster()
+    keys = tuple(prefix_block_keys(list(range(128)), 32, "m"))
+    with pytest.raises(BlockSizeMismatchError, match="block_size 32.*block_size 64"):
+        cluster.conductor.place("r", "m", keys, 130, 8, block_size=32)
+    assert isinstance(cluster.conductor.place("r", "m", (), 130, 8, block_size=64), Placement)
+
+
+def test_registered_kvstores_are_shared_sources_and_unregistered_publishers_still_count() -> None:
+    cluster = Cluster()
+    cluster.register("kv0", Role.KVSTORE, block_size=0)
+    keys = tuple(prefix_block_keys(list(range(64 * 6)), 64, "m"))
+    cluster.conductor.publish("kv0", [], full_snapshot=True)
+    from crescent.services.scheduler.conductor import BlockUpdate
+    from crescent.services.scheduler.datatypes import Tier
+
+    cluster.conductor.publish("kv0", [BlockUpdate(True, k, Tier.HOST) for k in keys[:4]], full_snapshot=False)
+    cluster.conductor.publish("legacy", [BlockUpdate(True, k, Tier.HOST) for k in keys[:5]], full_snapshot=False)
+    assert cluster.conductor.view("m").shared_sources == {"kv0", "legacy"}
+    placed = cluster.place("r", prompt=64 * 6 + 3, keys=keys)
+    assert isinstance(placed, Placement) and placed.pull is not None and placed.pull.source == "legacy"
+    assert placed.cached_blocks == 5
