@@ -164,6 +164,8 @@ class ChatCompletionRequest(RequestModel):
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
+# A stream that could not finish ends with this finish_reason on the chunk that carries its error.
+StreamFinishReason = FinishReason | Literal["error"]
 
 
 class _DropsNone(BaseModel):
@@ -248,7 +250,7 @@ class Delta(_DropsNone):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: FinishReason | None = None
+    finish_reason: StreamFinishReason | None = None
     logprobs: None = None
 
 

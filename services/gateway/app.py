@@ -11,6 +11,7 @@ from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCar
 from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.config import GatewaySettings
+from crescent.services.gateway.drain import Drain, DrainGuard
 from crescent.services.gateway.errors import ApiError, ModelNotFoundError, install_error_handlers
 from crescent.services.gateway.prompt import ServedModel
 from fastapi import FastAPI, Request
@@ -19,10 +20,10 @@ from fastapi.responses import JSONResponse, Response
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel) -> FastAPI:
-    """The FastAPI app; ``backend`` and ``model`` are owned (started and closed) by the caller."""
+def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, drain: Drain) -> FastAPI:
+    """The FastAPI app; ``backend``, ``model`` and ``drain`` are owned by the caller (``server``)."""
     metrics = gateway_metrics()
-    chat = ChatCompletions(settings, backend, model, metrics)
+    chat = ChatCompletions(settings, backend, model, metrics, drain)
     created = int(time.time())
     card = ModelCard(id=chat.served_name, created=created, max_model_len=model.context_window)
     app = FastAPI(title="Crescent gateway", docs_url=None, redoc_url=None)
@@ -32,6 +33,7 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel) -
             metrics.requests.labels(status="client_error").inc()
 
     install_error_handlers(app, on_invalid_body=count_invalid_body)
+    app.add_middleware(DrainGuard, drain=drain)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -49,17 +51,22 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel) -
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """503 only while draining: a gateway whose backend is away still answers (503 + Retry-After
+        per request), which is better for clients than leaving the Service; the body says why."""
+        body: dict[str, object] = {"model": chat.served_name}
+        if drain.draining:
+            return JSONResponse(body | {"status": "draining", "in_flight": drain.in_flight}, status_code=503)
         try:
             state = await backend.health()
         except ApiError as exc:
-            return JSONResponse({"status": "unavailable", "reason": exc.message}, status_code=503)
-        body = {
-            "status": "ok" if state.ready else "starting",
-            "model": chat.served_name,
-            "prefill_instances": state.prefill_instances,
-            "decode_instances": state.decode_instances,
-        }
-        return JSONResponse(body, status_code=200 if state.ready else 503)
+            body |= {"status": "unavailable", "reason": exc.message}
+        else:
+            body |= {
+                "status": "ok" if state.ready else "starting",
+                "prefill_instances": state.prefill_instances,
+                "decode_instances": state.decode_instances,
+            }
+        return JSONResponse(body, status_code=200)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -1,7 +1,8 @@
 """What the gateway asks of the serving backend, independent of how it is reached.
 
 ``Backend.generate`` yields the first token (with the prompt's token counts), then batches of
-further tokens; the last event carries the finish reason. Closing the iterator early (client
+further tokens; the last event carries the finish reason. A backend that loses an instance
+mid-request moves the request elsewhere without the caller noticing (``migration``). Closing the iterator early (client
 gone, stop string found) must abort the request everywhere it holds resources. Errors are
 ``crescent.services.gateway.errors.ApiError`` subclasses, so they map straight to HTTP.
 """
@@ -11,8 +12,6 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, NewType, Protocol
-
-from crescent.services.common.block_keys import BlockKey
 
 RequestId = NewType("RequestId", str)
 FinishReason = Literal["stop", "length"]
@@ -25,7 +24,7 @@ class Sampling:
     top_k: int                      # 0: off
     seed: int | None
     max_tokens: int                 # the first token included
-    stop_token_ids: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]  # with ignore_eos, what services/common/stop_rule.py is given
     ignore_eos: bool = False        # benchmarks: run to max_tokens
 
 
@@ -34,7 +33,6 @@ class GenerationRequest:
     request_id: RequestId
     model_id: str
     prompt_token_ids: tuple[int, ...]
-    block_keys: tuple[BlockKey, ...]  # keys of the prompt's full blocks, salted
     cache_salt: bytes
     sampling: Sampling
 

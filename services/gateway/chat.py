@@ -15,9 +15,9 @@ from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
-from crescent.services.common.block_keys import prefix_block_keys
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import GatewayMetrics
+from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord
 from crescent.services.gateway.api_models import (
     AssistantMessage,
@@ -30,6 +30,7 @@ from crescent.services.gateway.api_models import (
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.config import GatewaySettings
+from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
 from crescent.services.gateway.prompt import ServedModel, build_prompt
@@ -79,9 +80,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 class ChatCompletions:
     def __init__(
-        self, settings: GatewaySettings, backend: Backend, model: ServedModel, metrics: GatewayMetrics
+        self, settings: GatewaySettings, backend: Backend, model: ServedModel, metrics: GatewayMetrics, drain: Drain
     ) -> None:
         self._settings = settings
+        self._drain = drain
         self._backend = backend
         self._model = model
         self._metrics = metrics
@@ -99,12 +101,12 @@ class ChatCompletions:
         # Templating and tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         prompt = await asyncio.to_thread(build_prompt, body, self._model, self._settings.default_max_tokens)
         salt = (body.cache_salt or "").encode()
-        keys = prefix_block_keys(prompt.token_ids, self._settings.block_size, self._model.model_id, salt)
+        # The one stop rule: engines apply the same function with their own EOS ids.
+        stops = stop_token_ids((), self._model.tokenizer.eos_token_ids, body.ignore_eos)
         return GenerationRequest(
             request_id=request_id,
             model_id=self._model.model_id,
             prompt_token_ids=prompt.token_ids,
-            block_keys=tuple(keys),
             cache_salt=salt,
             sampling=Sampling(
                 temperature=body.temperature,
@@ -112,7 +114,7 @@ class ChatCompletions:
                 top_k=max(body.top_k, 0),
                 seed=body.seed,
                 max_tokens=prompt.max_tokens,
-                stop_token_ids=() if body.ignore_eos else tuple(self._model.tokenizer.eos_token_ids),
+                stop_token_ids=tuple(sorted(stops)),
                 ignore_eos=body.ignore_eos,
             ),
         )
@@ -135,15 +137,15 @@ class ChatCompletions:
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
             )
             if not body.stream:
-                completion = await _unless_disconnected(request, self._collect(header, events))
+                completion = await _unless_disconnected(request, self._drain.race(self._collect(header, events)))
                 record.finish("ok")
                 return JSONResponse(completion.model_dump())
             try:
-                first = await _unless_disconnected(request, anext(events))
+                first = await _unless_disconnected(request, self._drain.race(anext(events)))
             except BaseException:
                 await events.aclose()
                 raise
-            return SseResponse(ChatStream(header, first, events, record))
+            return SseResponse(ChatStream(header, first, events, record, self._drain))
         except ApiError as exc:
             log.info("request failed: %s %s", exc.status, exc.message)
             record.finish(status_of(exc))

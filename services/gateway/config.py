@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel, load_settings
 from pydantic import Field, model_validator
 
@@ -27,7 +26,11 @@ class GatewaySettings(StrictModel):
     served_model_name: str | None = Field(
         default=None, description="the name /v1/models lists and requests must use; default: the model id"
     )
-    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block; must match the engines")
+    block_size: int | None = Field(
+        default=None, gt=0,
+        description="tokens per KV block; normally unset: the gateway learns it from the scheduler's instances "
+                    "(a different value here is logged as an error and overridden)",
+    )
     context_window: int | None = Field(
         default=None, gt=1, description="prompt + completion tokens; default: the model's max positions"
     )
@@ -35,7 +38,14 @@ class GatewaySettings(StrictModel):
     request_timeout_s: float = Field(default=600.0, gt=0, description="deadline of a whole request")
     place_timeout_s: float = Field(default=5.0, gt=0, description="deadline of one scheduler call")
     health_timeout_s: float = Field(default=1.0, gt=0, description="deadline of the scheduler check behind /health")
-    shutdown_grace_s: float = Field(default=5.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    migration_retries: int = Field(
+        default=8, ge=0, description="placements tried again in a row after failures before a request fails"
+    )
+    drain_grace_s: float = Field(
+        default=100.0, ge=0,
+        description="on SIGTERM, how long in-flight requests may finish (keep it below the pod's "
+                    "terminationGracePeriodSeconds); then they end with an error event",
+    )
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 
     @model_validator(mode="after")

@@ -1,9 +1,9 @@
-"""The gRPC backend: scheduler ``Place`` → prefill ``Prefill`` stream → decode ``StreamTokens``.
+"""The gRPC backend: placement attempts (``attempt``) chained by request migration (``migration``).
 
-Cancellation is the part that matters for capacity: when the caller stops reading (client gone,
-stop string found), every in-flight call is cancelled, and if decode's stream was not opened
-yet, it is opened and cancelled at once, which is how decode learns to free the request's slot
-and KV without waiting for a timeout.
+This module owns what outlives one request: a channel per instance, the model's block size as
+the scheduler's instances report it (one source of truth: the gateway's own ``block_size``
+setting only stands in until the scheduler has told it), and the fire-and-forget calls a
+finished attempt leaves behind (``Abort`` to decode, ``ReportOutcome`` to the scheduler).
 """
 
 from __future__ import annotations
@@ -13,26 +13,11 @@ import logging
 from collections.abc import AsyncGenerator
 
 import grpc
-from crescent.protos import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
-from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.protos import decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE, prefix_block_keys
 from crescent.services.common.grpc_service import insecure_channel
-from crescent.services.gateway.backend import (
-    BackendEvent,
-    BackendHealth,
-    FinishReason,
-    FirstToken,
-    GenerationRequest,
-    MoreTokens,
-    RequestId,
-)
+from crescent.services.gateway.attempt import AttemptRequest, PlaceFailed, run_attempt
+from crescent.services.gateway.backend import BackendEvent, BackendHealth, GenerationRequest, RequestId
 from crescent.services.gateway.errors import (
     ApiError,
     GatewayTimeoutError,
@@ -41,16 +26,17 @@ from crescent.services.gateway.errors import (
     RateLimitedError,
     ServiceUnavailableError,
 )
+from crescent.services.gateway.migration import MigrationPolicy, generate_with_migration
 
 log = logging.getLogger(__name__)
 
 # Rejections that mean "nothing can serve this model now" rather than "too busy".
 _UNAVAILABLE_REASONS = {"no_prefill_instance", "no_decode_instance"}
-_ABORT_CONFIRM_S = 0.5   # how long an abort waits for decode to see the stream before cancelling
-_ABORT_WINDOW_S = 2.0    # how long an abort keeps trying while decode does not know the request yet
-_ABORT_RETRY_S = 0.1
+_ENGINE_ROLES = (scheduler_pb2.INSTANCE_ROLE_PREFILL, scheduler_pb2.INSTANCE_ROLE_DECODE,
+                 scheduler_pb2.INSTANCE_ROLE_KVSTORE)
 _RETRY_AFTER_S = 1.0
-_OUTCOME_TIMEOUT_S = 2.0  # ReportOutcome is best effort: metrics only
+_CALL_TIMEOUT_S = 2.0     # Abort and ReportOutcome: best effort
+_CLOSE_WAIT_S = 2.5       # how long close() lets those calls finish
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
@@ -69,144 +55,138 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
     return InternalError(message)
 
 
-def _finish_reason(value: str) -> FinishReason:
-    if value not in ("stop", "length"):
-        raise InternalError(f"backend sent an unknown finish reason {value!r}")
-    return value  # type: ignore[return-value]
-
-
 class GrpcBackend:
     def __init__(self, scheduler_address: str, *, request_timeout_s: float, place_timeout_s: float,
-                 health_timeout_s: float, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 health_timeout_s: float, block_size: int | None = None,
+                 migration: MigrationPolicy = MigrationPolicy()) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._aborts: set[asyncio.Task[None]] = set()
-        self._outcomes: set[asyncio.Task[None]] = set()   # ReportOutcome calls and finishing prefills
-        self._block_size = block_size
+        self._background: set[asyncio.Task[None]] = set()  # Abort, ReportOutcome, finishing prefills
+        self._configured_block_size = block_size
+        self._block_sizes: dict[str, int] = {}             # model id -> what its instances use
         self._request_timeout_s = request_timeout_s
         self._place_timeout_s = place_timeout_s
         self._health_timeout_s = health_timeout_s
-        self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel(scheduler_address))
+        self._migration = migration
+        self._scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel(scheduler_address))
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
         # One channel per instance for the life of the gateway: HTTP/2 multiplexes the requests.
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = insecure_channel(address)
         return channel
 
-    async def health(self) -> BackendHealth:
+    # -- the scheduler's view: health and the model's block size ---------------------------------
+
+    async def _list_instances(self) -> scheduler_pb2.ListInstancesReply:
         try:
-            reply = await self._scheduler.ListInstances(
-                scheduler_pb2.ListInstancesRequest(), timeout=self._health_timeout_s
-            )
+            reply = await self._scheduler.ListInstances(scheduler_pb2.ListInstancesRequest(),
+                                                        timeout=self._health_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, "the scheduler") from exc
+        self._learn_block_sizes(reply)
+        return reply
+
+    def _learn_block_sizes(self, reply: scheduler_pb2.ListInstancesReply) -> None:
+        for status in reply.instances:
+            info = status.info
+            if info.role not in _ENGINE_ROLES or info.block_size <= 0 or not info.model_id:
+                continue
+            known = self._block_sizes.get(info.model_id)
+            if known == info.block_size:
+                continue
+            self._block_sizes[info.model_id] = info.block_size
+            configured = self._configured_block_size
+            if configured is not None and configured != info.block_size:
+                log.error("the gateway's block_size setting is %d but %s's instances use %d: using %d "
+                          "(remove the setting; the scheduler's instances are the source of truth)",
+                          configured, info.model_id, info.block_size, info.block_size)
+            else:
+                log.info("model %s uses %d-token blocks", info.model_id, info.block_size)
+
+    async def health(self) -> BackendHealth:
+        reply = await self._list_instances()
         roles = [status.info.role for status in reply.instances]
         return BackendHealth(
             prefill_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_PREFILL),
             decode_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_DECODE),
         )
 
-    async def _place(self, request: GenerationRequest) -> scheduler_pb2.Placement:
+    async def _block_size(self, model_id: str) -> int:
+        if model_id not in self._block_sizes:
+            try:
+                await self._list_instances()
+            except ApiError as exc:
+                log.debug("could not ask the scheduler for the block size: %s", exc.message)
+        return self._block_sizes.get(model_id) or self._configured_block_size or DEFAULT_BLOCK_SIZE
+
+    # -- one attempt's calls (attempt.AttemptCalls) -----------------------------------------------
+
+    async def place(self, request: AttemptRequest, deadline: float) -> scheduler_pb2.Placement:
+        block_size = await self._block_size(request.model_id)
         try:
-            placement = await self._scheduler.Place(
-                scheduler_pb2.PlaceRequest(
-                    request_id=request.request_id,
-                    model_id=request.model_id,
-                    block_keys=list(request.block_keys),
-                    prompt_tokens=len(request.prompt_token_ids),
-                    max_tokens=request.sampling.max_tokens,
-                ),
-                timeout=self._place_timeout_s,
-            )
+            placement = await self._place_with(request, block_size, deadline)
         except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, "the scheduler") from exc
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise PlaceFailed(rpc_error(exc, "the scheduler")) from exc
+            # The model's block size changed (or was never learned): ask again, and retry once.
+            self._block_sizes.pop(request.model_id, None)
+            if await self._block_size(request.model_id) == block_size:
+                raise PlaceFailed(rpc_error(exc, "the scheduler")) from exc
+            try:
+                placement = await self._place_with(request, await self._block_size(request.model_id), deadline)
+            except grpc.aio.AioRpcError as again:
+                raise PlaceFailed(rpc_error(again, "the scheduler")) from again
         if placement.HasField("rejection"):
             rejection = placement.rejection
             message = f"rejected by the scheduler ({rejection.reason}): {rejection.message}"
             error_type = ServiceUnavailableError if rejection.reason in _UNAVAILABLE_REASONS else RateLimitedError
-            raise error_type(message, retry_after_s=rejection.retry_after_s)
+            raise PlaceFailed(error_type(message, retry_after_s=rejection.retry_after_s))
         if not placement.prefill.address or not placement.decode.address:
-            raise InternalError("the scheduler returned a placement without addresses")
+            raise PlaceFailed(InternalError("the scheduler returned a placement without addresses"))
         return placement
 
-    def _prefill_request(self, request: GenerationRequest, placement: scheduler_pb2.Placement) -> prefill_pb2.PrefillRequest:
-        s = request.sampling
-        return prefill_pb2.PrefillRequest(
-            request_id=request.request_id,
-            model_id=request.model_id,
-            token_ids=list(request.prompt_token_ids),
-            cache_salt=request.cache_salt,
-            sampling=common_pb2.SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                has_seed=s.seed is not None, seed=s.seed or 0,
-                max_tokens=s.max_tokens, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    async def _place_with(self, request: AttemptRequest, block_size: int, deadline: float) -> scheduler_pb2.Placement:
+        keys = prefix_block_keys(request.token_ids, block_size, request.model_id, request.cache_salt)
+        timeout = max(min(self._place_timeout_s, deadline - asyncio.get_running_loop().time()), 0.001)
+        return await self._scheduler.Place(
+            scheduler_pb2.PlaceRequest(
+                request_id=request.attempt_id, model_id=request.model_id, block_keys=keys,
+                prompt_tokens=len(request.token_ids), max_tokens=request.sampling.max_tokens,
+                block_size=block_size,
             ),
-            decode_address=placement.decode.address,
-            # Hot-prefix replication: the chosen prefill pulls a longer prefix from this source and keeps it.
-            prefix_source_id=placement.prefix_source_id,
-            prefix_source_blocks=placement.prefix_source_blocks,
+            timeout=timeout,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        deadline = started + self._request_timeout_s
-        placement = await self._place(request)
-        decode_address = placement.decode.address
-        prefill_call = prefill_pb2_grpc.PrefillStub(self._channel(placement.prefill.address)).Prefill(
-            self._prefill_request(request, placement), timeout=max(deadline - loop.time(), 0.001)
-        )
-        stream_call = None
-        finished = False
-        stage = f"prefill at {placement.prefill.address}"
+    def report_outcome(self, request: AttemptRequest, *, ttft_s: float = 0.0, cached_tokens: int = 0,
+                       released: bool) -> None:
+        """Tell the scheduler the measured TTFT, and whether the request will not reach decode."""
+        block_size = self._block_sizes.get(request.model_id) or self._configured_block_size or DEFAULT_BLOCK_SIZE
+        outcome = scheduler_pb2.RequestOutcome(request_id=request.attempt_id, ttft_s=ttft_s,
+                                               cached_blocks=cached_tokens // block_size, released=released)
+        self._in_background(self._send_outcome(outcome))
+
+    async def _send_outcome(self, outcome: scheduler_pb2.RequestOutcome) -> None:
         try:
-            first = await prefill_call.read()
-            if first is grpc.aio.EOF or first.WhichOneof("event") != "first_token":
-                raise InternalError(f"{stage} did not send a first token")
-            token = first.first_token
-            finished = token.finished
-            self._report_outcome(request.request_id, loop.time() - started, token.cached_tokens)
-            yield FirstToken(
-                token_id=token.token_id,
-                prompt_tokens=token.prompt_tokens,
-                cached_tokens=token.cached_tokens,
-                finish_reason=_finish_reason(token.finish_reason) if token.finished else None,
-            )
-            if finished:
-                return
-            handed = await prefill_call.read()
-            if handed is grpc.aio.EOF or handed.WhichOneof("event") != "handed_off":
-                raise InternalError(f"{stage} did not hand the request off")
-            decode_address = handed.handed_off.decode_address or decode_address
-            stage = f"decode at {decode_address}"
-            stream_call = decode_pb2_grpc.DecodeStub(self._channel(decode_address)).StreamTokens(
-                decode_pb2.StreamRequest(request_id=request.request_id),
-                timeout=max(deadline - loop.time(), 0.001),
-            )
-            async for event in stream_call:
-                finished = event.finished
-                yield MoreTokens(
-                    token_ids=tuple(event.token_ids),
-                    finish_reason=_finish_reason(event.finish_reason) if event.finished else None,
-                )
-                if finished:
-                    return
-            raise InternalError(f"{stage} ended the stream before the request finished")
+            await self._scheduler.ReportOutcome(outcome, timeout=_CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            raise rpc_error(exc, stage) from exc
-        finally:
-            # No awaits here: this runs inside a cancelled task when the client went away.
-            if finished and stream_call is None:
-                self._let_prefill_finish(prefill_call)
-            else:
-                prefill_call.cancel()
-            if stream_call is not None:
-                stream_call.cancel()
-            elif not finished:
-                self._abort_in_decode(decode_address, request.request_id)
+            log.debug("could not report the outcome of %s: %s", outcome.request_id, exc.code().name)
 
-    def _let_prefill_finish(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str) -> None:
+        self._in_background(self._abort(address, attempt_id, reason))
+
+    async def _abort(self, address: str, attempt_id: RequestId, reason: str) -> None:
+        try:
+            reply = await decode_pb2_grpc.DecodeStub(self.channel(address)).Abort(
+                decode_pb2.AbortRequest(request_id=attempt_id, reason=reason), timeout=_CALL_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.info("could not abort %s in decode at %s: %s", attempt_id, address, exc.code().name)
+            return
+        log.info("aborted %s in decode at %s (%s; %s)", attempt_id, address, reason,
+                 "it held the request" if reply.found else "not there yet: a late handoff will be refused")
+
+    def let_prefill_finish(self, call: grpc.aio.UnaryStreamCall) -> None:
         """A request that ended at its first token: prefill still writes the prompt's blocks to
         the kvstore after sending it, so read its stream to the end instead of cancelling it."""
 
@@ -217,60 +197,26 @@ class GrpcBackend:
             except grpc.aio.AioRpcError as exc:
                 log.debug("prefill stream after the last token ended with %s", exc.code().name)
 
-        task = asyncio.get_running_loop().create_task(drain())
-        self._outcomes.add(task)
-        task.add_done_callback(self._outcomes.discard)
+        self._in_background(drain())
 
-    def _report_outcome(self, request_id: RequestId, ttft_s: float, cached_tokens: int) -> None:
-        """Tell the scheduler the measured TTFT (predicted-vs-actual metrics), without delaying the stream."""
-        outcome = scheduler_pb2.RequestOutcome(request_id=request_id, ttft_s=ttft_s,
-                                               cached_blocks=cached_tokens // self._block_size)
-        task = asyncio.get_running_loop().create_task(self._send_outcome(outcome))
-        self._outcomes.add(task)
-        task.add_done_callback(self._outcomes.discard)
+    def _in_background(self, work: object) -> None:
+        task = asyncio.get_running_loop().create_task(work)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    async def _send_outcome(self, outcome: scheduler_pb2.RequestOutcome) -> None:
-        try:
-            await self._scheduler.ReportOutcome(outcome, timeout=_OUTCOME_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            log.debug("could not report the outcome of %s: %s", outcome.request_id, exc.code().name)
+    # -- the request ------------------------------------------------------------------------------
 
-    def _abort_in_decode(self, address: str, request_id: RequestId) -> None:
-        task = asyncio.get_running_loop().create_task(self._open_and_cancel(address, request_id))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-
-    async def _open_and_cancel(self, address: str, request_id: RequestId) -> None:
-        """Open decode's stream for a request nobody will read, and cancel it: decode frees it.
-
-        A handoff may still be landing when the client leaves during prefill; while decode says
-        it does not know the request, try again for a short while.
-        """
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[BackendEvent, None]:
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + _ABORT_WINDOW_S
-        while True:
-            call = decode_pb2_grpc.DecodeStub(self._channel(address)).StreamTokens(
-                decode_pb2.StreamRequest(request_id=request_id), timeout=_ABORT_WINDOW_S + _ABORT_CONFIRM_S
-            )
-            try:
-                # Wait until decode has the call (its initial metadata), so the cancel reaches a live handler.
-                await asyncio.wait_for(call.initial_metadata(), _ABORT_CONFIRM_S)
-                unknown = call.done() and await call.code() == grpc.StatusCode.NOT_FOUND
-            except (TimeoutError, grpc.aio.AioRpcError):
-                unknown = False
-            finally:
-                call.cancel()
-            if not unknown:
-                log.info("aborted %s in decode at %s", request_id, address)
-                return
-            if loop.time() >= give_up:
-                log.info("decode at %s never received %s; nothing to abort", address, request_id)
-                return
-            await asyncio.sleep(_ABORT_RETRY_S)
+        deadline = loop.time() + self._request_timeout_s
+        return generate_with_migration(
+            request, lambda attempt: run_attempt(self, attempt, deadline, loop.time),
+            deadline=deadline, clock=loop.time, policy=self._migration,
+        )
 
     async def close(self) -> None:
-        if self._aborts or self._outcomes:
-            await asyncio.wait(self._aborts | self._outcomes, timeout=_ABORT_WINDOW_S + _ABORT_CONFIRM_S)
+        if self._background:
+            await asyncio.wait(self._background, timeout=_CLOSE_WAIT_S)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

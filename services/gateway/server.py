@@ -3,6 +3,11 @@
 ``main`` is the entry every service has (``crescent serve gateway --config FILE`` calls it).
 ``model_loader`` lets tests and tools serve with another tokenizer without a special model
 name in production code.
+
+Shutdown is a drain (``drain``): the first SIGTERM/SIGINT turns ``/health`` to 503 and refuses
+new requests, in-flight streams get ``drain_grace_s`` to finish, then the rest end with an error
+event; only then is uvicorn told to stop, so its own shutdown never cuts a stream. A second
+signal ends the grace at once.
 """
 
 from __future__ import annotations
@@ -12,17 +17,25 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from crescent.services.common.logs import configure_logging
 from crescent.services.gateway.app import build_app
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
+from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.grpc_backend import GrpcBackend
+from crescent.services.gateway.migration import MigrationPolicy
 from crescent.services.gateway.prompt import ServedModel
 
 log = logging.getLogger(__name__)
 
 ModelLoader = Callable[[GatewaySettings], ServedModel]
+
+# After the drain every stream has ended; uvicorn only closes idle keep-alive connections.
+_UVICORN_GRACE_S = 5.0
+# When the grace is over, how long the interrupted streams get to send their error event.
+_END_STREAMS_S = 5.0
 
 
 def _default_loader(settings: GatewaySettings) -> ServedModel:
@@ -32,34 +45,67 @@ def _default_loader(settings: GatewaySettings) -> ServedModel:
     return load_served_model(settings)
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except that a signal starts the drain instead of stopping the server."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+
+
+async def _drain_then_stop(drain: Drain, server: uvicorn.Server, grace_s: float) -> None:
+    drain.begin()
+    log.info("draining: refusing new requests, %d in flight get up to %.0f s", drain.in_flight, grace_s)
+    if not await drain.wait_idle(grace_s):
+        log.warning("drain grace over: ending %d requests with an error", drain.in_flight)
+        drain.end_grace()
+        if not await drain.wait_idle(_END_STREAMS_S):
+            log.error("%d requests did not end after the grace", drain.in_flight)
+    server.should_exit = True
+
+
 async def serve(settings: GatewaySettings, model: ServedModel) -> None:
-    """Serve until SIGINT or SIGTERM; in-flight requests get ``shutdown_grace_s`` to finish, then are cancelled."""
+    """Serve until SIGINT or SIGTERM, then drain (see the module docstring)."""
     backend = GrpcBackend(
         settings.scheduler_address,
         request_timeout_s=settings.request_timeout_s,
         place_timeout_s=settings.place_timeout_s,
         health_timeout_s=settings.health_timeout_s,
         block_size=settings.block_size,
+        migration=MigrationPolicy(max_retries=settings.migration_retries),
     )
-    app = build_app(settings, backend, model)
-    server = uvicorn.Server(
+    drain = Drain()
+    app = build_app(settings, backend, model, drain)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def on_signal() -> None:
+        if stopping:
+            log.info("second signal: ending the drain grace now")
+            drain.end_grace()
+            return
+        stopping.append(loop.create_task(_drain_then_stop(drain, server, settings.drain_grace_s)))
+
+    server = _DrainingServer(
         uvicorn.Config(
             app, host=settings.listen.host, port=settings.listen.port, log_config=None, access_log=False,
-            lifespan="off", timeout_graceful_shutdown=settings.shutdown_grace_s,
-        )
+            lifespan="off", timeout_graceful_shutdown=_UVICORN_GRACE_S,
+        ),
+        # uvicorn's handler runs in a signal context: hand over to the loop.
+        on_signal=lambda: loop.call_soon_threadsafe(on_signal),
     )
-    loop = asyncio.get_running_loop()
-
-    def request_exit() -> None:
-        server.should_exit = True
-
-    # uvicorn installs its own handlers while it serves and re-raises the signal when it is done;
-    # these make that re-raise a no-op instead of killing the process before it cleaned up.
+    # Signals outside server.serve() (before it installs its handlers, after it restores them).
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, request_exit)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await server.serve()
     finally:
+        for task in stopping:
+            task.cancel()
+        await asyncio.gather(*stopping, return_exceptions=True)
         await backend.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -3,9 +3,12 @@
 The stream is ``data: {chunk}\\n\\n`` lines: a first chunk with ``delta.role``, content (or
 ``reasoning_content``, or ``tool_calls``) chunks,
 a chunk with ``finish_reason``, a usage chunk when ``stream_options.include_usage`` is set, then
-``data: [DONE]``. An error after the stream started is sent as ``data: {"error": ...}`` (the
-``openai`` client raises it). However the response ends (finished, client gone, server
-stopping), ``SseResponse`` closes the generation, which cancels its backend calls.
+``data: [DONE]``. A stream that cannot finish (the backend failed past what migration could
+save, or the gateway's drain grace ran out) ends with one chunk carrying both
+``finish_reason: "error"`` and an ``"error"`` object (the ``openai`` client raises it), then
+``data: [DONE]``: a client always sees a finish reason and ``[DONE]``. However the response ends
+(finished, client gone, server stopping), ``SseResponse`` closes the generation, which cancels
+its backend calls.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from crescent.services.gateway.api_models import (
     ChatCompletionChunk,
     ChunkChoice,
     Delta,
-    FinishReason,
     FunctionDelta,
+    StreamFinishReason,
     PromptTokensDetails,
     ToolCallChunk,
     Usage,
 )
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta
+from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, InternalError, RateLimitedError
 from crescent.services.gateway.generation import Finished, TextDelta
 from starlette.responses import StreamingResponse
@@ -72,14 +76,16 @@ class ChatStream:
         first: OutputEvent,
         events: AsyncGenerator[OutputEvent, None],
         record: RequestRecord,
+        drain: Drain,
     ) -> None:
         self._header = header
         self._first = first
         self._events = events
         self._record = record
+        self._drain = drain
 
-    def _chunk(self, delta: Delta, finish_reason: FinishReason | None = None, usage: Usage | None = None,
-               choices: bool = True) -> str:
+    def _chunk(self, delta: Delta, finish_reason: StreamFinishReason | None = None, usage: Usage | None = None,
+               choices: bool = True, error: ApiError | None = None) -> str:
         h = self._header
         chunk = ChatCompletionChunk(
             id=h.request_id, created=h.created, model=h.model,
@@ -87,6 +93,8 @@ class ChatStream:
             usage=usage,
         )
         body = chunk.model_dump(exclude=None if h.include_usage else {"usage"})
+        if error is not None:
+            body.update(error.body())
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     async def sse(self) -> AsyncIterator[str]:
@@ -107,22 +115,24 @@ class ChatStream:
                 self._record.finish("ok")
                 return
             try:
-                event = await anext(self._events)
+                event = await self._drain.race(anext(self._events))
             except ApiError as exc:
-                yield self._error(exc)
-                return
+                error: ApiError = exc
             except StopAsyncIteration:
-                yield self._error(InternalError("the generation ended without a finish"))
-                return
+                error = InternalError("the generation ended without a finish")
             except Exception:
                 log.exception("stream failed")
-                yield self._error(InternalError("internal error"))
-                return
+                error = InternalError("internal error")
+            else:
+                continue
+            yield self._error(error)
+            yield DONE
+            return
 
     def _error(self, error: ApiError) -> str:
         log.warning("stream failed after it started: %s", error.message)
         self._record.finish(status_of(error))
-        return f"data: {json.dumps(error.body())}\n\n"
+        return self._chunk(Delta(), finish_reason="error", error=error)
 
     async def close(self) -> None:
         """Cancel whatever is still running; a stream that did not finish counts as cancelled."""

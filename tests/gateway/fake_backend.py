@@ -4,9 +4,13 @@ The reply to a chat is the last user message echoed back (tokenized with the fak
 then end-of-turn. Directives at the start of that message script the rest:
 ``#loop`` repeat the text forever (only max_tokens ends it), ``#delay=S`` seconds per decode
 event, ``#batch=N`` tokens per event, ``#prefill_delay=S`` before the first token,
-``#fail_after=N`` decode fails (UNAVAILABLE) after N events, ``#late_handoff=S`` a cancelled
-prefill still hands the request to decode S seconds later (a handoff that was in flight).
-Like the real decode, StreamTokens for a request not handed off (yet) answers NOT_FOUND.
+``#fail_after=N`` decode fails (UNAVAILABLE) after N events of every stream, ``#late_handoff=S`` a
+cancelled prefill still hands the request to decode S seconds later (a handoff that was in
+flight), ``#prefill_fail=N`` the first N prefills of this prompt fail (UNAVAILABLE) before their
+first token, ``#handoff_fail=N`` the first N fail after their first token, before the handoff.
+Prefill honours ``first_step`` (a migrated request continues the reply where the client is).
+Like the real decode, StreamTokens for a request not handed off (yet) answers NOT_FOUND, and
+``Abort`` drops a request (cancelling its stream) or leaves a tombstone that refuses its handoff.
 
 Prefill reports cached tokens like a real prefix cache: full blocks whose salted chained keys
 it has seen before. The control API (JSON over HTTP) arms scheduler rejections, sets how many
@@ -39,7 +43,7 @@ from crescent.services.common.admin_http import AdminServer
 from crescent.services.common.block_keys import prefix_block_keys
 from fastapi import FastAPI
 
-from .fake_tokenizer import IM_END, FakeTokenizer
+from .fake_tokenizer import IM_END, MODEL_ID, FakeTokenizer
 
 log = logging.getLogger("fake_backend")
 TOKENIZER = FakeTokenizer()
@@ -56,6 +60,8 @@ class Script:
     prefill_delay_s: float = 0.0
     fail_after: int | None = None
     late_handoff_s: float | None = None
+    prefill_fail: int = 0
+    handoff_fail: int = 0
 
     def token(self, index: int) -> int:
         return self.reply[index % len(self.reply)] if self.loop else self.reply[index]
@@ -81,6 +87,8 @@ def parse_script(prompt_ids: list[int]) -> Script:
         prefill_delay_s=float(options.get("prefill_delay") or 0.0),
         fail_after=int(options["fail_after"]) if options.get("fail_after") else None,
         late_handoff_s=float(options["late_handoff"]) if options.get("late_handoff") else None,
+        prefill_fail=int(options.get("prefill_fail") or 0),
+        handoff_fail=int(options.get("handoff_fail") or 0),
     )
 
 
@@ -103,6 +111,17 @@ class State:
     decode_events: list[dict[str, Any]] = field(default_factory=list)
     seen_keys: set[bytes] = field(default_factory=set)
     jobs: dict[str, Job] = field(default_factory=dict)
+    streams: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # StreamTokens handlers
+    tombstones: set[str] = field(default_factory=set)
+    aborts: list[dict[str, Any]] = field(default_factory=list)
+    outcomes: list[dict[str, Any]] = field(default_factory=list)
+    prefill_attempts: dict[str, int] = field(default_factory=dict)  # by the request's last user message
+
+    def hand_off(self, request_id: str, job: Job) -> None:
+        if request_id in self.tombstones:
+            self.decode_event(request_id, "refused")  # aborted before its handoff arrived
+            return
+        self.jobs[request_id] = job
 
     def decode_event(self, request_id: str, event: str) -> None:
         self.decode_events.append({"request_id": request_id, "event": event, "t": time.monotonic()})
@@ -120,6 +139,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             "request_id": request.request_id, "model_id": request.model_id,
             "block_keys": [k.hex() for k in request.block_keys],
             "prompt_tokens": request.prompt_tokens, "max_tokens": request.max_tokens,
+            "block_size": request.block_size,
         })
         if s.rejection is not None:
             rejection, s.rejection = s.rejection, None
@@ -129,12 +149,19 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def ListInstances(self, request: Any, context: grpc.aio.ServicerContext) -> scheduler_pb2.ListInstancesReply:
         def status(role: int, i: int) -> scheduler_pb2.InstanceStatus:
-            info = scheduler_pb2.InstanceInfo(instance_id=f"fake-{role}-{i}", role=role, address=self.state.address)
+            info = scheduler_pb2.InstanceInfo(instance_id=f"fake-{role}-{i}", role=role, address=self.state.address,
+                                              model_id=MODEL_ID, block_size=self.state.block_size)
             return scheduler_pb2.InstanceStatus(info=info)
 
         instances = [status(scheduler_pb2.INSTANCE_ROLE_PREFILL, i) for i in range(self.state.prefill_instances)]
         instances += [status(scheduler_pb2.INSTANCE_ROLE_DECODE, i) for i in range(self.state.decode_instances)]
         return scheduler_pb2.ListInstancesReply(instances=instances)
+
+    async def ReportOutcome(self, request: scheduler_pb2.RequestOutcome,
+                            context: grpc.aio.ServicerContext) -> scheduler_pb2.OutcomeReply:
+        self.state.outcomes.append({"request_id": request.request_id, "ttft_s": request.ttft_s,
+                                    "released": request.released})
+        return scheduler_pb2.OutcomeReply()
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
@@ -158,14 +185,22 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             "cache_salt": request.cache_salt.decode(), "decode_address": request.decode_address,
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "seed": s.seed if s.has_seed else None, "max_tokens": s.max_tokens,
-            "stop_token_ids": list(s.stop_token_ids), "outcome": "running",
+            "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos, "first_step": s.first_step,
+            "prefix_source_address": request.prefix_source_address, "token_ids": list(request.token_ids),
+            "outcome": "running",
         }
         self.state.prefills.append(record)
         script = parse_script(list(request.token_ids))
+        message = _LAST_USER.findall(TOKENIZER.decode(list(request.token_ids), skip_special_tokens=False))[-1:]
+        tries = self.state.prefill_attempts[str(message)] = self.state.prefill_attempts.get(str(message), 0) + 1
         try:
             await asyncio.sleep(script.prefill_delay_s)
+            if tries <= script.prefill_fail:
+                record["outcome"] = "failed"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill instance lost")
             cached = self._cached_tokens(request)
-            first = script.token(0)
+            step = s.first_step  # a migrated request: the client has the reply up to here
+            first = script.token(step)
             finished = first == IM_END or s.max_tokens == 1
             reason = "stop" if first == IM_END else "length"
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
@@ -173,15 +208,18 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
                 finished=finished, finish_reason=reason if finished else "",
             ))
             if not finished:
-                self.state.jobs[request.request_id] = Job(script, next_index=1, remaining=s.max_tokens - 1)
+                if tries <= script.prefill_fail + script.handoff_fail:
+                    record["outcome"] = "failed"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill instance lost before the handoff")
+                self.state.hand_off(request.request_id, Job(script, next_index=step + 1, remaining=s.max_tokens - 1))
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
             record["outcome"] = "done"
         except (asyncio.CancelledError, GeneratorExit):
             record["outcome"] = "cancelled"
             if script.late_handoff_s is not None:
                 # The handoff was already on its way: decode gets the request after the cancel.
-                job = Job(script, next_index=1, remaining=s.max_tokens - 1)
-                asyncio.get_running_loop().call_later(script.late_handoff_s, self.state.jobs.__setitem__,
+                job = Job(script, next_index=s.first_step + 1, remaining=s.max_tokens - 1)
+                asyncio.get_running_loop().call_later(script.late_handoff_s, self.state.hand_off,
                                                       request.request_id, job)
             raise
 
@@ -197,6 +235,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             self.state.decode_event(rid, "not_found")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid}")
         self.state.decode_event(rid, "opened")
+        self.state.streams[rid] = asyncio.current_task()  # type: ignore[assignment]
         try:
             await context.send_initial_metadata(())
             sent_events = 0
@@ -221,6 +260,21 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             # A cancelled call surfaces as CancelledError at an await, or GeneratorExit at a `yield`.
             self.state.decode_event(rid, "cancelled")
             raise
+        finally:
+            self.state.streams.pop(rid, None)
+
+    async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decode_pb2.AbortReply:
+        rid = request.request_id
+        self.state.aborts.append({"request_id": rid, "reason": request.reason, "t": time.monotonic()})
+        found = self.state.jobs.pop(rid, None) is not None
+        stream = self.state.streams.get(rid)
+        if stream is not None:
+            found = True
+            stream.cancel()
+        if not found:
+            self.state.tombstones.add(rid)
+        self.state.decode_event(rid, "aborted" if found else "tombstone")
+        return decode_pb2.AbortReply(found=found)
 
 
 def control_app(state: State) -> FastAPI:
@@ -247,6 +301,14 @@ def control_app(state: State) -> FastAPI:
     @app.get("/jobs")
     def jobs() -> list[str]:
         return sorted(state.jobs)
+
+    @app.get("/aborts")
+    def aborts() -> list[dict[str, Any]]:
+        return state.aborts
+
+    @app.get("/outcomes")
+    def outcomes() -> list[dict[str, Any]]:
+        return state.outcomes
 
     @app.get("/decode-events")
     def decode_events() -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""A client that goes away frees its decode slot: decode sees its stream cancelled within a second."""
+"""A client that goes away frees its decode slot within a second: decode's stream is cancelled and
+decode is sent one ``Abort`` (which leaves a tombstone when the request has not arrived yet)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,18 @@ def in_flight(gateway: Gateway) -> float:
     return float(line.split()[1])
 
 
-def test_disconnect_mid_stream_cancels_decode(gateway: Gateway, backend: FakeBackend) -> None:
+def abort_for(backend: FakeBackend, request_id: str, timeout_s: float = 1.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        aborts = [a for a in backend.get("/aborts") if a["request_id"] == request_id]
+        if aborts:
+            assert len(aborts) == 1, "one Abort call is enough: decode keeps a tombstone"
+            return aborts[0]
+        assert time.monotonic() < deadline, f"decode got no Abort for {request_id} in {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_disconnect_mid_stream_frees_decode_within_a_second(gateway: Gateway, backend: FakeBackend) -> None:
     cancelled_before = cancelled_count(gateway)
     with httpx.Client(timeout=10) as http:
         with http.stream("POST", f"{gateway.url}/v1/chat/completions", json={**ENDLESS, "stream": True}) as reply:
@@ -58,8 +70,11 @@ def test_disconnect_mid_stream_cancels_decode(gateway: Gateway, backend: FakeBac
             assert wait_for_event(backend, request_id, "opened") == ["opened"]  # still streaming
         # Leaving the block closes the connection mid-stream.
     closed_at = time.monotonic()
-    assert wait_for_event(backend, request_id, "cancelled")[-1] == "cancelled"
+    # Decode's stream ends, and decode is told to drop the request, well within a second.
+    assert "cancelled" in wait_for_event(backend, request_id, "cancelled")
+    assert abort_for(backend, request_id)["reason"] == "cancelled"
     assert time.monotonic() - closed_at < 1.0
+    assert request_id not in backend.get("/jobs")
     # The gateway accounts for it as cancelled, and nothing is left in flight.
     deadline = time.monotonic() + 1.0
     while (cancelled_count(gateway), in_flight(gateway)) != (cancelled_before + 1, 0):
@@ -87,21 +102,26 @@ def hang_up_during_prefill(gateway: Gateway, backend: FakeBackend, directives: s
     return request_id, closed_at
 
 
+def released(backend: FakeBackend, request_id: str) -> bool:
+    return any(o["released"] for o in backend.get("/outcomes") if o["request_id"] == request_id)
+
+
 def test_disconnect_during_prefill_cancels_prefill(gateway: Gateway, backend: FakeBackend) -> None:
-    request_id, _ = hang_up_during_prefill(gateway, backend, "")
-    # The gateway also asked decode to drop the request, which decode never received.
-    events = wait_for_event(backend, request_id, "not_found")
-    assert "cancelled" not in events
+    request_id, closed_at = hang_up_during_prefill(gateway, backend, "")
+    # Decode never had the request: the Abort leaves a tombstone, and the scheduler is told
+    # that what it reserved in decode for the request is free again.
+    assert abort_for(backend, request_id)["t"] - closed_at < 1.0
+    assert wait_for_event(backend, request_id, "tombstone") == ["tombstone"]
+    assert released(backend, request_id)
     assert request_id not in backend.get("/jobs")
 
 
 def test_disconnect_during_prefill_with_handoff_in_flight(gateway: Gateway, backend: FakeBackend) -> None:
-    # Prefill's handoff lands in decode 0.3 s after the cancel: the gateway's abort still frees it.
-    request_id, closed_at = hang_up_during_prefill(gateway, backend, "#late_handoff=0.3")
-    events = wait_for_event(backend, request_id, "cancelled", timeout_s=1.5)
-    assert events[0] == "not_found" and events[-2:] == ["opened", "cancelled"]
-    assert time.monotonic() - closed_at < 1.5
+    # Prefill's handoff lands in decode 0.3 s after the cancel: decode refuses it (tombstone).
+    request_id, _ = hang_up_during_prefill(gateway, backend, "#late_handoff=0.3")
+    assert wait_for_event(backend, request_id, "refused", timeout_s=1.5) == ["tombstone", "refused"]
     assert request_id not in backend.get("/jobs")
+    assert released(backend, request_id)
 
 
 def test_disconnect_during_non_streaming_request_cancels_decode(gateway: Gateway, backend: FakeBackend) -> None:
@@ -113,5 +133,7 @@ def test_disconnect_during_non_streaming_request_cancels_decode(gateway: Gateway
         pass
     closed_at = time.monotonic()
     request_id = last_prefill_id(backend, before)
-    assert wait_for_event(backend, request_id, "cancelled") == ["opened", "cancelled"]
+    assert wait_for_event(backend, request_id, "cancelled")[:2] == ["opened", "cancelled"]
+    abort_for(backend, request_id)
     assert time.monotonic() - closed_at < 1.0
+    assert request_id not in backend.get("/jobs")

@@ -143,12 +143,15 @@ def orphan_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
 
 
 def test_unreachable_scheduler(orphan_gateway: Gateway) -> None:
+    # The gateway stays in its Service (200) and answers each request 503 + Retry-After itself.
     health = httpx.get(f"{orphan_gateway.url}/health", timeout=5)
-    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert health.status_code == 200 and health.json()["status"] == "unavailable"
+    assert "scheduler" in health.json()["reason"]
     for stream in (False, True):
         reply = httpx.post(f"{orphan_gateway.url}/v1/chat/completions", json=body(stream=stream), timeout=10)
         error = assert_error(reply, 503, "backend_unavailable", None)
         assert "scheduler" in error["message"]
+        assert reply.headers["retry-after"] == "1"
     # Client errors are still reported as such without a backend.
     reply = httpx.post(f"{orphan_gateway.url}/v1/chat/completions", json=body(model="x"), timeout=10)
     assert_error(reply, 404, "model_not_found", "model")

@@ -1,4 +1,5 @@
-"""/health follows the backend's readiness; /metrics reports what the requests did."""
+"""/health says whether the gateway takes requests (and reports the backend's state); /metrics
+reports what the requests did."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return float(found.group(1))
 
 
-def test_health_needs_prefill_and_decode(gateway: Gateway, backend: FakeBackend) -> None:
+def test_health_reports_the_backend_without_leaving_the_service(gateway: Gateway, backend: FakeBackend) -> None:
     ready = httpx.get(f"{gateway.url}/health", timeout=5)
     assert ready.status_code == 200
     assert ready.json() == {"status": "ok", "model": "fake-model", "prefill_instances": 1, "decode_instances": 1}
@@ -25,8 +26,10 @@ def test_health_needs_prefill_and_decode(gateway: Gateway, backend: FakeBackend)
         for prefill, decode in ((1, 0), (0, 1)):
             backend.put("/instances", {"prefill": prefill, "decode": decode})
             starting = httpx.get(f"{gateway.url}/health", timeout=5)
-            assert starting.status_code == 503
+            # Still taking requests (they get 503 + Retry-After while nothing can serve them).
+            assert starting.status_code == 200
             assert starting.json()["status"] == "starting"
+            assert (starting.json()["prefill_instances"], starting.json()["decode_instances"]) == (prefill, decode)
     finally:
         backend.put("/instances", {"prefill": 1, "decode": 1})
     assert httpx.get(f"{gateway.url}/health", timeout=5).status_code == 200

@@ -108,8 +108,14 @@ def test_stop_string_in_first_token_aborts_decode(client: openai.OpenAI, model: 
     )
     assert reply.choices[0].message.content == "a"
     assert reply.choices[0].finish_reason == "stop"
-    # The gateway never needed decode's stream, so it opened it only to cancel it: decode frees the slot.
-    assert decode_events(backend, reply.id, wait_for="cancelled") == ["opened", "cancelled"]
+    # The gateway never needed decode's stream: one Abort frees the request in decode, whether
+    # the handoff had landed (aborted) or not (a tombstone refuses it later).
+    deadline = time.monotonic() + 1.0
+    while not {"aborted", "tombstone"} & set(decode_events(backend, reply.id)):
+        assert time.monotonic() < deadline, decode_events(backend, reply.id)
+        time.sleep(0.02)
+    assert "opened" not in decode_events(backend, reply.id)
+    assert reply.id not in backend.get("/jobs")
 
 
 def test_stop_string_never_matching_is_flushed(client: openai.OpenAI, model: str) -> None:
@@ -151,7 +157,7 @@ def test_sampling_parameters_reach_prefill(client: openai.OpenAI, model: str, ba
     assert sent["temperature"] == pytest.approx(0.5)
     assert sent["top_p"] == pytest.approx(0.9)
     assert (sent["top_k"], sent["seed"], sent["max_tokens"]) == (40, 1234, 7)
-    assert sent["stop_token_ids"] == list(TOKENIZER.eos_token_ids)
+    assert sorted(sent["stop_token_ids"]) == sorted(TOKENIZER.eos_token_ids)
     assert sent["model_id"] == MODEL_ID
 
 
@@ -160,23 +166,6 @@ def test_default_max_tokens_fill_the_context(client: openai.OpenAI, model: str, 
     sent = next(p for p in backend.get("/prefills") if p["request_id"] == reply.id)
     # The test gateway's window is 256 tokens, below default_max_tokens: the rest of the window is the cap.
     assert sent["max_tokens"] == 256 - len(prompt_ids("hi"))
-
-
-def test_decode_failure_mid_stream(client: openai.OpenAI, model: str) -> None:
-    messages = [{"role": "user", "content": "#loop #fail_after=2 abcdef"}]
-    stream = client.chat.completions.create(model=model, messages=messages, stream=True)
-    received = []
-    with pytest.raises(openai.APIError, match="unavailable"):
-        for chunk in stream:
-            received.append(chunk.choices[0].delta.content or "")
-    assert "".join(received).startswith("ab")  # what was generated before the failure was delivered
-
-    with pytest.raises(openai.InternalServerError) as failed:
-        client.chat.completions.create(model=model, messages=messages)
-    assert failed.value.status_code == 503
-    # ... and the gateway keeps serving.
-    ok = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "still here"}])
-    assert ok.choices[0].message.content == "still here"
 
 
 def test_models_endpoint(client: openai.OpenAI, model: str) -> None:
