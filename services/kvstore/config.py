@@ -101,9 +101,8 @@ class TiersSettings(StrictModel):
 
 class EventSettings(StrictModel):
     flush_interval_s: float = Field(default=0.05, gt=0, description="how long events wait to be batched")
-    max_batch: int = Field(default=1024, ge=1)
+    max_batch: int = Field(default=1024, ge=1, description="send at once when this many events wait")
     max_pending: int = Field(default=65536, ge=1, description="beyond this, events are dropped and a snapshot follows")
-    retry_interval_s: float = Field(default=1.0, gt=0)
 
 
 class KvStoreSettings(StrictModel):
@@ -115,7 +114,10 @@ class KvStoreSettings(StrictModel):
         default="write_back",
         description="write_back: a block reaches a lower tier when evicted; write_through: on every put",
     )
-    scheduler_address: str | None = Field(default=None, description="host:port for block events; none: no events")
+    scheduler_address: str | None = Field(
+        default=None, description="host:port of the scheduler: the node registers, heartbeats and publishes block events; none: it does not"
+    )
+    advertise_address: str = Field(default="", description="host:port others dial; empty: listen host:port")
     events: EventSettings = EventSettings()
     peers: dict[str, str] = Field(
         default_factory=dict, description="other kvstore nodes, node_id -> host:port, asked on a local miss"

@@ -21,7 +21,7 @@ from crescent.services.common.metrics import KvStoreMetrics, kvstore_metrics
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.kvstore.config import KvStoreSettings, load_kvstore_settings
 from crescent.services.kvstore.disk_tier import DiskTier
-from crescent.services.kvstore.events import EventPublisher
+from crescent.services.kvstore.events import SchedulerLink
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.kvstore.s3_tier import S3Tier
 from crescent.services.kvstore.servicer import KvStoreServicer, add_to_server
@@ -62,9 +62,10 @@ class KvStoreNode:
         self.tiers = build_tiers(settings, self.metrics)
         self.store: TieredStore | None = None
         self.servicer: KvStoreServicer | None = None
-        self.publisher: EventPublisher | None = None
+        self.scheduler_link: SchedulerLink | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.service = GrpcService("kvstore", settings.listen, self._setup, self._cleanup, details=self._details)
+        self.service = GrpcService("kvstore", settings.listen, self._setup, self._cleanup, details=self._details,
+                                   on_started=self._link_scheduler)
 
     def _details(self) -> dict[str, Any]:
         return {"node_id": self.settings.node_id, "tiers": [t.label for t in self.tiers]}
@@ -78,17 +79,22 @@ class KvStoreNode:
             eviction_policy=self.settings.eviction_policy,
             write_through=self.settings.write_policy == "write_through",
         )
-        if self.settings.scheduler_address:
-            self.publisher = EventPublisher(
-                self.settings.scheduler_address, self.settings.node_id, self.store.snapshot_events, self.settings.events
-            )
-            self.store.subscribe(self.publisher.publish)
-            self.publisher.start()
         for index, tier in enumerate(self.tiers):
             if isinstance(tier, S3Tier):  # its index arrives when S3 answers
                 self._tasks.append(asyncio.create_task(self._adopt_when_indexed(index, tier), name="s3-adopt"))
         self.servicer = KvStoreServicer(self.store, self.settings)
         add_to_server(self.servicer, server)
+
+    async def _link_scheduler(self, service: GrpcService) -> None:
+        """Register with the scheduler once the port is known: a kvstore node is a shared prefix source."""
+        settings = self.settings
+        if not settings.scheduler_address:
+            return
+        assert self.store is not None
+        address = settings.advertise_address or f"{settings.listen.host}:{service.port}"
+        self.scheduler_link = SchedulerLink(settings.scheduler_address, settings.node_id, address, self.store,
+                                            settings.events)
+        self.scheduler_link.start()
 
     async def _adopt_when_indexed(self, index: int, tier: S3Tier) -> None:
         await tier.indexed.wait()
@@ -97,8 +103,8 @@ class KvStoreNode:
 
     async def _cleanup(self) -> None:
         await cancel_and_wait(*self._tasks)
-        if self.publisher is not None:
-            await self.publisher.close()
+        if self.scheduler_link is not None:
+            await self.scheduler_link.close()
         if self.servicer is not None:
             await self.servicer.close()
         for tier in self.tiers:

@@ -35,14 +35,35 @@ async def test_a_miss_is_fetched_from_a_peer_and_replicate_pushes_blocks(kvstore
 
 
 class RecordingScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Stands in for the scheduler's event endpoint: records what a node publishes."""
+    """Stands in for the scheduler: records registrations, heartbeats and published events.
+    Like the real one after a restart, it wants a full snapshot from a source until it got one."""
 
     def __init__(self) -> None:
+        self.registrations: list[scheduler_pb2.InstanceInfo] = []
+        self.heartbeats = 0
         self.batches: list[common_pb2.BlockEventBatch] = []
+        self.deregistered: list[str] = []
+        self._snapshotted: set[str] = set()
+
+    async def Register(self, request, context):
+        self.registrations.append(request)
+        self._snapshotted.discard(request.instance_id)
+        return scheduler_pb2.RegisterReply(heartbeat_interval_ms=100, want_full_snapshot=True)
+
+    async def Heartbeat(self, request, context):
+        self.heartbeats += 1
+        return scheduler_pb2.HeartbeatReply(known=True)
 
     async def PublishBlockEvents(self, request, context):
         self.batches.append(request)
-        return scheduler_pb2.EventsReply(accepted=len(request.events))
+        if request.full_snapshot:
+            self._snapshotted.add(request.source_id)
+        return scheduler_pb2.EventsReply(accepted=len(request.events),
+                                         want_full_snapshot=request.source_id not in self._snapshotted)
+
+    async def Deregister(self, request, context):
+        self.deregistered.append(request.instance_id)
+        return scheduler_pb2.DeregisterReply(removed=True)
 
 
 async def start_scheduler(port: int) -> tuple[grpc.aio.Server, RecordingScheduler]:
@@ -61,14 +82,16 @@ async def until(predicate, timeout_s: float = 10.0) -> None:
     raise AssertionError("condition not reached")
 
 
-async def test_events_reach_the_scheduler_with_a_snapshot_after_it_restarts(kvstore_node) -> None:
+async def test_node_registers_as_a_kvstore_and_resends_a_snapshot_after_the_scheduler_restarts(kvstore_node) -> None:
     port = free_port()
     server, recorder = await start_scheduler(port)
-    node = kvstore_node({"scheduler_address": f"127.0.0.1:{port}", "node_id": "kv-7",
-                         "events": {"retry_interval_s": 0.2}})
+    node = kvstore_node({"scheduler_address": f"127.0.0.1:{port}", "node_id": "kv-7"})
     client = KvStoreClient(node.address)
     try:
         await until(lambda: any(b.full_snapshot for b in recorder.batches))
+        info = recorder.registrations[0]
+        assert (info.instance_id, info.role, info.address) == ("kv-7", scheduler_pb2.INSTANCE_ROLE_KVSTORE, node.address)
+        await until(lambda: recorder.heartbeats >= 2)  # it heartbeats like an engine
         chain = make_chain(2)
         await client.put(chain)
         await client.remove([chain[1].key])
@@ -87,9 +110,13 @@ async def test_events_reach_the_scheduler_with_a_snapshot_after_it_restarts(kvst
         await client.put(make_chain(1, salt=b"while-away"))
         await asyncio.sleep(0.5)
         server, recorder = await start_scheduler(port)
-        await until(lambda: any(b.full_snapshot for b in recorder.batches))
+        await until(lambda: any(b.full_snapshot for b in recorder.batches), timeout_s=5)
         snapshot = next(b for b in recorder.batches if b.full_snapshot)
         assert len(snapshot.events) == 2 and chain[0].key in {e.key for e in snapshot.events}
+        assert [r.instance_id for r in recorder.registrations] == ["kv-7"]
+        # A node stopping leaves the index at once rather than after a heartbeat timeout.
+        assert await asyncio.to_thread(node.stop) == 0  # this loop must stay free to answer it
+        assert recorder.deregistered == ["kv-7"]
     finally:
         await client.close()
         await server.stop(0)
