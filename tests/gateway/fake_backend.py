@@ -7,7 +7,8 @@ event, ``#batch=N`` tokens per event, ``#prefill_delay=S`` before the first toke
 ``#fail_after=N`` decode fails (UNAVAILABLE) after N events of every stream, ``#late_handoff=S`` a
 cancelled prefill still hands the request to decode S seconds later (a handoff that was in
 flight), ``#prefill_fail=N`` the first N prefills of this prompt fail (UNAVAILABLE) before their
-first token, ``#handoff_fail=N`` the first N fail after their first token, before the handoff.
+first token, ``#handoff_fail=N`` the first N fail after their first token, before the handoff,
+``#stuck_after=N`` every prefill of a request whose client has N tokens or more fails.
 Prefill honours ``first_step`` (a migrated request continues the reply where the client is).
 Like the real decode, StreamTokens for a request not handed off (yet) answers NOT_FOUND, and
 ``Abort`` drops a request (cancelling its stream) or leaves a tombstone that refuses its handoff.
@@ -62,6 +63,7 @@ class Script:
     late_handoff_s: float | None = None
     prefill_fail: int = 0
     handoff_fail: int = 0
+    stuck_after: int | None = None
 
     def token(self, index: int) -> int:
         return self.reply[index % len(self.reply)] if self.loop else self.reply[index]
@@ -89,6 +91,7 @@ def parse_script(prompt_ids: list[int]) -> Script:
         late_handoff_s=float(options["late_handoff"]) if options.get("late_handoff") else None,
         prefill_fail=int(options.get("prefill_fail") or 0),
         handoff_fail=int(options.get("handoff_fail") or 0),
+        stuck_after=int(options["stuck_after"]) if options.get("stuck_after") else None,
     )
 
 
@@ -195,7 +198,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         tries = self.state.prefill_attempts[str(message)] = self.state.prefill_attempts.get(str(message), 0) + 1
         try:
             await asyncio.sleep(script.prefill_delay_s)
-            if tries <= script.prefill_fail:
+            stuck = script.stuck_after is not None and s.first_step >= script.stuck_after
+            if tries <= script.prefill_fail or stuck:
                 record["outcome"] = "failed"
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill instance lost")
             cached = self._cached_tokens(request)
