@@ -122,8 +122,9 @@ class PlatformPlan:
                 specs.append(ServiceSpec(f"{role}-{i}", role, config, address, f"{admin}/health", f"{admin}/metrics"))
         gateway = f"http://{host}:{self.port}"
         specs.append(ServiceSpec("gateway", "gateway", {
+            # No block size: the gateway learns it from the engines through the scheduler.
             "listen": {"host": host, "port": self.port}, "scheduler_address": scheduler, "model": self.model,
-            "block_size": self.block_size, **drain("gateway"),
+            **drain("gateway"),
         }, None, f"{gateway}/health", f"{gateway}/metrics"))
         return specs
 

@@ -70,6 +70,9 @@ for _c in COMPONENTS:
     CONSTRAINTS[f"{_c}.image.pullPolicy"] = {"enum": ["Always", "IfNotPresent", "Never"]}
     for _port in ("port",) if _c == "gateway" else ("grpcPort", "adminPort"):
         CONSTRAINTS[f"{_c}.{_port}"] = PORT
+for _c in ("gateway", "prefill", "decode"):  # the chart also fails a grace too short to drain in
+    CONSTRAINTS[f"{_c}.terminationGracePeriodSeconds"] = {"minimum": 1}
+    CONSTRAINTS[f"{_c}.preStopSleepSeconds"] = {"minimum": 0}
 for _role in ("prefill", "decode"):
     CONSTRAINTS[f"{_role}.replicas"] = {"minimum": 0}
     CONSTRAINTS[f"{_role}.gpus"] = {"minimum": 0}

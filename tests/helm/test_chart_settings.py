@@ -65,9 +65,13 @@ def test_rendered_settings_load_in_the_service(tmp_path: Path, name: str, servic
     else:
         assert (settings.listen.port, settings.listen.admin_port) == (ports["grpc"], ports["admin"])
     if service in ("prefill", "decode"):
-        assert settings.instance_id == POD_FIELDS["POD_NAME"]
+        assert settings.instance_id == f"{service}-{POD_FIELDS['POD_NAME']}-{ports['grpc']}"  # as discovery names it
         assert settings.advertise_address == f"{POD_FIELDS['POD_IP']}:{ports['grpc']}"
     if service == "kvstore":
         assert settings.node_id == POD_FIELDS["NODE_NAME"]
+    if service == "scheduler":
+        assert settings.discovery.enabled  # every example leaves scheduler.kubernetesDiscovery on
+    if service in ("gateway", "prefill", "decode"):
+        assert settings.drain_grace_s > 0  # from terminationGracePeriodSeconds, see test_lifecycle
     if service != "scheduler" and hasattr(settings, "scheduler_address"):
         assert settings.scheduler_address == "crescent-scheduler:50051"

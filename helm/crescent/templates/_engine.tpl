@@ -95,14 +95,16 @@ spec:
             - name: CRESCENT_GROUP
               value: {{ .group | quote }}
             # Each pod registers with the scheduler under its own name and pod IP.
+            # The id EndpointSlice discovery derives for this pod, so both name one instance.
             - name: CRESCENT_{{ upper .role }}__INSTANCE_ID
-              value: $(POD_NAME)
+              value: {{ .role }}-$(POD_NAME)-{{ $v.grpcPort }}
             - name: CRESCENT_{{ upper .role }}__ADVERTISE_ADDRESS
               value: $(POD_IP):{{ $v.grpcPort }}
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           {{- include "crescent.probes" (dict "port" "admin" "startupFailures" 900) | nindent 10 }}
+          {{- include "crescent.preStop" $v | nindent 10 }}
           resources:
             {{- toYaml $resources | nindent 12 }}
           securityContext:
@@ -258,7 +260,8 @@ instance id and advertised address are per pod, so they come from env vars in th
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int $v.grpcPort) "admin_port" (int $v.adminPort))
   "scheduler_address" (include "crescent.schedulerAddress" $root)
-  "engine" (dict "model" (include "crescent.modelSpec" $root)) }}
+  "engine" (dict "model" (include "crescent.modelSpec" $root))
+  "drain_grace_s" (include "crescent.drainGraceSeconds" $v | int) }}
 {{- if and (eq .role "prefill") $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}

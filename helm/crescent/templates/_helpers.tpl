@@ -178,3 +178,29 @@ spec:
 {{- end }}
 {{- $ports | uniq | toJson }}
 {{- end }}
+
+{{/*
+Shutdown of a pod that drains (gateway, prefill, decode). On deletion Kubernetes runs preStop (a
+sleep: the endpoint leaves its Service and the scheduler's discovery before the service hears
+of it), then sends SIGTERM; the service drains for drain_grace_s, ends what is left, and exits
+before terminationGracePeriodSeconds runs out (a margin of crescent.drainMarginSeconds).
+Call with a component's values.
+*/}}
+{{- define "crescent.drainMarginSeconds" -}}5{{- end }}
+
+{{- define "crescent.drainGraceSeconds" -}}
+{{- $grace := sub (sub (int .terminationGracePeriodSeconds) (int .preStopSleepSeconds)) (int (include "crescent.drainMarginSeconds" .)) }}
+{{- if lt $grace 1 }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) plus %s s for the service to drain in" (int .terminationGracePeriodSeconds) (int .preStopSleepSeconds) (include "crescent.drainMarginSeconds" .)) }}
+{{- end }}
+{{- $grace }}
+{{- end }}
+
+{{- define "crescent.preStop" -}}
+{{- if gt (int .preStopSleepSeconds) 0 }}
+lifecycle:
+  preStop:
+    exec:
+      command: [sleep, {{ .preStopSleepSeconds | quote }}]
+{{- end }}
+{{- end }}
