@@ -216,6 +216,9 @@ class Platform:
         self.force_stop = self.stop_requested
         self.stop_requested = True
 
+    def command(self, spec: ServiceSpec, config_path: Path) -> list[str]:
+        return [sys.executable, "-m", "crescent.services.cli", "serve", spec.service, "--config", str(config_path)]
+
     def _spawn(self, child: _Child) -> None:
         """Start (or restart) one service from its config, rewritten, so on the same ports."""
         spec = child.spec
@@ -227,9 +230,8 @@ class Platform:
                 log_file.write(f"\n--- crescent up: restart {child.restarts} ---\n".encode())
                 log_file.flush()
             child.proc = subprocess.Popen(
-                [sys.executable, "-m", "crescent.services.cli", "serve", spec.service, "--config", str(config_path)],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                preexec_fn=_die_with_parent,
+                self.command(spec, config_path), stdout=log_file, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent,
             )
         child.started_at = self.clock()
 

@@ -4,17 +4,20 @@ launcher survives whatever it prints, and requests succeed again."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from rich.console import Console
 
 from crescent.services import cli
-from crescent.services.launcher import Backoff, SupervisionEvent, describe_exit
-from tests.e2e.stack import Stack, process_alive, start_stack, stop_stack
+from crescent.services.launcher import Backoff, Platform, PlatformPlan, ServiceSpec, SupervisionEvent, describe_exit
+from tests.e2e.stack import Stack, free_port, process_alive, start_stack, stop_stack
 
 SMALL = ("--kv-capacity-tokens", "2048", "--kvstore-gb", "0.2", "--drain-grace", "5")
 
@@ -37,6 +40,49 @@ def test_log_lines_that_look_like_markup_print_as_they_are(monkeypatch: pytest.M
     printed = out.getvalue()
     assert "kvstore crashed: killed by SIGKILL" in printed
     assert all(line in printed for line in tail)
+
+
+class CrashLoop(Platform):
+    """decode-0 exits with code 3 at once, its log line full of brackets; the others idle."""
+
+    def command(self, spec: ServiceSpec, config_path: Path) -> list[str]:
+        if spec.name == "decode-0":
+            return [sys.executable, "-c", "print('cannot bind [::]:1 [/red]'); raise SystemExit(3)"]
+        return [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def test_a_service_that_keeps_crashing_is_restarted_with_backoff_and_reported(tmp_path: Path) -> None:
+    now = [0.0]
+    plan = PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16)
+    platform = CrashLoop(plan, tmp_path, clock=lambda: now[0])
+    platform.start()
+    decode = platform.children["decode-0"]
+    try:
+        delays = []
+        for _ in range(5):
+            decode.proc.wait(30)
+            (crash,) = platform.supervise()
+            assert (crash.kind, crash.name) == ("crashed", "decode-0") and "exit code 3" in crash.detail
+            assert "cannot bind [::]:1 [/red]" in crash.log_tail
+            delays.append(decode.restart_at - now[0])
+            now[0] += delays[-1] / 2
+            assert platform.supervise() == []  # not yet
+            now[0] += delays[-1] / 2
+            (restart,) = platform.supervise()
+            assert restart.kind == "restarted"
+            manifest = {s["name"]: s for s in json.loads((tmp_path / "services.json").read_text())}
+            assert manifest["decode-0"]["pid"] == decode.proc.pid
+        assert delays == [0.5, 1, 2, 4, 8]
+        assert manifest["decode-0"]["restarts"] == 5
+        assert all(manifest[n]["restarts"] == 0 and process_alive(manifest[n]["pid"]) for n in manifest if n != "decode-0")
+        # Up for longer than reset_after_s before this crash: the backoff starts over.
+        decode.proc.wait(30)
+        now[0] += platform.backoff.reset_after_s
+        (crash,) = platform.supervise()
+        assert decode.restart_at - now[0] == 0.5
+    finally:
+        platform.stop(grace_s=5)
+    assert not any(process_alive(p.pid) for p in platform.procs.values())
 
 
 def chat(stack: Stack) -> httpx.Response:
