@@ -1,0 +1,122 @@
+"""Faults about what decode holds: the gateway killed, clients gone, and an overload of a small
+KV cache. KV is read from each decode instance's ``crescent_engine_kv_used_tokens`` gauge."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tests.faults.load import LoadClient, Prompt, StreamingLoad, StreamResult, document_prompts, story_prompts
+from tests.faults.scenarios import (
+    MAX_TOKENS,
+    MIN_CHUNKS,
+    STREAMS,
+    FaultOutcome,
+    finish_recovery,
+    wait_recovered,
+)
+from tests.faults.stack import FaultStack
+
+KV_WATCH_S = 3.0  # how long to keep watching after the KV is back: a late handoff shows up here
+
+
+def kv_freed_after(stack: FaultStack, since: float, baseline: float, watch_s: float = KV_WATCH_S,
+                   poll_s: float = 0.02) -> float | None:
+    """Seconds from ``since`` until decode KV in use is back to ``baseline`` for good: watched
+    until ``watch_s`` after it last was above it. None: still held when the watch ended (30 s)."""
+    last_held = since
+    give_up = since + 30
+    while True:
+        now = time.monotonic()
+        used = sum(v for v in stack.decode_kv_used().values() if v is not None)
+        if used > baseline:
+            last_held = now
+        elif now - last_held >= watch_s:
+            return max(last_held - since, 0.0)
+        if now > give_up:
+            return None
+        time.sleep(poll_s)
+
+
+def idle_kv(stack: FaultStack) -> float:
+    """Decode KV in use with no request running (should be 0)."""
+    return sum(v for v in stack.decode_kv_used().values() if v is not None)
+
+
+async def gateway_killed(stack: FaultStack, client: LoadClient) -> FaultOutcome:
+    """SIGKILL the gateway mid-stream: its connections break; decode must free their KV."""
+    baseline = idle_kv(stack)
+    load = StreamingLoad(client, MAX_TOKENS, salt=f"fault-{uuid.uuid4().hex}")
+    load.add_all(story_prompts(STREAMS))
+    await load.wait_streaming(MIN_CHUNKS)
+    old_pid = stack.signal("gateway", signal.SIGKILL)
+    signalled_at = time.monotonic()
+    kv_freed = await asyncio.to_thread(kv_freed_after, stack, signalled_at, baseline)
+    recovery = asyncio.create_task(wait_recovered(stack, "gateway", old_pid, signalled_at))
+    outcome = FaultOutcome("gateway SIGKILL", "gateway", signalled_at, await load.results(60), {},
+                           kv_freed_s=kv_freed)
+    await finish_recovery(outcome, recovery)
+    return outcome
+
+
+async def clients_gone(stack: FaultStack, client: LoadClient, *, before_first_token: bool) -> FaultOutcome:
+    """Every client hangs up: mid-stream, or right after sending (while prefill still works, so
+    the handoff to decode lands after the gateway knows the client left)."""
+    baseline = idle_kv(stack)
+    prompts = document_prompts(STREAMS, 150, tag="gone") if before_first_token else story_prompts(STREAMS)
+    load = StreamingLoad(client, MAX_TOKENS, salt=f"fault-{uuid.uuid4().hex}")
+    load.add_all(prompts)
+    if before_first_token:
+        await asyncio.sleep(0.3)
+    else:
+        await load.wait_streaming(MIN_CHUNKS)
+    gone_at = await load.hang_up()
+    kv_freed = await asyncio.to_thread(kv_freed_after, stack, gone_at, baseline)
+    where = "before the first token" if before_first_token else "mid-stream"
+    return FaultOutcome(f"client disconnect {where}", "client", gone_at, load.records, {}, kv_freed_s=kv_freed)
+
+
+# -- overload of a small KV cache -------------------------------------------------------------
+
+OVERLOAD_REQUESTS = 24
+OVERLOAD_WORDS = 200        # about 300 prompt tokens
+OVERLOAD_MAX_TOKENS = 128   # prompt + max_tokens ~ 7 pages of 64: 4 fit a 2048-token decode at once
+SEQUENTIAL_REQUESTS = 300
+# A 429 is true when it says which SLO the request was predicted to miss, and by how much.
+_PREDICTION = re.compile(r"\((ttft_slo|tbt_slo|decode_kv_full)\).*?exceeds the SLO of")
+
+
+@dataclass
+class OverloadOutcome:
+    concurrent: list[StreamResult]
+    sequential: list[StreamResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def statuses(self, results: list[StreamResult]) -> Counter:
+        return Counter(r.status for r in results)
+
+    def aborted_after_accept(self) -> list[str]:
+        return [r.describe() for r in self.concurrent + self.sequential if r.aborted_after_accept]
+
+    def untrue_429s(self, results: list[StreamResult]) -> list[str]:
+        return [f"{r.error_code}: {r.error_message}" for r in results
+                if r.status == 429 and not _PREDICTION.search(r.error_message or "")]
+
+
+async def overload(stack: FaultStack, client: LoadClient) -> OverloadOutcome:
+    """``OVERLOAD_REQUESTS`` streams at once against a small KV cache, then
+    ``SEQUENTIAL_REQUESTS`` one-token requests one after another."""
+    start = time.monotonic()
+    load = StreamingLoad(client, OVERLOAD_MAX_TOKENS, salt=f"overload-{uuid.uuid4().hex}")
+    load.add_all(document_prompts(OVERLOAD_REQUESTS, OVERLOAD_WORDS, tag="overload"))
+    outcome = OverloadOutcome(await load.results(600))
+    one_word = Prompt("Say yes.", system="You answer in one word.")
+    for i in range(SEQUENTIAL_REQUESTS):
+        outcome.sequential.append(await client.stream(one_word, 1, salt=f"seq-{i % 4}", ignore_eos=False))
+    outcome.seconds = time.monotonic() - start
+    return outcome
