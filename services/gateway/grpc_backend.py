@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 import grpc
 from crescent.protos import decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE, prefix_block_keys
-from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.grpc_service import GRPC_OPTIONS
 from crescent.services.gateway.attempt import AttemptRequest, PlaceFailed, run_attempt
 from crescent.services.gateway.backend import BackendEvent, BackendHealth, GenerationRequest, RequestId
 from crescent.services.gateway.errors import (
@@ -37,6 +37,10 @@ _ENGINE_ROLES = (scheduler_pb2.INSTANCE_ROLE_PREFILL, scheduler_pb2.INSTANCE_ROL
 _RETRY_AFTER_S = 1.0
 _CALL_TIMEOUT_S = 2.0     # Abort and ReportOutcome: best effort
 _CLOSE_WAIT_S = 2.5       # how long close() lets those calls finish
+# gRPC's reconnect backoff grows to 120 s by default: a restarted scheduler (or an instance back
+# on its address) would stay unreachable from here that long. Retry connections every second.
+_CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
@@ -73,7 +77,7 @@ class GrpcBackend:
         # One channel per instance for the life of the gateway: HTTP/2 multiplexes the requests.
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         return channel
 
     # -- the scheduler's view: health and the model's block size ---------------------------------

@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 ModelLoader = Callable[[GatewaySettings], ServedModel]
 
 # After the drain every stream has ended; uvicorn only closes idle keep-alive connections.
-_UVICORN_GRACE_S = 5.0
+_UVICORN_GRACE_S = 2.0
 # When the grace is over, how long the interrupted streams get to send their error event.
-_END_STREAMS_S = 5.0
+_END_STREAMS_S = 2.0
 
 
 def _default_loader(settings: GatewaySettings) -> ServedModel:
@@ -48,12 +48,12 @@ def _default_loader(settings: GatewaySettings) -> ServedModel:
 class _DrainingServer(uvicorn.Server):
     """uvicorn, except that a signal starts the drain instead of stopping the server."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int, FrameType | None], None]) -> None:
         super().__init__(config)
         self._on_signal = on_signal
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._on_signal()
+        self._on_signal(sig, frame)
 
 
 async def _drain_then_stop(drain: Drain, server: uvicorn.Server, grace_s: float) -> None:
@@ -89,17 +89,20 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
             return
         stopping.append(loop.create_task(_drain_then_stop(drain, server, settings.drain_grace_s)))
 
+    def on_signal_threadsafe(sig: int = 0, frame: FrameType | None = None) -> None:
+        loop.call_soon_threadsafe(on_signal)  # signal handlers run between bytecodes: hand over to the loop
+
     server = _DrainingServer(
         uvicorn.Config(
             app, host=settings.listen.host, port=settings.listen.port, log_config=None, access_log=False,
             lifespan="off", timeout_graceful_shutdown=_UVICORN_GRACE_S,
         ),
-        # uvicorn's handler runs in a signal context: hand over to the loop.
-        on_signal=lambda: loop.call_soon_threadsafe(on_signal),
+        on_signal=on_signal_threadsafe,
     )
-    # Signals outside server.serve() (before it installs its handlers, after it restores them).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    # Plain signal.signal handlers, not loop.add_signal_handler: uvicorn swaps in its own
+    # (signal.signal) while serving and restores these after, and a loop handler would see
+    # every signal a second time through the loop's wakeup fd (a second signal ends the grace).
+    previous = {sig: signal.signal(sig, on_signal_threadsafe) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         await server.serve()
     finally:
@@ -107,8 +110,8 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
             task.cancel()
         await asyncio.gather(*stopping, return_exceptions=True)
         await backend.close()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         log.info("gateway stopped")
 
 
