@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import yaml
@@ -156,7 +156,7 @@ class SupervisionEvent:
     """What the launcher tells its operator: a crash (with the log's last lines), a restart, or a
     restarted service answering ``/health`` again."""
 
-    kind: str  # "crashed", "restarted", "ready", "restart_failed"
+    kind: Literal["crashed", "restarted", "ready", "restart_failed"]
     name: str
     detail: str
     log_tail: tuple[str, ...] = ()
@@ -190,6 +190,7 @@ class Platform:
     run_dir: Path
     backoff: Backoff = Backoff()
     clock: Callable[[], float] = time.monotonic
+    specs: list[ServiceSpec] = field(init=False)
     children: dict[str, _Child] = field(init=False)
     stop_requested: bool = field(default=False, init=False)
     force_stop: bool = field(default=False, init=False)  # a second Ctrl-C: SIGKILL, no more grace
@@ -206,8 +207,11 @@ class Platform:
         return self.run_dir / f"{name}.log"
 
     def log_tail(self, name: str, lines: int = 25) -> list[str]:
+        """The last lines of a service's log (read from its end: logs of long runs are big)."""
         try:
-            return self.log_path(name).read_text(errors="replace").splitlines()[-lines:]
+            with open(self.log_path(name), "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+                return f.read().decode(errors="replace").splitlines()[-lines:]
         except OSError:
             return []
 

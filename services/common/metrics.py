@@ -157,7 +157,7 @@ class KvStoreMetrics:
     promotions: Counter        # by tier (the tier a block moved up from)
     demotions: Counter         # by tier (the tier a block moved down from)
     transferred_bytes: Counter # by direction: in, out
-    checksum_failures: Counter # by tier
+    checksum_failures: Counter # by tier (gpu, host, disk, s3) the bad copy was dropped from; "put": refused on arrival
     s3_errors: Counter         # by operation
     dropped_writes: Counter    # by tier: writes given up (queue full, tier unreachable)
     leased_blocks: Gauge
