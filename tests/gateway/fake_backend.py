@@ -15,7 +15,8 @@ Like the real decode, StreamTokens for a request not handed off (yet) answers NO
 
 Prefill reports cached tokens like a real prefix cache: full blocks whose salted chained keys
 it has seen before. The control API (JSON over HTTP) arms scheduler rejections, sets how many
-instances ListInstances reports, and shows what each service received and observed.
+instances ListInstances reports (and their block size; Place refuses another one with
+FAILED_PRECONDITION, as the real scheduler does), and shows what each service received and observed.
 
 Run: ``python -m tests.gateway.fake_backend --port P --control-port C --block-size B``.
 """
@@ -144,6 +145,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             "prompt_tokens": request.prompt_tokens, "max_tokens": request.max_tokens,
             "block_size": request.block_size,
         })
+        if request.block_size != s.block_size:  # like the real scheduler: one block size per model
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"block_size {request.block_size} differs from the model's {s.block_size}")
         if s.rejection is not None:
             rejection, s.rejection = s.rejection, None
             return scheduler_pb2.Placement(rejection=scheduler_pb2.Rejection(**rejection))
@@ -292,6 +296,11 @@ def control_app(state: State) -> FastAPI:
     @app.put("/instances")
     def instances(body: dict[str, int]) -> dict[str, int]:
         state.prefill_instances, state.decode_instances = body["prefill"], body["decode"]
+        return body
+
+    @app.put("/block-size")
+    def block_size(body: dict[str, int]) -> dict[str, int]:
+        state.block_size = body["block_size"]  # as if the model's instances were redeployed
         return body
 
     @app.get("/places")

@@ -107,8 +107,7 @@ class Gateway(Process):
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "listen": {"host": "127.0.0.1", "port": self.port},
-            "scheduler_address": scheduler_address,
-            "block_size": BLOCK_SIZE,
+            "scheduler_address": scheduler_address,  # no block size: learned from the scheduler
             "log_level": "WARNING",
             **settings,
         }
