@@ -56,8 +56,9 @@ def test_a_grace_period_too_short_to_drain_in_is_refused() -> None:
     assert "terminationGracePeriodSeconds (8) must exceed preStopSleepSeconds (5)" in result.stderr
 
 
-def test_kubernetes_discovery_watches_the_engines_services_under_their_instance_ids() -> None:
-    docs = render("--set", "prefill.settings.engine.block_size=32")
+@pytest.mark.parametrize("block_size_from", ["prefill", "decode"])
+def test_kubernetes_discovery_watches_the_engines_services_under_their_instance_ids(block_size_from: str) -> None:
+    docs = render("--set", f"{block_size_from}.settings.engine.block_size=32")
     discovery = config_of(docs, "scheduler")["discovery"]
     assert discovery["enabled"] is True and discovery["namespace"] == NAMESPACE
     assert discovery["model_id"] == "smollm2-135m-instruct" and discovery["block_size"] == 32
