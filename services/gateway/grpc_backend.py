@@ -36,7 +36,7 @@ _ENGINE_ROLES = (scheduler_pb2.INSTANCE_ROLE_PREFILL, scheduler_pb2.INSTANCE_ROL
                  scheduler_pb2.INSTANCE_ROLE_KVSTORE)
 _RETRY_AFTER_S = 1.0
 _CALL_TIMEOUT_S = 2.0     # Abort and ReportOutcome: best effort
-_CLOSE_WAIT_S = 2.5       # how long close() lets those calls finish
+_CLOSE_WAIT_S = 1.0       # how long close() lets those calls finish (the drain's exit margin is 5 s)
 # gRPC's reconnect backoff grows to 120 s by default: a restarted scheduler (or an instance back
 # on its address) would stay unreachable from here that long. Retry connections every second.
 _CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),

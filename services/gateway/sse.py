@@ -13,6 +13,7 @@ its backend calls.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -83,6 +84,7 @@ class ChatStream:
         self._events = events
         self._record = record
         self._drain = drain
+        self._next: asyncio.Task[OutputEvent] | None = None  # reading the generation's next event
 
     def _chunk(self, delta: Delta, finish_reason: StreamFinishReason | None = None, usage: Usage | None = None,
                choices: bool = True, error: ApiError | None = None) -> str:
@@ -115,7 +117,8 @@ class ChatStream:
                 self._record.finish("ok")
                 return
             try:
-                event = await self._drain.race(anext(self._events))
+                self._next = asyncio.ensure_future(anext(self._events))
+                event = await self._drain.race(self._next)
             except ApiError as exc:
                 error: ApiError = exc
             except StopAsyncIteration:
@@ -136,6 +139,10 @@ class ChatStream:
 
     async def close(self) -> None:
         """Cancel whatever is still running; a stream that did not finish counts as cancelled."""
+        if self._next is not None and not self._next.done():
+            # The response was cancelled (client gone) before the read could be awaited to its end.
+            self._next.cancel()
+            await asyncio.gather(self._next, return_exceptions=True)
         await self._events.aclose()
         self._record.finish("cancelled")
 
