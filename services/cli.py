@@ -62,7 +62,7 @@ def say(*parts: str | tuple[str, str]) -> None:
 
 
 def report(event: SupervisionEvent) -> None:
-    styles = {"crashed": "red", "restart_failed": "red", "restarted": "yellow", "ready": "green"}
+    styles = {"crashed": "red", "exited": "yellow", "restart_failed": "red", "restarted": "yellow", "ready": "green"}
     say((f"{event.name} {event.kind.replace('_', ' ')}", f"bold {styles.get(event.kind, '')}".strip()),
         f": {event.detail}")
     for line in event.log_tail:

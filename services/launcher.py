@@ -156,7 +156,7 @@ class SupervisionEvent:
     """What the launcher tells its operator: a crash (with the log's last lines), a restart, or a
     restarted service answering ``/health`` again."""
 
-    kind: Literal["crashed", "restarted", "ready", "restart_failed"]
+    kind: Literal["crashed", "exited", "restarted", "ready", "restart_failed"]  # exited: code 0, unasked
     name: str
     detail: str
     log_tail: tuple[str, ...] = ()
@@ -297,7 +297,7 @@ class Platform:
             if child.restart_at is None:
                 code = child.proc.poll() if child.proc is not None else None
                 if code is not None:
-                    events.append(self._crashed(child, code, now))
+                    events.append(self._went_down(child, code, now))
             elif now >= child.restart_at:
                 events.append(self._restart(child))
         for child in self.children.values():
@@ -308,7 +308,7 @@ class Platform:
                     events.append(SupervisionEvent("ready", child.spec.name, "answers /health again"))
         return events
 
-    def _crashed(self, child: _Child, code: int, now: float) -> SupervisionEvent:
+    def _went_down(self, child: _Child, code: int, now: float) -> SupervisionEvent:
         up_s = now - child.started_at
         if up_s >= self.backoff.reset_after_s:
             child.crashes_in_a_row = 0
@@ -318,7 +318,8 @@ class Platform:
         child.awaiting_health = False
         in_a_row = f", {child.crashes_in_a_row} crashes in a row" if child.crashes_in_a_row > 1 else ""
         detail = f"{describe_exit(code)} after {up_s:.1f} s up{in_a_row}; restarting in {delay:.1f} s"
-        return SupervisionEvent("crashed", child.spec.name, detail, tuple(self.log_tail(child.spec.name, 10)))
+        kind: Literal["crashed", "exited"] = "exited" if code == 0 else "crashed"  # e.g. someone sent it SIGTERM
+        return SupervisionEvent(kind, child.spec.name, detail, tuple(self.log_tail(child.spec.name, 10)))
 
     def _restart(self, child: _Child) -> SupervisionEvent:
         child.restart_at = None

@@ -85,6 +85,29 @@ def test_a_service_that_keeps_crashing_is_restarted_with_backoff_and_reported(tm
     assert not any(process_alive(p.pid) for p in platform.procs.values())
 
 
+class ExitsCleanly(Platform):
+    """The scheduler exits with code 0 at once (someone sent it SIGTERM); the others idle."""
+
+    def command(self, spec: ServiceSpec, config_path: Path) -> list[str]:
+        code = "raise SystemExit(0)" if spec.name == "scheduler" else "import time; time.sleep(120)"
+        return [sys.executable, "-c", code]
+
+
+def test_a_service_that_exits_unasked_with_code_0_is_restarted_too(tmp_path: Path) -> None:
+    now = [0.0]
+    platform = ExitsCleanly(PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16), tmp_path,
+                            clock=lambda: now[0])
+    platform.start()
+    try:
+        platform.children["scheduler"].proc.wait(30)
+        (exited,) = platform.supervise()
+        assert (exited.kind, exited.name) == ("exited", "scheduler") and "exit code 0" in exited.detail
+        now[0] += 0.5
+        assert [e.kind for e in platform.supervise()] == ["restarted"]
+    finally:
+        platform.stop(grace_s=5)
+
+
 def chat(stack: Stack) -> httpx.Response:
     body = {"model": "smollm2-135m-instruct", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": "Say hello"}]}
