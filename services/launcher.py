@@ -233,9 +233,11 @@ class Platform:
             if child.restarts:
                 log_file.write(f"\n--- crescent up: restart {child.restarts} ---\n".encode())
                 log_file.flush()
+            # A session of its own: Ctrl-C in the terminal reaches only the launcher, which then
+            # drains the services in order instead of all of them stopping at once.
             child.proc = subprocess.Popen(
                 self.command(spec, config_path), stdout=log_file, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent,
+                stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent, start_new_session=True,
             )
         child.started_at = self.clock()
 

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -152,3 +153,36 @@ def test_killed_services_come_back_and_requests_succeed(tmp_path) -> None:
         assert "kvstore crashed: killed by SIGKILL" in up_log and "decode-0 restarted" in up_log
     finally:
         stop_stack(stack)
+
+
+def test_ctrl_c_lets_an_open_stream_finish_then_stops_everything(tmp_path: Path) -> None:
+    port = free_port()
+    log = open(tmp_path / "up.log", "wb")
+    # Its own session, like a shell's foreground job: Ctrl-C goes to the whole group.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port), "--run-dir", str(tmp_path),
+         *SMALL, "--drain-grace", "60"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        wait_until(lambda: (tmp_path / "services.json").exists() or proc.poll() is not None, 300, "crescent up")
+        assert proc.poll() is None, (tmp_path / "up.log").read_text()
+        pids = [s["pid"] for s in json.loads((tmp_path / "services.json").read_text())]
+        body = {"model": "smollm2-135m-instruct", "max_tokens": 24, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": "Count from one to twenty in words."}]}
+        lines: list[str] = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                lines.append(line)
+                if len(lines) == 3:  # streaming: now the operator presses Ctrl-C
+                    os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    chunks = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
+    assert lines[-1] == "data: [DONE]" or lines[-2:] == ["data: [DONE]", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not [p for p in pids if process_alive(p)], "services outlived crescent up"
