@@ -8,7 +8,9 @@ so long prompts slow everyone's tokens — the interference disaggregation remov
 from __future__ import annotations
 
 from crescent.services.scheduler.cost_model import CostModels
-from crescent.services.scheduler.datatypes import DecodeCandidate, InstanceId, Placement, PrefillCandidate, Tier
+from crescent.services.scheduler.datatypes import (
+    DecodeCandidate, Decision, InstanceId, Placement, PlacementRequest, PrefillCandidate, Tier,
+)
 from crescent.services.scheduler.policy import ClusterView
 from loadtest.simulator.nodes import BlockCache, DecodeNode, PrefillNode, SimRequest
 from loadtest.simulator.sim import SimConfig, Simulation
@@ -31,6 +33,12 @@ class ColocatedSimulation(Simulation):
             chunks = waiting / max(self.costs.prefill.seconds(self.config.chunk_tokens), 1e-9)
             waiting += chunks * self.costs.decode.step_seconds(len(d.running), d.context)
         return waiting
+
+    def _decide(self, req: SimRequest) -> Decision:
+        """No Conductor in a vLLM-style cluster: the same policy sees each node's own backlog."""
+        keys = req.keys if self.config.prefix_caching else ()
+        request = PlacementRequest(str(req.index), keys, req.input_length, req.output_length, self.config.block_size)
+        return self.policy.place(request, self._view())
 
     def _view(self) -> ClusterView:
         prefill, decode = [], []

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from crescent.services.common.block_keys import BlockKey
+from crescent.services.scheduler.registry import LoadReport
 
 
 class BlockCache:
@@ -59,11 +60,13 @@ class SimRequest:
     local_blocks: int = 0
     pull_source: str = ""
     pull_blocks: int = 0
-    predicted_s: float = 0.0       # predicted prefill duration (pull + compute) when placed
+    predicted_s: float = 0.0       # colocated: predicted prefill duration (pull + compute) when placed
+    expected_compute: int = 0      # prompt tokens the placement expects it to compute
     reused_blocks: int = 0
     computed_tokens: int = 0
     cached_tokens: int = 0
-    done_tokens: int = 0           # prompt tokens computed so far
+    done_tokens: int = 0           # prompt tokens computed so far, the chunk in progress included
+    chunk_tokens: int = 0          # the chunk in progress
     first_token_s: float | None = None
     last_token_s: float = 0.0
     generated: int = 0
@@ -82,11 +85,21 @@ class PrefillNode:
         self.cache = cache
         self.queue: deque[SimRequest] = deque()
         self.current: SimRequest | None = None
-        self.busy_until = 0.0          # predicted end of all work assigned so far
         self.busy_s = 0.0              # compute time actually spent
+        self.finished: list[str] = []  # request ids done since the last report
 
-    def queue_s(self, now: float) -> float:
-        return max(0.0, self.busy_until - now)
+    def report(self) -> LoadReport:
+        """The heartbeat a live prefill instance sends: its queue, in tokens still to compute."""
+        tokens = sum(r.expected_compute for r in self.queue)
+        active = [str(r.index) for r in self.queue]
+        running = 0
+        if self.current is not None:
+            tokens += self.current.computed_tokens - self.current.done_tokens + self.current.chunk_tokens
+            active.append(str(self.current.index))
+            running = 1
+        finished, self.finished = tuple(self.finished), []
+        return LoadReport(queued_requests=len(self.queue), queued_tokens=tokens, running_requests=running,
+                          active_request_ids=tuple(active), finished_request_ids=finished)
 
 
 class DecodeNode:
@@ -98,10 +111,22 @@ class DecodeNode:
         self.running: list[SimRequest] = []
         self.kv_used = 0
         self.context = 0               # total context of the running batch
-        self.incoming = 0              # placed, still in prefill or in flight
+        self.incoming = 0              # colocated: placed, still in prefill
         self.incoming_kv = 0
         self.incoming_context = 0
         self.stepping = False
+        self.finished: list[str] = []  # request ids done since the last report
+
+    def report(self) -> LoadReport:
+        """The heartbeat a live decode instance sends: free KV is what no request it holds was promised."""
+        waiting_kv = sum(r.kv_tokens for r in self.waiting)
+        active = tuple(str(r.index) for r in self.running) + tuple(str(r.index) for r in self.waiting)
+        finished, self.finished = tuple(self.finished), []
+        return LoadReport(
+            queued_requests=len(self.waiting), queued_tokens=self.context + sum(r.input_length for r in self.waiting),
+            running_requests=len(self.running), free_kv_tokens=self.kv_capacity_tokens - self.kv_used - waiting_kv,
+            active_request_ids=active, finished_request_ids=finished,
+        )
 
     def admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:

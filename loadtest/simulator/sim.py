@@ -1,10 +1,12 @@
-"""The discrete-event loop: arrivals, placement by the real policy, prefill, handoff, decode.
+"""The discrete-event loop: arrivals, placement by the real Conductor, prefill, handoff, decode.
 
-Time advances from event to event. Prefill nodes run their queue first in, first out, in
-chunks of ``chunk_tokens``; each finished chunk publishes its complete blocks, so peers can
-pull them. Decode nodes run continuous batching: requests join and leave between steps.
-Cost models give every duration, so with exact models the scheduler's predictions are exact
-except where the cache changed between placement and execution.
+Time advances from event to event. The live scheduler's ``Conductor`` runs on the simulated
+clock: simulated instances register with it, report their load every ``heartbeat_interval_s``
+(with the request ids they hold, as live instances do), publish their blocks to its index, and
+it admits and places every request with the same reservations and policy as in production.
+Prefill nodes run their queue first in, first out, in chunks of ``chunk_tokens``; each finished
+chunk publishes its complete blocks, so peers can pull them. Decode nodes run continuous
+batching: requests join and leave between steps. Cost models give every duration.
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from crescent.services.common.block_keys import BlockKey
+from crescent.services.scheduler.conductor import Conductor
+from crescent.services.scheduler.config import SchedulerSettings
 from crescent.services.scheduler.cost_model import CostModels
 from crescent.services.scheduler.cost_presets import paper_cost_models
-from crescent.services.scheduler.datatypes import (
-    DecodeCandidate, InstanceId, Placement, PlacementRequest, PrefillCandidate, Slo, Tier,
-)
-from crescent.services.scheduler.policies import make_policy
-from crescent.services.scheduler.policy import ClusterView, PolicyOptions
-from crescent.services.scheduler.prefix_index import PrefixIndex
+from crescent.services.scheduler.datatypes import Decision, InstanceId, Placement, Role, Tier
+from crescent.services.scheduler.registry import InstanceSpec
 from loadtest.simulator.nodes import BlockCache, DecodeNode, PrefillNode, SimRequest
 from loadtest.simulator.report import RequestRecord
 from loadtest.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest
@@ -46,10 +46,12 @@ class SimConfig:
     slo_ttft_s: float = 30.0
     slo_tbt_s: float = 0.1
     reject_early: bool = False
+    decode_wait_in_tbt: bool = False    # the scheduler's slo.decode_wait_in_tbt
     remote_threshold_blocks: int = 2
     # KV streams to decode layer by layer while prefill runs (Mooncake); only this share of the
     # full transfer remains after the last layer. 1.0: transfer it all after prefill.
     handoff_share: float = 1 / 80
+    heartbeat_interval_s: float = 1.0   # how often instances report their load, as live
     seed: int = 0
 
 
@@ -57,23 +59,42 @@ def _key(hash_id: int) -> BlockKey:
     return BlockKey(hash_id.to_bytes(8, "little", signed=True))
 
 
+def scheduler_settings(config: SimConfig) -> SchedulerSettings:
+    """The live scheduler's settings for a simulated cluster whose reports are never lost."""
+    forever = 1e12
+    return SchedulerSettings.model_validate({
+        "heartbeat_timeout_s": forever,
+        "reservation_timeout_s": forever,
+        "block_size": config.block_size,
+        "policy": {"name": config.policy, "seed": config.seed,
+                   "remote_prefix_threshold_blocks": config.remote_threshold_blocks,
+                   "allow_remote_prefix": config.global_cache and config.prefix_caching},
+        "slo": {"ttft_s": config.slo_ttft_s, "tbt_s": config.slo_tbt_s, "reject_early": config.reject_early,
+                "decode_wait_in_tbt": config.decode_wait_in_tbt},
+        "index": {"max_blocks": 1 << 40},
+    })
+
+
 class Simulation:
     def __init__(self, config: SimConfig, costs: CostModels | None = None) -> None:
         self.config = config
         self.costs = costs or paper_cost_models()
-        self.index = PrefixIndex(max_blocks=1 << 40)
-        self.policy = make_policy(
-            config.policy, self.costs, Slo(config.slo_ttft_s, config.slo_tbt_s, config.reject_early),
-            PolicyOptions(seed=config.seed, remote_prefix_threshold_blocks=config.remote_threshold_blocks,
-                          allow_remote_prefix=config.global_cache and config.prefix_caching),
-        )
+        self.now = 0.0
+        self.conductor = Conductor(scheduler_settings(config), clock=lambda: self.now, costs=self.costs)
+        self.index = self.conductor.index  # nodes' block events land here, as published live
+        self.policy = self.conductor.policy
         capacity = None if config.cache_capacity_tokens is None else max(config.cache_capacity_tokens // config.block_size, 1)
         self.prefill = {f"p{i}": PrefillNode(f"p{i}", BlockCache(capacity)) for i in range(config.prefill_instances)}
         self.decode = {
             f"d{i}": DecodeNode(f"d{i}", config.decode_max_batch, config.decode_kv_capacity_tokens)
             for i in range(config.decode_instances)
         }
-        self.now = 0.0
+        for node_id in self.prefill:
+            self.conductor.register(InstanceSpec(InstanceId(node_id), Role.PREFILL, node_id, "", config.block_size, 0, 0))
+        for node_id, d in self.decode.items():
+            self.conductor.register(InstanceSpec(InstanceId(node_id), Role.DECODE, node_id, "", config.block_size,
+                                                 d.kv_capacity_tokens, d.max_batch))
+        self._last_report = -math.inf
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self.records: list[RequestRecord] = []
@@ -97,21 +118,24 @@ class Simulation:
 
     # ---- arrival and placement -------------------------------------------------------------
 
-    def _view(self) -> ClusterView:
-        now = self.now
-        prefill = [PrefillCandidate(InstanceId(n.node_id), n.queue_s(now), len(n.queue)) for n in self.prefill.values()]
-        decode = [
-            DecodeCandidate(InstanceId(d.node_id), d.view_batch(), d.view_context(), d.view_free_kv(), d.max_batch)
-            for d in self.decode.values()
-        ]
-        return ClusterView(prefill, decode, self.index)
+    def _report_loads(self) -> None:
+        """Every instance's heartbeat, at most every ``heartbeat_interval_s`` (arrivals decide when)."""
+        if self.now - self._last_report < self.config.heartbeat_interval_s:
+            return
+        self._last_report = self.now
+        for p in self.prefill.values():
+            self.conductor.heartbeat(InstanceId(p.node_id), p.report())
+        for d in self.decode.values():
+            self.conductor.heartbeat(InstanceId(d.node_id), d.report())
+
+    def _decide(self, req: SimRequest) -> Decision:
+        self._report_loads()
+        keys = req.keys if self.config.prefix_caching else ()
+        return self.conductor.place(str(req.index), "", keys, req.input_length, req.output_length)
 
     def _arrive(self, tr: TraceRequest) -> None:
         req = SimRequest(tr.index, tr.arrival_s, tr.input_length, tr.output_length, tuple(_key(h) for h in tr.hash_ids))
-        keys = req.keys if self.config.prefix_caching else ()
-        decision = self.policy.place(
-            PlacementRequest(str(tr.index), keys, tr.input_length, tr.output_length, self.config.block_size), self._view()
-        )
+        decision = self._decide(req)
         if not isinstance(decision, Placement):
             self.records.append(RequestRecord.rejected(req, decision.reason))
             return
@@ -122,12 +146,7 @@ class Simulation:
         req.prefill, req.decode, req.local_blocks = p.prefill, p.decode, p.local_blocks
         if p.pull is not None:
             req.pull_source, req.pull_blocks = p.pull.source, p.pull.blocks
-        req.predicted_s = max(p.predicted_ttft_s - node.queue_s(self.now), 0.0)
-        node.busy_until = max(node.busy_until, self.now) + req.predicted_s
-        d = self.decode[p.decode]
-        d.incoming += 1
-        d.incoming_kv += req.kv_tokens
-        d.incoming_context += req.input_length
+        req.expected_compute = req.input_length - (self._cached_tokens(req, p.cached_blocks) if p.cached_blocks else 0)
         node.queue.append(req)
         if node.current is None:
             self._start_next(node)
@@ -158,8 +177,6 @@ class Simulation:
         req.cached_tokens = self._cached_tokens(req, reuse) if reuse else 0
         req.computed_tokens = req.input_length - req.cached_tokens
         req.done_tokens = 0
-        actual = transfer_s + self.costs.prefill.seconds(req.computed_tokens, req.cached_tokens)
-        node.busy_until += actual - req.predicted_s  # keep later predictions honest
         self._next_chunk(node, req, transfer_s + self.costs.prefill.fixed_s)
 
     def _next_chunk(self, node: PrefillNode, req: SimRequest, extra_s: float = 0.0) -> None:
@@ -168,11 +185,13 @@ class Simulation:
         seconds = self.costs.prefill.seconds(chunk, context) - self.costs.prefill.fixed_s
         node.busy_s += seconds
         req.done_tokens += chunk
+        req.chunk_tokens = chunk
         self._at(self.now + extra_s + seconds, self._CHUNK, node)
 
     def _chunk_done(self, node: PrefillNode) -> None:
         req = node.current
         assert req is not None
+        req.chunk_tokens = 0
         complete = (req.cached_tokens + req.done_tokens) // self.config.block_size
         if self.config.prefix_caching:
             self._store(node, req.keys[:complete])
@@ -182,6 +201,9 @@ class Simulation:
         if self.config.prefix_caching:
             self._store(node, req.keys)  # the last, partial block too: the trace names it
         req.first_token_s = req.last_token_s = self.now
+        node.finished.append(str(req.index))
+        # The gateway's outcome report: a request that ends at its first token never reaches decode.
+        self.conductor.outcome(str(req.index), self.now - req.arrival_s, released=req.output_length <= 1)
         handoff = self.costs.transfer.seconds(req.input_length, Tier.ENGINE) * self.config.handoff_share
         self._at(self.now + handoff, self._HANDOFF, req)
         self._start_next(node)
@@ -197,9 +219,6 @@ class Simulation:
 
     def _handoff_done(self, req: SimRequest) -> None:
         d = self.decode[req.decode]
-        d.incoming -= 1
-        d.incoming_kv -= req.kv_tokens
-        d.incoming_context -= req.input_length
         if req.output_length <= 1:
             self._finish(req)
             return
@@ -225,6 +244,7 @@ class Simulation:
             if req.generated >= req.output_length - 1:
                 d.kv_used -= req.kv_tokens
                 d.context -= req.input_length + req.generated
+                d.finished.append(str(req.index))
                 self._finish(req)
             else:
                 still.append(req)

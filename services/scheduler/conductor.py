@@ -17,6 +17,7 @@ from crescent.services.common.block_keys import BlockKey
 from crescent.services.scheduler.config import SchedulerSettings
 from crescent.services.scheduler.cost_model import CostModels
 from crescent.services.scheduler.cost_presets import cost_models_from_settings
+from crescent.services.scheduler.decode_outlook import KnownRequest, project_releases
 from crescent.services.scheduler.datatypes import (
     DecodeCandidate,
     Decision,
@@ -79,7 +80,7 @@ class Conductor:
         self.policy = make_policy(
             p.name,
             self.costs,
-            Slo(settings.slo.ttft_s, settings.slo.tbt_s, settings.slo.reject_early),
+            Slo(settings.slo.ttft_s, settings.slo.tbt_s, settings.slo.reject_early, settings.slo.decode_wait_in_tbt),
             PolicyOptions(
                 seed=p.seed,
                 remote_prefix_threshold_blocks=p.remote_prefix_threshold_blocks,
@@ -199,14 +200,8 @@ class Conductor:
         for r in self.registry.placeable(Role.PREFILL):
             if model_id and r.spec.model_id != model_id:
                 continue
-            pending, pending_tokens, _ = r.reservations.pending_totals()
-            reported = r.load.queued_requests + r.load.running_requests
-            reported_tokens = r.load.queued_tokens or reported * self.settings.assumed_prompt_tokens
-            queued_tokens = reported_tokens + pending_tokens
-            queued = reported + pending
-            # Queued prompts are unknown one by one: treat them as equal shares of the tokens.
-            queue_s = queued * prefill_cost.seconds(queued_tokens // queued) if queued else 0.0
-            prefill.append(PrefillCandidate(r.spec.instance_id, queue_s, queued, r.spec.address))
+            queued = r.load.queued_requests + r.load.running_requests + sum(1 for _ in r.reservations.pending())
+            prefill.append(PrefillCandidate(r.spec.instance_id, self._prefill_queue_s(r), queued, r.spec.address))
         for r in self.registry.placeable(Role.DECODE):
             if model_id and r.spec.model_id != model_id:
                 continue
@@ -217,6 +212,31 @@ class Conductor:
         shared = frozenset(kvstores | {s for s in self.index.sources() if s not in registered})
         return ClusterView(prefill, decode, self.index, shared)
 
+    def _prefill_queue_s(self, r: InstanceRecord) -> float:
+        """Predicted wait before a new prompt starts on a prefill instance.
+
+        Requests this scheduler placed count one by one with their own prompt and cached
+        prefix; the report says how far the instance got (tokens left) and covers requests the
+        scheduler does not know (placed before it restarted) as equal shares of the rest.
+        """
+        cost = self.costs.prefill
+        held = r.reservations.held_in_order()
+        pending = sum(cost.seconds(e.tokens, e.prompt_tokens - e.tokens) for e in r.reservations.pending())
+        reported_requests = r.load.queued_requests + r.load.running_requests
+        reported_tokens = r.load.queued_tokens or reported_requests * self.settings.assumed_prompt_tokens
+        held_tokens = sum(e.tokens for e in held)
+        queue_s = pending
+        for i, e in enumerate(held):
+            seconds = cost.seconds(e.tokens, e.prompt_tokens - e.tokens)
+            if i == 0 and e.tokens and held_tokens > reported_tokens:  # the running one is partly done
+                seconds *= max(e.tokens - (held_tokens - reported_tokens), 0) / e.tokens
+            queue_s += seconds
+        unknown = reported_requests - len(held)
+        unknown_tokens = reported_tokens - held_tokens
+        if unknown > 0 and unknown_tokens > 0:  # unknown prompts: equal shares of the tokens left
+            queue_s += unknown * cost.seconds(unknown_tokens // unknown)
+        return queue_s
+
     def _decode_candidate(self, r: InstanceRecord, need_kv_tokens: int, now: float) -> DecodeCandidate:
         spec, load = r.spec, r.load
         pending, pending_kv, pending_prompt = r.reservations.pending_totals()
@@ -226,26 +246,25 @@ class Conductor:
         free = load.free_kv_tokens - pending_kv if capacity is not None else None
         slot_short = bool(spec.max_batch_size) and batch + 1 > spec.max_batch_size
         releases: tuple[tuple[float, int], ...] = ()
-        if slot_short or (free is not None and free < need_kv_tokens):  # only then the policy needs them
+        if capacity is not None and (slot_short or (free is not None and free < need_kv_tokens)):
             running = min(batch, spec.max_batch_size) if spec.max_batch_size else batch
             step = self.costs.decode.step_seconds(max(running, 1), context)
-            releases = tuple(sorted(self._release_times(r, step, now)))
+            releases = tuple(self._project_releases(r, step, now))  # only when the policy needs them
         return DecodeCandidate(spec.instance_id, batch, context, free, spec.max_batch_size, spec.address,
                                capacity, releases)
 
     @staticmethod
-    def _release_times(r: InstanceRecord, step_s: float, now: float) -> list[tuple[float, int]]:
-        """When each request promised to or held by a decode instance frees its KV, at the latest:
-        it may stop early, never later than max_tokens steps after it arrives."""
-        times = []
-        for e in r.reservations.held():
-            since = now if e.held_since is None else e.held_since
-            done_steps = (now - since) / step_s if step_s > 0 else 0.0
-            times.append((max(e.max_tokens - done_steps, 1.0) * step_s, e.tokens))
-        for e in r.reservations.pending():
-            arrives_in = max(e.ready_in_s - (now - e.placed_at), 0.0)
-            times.append((arrives_in + e.max_tokens * step_s, e.tokens))
-        return times
+    def _project_releases(r: InstanceRecord, step_s: float, now: float) -> list[tuple[float, int]]:
+        """When each request held by or promised to a decode instance frees its KV."""
+        held = r.reservations.held_in_order()
+        room = r.load.free_kv_tokens + sum(e.tokens for e in held)  # what requests unknown to us leave
+        known = []
+        for e in held:  # one still waiting at the instance makes no progress
+            done = (now - e.running_since) / step_s if e.running_since is not None and step_s > 0 else 0.0
+            known.append(KnownRequest(e.tokens, e.max_tokens - done, 0.0))
+        pending = sorted(r.reservations.pending(), key=lambda e: e.placed_at + e.ready_in_s)
+        known += [KnownRequest(e.tokens, e.max_tokens, max(e.ready_in_s - (now - e.placed_at), 0.0)) for e in pending]
+        return project_releases(known, room, r.spec.max_batch_size, step_s)
 
     def place(self, request_id: str, model_id: str, block_keys: tuple[BlockKey, ...],
               prompt_tokens: int, max_tokens: int, block_size: int = 0) -> Decision:
@@ -310,7 +329,3 @@ class Conductor:
         if released:
             self.release(request_id)
         return predicted
-
-    def take_prediction(self, request_id: str) -> float | None:
-        """The predicted TTFT of a placed request, once (for predicted-vs-actual metrics)."""
-        return self.outcome(request_id, 0.0, released=False)

@@ -19,6 +19,12 @@ class SloSettings(StrictModel):
     ttft_s: float = Field(default=60.0, gt=0, description="time to first token")
     tbt_s: float = Field(default=1.0, gt=0, description="time between tokens (mean of the longest 10%)")
     reject_early: bool = Field(default=True, description="false: place every request, however late")
+    decode_wait_in_tbt: bool = Field(
+        default=False,
+        description="a request that must wait at decode (for KV or a batch slot) stalls after its first token: "
+                    "true counts that stall in its predicted TBT (Mooncake's mean of the longest 10% of intervals); "
+                    "false checks it against the TTFT SLO only",
+    )
 
 
 class PrefillCostSettings(StrictModel):

@@ -109,6 +109,7 @@ class Slo:
     ttft_s: float
     tbt_s: float
     reject_early: bool = True
+    decode_wait_in_tbt: bool = False  # see SloSettings
 
 
 @dataclass(slots=True)

@@ -66,12 +66,22 @@ class DecodeEstimate:
     """One decode instance's outlook for one request."""
 
     candidate: DecodeCandidate
-    kv_wait_s: float            # until its KV reservation fits: 0 now, inf never (as far as known)
-    tbt_s: float                # predicted Mooncake TBT, a wait for a batch slot included
+    kv_wait_s: float            # after it arrives, until its KV reservation fits: 0 now, inf never (as far as known)
+    slot_wait_s: float          # after it arrives, until a place in the running batch frees
+    step_s: float               # the step time of the batch it runs in
+    tbt_s: float                # predicted TBT (its waits included when the SLO says so)
 
     @property
     def fits_now(self) -> bool:
         return self.kv_wait_s == 0.0
+
+    @property
+    def wait_s(self) -> float:
+        return max(self.kv_wait_s, self.slot_wait_s)
+
+    @property
+    def wait_reason(self) -> str:
+        return "decode_kv_full" if self.kv_wait_s >= self.slot_wait_s else "decode_batch_full"
 
 
 class Policy(ABC):
@@ -128,12 +138,20 @@ class Policy(ABC):
                 "decode_kv_full", "no decode instance has KV room for this request, and none is known to free it soon",
                 self.options.tbt_retry_after_s,
             )
-        if prefill.ttft_s + decode.kv_wait_s > slo.ttft_s:
+        if prefill.ttft_s + decode.wait_s > slo.ttft_s:
+            what = "KV for this request frees" if decode.wait_reason == "decode_kv_full" else "a batch slot frees"
             return Rejection(
-                "decode_kv_full",
-                f"decode KV for this request frees in about {decode.kv_wait_s:.1f}s; with a predicted time to first "
-                f"token of {prefill.ttft_s:.2f}s that exceeds the SLO of {slo.ttft_s:g}s",
-                _retry_after(prefill.ttft_s + decode.kv_wait_s - slo.ttft_s),
+                decode.wait_reason,
+                f"at decode, {what} in about {decode.wait_s:.1f}s; with a predicted time to first token of "
+                f"{prefill.ttft_s:.2f}s that exceeds the SLO of {slo.ttft_s:g}s",
+                _retry_after(prefill.ttft_s + decode.wait_s - slo.ttft_s),
+            )
+        if decode.tbt_s > slo.tbt_s and decode.step_s <= slo.tbt_s:  # the wait breaks it, not the pace
+            return Rejection(
+                decode.wait_reason,
+                f"waiting {decode.wait_s:.1f}s at decode makes the predicted time between tokens "
+                f"{decode.tbt_s:.3f}s, over the SLO of {slo.tbt_s:g}s",
+                _retry_after(decode.wait_s),
             )
         if decode.tbt_s > slo.tbt_s:
             return Rejection(
@@ -152,7 +170,8 @@ class Policy(ABC):
 
     def estimate_decode(self, d: DecodeCandidate, request: PlacementRequest, arrives_in_s: float = 0.0) -> DecodeEstimate:
         """``arrives_in_s``: when the request reaches decode (its predicted TTFT); what frees
-        before then is free for it."""
+        before then is free for it. Its first token comes from prefill: a wait at decode is a
+        stall before the second."""
         need = request.prompt_tokens + request.max_tokens
         kv_wait = 0.0
         if d.free_kv_tokens is not None and d.free_kv_tokens < need:
@@ -160,11 +179,19 @@ class Policy(ABC):
                 kv_wait = math.inf
             else:
                 kv_wait = max(seconds_until_freed(d.releases, need - d.free_kv_tokens) - arrives_in_s, 0.0)
-        return DecodeEstimate(d, kv_wait, self.predicted_tbt(d, request, arrives_in_s))
+        step, slot_wait = self.decode_step_and_slot_wait(d, request, arrives_in_s)
+        tbt = step
+        if self.slo.decode_wait_in_tbt:  # Mooncake TBT: the wait is one of its longest 10% intervals
+            tbt += max(slot_wait, kv_wait) / max(1, math.ceil(0.1 * max(request.max_tokens - 1, 1)))
+        return DecodeEstimate(d, kv_wait, slot_wait, step, tbt)
 
     def predicted_tbt(self, d: DecodeCandidate, request: PlacementRequest, arrives_in_s: float = 0.0) -> float:
-        """The step time of the batch the request joins (at most ``max_batch_size`` run at once);
-        a wait for a batch slot is one long interval among the longest 10% of its intervals."""
+        return self.estimate_decode(d, request, arrives_in_s).tbt_s
+
+    def decode_step_and_slot_wait(self, d: DecodeCandidate, request: PlacementRequest,
+                                  arrives_in_s: float) -> tuple[float, float]:
+        """The step time of the batch the request joins (at most ``max_batch_size`` run at once)
+        and its wait for a place in that batch."""
         batch = d.batch_size + 1
         running = min(batch, d.max_batch_size) if d.max_batch_size else batch
         # Over its life the request sits in the batch with its prompt plus half its output.
@@ -172,12 +199,10 @@ class Policy(ABC):
         step = self.costs.decode.step_seconds(running, context)
         waiting = batch - running
         if not waiting:
-            return step
+            return step, 0.0
         known = [t for t, _ in d.releases]
         slot_free_s = known[waiting - 1] if waiting <= len(known) else max(known[-1] if known else 0.0, waiting * step)
-        slot_wait = max(slot_free_s - arrives_in_s, 0.0)
-        longest = max(1, math.ceil(0.1 * max(request.max_tokens - 1, 1)))
-        return step + slot_wait / longest
+        return step, max(slot_free_s - arrives_in_s, 0.0)
 
 
 def _soonest(e: DecodeEstimate) -> tuple[float, float]:

@@ -48,9 +48,9 @@ class InstanceRecord:
     spec: InstanceSpec
     load: LoadReport
     last_seen: float
-    # Placed here and not yet covered by ``load`` (decode: also the held ones, see reservations.py).
-    reservations: ReservationBook = field(default_factory=lambda: ReservationBook(keep_held=False))
-    reports_request_ids: bool = False  # False: an older instance; each report covers all placed so far
+    # Placed here: pending (not covered by ``load`` yet) and held (listed by the instance).
+    reservations: ReservationBook = field(default_factory=lambda: ReservationBook(keep_held=True))
+    reports_request_ids: bool = False  # False so far: maybe an older instance that lists no requests
     registered_at: float = field(default=0.0)
 
     @property
@@ -74,7 +74,7 @@ class InstanceRegistry:
         if previous is not None and previous.spec != spec:
             log.info("instance %s re-registered with new details", spec.instance_id)
         load = LoadReport(free_kv_tokens=spec.kv_capacity_tokens)
-        book = ReservationBook(keep_held=spec.role is Role.DECODE)
+        book = ReservationBook(keep_held=spec.role is not Role.KVSTORE)
         self._records[spec.instance_id] = InstanceRecord(spec, load, last_seen=now, reservations=book, registered_at=now)
         log.info("registered %s instance %s at %s", spec.role.value, spec.instance_id, spec.address)
 
@@ -88,7 +88,11 @@ class InstanceRegistry:
             record.reports_request_ids = True
         if record.reports_request_ids:
             record.reservations.apply_report(load.active_request_ids, load.finished_request_ids, now)
-        else:
+            if record.spec.role is Role.DECODE:
+                record.reservations.mark_running(load.running_requests, now)
+        elif load.running_requests or load.queued_requests:
+            # Busy without listing a request: an older instance, whose totals cover all it got.
+            # (An idle one without ids is still waiting for what was placed on it.)
             record.reservations.clear_pending()
 
     def touch(self, instance_id: InstanceId) -> None:

@@ -3,8 +3,10 @@ covers it.
 
 A placement reserves work on its prefill instance (the tokens it must compute) and KV on its
 decode instance (prompt + max_tokens). A reservation is *pending* until the instance lists the
-request in a load report: from then on the report's own figures include it. Decode keeps such a
-request as *held* (not counted again) so the scheduler can predict when its KV frees.
+request in a load report: from then on the report's own figures include it. The book keeps such
+a request as *held* — never counted again against reported capacity — because what the
+scheduler knows of it one by one predicts better than totals: when a decode request frees its
+KV, how long each prompt ahead in a prefill queue takes.
 A reservation ends when the instance reports the request finished (or no longer lists it), when
 the gateway reports it released, or after a timeout — the safety net for lost reports.
 """
@@ -19,18 +21,19 @@ from dataclasses import dataclass
 class Reservation:
     request_id: str
     tokens: int                  # prefill: tokens to compute; decode: KV tokens (prompt + max_tokens)
-    prompt_tokens: int
+    prompt_tokens: int           # prefill: tokens - prompt_tokens are cached
     max_tokens: int
     placed_at: float
     ready_in_s: float            # decode: predicted time until the request reaches it (its TTFT)
-    held_since: float | None = None  # decode: first listed by the instance
+    held_since: float | None = None  # first listed by the instance
+    running_since: float | None = None  # decode: first seen among the instance's running requests
 
 
 class ReservationBook:
     """One instance's reservations, keyed by request id."""
 
     def __init__(self, keep_held: bool) -> None:
-        self._keep_held = keep_held  # decode: remember held requests to predict when KV frees
+        self._keep_held = keep_held  # remember held requests (see the module docstring)
         self._entries: dict[str, Reservation] = {}
 
     def add(self, reservation: Reservation) -> None:
@@ -70,6 +73,16 @@ class ReservationBook:
 
     def held(self) -> Iterator[Reservation]:
         return (e for e in self._entries.values() if e.held_since is not None)
+
+    def held_in_order(self) -> list[Reservation]:
+        """Held requests in the order they reached the instance (a FIFO instance runs them so)."""
+        return sorted(self.held(), key=lambda e: (e.held_since or 0.0, e.placed_at))
+
+    def mark_running(self, running: int, now: float) -> None:
+        """The instance runs ``running`` requests: in FIFO order, the first ones it holds."""
+        for e in self.held_in_order()[:running]:
+            if e.running_since is None:
+                e.running_since = now
 
     def pending_totals(self) -> tuple[int, int, int]:
         """(requests, tokens, prompt tokens) still pending."""

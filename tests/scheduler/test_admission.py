@@ -70,6 +70,16 @@ def test_a_concurrent_burst_on_an_idle_cluster_queues_instead_of_429() -> None:
     assert decisions[-1].predicted_tbt_s > decisions[0].predicted_tbt_s
 
 
+def test_a_full_batch_is_a_wait_not_a_limit_until_the_wait_breaks_the_slo() -> None:
+    cluster = Cluster(kv_capacity=100_000, max_batch=2, slo={"ttft_s": 20.0})
+    decisions = [cluster.place(f"r{i}", prompt=50, max_tokens=200) for i in range(6)]
+    placed = [d for d in decisions if isinstance(d, Placement)]
+    assert len(placed) > 2  # more than a batch: the rest wait for a slot
+    refused = [d for d in decisions if isinstance(d, Rejection)]
+    # Each batch of two runs 200 steps (~14 s): the fifth would wait beyond the 20 s SLO.
+    assert refused and all(d.reason == "decode_batch_full" and "batch slot" in d.message for d in refused)
+
+
 def test_short_kv_queues_while_the_wait_meets_the_ttft_slo_then_rejects_with_the_true_reason() -> None:
     cluster = Cluster(kv_capacity=1200, max_batch=16, slo={"ttft_s": 8.0})
     assert isinstance(cluster.place("big", prompt=500, max_tokens=500), Placement)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,6 +75,34 @@ def test_early_rejection_under_twice_the_capacity() -> None:
     assert unguarded.rejection_rate == 0
     assert unguarded.ttft_slo_met < 0.5         # queueing everyone makes most requests late
     assert guarded.effective_capacity > unguarded.effective_capacity
+
+
+def test_short_decode_kv_queues_and_rejects_with_true_reasons() -> None:
+    # The live Conductor admits here (reservations, decode outlook, policy) on the simulated clock.
+    trace = load_trace(limit=400)
+    capacity = sorted(r.input_length + r.output_length for r in trace)[int(len(trace) * 0.9)]
+    config = SimConfig(policy="kvcache_centric", prefill_instances=8, decode_instances=2, reject_early=True,
+                       decode_kv_capacity_tokens=capacity, slo_ttft_s=30.0, slo_tbt_s=0.2)
+    runs = {
+        "queue": simulate(trace, replace(config, reject_early=False)),
+        "ttft": simulate(trace, config),  # a wait at decode is checked against the TTFT SLO
+        "tbt": simulate(trace, replace(config, decode_wait_in_tbt=True)),  # ... and counted in the TBT
+    }
+    too_big = {r.index for r in trace if r.input_length + r.output_length > capacity}
+    for name, records in runs.items():  # never worth queueing: refused however admission is set
+        assert too_big and {r.index for r in records if r.rejection == "exceeds_kv_capacity"} == too_big, name
+        reasons = {r.rejection for r in records if r.rejection}
+        assert reasons <= {"exceeds_kv_capacity", "decode_kv_full", "decode_batch_full", "ttft_slo", "tbt_slo"}, name
+    assert {r.index for r in runs["queue"] if r.rejection} == too_big
+    assert Counter(r.rejection for r in runs["tbt"])["decode_kv_full"] > 0
+    summary = {name: summarize(name, records, 30, 0.2) for name, records in runs.items()}
+    # A wait for KV is a stall after the first token: bounded by the TTFT SLO alone, it breaks
+    # the TBT of most admitted streams; counted in the predicted TBT, what is admitted keeps it.
+    admitted = [r for r in runs["tbt"] if r.tbt_s is not None]
+    assert sum(r.tbt_s <= 0.2 for r in admitted) / len(admitted) > 0.9
+    assert summary["queue"].tbt_avg > 5 * summary["tbt"].tbt_avg
+    assert summary["tbt"].effective_capacity > 2 * max(summary["ttft"].effective_capacity, summary["queue"].effective_capacity)
+    assert summary["ttft"].ttft_slo_met == 1.0
 
 
 def test_colocated_baselines_show_interference_and_no_reuse_without_caching() -> None:
