@@ -34,6 +34,10 @@ class GrpcService:
 
     ``setup`` registers servicers on the server and may start background work; ``cleanup``
     stops that work. ``ready`` tells ``/health`` whether to answer 200.
+
+    Draining: ``draining = True`` turns ``/health`` to 503 at once while the gRPC server keeps
+    serving what is in flight; ``run_until(stop, drain=...)`` awaits ``drain`` before it stops
+    the server, so a long drain is never cut by the server's short stop grace.
     """
 
     def __init__(
@@ -53,9 +57,11 @@ class GrpcService:
         self._ready = ready
         self._on_started = on_started
         self._started = False
+        self.draining = False
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         self.admin = AdminServer(
-            build_admin_app(name, lambda: self._started and self._ready(), details), listen.host, listen.admin_port
+            build_admin_app(name, lambda: self._started and not self.draining and self._ready(), details),
+            listen.host, listen.admin_port,
         )
         self.port = listen.port
         self.admin_port = listen.admin_port
@@ -74,6 +80,8 @@ class GrpcService:
             await self._on_started(self)
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop the gRPC server (calls still open get ``grace_s`` to end), then the rest."""
+        self.draining = True
         self._started = False
         await self.server.stop(grace_s)
         if self._cleanup is not None:
@@ -89,10 +97,13 @@ class GrpcService:
             loop.add_signal_handler(sig, stop.set)
         await self.run_until(stop)
 
-    async def run_until(self, stop: asyncio.Event) -> None:
-        """Start, serve until ``stop`` is set, then stop cleanly."""
+    async def run_until(self, stop: asyncio.Event, drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start, serve until ``stop`` is set, drain (not ready, in-flight work finishes), then stop cleanly."""
         await self.start()
         try:
             await stop.wait()
+            if drain is not None:
+                self.draining = True
+                await drain()
         finally:
             await self.stop()

@@ -1,9 +1,16 @@
-"""Continuous batching: requests join and leave between decode steps.
+"""Continuous batching with admission that keeps its promises.
 
-One asyncio task owns the running set. Each step runs every running sequence's next token in
-one forward pass on the engine worker, samples, and pushes the tokens to each request's queue,
-which its StreamTokens call drains. Finished and aborted requests leave between steps and give
-their pages back at once.
+A handed-off request is *accepted* as soon as it could ever fit (its reservation, prompt +
+max_tokens pages, is no larger than the whole cache). It then waits, FIFO, with its KV payload
+in host memory, until the pages it will ever need are free of other promises; only then is it
+*admitted*: its KV goes into the cache and the pages for the rest of its life are reserved, so
+no decode step can run out of pages for it. Admission happens between steps.
+
+One asyncio task owns the running set. Each step runs the next token of up to
+``max_batch_size`` admitted requests in one forward pass on the engine worker, samples, and
+pushes the tokens to each request's queue, which its StreamTokens call drains. If a step
+raises, its sequences run again one by one, so only a broken sequence ends (with an error).
+Finished and aborted requests give their pages back at once.
 """
 
 from __future__ import annotations
@@ -11,49 +18,90 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from crescent.services.common.metrics import engine_metrics
+import torch
+
+from crescent.services.common.metrics import EngineMetrics, engine_metrics
 from crescent.services.common.tasks import cancel_and_wait
+from crescent.services.decode.admission import KvLedger
 from crescent.services.engine.engine import Engine, Sequence
+from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 
 log = logging.getLogger(__name__)
 
+# How a request ended when it did not finish normally; StreamTokens turns these into gRPC errors.
+ERROR = "error"          # its own step failed
+DRAINING = "draining"    # the instance shut down before it finished (the gateway migrates it)
+ABORTED = "aborted"      # the gateway asked (Abort) or nobody streamed it
+
 
 @dataclass(frozen=True, slots=True)
 class TokenUpdate:
     token_ids: tuple[int, ...]
-    finish_reason: str | None  # "stop", "length", or None while running
+    finish_reason: str | None  # "stop", "length", one of the endings above, or None while running
+    detail: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: it holds tensors and a queue
 class DecodeRequest:
     request_id: str
-    seq: Sequence
+    token_ids: list[int]              # prompt + the first token (sampled by prefill)
+    payloads: list[torch.Tensor] | None  # the prompt's KV while it waits; None once in the cache
     sampling: SamplingConfig
-    max_tokens: int
+    max_tokens: int                   # tokens to generate, the first one (prefill's) included
     stop_token_ids: frozenset[int]
-    generated: int = 1  # the first token came from prefill
+    reserve_tokens: int               # KV tokens it may ever hold: prompt + max_tokens, within the context
+    first_step: int = 0               # seeded sampling step of the first token (after a migration)
+    generated: int = 1                # the first token came from prefill
+    seq: Sequence | None = None       # set once admitted
     queue: asyncio.Queue[TokenUpdate] = field(default_factory=asyncio.Queue)
     claimed: bool = False
-    admitted_at: float = field(default_factory=time.monotonic)
+    received_at: float = field(default_factory=time.monotonic)
     finished: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids) - 1
+
+
+def forward_and_sample(engine: Engine, seqs: list[Sequence], cfgs: list[SamplingConfig],
+                       steps: list[int]) -> list[int | Exception]:
+    """One decode step (engine thread): a token per sequence, or the exception its sampling raised."""
+    logits = engine.decode_step(seqs)
+    try:
+        return list(sample_batch(logits, cfgs, steps))
+    except Exception:  # noqa: BLE001 - find the row that fails; the others keep their token
+        out: list[int | Exception] = []
+        for i in range(len(seqs)):
+            try:
+                out.append(sample_batch(logits[i : i + 1], cfgs[i : i + 1], steps[i : i + 1])[0])
+            except Exception as exc:  # noqa: BLE001 - ends only this request
+                out.append(exc)
+        return out
 
 
 class Batcher:
-    def __init__(self, engine: Engine, worker: EngineWorker, max_batch_size: int, unclaimed_timeout_s: float) -> None:
+    def __init__(self, engine: Engine, worker: EngineWorker, max_batch_size: int, unclaimed_timeout_s: float,
+                 metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.worker = worker
         self.max_batch_size = max_batch_size
         self.unclaimed_timeout_s = unclaimed_timeout_s
-        self.requests: dict[str, DecodeRequest] = {}
-        self.on_kv_freed: Callable[[], object] = lambda: None  # e.g. tell the scheduler at once
+        self.ledger = KvLedger(engine.cache.pages.num_pages, engine.page_size)
+        self.requests: dict[str, DecodeRequest] = {}    # everything held, in arrival order
+        self.waiting: deque[DecodeRequest] = deque()     # accepted, not admitted yet (FIFO)
+        self.running: list[DecodeRequest] = []           # admitted (KV in the cache), in admission order
+        self.left: list[str] = []                        # ids that left since the last load report
+        self.draining = False
+        self.on_change: Callable[[], object] = lambda: None  # a request arrived or left: tell the scheduler
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.metrics = engine_metrics("decode")
+        self.metrics = metrics or engine_metrics("decode")
         self.metrics.kv_capacity_tokens.labels("decode").set(engine.cache.capacity_tokens)
 
     def start(self) -> None:
@@ -61,43 +109,82 @@ class Batcher:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
+        self._task = None
         for request in list(self.requests.values()):
-            await self.abort(request.request_id, "shutdown")
+            self.abort(request.request_id, "shutdown")
 
-    def admit(self, request: DecodeRequest) -> None:
+    # ---- what the servicer calls ---------------------------------------------------------
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the id is in use here (its record or its pages are not gone yet)."""
+        return request_id in self.requests or request_id in self.ledger.admitted or request_id in self.ledger.waiting
+
+    def never_fits(self, reserve_tokens: int) -> bool:
+        return self.ledger.pages_for(reserve_tokens) > self.ledger.num_pages
+
+    def accept(self, request: DecodeRequest) -> None:
+        """Take a request; it waits for its reservation (FIFO) and joins the batch between steps."""
+        assert request.request_id not in self.requests, request.request_id
+        assert not self.never_fits(request.reserve_tokens), "the servicer refuses what can never fit"
         self.requests[request.request_id] = request
+        self.ledger.wait(request.request_id, request.reserve_tokens)
+        self.waiting.append(request)
         self._wake.set()
+        self._update_gauges()
+        self.on_change()
 
-    async def abort(self, request_id: str, why: str) -> None:
-        """Drop a request and free its KV now (client gone, nobody streaming, shutdown)."""
+    def abort(self, request_id: str, why: str, ending: str = ABORTED) -> bool:
+        """Drop a request and free its KV now; False when it is not here. The reader, if any,
+        gets ``ending``."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return
-        if request.finished:
-            return  # its pages went back when it finished; only the record was left
-        log.info("aborting %s: %s", request_id, why)
-        request.finished = True
-        self.worker.submit(self.engine.release, request.seq, then=self.on_kv_freed)
-        self.metrics.requests.labels("decode", "aborted").inc()
+            return False
+        self.left.append(request_id)
+        if not request.finished:
+            log.info("ending %s: %s", request_id, why)
+            request.queue.put_nowait(TokenUpdate((), ending, why))
+            self.metrics.requests.labels("decode", "aborted" if ending == ABORTED else "error").inc()
+            self._finish(request)
+        else:
+            self.on_change()
         self._update_gauges()
+        return True
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's record once its stream has read everything."""
         request = self.requests.get(request_id)
         if request is not None and request.finished:
             del self.requests[request_id]
+            self.left.append(request_id)
+            self.on_change()
 
-    def _update_gauges(self) -> None:
-        used = self.engine.cache.capacity_tokens - self.engine.cache.pages.free_pages * self.engine.page_size
-        self.metrics.kv_used_tokens.labels("decode").set(used)
-        active = sum(not r.finished for r in self.requests.values())
-        self.metrics.running.labels("decode").set(min(active, self.max_batch_size))
-        self.metrics.queue_depth.labels("decode").set(max(0, active - self.max_batch_size))
+    def end_all(self, ending: str, why: str) -> None:
+        """End every request still generating (the drain ran out of time)."""
+        for request in [r for r in self.requests.values() if not r.finished]:
+            log.warning("ending %s: %s", request.request_id, why)
+            request.queue.put_nowait(TokenUpdate((), ending, why))
+            self.metrics.requests.labels("decode", "error").inc()
+            self._finish(request)
+        self._update_gauges()
+
+    # ---- what the scheduler hears ----------------------------------------------------------
+
+    @property
+    def free_kv_tokens(self) -> int:
+        """Capacity not promised to any request held here (waiting ones included)."""
+        return self.ledger.free_tokens
+
+    def drain_left(self) -> list[str]:
+        left, self.left = self.left, []
+        return left
+
+    # ---- the loop --------------------------------------------------------------------------
 
     async def _loop(self) -> None:
         while True:
-            await self._expire_unclaimed()
-            batch = [r for r in self.requests.values() if not r.finished][: self.max_batch_size]
+            self._expire_unclaimed()
+            await self._admit_waiting()
+            batch = [r for r in self.running if not r.finished][: self.max_batch_size]
             self._update_gauges()
             if not batch:
                 self._wake.clear()
@@ -106,44 +193,131 @@ class Batcher:
                 except TimeoutError:
                     pass
                 continue
+            await self._step(batch)
+
+    async def _admit_waiting(self) -> None:
+        """Move waiting requests, oldest first, into the cache while their reservations fit."""
+        while self.waiting and self.ledger.fits_now(self.waiting[0].request_id):
+            request = self.waiting.popleft()
+            self.ledger.admit(request.request_id)
+            payloads, request.payloads = request.payloads, None
             try:
-                await self._step(batch)
-            except Exception:
-                log.exception("decode step failed; aborting its %d requests", len(batch))
-                for request in batch:
-                    request.queue.put_nowait(TokenUpdate((), "error"))
-                    await self.abort(request.request_id, "step failed")
+                seq = await self.worker.run(
+                    self.engine.adopt_sequence, request.request_id, request.token_ids, request.prompt_tokens,
+                    payloads, reserve_tokens=request.reserve_tokens,
+                )
+            except CacheFullError:  # the ledger and the cache disagree: wait for pages, do not fail it
+                log.exception("admitting %s: the cache had fewer pages than promised; it waits", request.request_id)
+                if request.finished:
+                    self._release(request)
+                    continue
+                self.ledger.unadmit(request.request_id)
+                request.payloads = payloads
+                self.waiting.appendleft(request)
+                return
+            except Exception as exc:  # noqa: BLE001 - a bad payload ends only this request
+                log.exception("admitting %s failed", request.request_id)
+                if not request.finished:
+                    request.queue.put_nowait(TokenUpdate((), ERROR, f"could not load its KV: {exc}"))
+                    self.metrics.requests.labels("decode", "error").inc()
+                    request.finished = True
+                self._release(request)  # the engine gave its pages back; this returns the promise
+                continue
+            request.seq = seq
+            if request.finished:  # aborted while its KV was being loaded
+                self._release(request)
+            else:
+                self.running.append(request)
 
     async def _step(self, batch: list[DecodeRequest]) -> None:
         start = time.perf_counter()
-        seqs = [r.seq for r in batch]
-        cfgs = [r.sampling for r in batch]
-        steps = [r.generated for r in batch]
-        tokens = await self.worker.run(lambda: sample_batch(self.engine.decode_step(seqs), cfgs, steps))
+        try:
+            results = await self._run(batch)
+        except Exception:  # noqa: BLE001 - isolate: one sequence's failure must not end the others
+            log.exception("decode step of %d sequences failed; running them one by one", len(batch))
+            results = []
+            for request in batch:
+                if request.finished:  # aborted meanwhile: its sequence is gone
+                    results.append(RuntimeError("ended"))
+                    continue
+                try:
+                    results += await self._run([request])
+                except Exception as exc:  # noqa: BLE001 - ends only this request
+                    results.append(exc)
         self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - start)
         self.metrics.batch_size.labels("decode").observe(len(batch))
-        self.metrics.generated_tokens.labels("decode").inc(len(batch))
         context_limit = self.engine.config.max_position_embeddings
-        for request, token in zip(batch, tokens):
-            if request.request_id not in self.requests:
+        for request, result in zip(batch, results):
+            if request.finished:
                 continue  # aborted while the step ran; its pages are already released
+            if isinstance(result, Exception):
+                log.error("decode step failed for %s: %r", request.request_id, result)
+                self._fail(request, f"decode step failed: {result}")
+                continue
+            self.metrics.generated_tokens.labels("decode").inc()
             request.generated += 1
             reason = None
-            if token in request.stop_token_ids:
+            assert request.seq is not None
+            if result in request.stop_token_ids:
                 reason = "stop"
             elif request.generated >= request.max_tokens or request.seq.num_tokens + 1 >= context_limit:
                 reason = "length"
-            request.queue.put_nowait(TokenUpdate((token,), reason))
+            request.queue.put_nowait(TokenUpdate((result,), reason))
             if reason is None:
-                request.seq.token_ids.append(token)
+                request.seq.token_ids.append(result)
             else:
                 # The record stays until its stream has read this last update (or expires).
-                request.finished = True
-                self.worker.submit(self.engine.release, request.seq, then=self.on_kv_freed)
                 self.metrics.requests.labels("decode", "ok").inc()
+                self._finish(request)
 
-    async def _expire_unclaimed(self) -> None:
+    async def _run(self, batch: list[DecodeRequest]) -> list[int | Exception]:
+        seqs = [r.seq for r in batch]
+        cfgs = [r.sampling for r in batch]
+        steps = [r.first_step + r.generated for r in batch]
+        return await self.worker.run(forward_and_sample, self.engine, seqs, cfgs, steps)
+
+    # ---- endings ---------------------------------------------------------------------------
+
+    def _fail(self, request: DecodeRequest, why: str) -> None:
+        request.queue.put_nowait(TokenUpdate((), ERROR, why))
+        self.metrics.requests.labels("decode", "error").inc()
+        self._finish(request)
+
+    def _finish(self, request: DecodeRequest) -> None:
+        """The request generates no more: its pages and its promise go back now."""
+        request.finished = True
+        request.payloads = None
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request.seq is not None or request.request_id not in self.ledger.admitted:
+            self._release(request)
+        # else: it is being admitted right now; _admit_waiting releases it when that returns
+
+    def _release(self, request: DecodeRequest) -> None:
+        self.ledger.release(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        if request.seq is not None:
+            self.worker.submit(self.engine.release, request.seq, then=self._after_release)
+            request.seq = None
+        else:
+            self._after_release()
+        self._wake.set()  # a waiting request may fit now
+
+    def _after_release(self) -> None:
+        self._update_gauges()
+        self.on_change()
+
+    def _expire_unclaimed(self) -> None:
         now = time.monotonic()
         for request in list(self.requests.values()):
-            if not request.claimed and now - request.admitted_at > self.unclaimed_timeout_s:
-                await self.abort(request.request_id, f"nobody streamed it within {self.unclaimed_timeout_s:g} s")
+            if not request.claimed and now - request.received_at > self.unclaimed_timeout_s:
+                self.abort(request.request_id, f"nobody streamed it within {self.unclaimed_timeout_s:g} s")
+
+    def _update_gauges(self) -> None:
+        pages = self.engine.cache.pages
+        self.metrics.kv_used_tokens.labels("decode").set((pages.num_pages - pages.free_pages) * self.engine.page_size)
+        running = sum(not r.finished for r in self.running)
+        in_step = min(running, self.max_batch_size)
+        self.metrics.running.labels("decode").set(in_step)
+        self.metrics.queue_depth.labels("decode").set(len(self.waiting) + running - in_step)

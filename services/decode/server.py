@@ -10,31 +10,61 @@ import grpc
 from crescent.protos import decode_pb2_grpc
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
-from crescent.services.decode.batcher import Batcher
+from crescent.services.decode.batcher import DRAINING, Batcher
 from crescent.services.decode.config import ENV_PREFIX, DecodeSettings
 from crescent.services.decode.servicer import DecodeServicer
-from crescent.services.engine.instance import EngineInstance
-from crescent.services.engine.runtime import run_engine_process
+from crescent.services.engine.instance import EngineInstance, EngineLoad
+from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+
+END_STREAMS_WAIT_S = 1.0  # after ending the streams: time for their readers to get the status
 
 
-async def serve(settings: DecodeSettings, instance: EngineInstance, stop: asyncio.Event) -> None:
-    async def attach(server: grpc.aio.Server):
+class DecodeRole:
+    """The decode part of an engine instance: load reports and drain, over the batcher."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher = batcher
+
+    def load(self) -> EngineLoad:
+        b = self.batcher
+        admitted = [r for r in b.running if not r.finished]
+        in_step = min(len(admitted), b.max_batch_size)
+        return EngineLoad(
+            queued_requests=len(b.waiting) + len(admitted) - in_step,
+            queued_tokens=sum(r.seq.num_tokens if r.seq else len(r.token_ids) for r in admitted)
+            + sum(len(r.token_ids) for r in b.waiting),
+            running_requests=in_step,
+            active_request_ids=list(b.requests),
+            finished_request_ids=b.drain_left(),
+            free_kv_tokens=b.free_kv_tokens,
+        )
+
+    def stop_accepting(self) -> None:
+        self.batcher.draining = True
+
+    def busy(self) -> bool:
+        return bool(self.batcher.requests)
+
+    async def end_remaining(self) -> None:
+        self.batcher.end_all(DRAINING, "decode draining")
+        deadline = asyncio.get_running_loop().time() + END_STREAMS_WAIT_S
+        while any(r.claimed for r in self.batcher.requests.values()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        await self.batcher.stop()
+
+
+async def serve(settings: DecodeSettings, instance: EngineInstance, signals: ShutdownSignals) -> None:
+    async def attach(server: grpc.aio.Server) -> DecodeRole:
         assert instance.engine is not None
         batcher = Batcher(instance.engine, instance.worker, settings.engine.max_batch_size, settings.unclaimed_timeout_s)
+        batcher.on_change = instance.nudge
         batcher.start()
-
-        def load() -> tuple[int, int, int]:
-            active = [r for r in batcher.requests.values() if not r.finished]
-            context = sum(r.seq.num_tokens for r in active)
-            running = min(len(active), batcher.max_batch_size)
-            return len(active) - running, context, running
-
-        instance.load = load
-        batcher.on_kv_freed = lambda: instance.agent.nudge() if instance.agent is not None else None
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(batcher), server)
-        return batcher.stop
+        return DecodeRole(batcher)
 
-    await instance.run(attach, stop)
+    await instance.run(attach, signals)
 
 
 def main(config_path: Path | None = None) -> None:
@@ -42,4 +72,4 @@ def main(config_path: Path | None = None) -> None:
     settings = load_settings(DecodeSettings, config_path, env_prefix=ENV_PREFIX)
     instance = EngineInstance("decode", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address)
-    run_engine_process(instance.worker, lambda stop: serve(settings, instance, stop))
+    run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

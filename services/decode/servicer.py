@@ -1,4 +1,10 @@
-"""The Decode gRPC servicer: takes handed-off requests and streams their tokens."""
+"""The Decode gRPC servicer: takes handed-off requests, streams their tokens, aborts on request.
+
+Handoff accepts a request whenever it could ever fit this instance's cache; it then waits in
+the batcher for its pages (see batcher.py) instead of being refused. Refusals: malformed input
+(INVALID_ARGUMENT), a reservation larger than the whole cache (RESOURCE_EXHAUSTED), a request
+aborted before it arrived (ABORTED), a draining instance (UNAVAILABLE).
+"""
 
 from __future__ import annotations
 
@@ -11,19 +17,47 @@ import torch
 from crescent.protos import decode_pb2, decode_pb2_grpc
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.common.logs import request_id_var
-from crescent.services.decode.batcher import Batcher, DecodeRequest
-from crescent.services.engine.kv_cache import CacheFullError
+from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.decode.batcher import ABORTED, DRAINING, ERROR, Batcher, DecodeRequest
 from crescent.services.engine.wire import KV_DTYPE, block_tensor, sampling_config
 
 log = logging.getLogger(__name__)
+
+TOMBSTONE_TTL_S = 60.0  # an Abort that came before its Handoff refuses that Handoff this long
+
+# How StreamTokens ends a request that did not finish normally.
+_ENDINGS = {
+    ERROR: grpc.StatusCode.INTERNAL,
+    DRAINING: grpc.StatusCode.UNAVAILABLE,   # the gateway migrates it to another instance
+    ABORTED: grpc.StatusCode.ABORTED,
+}
+
+
+class Tombstones:
+    """Ids of requests aborted before they arrived, each remembered for ``ttl_s``."""
+
+    def __init__(self, ttl_s: float = TOMBSTONE_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._until: dict[str, float] = {}
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._until = {k: t for k, t in self._until.items() if t > now}  # forget the old ones
+        self._until[request_id] = now + self.ttl_s
+
+    def __contains__(self, request_id: str) -> bool:
+        return self._until.get(request_id, 0.0) > time.monotonic()
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, batcher: Batcher) -> None:
         self.batcher = batcher
         self.engine = batcher.engine
+        self.tombstones = Tombstones()
 
     async def Handoff(self, request_iterator, context: grpc.aio.ServicerContext) -> decode_pb2.HandoffReply:
+        if self.batcher.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
         start = time.perf_counter()
         header: decode_pb2.HandoffHeader | None = None
         assembler = BlockAssembler()
@@ -50,22 +84,28 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         problem = self._check(header, payloads)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if header.request_id in self.batcher.requests:
+        if self.batcher.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
+        if header.request_id in self.tombstones:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {header.request_id} was aborted")
+        if self.batcher.holds(header.request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {header.request_id} is already here")
         prompt = list(header.prompt_token_ids)
-        try:
-            seq = await self.batcher.worker.run(
-                self.engine.adopt_sequence, header.request_id, prompt + [header.first_token_id], len(prompt), payloads,
-                orphan=self.engine.release,  # prefill gave up mid-call: give the pages back
+        max_tokens = max(header.sampling.max_tokens, 1)
+        reserve = min(len(prompt) + max_tokens, self.engine.config.max_position_embeddings)
+        if self.batcher.never_fits(reserve):
+            capacity = self.engine.cache.capacity_tokens
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request needs {reserve} KV tokens (prompt {len(prompt)} + max_tokens {max_tokens}), "
+                f"more than this decode instance's whole cache of {capacity} tokens",
             )
-        except CacheFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        stop = set(header.sampling.stop_token_ids)
-        if not header.sampling.ignore_eos:
-            stop.update(self.engine.config.eos_token_ids)
-        self.batcher.admit(DecodeRequest(
-            request_id=header.request_id, seq=seq, sampling=sampling_config(header.sampling),
-            max_tokens=max(header.sampling.max_tokens, 1), stop_token_ids=frozenset(stop),
+        self.batcher.accept(DecodeRequest(
+            request_id=header.request_id, token_ids=prompt + [header.first_token_id], payloads=payloads,
+            sampling=sampling_config(header.sampling), max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids(header.sampling.stop_token_ids, self.engine.config.eos_token_ids,
+                                          header.sampling.ignore_eos),
+            reserve_tokens=reserve, first_step=max(header.sampling.first_step, 0),
         ))
         metrics = self.batcher.metrics
         metrics.transfer_bytes.labels("decode", "handoff_in").inc(received)
@@ -108,11 +148,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     update = entry.queue.get_nowait()
                     tokens.extend(update.token_ids)
                 done = update.finish_reason is not None
-                if update.finish_reason == "error":
-                    await context.abort(grpc.StatusCode.INTERNAL, "decode step failed")
+                if update.finish_reason in _ENDINGS:
+                    if tokens:  # never lose a token the client has not seen
+                        yield decode_pb2.TokenEvent(token_ids=tokens)
+                    message = "decode draining" if update.finish_reason == DRAINING else update.detail
+                    await context.abort(_ENDINGS[update.finish_reason], message or update.finish_reason)
                 yield decode_pb2.TokenEvent(token_ids=tokens, finished=done, finish_reason=update.finish_reason or "")
         finally:
             if done:
                 self.batcher.forget(request.request_id)
             else:  # the reader went away (client disconnect): free the slot and KV now
-                await self.batcher.abort(request.request_id, "stream cancelled")
+                self.batcher.abort(request.request_id, "stream cancelled")
+
+    async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decode_pb2.AbortReply:
+        request_id_var.set(request.request_id)
+        found = self.batcher.abort(request.request_id, f"aborted by the caller: {request.reason or 'no reason given'}")
+        if not found:
+            self.tombstones.add(request.request_id)  # its handoff may still be on the way
+        return decode_pb2.AbortReply(found=found)

@@ -36,6 +36,7 @@ class Sequence:
     num_computed: int = 0                # leading tokens whose KV is in ``pages``
     num_cached: int = 0                  # of the prompt, tokens reused rather than computed
     num_registered: int = 0              # leading full blocks entered in the prefix map
+    reserved_pages: int = 0              # pages promised to it and not drawn yet (decode)
 
     @property
     def num_tokens(self) -> int:
@@ -111,21 +112,40 @@ class Engine:
         self._register_full_blocks(seq)
         return added
 
-    def adopt_sequence(self, seq_id: str, token_ids: Seq[int], num_kv_tokens: int, payloads: Seq[torch.Tensor]) -> Sequence:
+    def pages_for(self, num_tokens: int) -> int:
+        """KV pages that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def adopt_sequence(self, seq_id: str, token_ids: Seq[int], num_kv_tokens: int, payloads: Seq[torch.Tensor],
+                       *, reserve_tokens: int = 0) -> Sequence:
         """A handed-off request: ``payloads`` hold the KV of its first ``num_kv_tokens`` tokens,
         one tensor of ``cache.payload_shape(tokens)`` per block, the last one possibly partial
-        (for hybrid models it also carries the recurrent state after the block's last token)."""
-        seq = Sequence(seq_id, list(token_ids), [])
-        seq.pages = self.cache.pages.allocate(len(payloads))
-        for page, payload in zip(seq.pages, payloads):
-            self.cache.write_block(page, payload)
+        (for hybrid models it also carries the recurrent state after the block's last token).
+
+        ``reserve_tokens``: pages for this many tokens are promised to the sequence for its
+        life (its payload pages draw on them first), so growing up to that length never fails.
+        Raises ``CacheFullError`` when the pages are not there; nothing is held then."""
+        reserve = max(self.pages_for(reserve_tokens), len(payloads))
+        self.cache.pages.reserve(reserve)
+        seq = Sequence(seq_id, list(token_ids), [], reserved_pages=reserve)
+        try:
+            seq.pages = self.cache.pages.allocate(len(payloads), reserved=True)
+            seq.reserved_pages -= len(payloads)
+            for page, payload in zip(seq.pages, payloads):
+                self.cache.write_block(page, payload)
+        except BaseException:
+            self.release(seq)
+            raise
         seq.num_computed = num_kv_tokens
         return seq
 
     def release(self, seq: Sequence) -> None:
-        """Give back the sequence's pages; its registered full blocks stay cached until evicted."""
+        """Give back the sequence's pages and what is left of its reservation; its registered
+        full blocks stay cached until evicted."""
         self.cache.pages.release(seq.pages)
+        self.cache.pages.unreserve(seq.reserved_pages)
         seq.pages = []
+        seq.reserved_pages = 0
 
     # ---- forward steps ---------------------------------------------------------------------
 
@@ -148,9 +168,13 @@ class Engine:
     def _run(self, work: list[tuple[Sequence, int]], want_logits: bool) -> torch.Tensor:
         chunks = []
         for seq, end in work:
-            needed = -(-end // self.page_size) - len(seq.pages)
+            needed = self.pages_for(end) - len(seq.pages)
             if needed > 0:
-                seq.pages.extend(self.cache.pages.allocate(needed))
+                drawn = min(needed, seq.reserved_pages)  # a reservation first: that never fails
+                if needed > drawn:
+                    seq.pages.extend(self.cache.pages.allocate(needed - drawn))
+                seq.pages.extend(self.cache.pages.allocate(drawn, reserved=True))
+                seq.reserved_pages -= drawn
             chunks.append((SeqChunk(tuple(seq.pages), end, end - seq.num_computed), seq.token_ids[seq.num_computed : end]))
         batch = ForwardBatch.build(chunks, self.page_size)
         with torch.inference_mode():

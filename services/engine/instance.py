@@ -1,7 +1,15 @@
 """The process shell shared by prefill and decode instances.
 
 Loads the engine, starts the gRPC service, registers with the scheduler and heartbeats its load.
-The role-specific part (servicer, batcher) comes in through ``attach``.
+The role-specific part (servicer, batcher) comes in through ``attach`` as an ``EngineRole``.
+
+Lifecycle: a scheduler that refuses the registration (FAILED_PRECONDITION: the instance
+disagrees with its model's others on block size, KV format or dtype) ends the process with a
+logged error and a non-zero exit code. SIGTERM drains: ``/health`` answers 503 at once, the
+instance leaves placement (Deregister), new work is refused, work in flight runs to completion
+within ``drain_grace_s``; the role ends whatever is left (decode: UNAVAILABLE "decode draining",
+which the gateway migrates), and only then does the gRPC server stop. A second signal cuts the
+drain short.
 """
 
 from __future__ import annotations
@@ -9,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -19,12 +30,15 @@ from crescent.services.common.scheduler_agent import SchedulerAgent
 from crescent.services.common.settings import ListenSettings
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kv_cache import PageEventKind
-from crescent.services.engine.runtime import EngineWorker, build_engine
+from crescent.services.engine.runtime import EngineWorker, FatalServiceError, ShutdownSignals, build_engine
 from crescent.services.engine.settings import EngineSettings
+from crescent.services.engine.wire import KV_DTYPE
 
 log = logging.getLogger(__name__)
 
 ROLES = {"prefill": scheduler_pb2.INSTANCE_ROLE_PREFILL, "decode": scheduler_pb2.INSTANCE_ROLE_DECODE}
+DRAIN_POLL_S = 0.05
+STOP_GRACE_S = 2.0  # after the drain: time for the calls just ended to send their status
 
 
 _EVENT_KINDS = {PageEventKind.STORED: common_pb2.BLOCK_EVENT_STORED, PageEventKind.REMOVED: common_pb2.BLOCK_EVENT_REMOVED}
@@ -45,12 +59,48 @@ def block_snapshot(engine: Engine) -> list[common_pb2.BlockEvent]:
     return [_event(engine, common_pb2.BLOCK_EVENT_STORED, key, parent) for key, parent in engine.cache.pages.snapshot()]
 
 
+def kv_format(engine: Engine) -> str:
+    """The layout of one KV block as instances of a model must agree on it, e.g. ``paged-v1:30x2x64x3x64``."""
+    return "paged-v1:" + "x".join(str(d) for d in engine.cache.block_shape)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A role's load for the next heartbeat."""
+
+    queued_requests: int = 0
+    queued_tokens: int = 0
+    running_requests: int = 0
+    active_request_ids: Sequence[str] = ()    # every request held now
+    finished_request_ids: Sequence[str] = ()  # requests that left since the last report
+    free_kv_tokens: int | None = None         # None: the cache's pages nobody was promised
+
+
+class EngineRole(Protocol):
+    """What prefill or decode adds to the shell: its load, and its part of a drain."""
+
+    def load(self) -> EngineLoad:
+        """The load now; hands over (and forgets) the ids that left since the last call."""
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests with UNAVAILABLE "draining"."""
+
+    def busy(self) -> bool:
+        """Whether any request is still held (running, waiting or streaming out)."""
+
+    async def end_remaining(self) -> None:
+        """The grace ran out: end what is left so its callers can move it elsewhere."""
+
+    async def close(self) -> None:
+        """Stop background work (after the gRPC server stopped taking calls)."""
+
+
 class EngineInstance:
     """One prefill or decode process: engine + worker + gRPC service + scheduler agent."""
 
     def __init__(self, role: str, listen: ListenSettings, engine_settings: EngineSettings, scheduler_address: str,
                  instance_id: str, advertise_address: str) -> None:
-        self.role = role
+        self.role_name = role
         self.listen = listen
         self.engine_settings = engine_settings
         self.scheduler_address = scheduler_address
@@ -59,58 +109,112 @@ class EngineInstance:
         self.engine: Engine | None = None
         self.worker = EngineWorker(role)
         self.agent: SchedulerAgent | None = None
-        self.load: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)  # queued requests, queued tokens, running
+        self.role: EngineRole | None = None
+        self.draining = False
 
-    async def run(self, attach: Callable[[grpc.aio.Server], Awaitable[Callable[[], Awaitable[None]]]],
-                  stop: asyncio.Event) -> None:
-        """Load the engine, serve until ``stop``. ``attach`` adds servicers and returns their cleanup."""
+    def nudge(self) -> None:
+        """Report load now (a request arrived or left), so the scheduler's view stays fresh."""
+        if self.agent is not None:
+            self.agent.nudge()
+
+    async def run(self, attach: Callable[[grpc.aio.Server], Awaitable[EngineRole]], signals: ShutdownSignals) -> None:
+        """Load the engine, serve until a shutdown signal, drain, stop. ``attach`` adds the servicers."""
         self.engine = await self.worker.run(build_engine, self.engine_settings)
-        cleanups: list[Callable[[], Awaitable[None]]] = []
 
         async def setup(server: grpc.aio.Server) -> None:
-            cleanups.append(await attach(server))
+            self.role = await attach(server)
 
         async def cleanup() -> None:
             if self.agent is not None:
                 await self.agent.stop()
-            for fn in cleanups:
-                await fn()
+            if self.role is not None:
+                await self.role.close()
 
         async def register(service: GrpcService) -> None:
             self.agent = SchedulerAgent(
                 self.scheduler_address, self._info(service.port), self._load_message,
-                events=(lambda: block_events(self.engine)) if self.role == "prefill" else None,
-                snapshot=(lambda: block_snapshot(self.engine)) if self.role == "prefill" else None,
+                events=(lambda: block_events(self.engine)) if self.role_name == "prefill" else None,
+                snapshot=(lambda: block_snapshot(self.engine)) if self.role_name == "prefill" else None,
             )
             self.agent.start()
 
         service = GrpcService(
-            self.role, self.listen, setup, cleanup,
+            self.role_name, self.listen, setup, cleanup,
             ready=lambda: self.agent is not None and self.agent.registered.is_set(),
             details=self._details, on_started=register,
         )
-        await service.run_until(stop)
+        await service.start()
+        try:
+            refused = await self._until_stop_or_refused(signals)
+            if refused is not None:
+                log.error("the scheduler refused this %s instance: %s", self.role_name, refused)
+                raise FatalServiceError(refused)
+            service.draining = True
+            await self._drain(signals.hurry)
+        finally:
+            await service.stop(STOP_GRACE_S)
+
+    async def _until_stop_or_refused(self, signals: ShutdownSignals) -> str | None:
+        """Wait for a shutdown signal; the scheduler's reason if it refuses us for good first."""
+        failed = getattr(self.agent, "failed", None)  # the agent sets it on FAILED_PRECONDITION
+        waits = [asyncio.create_task(signals.requested.wait())]
+        if isinstance(failed, asyncio.Event):
+            waits.append(asyncio.create_task(failed.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        if isinstance(failed, asyncio.Event) and failed.is_set() and not signals.requested.is_set():
+            return str(getattr(self.agent, "fatal_error", None) or "registration refused")
+        return None
+
+    async def _drain(self, hurry: asyncio.Event) -> None:
+        assert self.role is not None
+        grace = self.engine_settings.drain_grace_s
+        log.info("draining: taking no new requests, giving those in flight up to %g s", grace)
+        self.draining = True
+        self.role.stop_accepting()
+        if self.agent is not None:
+            await self.agent.deregister()
+        deadline = time.monotonic() + grace
+        while self.role.busy() and not hurry.is_set() and time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(hurry.wait(), DRAIN_POLL_S)
+            except TimeoutError:
+                pass
+        if self.role.busy():
+            log.warning("drain over (%s) with requests still held; ending them",
+                        "cut short" if hurry.is_set() else f"{grace:g} s grace")
+            await self.role.end_remaining()
+        log.info("drained")
 
     def _info(self, port: int) -> scheduler_pb2.InstanceInfo:
         assert self.engine is not None
         address = self._advertise or f"{self.listen.host}:{port}"
         return scheduler_pb2.InstanceInfo(
-            instance_id=self._instance_id or f"{self.role}-{socket.gethostname()}-{port}",
-            role=ROLES[self.role], address=address, model_id=self.engine.model_id,
+            instance_id=self._instance_id or f"{self.role_name}-{socket.gethostname()}-{port}",
+            role=ROLES[self.role_name], address=address, model_id=self.engine.model_id,
             block_size=self.engine.page_size, kv_capacity_tokens=self.engine.cache.capacity_tokens,
-            max_batch_size=self.engine_settings.max_batch_size,
+            max_batch_size=self.engine_settings.max_batch_size, kv_format=kv_format(self.engine), kv_dtype=KV_DTYPE,
         )
 
     def _load_message(self) -> scheduler_pb2.InstanceLoad:
         assert self.engine is not None and self.agent is not None
-        queued, queued_tokens, running = self.load()
+        load = self.role.load() if self.role is not None else EngineLoad()
+        free = load.free_kv_tokens
+        if free is None:
+            free = self.engine.cache.pages.unpromised_pages * self.engine.page_size
         return scheduler_pb2.InstanceLoad(
-            instance_id=self.agent.instance_id, queued_requests=queued, queued_tokens=queued_tokens,
-            running_requests=running, free_kv_tokens=self.engine.cache.pages.free_pages * self.engine.page_size,
+            instance_id=self.agent.instance_id, queued_requests=load.queued_requests,
+            queued_tokens=load.queued_tokens, running_requests=load.running_requests, free_kv_tokens=free,
+            active_request_ids=list(load.active_request_ids), finished_request_ids=list(load.finished_request_ids),
+            draining=self.draining,
         )
 
     def _details(self) -> dict[str, object]:
         engine = self.engine
         if engine is None:
-            return {"role": self.role}
-        return {"role": self.role, "model": engine.model_id, "cached_blocks": engine.cache.pages.cached_blocks}
+            return {"role": self.role_name}
+        return {"role": self.role_name, "model": engine.model_id, "cached_blocks": engine.cache.pages.cached_blocks,
+                "draining": self.draining}

@@ -9,6 +9,11 @@ stays in the map after its last user releases it; it then sits in an LRU list of
 and is reused only when no free page is left. Hits compare the stored token ids as well as the
 key, so a hash collision is a miss, never a wrong answer. Every stored/evicted block is recorded
 as an event for the scheduler's prefix index.
+
+Pages can also be *promised*: ``reserve`` sets pages aside for a sequence's whole life (decode
+reserves prompt + max_tokens when it admits a request), and ``allocate(..., reserved=True)``
+draws from that promise, so a sequence growing into its reservation never meets a full cache.
+Plain allocations see only the pages nobody was promised.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from crescent.services.common.block_keys import BlockKey
 
 
 class CacheFullError(RuntimeError):
-    """No free or evictable page is left."""
+    """No free or evictable page is left (that was not promised to a reservation)."""
 
 
 class PageEventKind(Enum):
@@ -58,20 +63,48 @@ class PageManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, LRU first
         self._page_block: dict[int, _CachedBlock] = {}
         self._key_page: dict[BlockKey, int] = {}
+        self._promised = 0  # pages reserved and not yet drawn
         self.events: list[PageEvent] = []
 
     @property
     def free_pages(self) -> int:
-        """Pages that can be handed out now (free or evictable)."""
+        """Pages that can be handed out now (free or evictable), promised ones included."""
         return len(self._free) + len(self._evictable)
+
+    @property
+    def promised_pages(self) -> int:
+        """Pages reserved for sequences and not allocated yet."""
+        return self._promised
+
+    @property
+    def unpromised_pages(self) -> int:
+        """Pages a plain allocation or a new reservation may take."""
+        return self.free_pages - self._promised
+
+    def reserve(self, count: int) -> None:
+        """Promise ``count`` pages to one sequence; its later ``allocate(reserved=True)`` calls draw on them."""
+        if count > self.unpromised_pages:
+            raise CacheFullError(
+                f"cannot reserve {count} KV pages: {self.unpromised_pages} of {self.num_pages} are not promised"
+            )
+        self._promised += count
+
+    def unreserve(self, count: int) -> None:
+        """Give back the part of a reservation that was never drawn."""
+        assert 0 <= count <= self._promised, f"unreserving {count} of {self._promised} promised pages"
+        self._promised -= count
 
     @property
     def cached_blocks(self) -> int:
         return len(self._key_page)
 
-    def allocate(self, count: int) -> list[int]:
-        if count > self.free_pages:
-            raise CacheFullError(f"need {count} KV pages, {self.free_pages} available of {self.num_pages}")
+    def allocate(self, count: int, *, reserved: bool = False) -> list[int]:
+        """``count`` pages, each with one reference; ``reserved``: drawn from pages promised earlier."""
+        if reserved:
+            assert count <= self._promised, f"drawing {count} pages from a promise of {self._promised}"
+            self._promised -= count
+        elif count > self.unpromised_pages:
+            raise CacheFullError(f"need {count} KV pages, {self.unpromised_pages} available of {self.num_pages}")
         pages = []
         for _ in range(count):
             if self._free:
@@ -86,10 +119,15 @@ class PageManager:
     def match_prefix(self, keys: Sequence[BlockKey], token_blocks: Sequence[Sequence[int]]) -> list[int]:
         """Pages holding the longest cached prefix of ``keys``; each returned page gains a reference."""
         pages = []
+        spare = self.unpromised_pages  # reviving an evictable page must not eat into promises
         for key, tokens in zip(keys, token_blocks, strict=True):
             page = self._key_page.get(key)
             if page is None or self._page_block[page].token_ids != tuple(tokens):
                 break
+            if self._refcount[page] == 0:
+                if spare == 0:
+                    break
+                spare -= 1
             pages.append(page)
         for page in pages:
             self._acquire(page)

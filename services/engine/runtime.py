@@ -13,6 +13,7 @@ import queue
 import signal
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -126,18 +127,41 @@ class EngineWorker:
         self._jobs.put(None)
 
 
-def run_engine_process(worker: EngineWorker, serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``serve(stop)`` on an asyncio loop in a second thread while this (main) thread runs
-    engine calls; SIGINT/SIGTERM set ``stop``. Re-raises what ``serve`` raised."""
+class FatalServiceError(RuntimeError):
+    """The process cannot serve (e.g. the scheduler refused its registration). The reason has
+    been logged; ``run_engine_process`` exits with a non-zero code."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownSignals:
+    """What SIGTERM/SIGINT ask of a serving process."""
+
+    requested: asyncio.Event  # the first signal: drain, then exit
+    hurry: asyncio.Event      # a second signal: cut the drain short
+
+
+def _signalled(name: str, seen: int, event: asyncio.Event) -> None:
+    """On the loop (logging in a signal handler could deadlock): note the signal, set its event."""
+    if seen > 1:
+        log.warning("%s again: cutting the drain short", name)
+    else:
+        log.info("%s: draining, then exiting", name)
+    event.set()
+
+
+def run_engine_process(worker: EngineWorker, serve: Callable[[ShutdownSignals], Awaitable[None]]) -> None:
+    """Run ``serve(signals)`` on an asyncio loop in a second thread while this (main) thread runs
+    engine calls; the first SIGINT/SIGTERM sets ``signals.requested``, a second one
+    ``signals.hurry``. Re-raises what ``serve`` raised; exits with code 1 on ``FatalServiceError``."""
     started = threading.Event()
     state: dict[str, object] = {}
 
     async def loop_main() -> None:
-        stop = asyncio.Event()
-        state["loop"], state["stop"] = asyncio.get_running_loop(), stop
+        signals = ShutdownSignals(asyncio.Event(), asyncio.Event())
+        state["loop"], state["signals"] = asyncio.get_running_loop(), signals
         started.set()
         try:
-            await serve(stop)
+            await serve(signals)
         finally:
             worker.shutdown()
 
@@ -150,10 +174,13 @@ def run_engine_process(worker: EngineWorker, serve: Callable[[asyncio.Event], Aw
             started.set()
             worker.shutdown()
 
-    def on_signal(_signum: int, _frame: object) -> None:
-        loop, stop = state.get("loop"), state.get("stop")
-        if isinstance(loop, asyncio.AbstractEventLoop) and isinstance(stop, asyncio.Event):
-            loop.call_soon_threadsafe(stop.set)
+    def on_signal(signum: int, _frame: object) -> None:
+        loop, signals = state.get("loop"), state.get("signals")
+        if not isinstance(loop, asyncio.AbstractEventLoop) or not isinstance(signals, ShutdownSignals):
+            return
+        state["signalled"] = seen = int(state.get("signalled", 0)) + 1
+        event = signals.hurry if seen > 1 else signals.requested
+        loop.call_soon_threadsafe(_signalled, signal.Signals(signum).name, seen, event)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -162,5 +189,8 @@ def run_engine_process(worker: EngineWorker, serve: Callable[[asyncio.Event], Aw
     started.wait()
     worker.serve_forever()
     thread.join()
-    if "error" in state:
-        raise state["error"]  # type: ignore[misc]
+    error = state.get("error")
+    if isinstance(error, FatalServiceError):
+        raise SystemExit(1)
+    if error is not None:
+        raise error  # type: ignore[misc]

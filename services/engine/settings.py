@@ -15,4 +15,12 @@ class EngineSettings(StrictModel):
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=4096, description="tokens per KV block/page")
     prefill_chunk_tokens: int = Field(default=2048, ge=1, description="prompt tokens per prefill forward pass")
     threads: int = Field(default=2, ge=1, description="torch intra-op threads")
-    max_batch_size: int = Field(default=16, ge=1, description="decode: sequences per step")
+    max_batch_size: int = Field(
+        default=16, ge=1, description="decode: sequences per step (more are accepted: they wait for a slot)"
+    )
+    drain_grace_s: float = Field(
+        default=100.0, ge=0,
+        description="on SIGTERM: how long requests in flight may run to completion before they are ended "
+                    "(decode: with UNAVAILABLE 'decode draining', which the gateway migrates); keep it below the "
+                    "pod's terminationGracePeriodSeconds",
+    )

@@ -1,7 +1,8 @@
 """Hot-prefix replication between prefill instances: serving and pulling cached prefix blocks.
 
 When the scheduler places a request on an instance whose own cache holds less of the prompt
-than a peer's, the placement names that peer (``prefix_source_id``). The chosen instance asks
+than a peer's, the placement names that peer (``prefix_source_id``, and its address in
+``prefix_source_address``; the scheduler is asked only when that is empty). The chosen instance asks
 the peer for those blocks (``FetchPrefix``), checks each one like a kvstore block, attaches
 them to the request and keeps them in its own cache, whose "stored" events then tell the
 scheduler that the prefix has one more replica.
@@ -125,6 +126,7 @@ class PrefixPuller:
         self.metrics = metrics
         self.directory = directory
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._not_prefill: set[str] = set()  # addresses that answered UNIMPLEMENTED to FetchPrefix
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -136,10 +138,11 @@ class PrefixPuller:
             self._channels[address] = insecure_channel(address)
         return prefill_pb2_grpc.PrefillStub(self._channels[address])
 
-    async def pull(self, seq: Sequence, source_id: str, source_blocks: int) -> int:
+    async def pull(self, seq: Sequence, source_id: str, source_blocks: int, address: str = "") -> int:
         """Attach the blocks after ``seq``'s local prefix that ``source_id`` holds; returns tokens added.
 
-        Returns 0 (and the request computes those tokens) when the source is not a known prefill
+        ``address``: the source's host:port as the placement gives it; empty: ask the scheduler.
+        Returns 0 (and the request computes those tokens) when the source is not a prefill
         instance — e.g. a kvstore node, which the kvstore path reads — or cannot deliver.
         """
         page = self.engine.page_size
@@ -147,8 +150,8 @@ class PrefixPuller:
         end = min(source_blocks, (seq.num_tokens - 1) // page, len(seq.block_keys))
         if end <= first:
             return 0
-        address = await self.directory.address(source_id)
-        if address is None:
+        address = address or await self.directory.address(source_id) or ""
+        if not address or address in self._not_prefill:
             log.debug("prefix source %s is not a prefill instance; leaving it to the kvstore path", source_id)
             return 0
         keys = seq.block_keys[first:end]
@@ -157,6 +160,10 @@ class PrefixPuller:
             payloads, nbytes = await asyncio.wait_for(self._fetch(address, keys, seq, first), PULL_TIMEOUT_S)
         except (grpc.aio.AioRpcError, TimeoutError, BlockFormatError) as exc:
             reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._not_prefill.add(address)  # e.g. a kvstore node: do not ask it again
+                log.debug("prefix source %s at %s serves no prefill peers' blocks", source_id, address)
+                return 0
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.directory.forget(source_id)
             log.warning("pulling %d prefix blocks from %s failed (%s); computing them", len(keys), source_id, reason)

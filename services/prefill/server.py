@@ -10,16 +10,44 @@ import grpc
 from crescent.protos import prefill_pb2_grpc
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
-from crescent.services.engine.instance import EngineInstance
-from crescent.services.engine.runtime import run_engine_process
+from crescent.services.engine.instance import EngineInstance, EngineLoad
+from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.config import ENV_PREFIX, PrefillSettings
 from crescent.services.prefill.servicer import PrefillServicer
 
 
-async def serve(settings: PrefillSettings, instance: EngineInstance, stop: asyncio.Event) -> None:
-    async def attach(server: grpc.aio.Server):
+class PrefillRole:
+    """The prefill part of an engine instance: load reports and drain, over the servicer."""
+
+    def __init__(self, servicer: PrefillServicer, kvstore: KvStoreClient | None) -> None:
+        self.servicer = servicer
+        self.kvstore = kvstore
+
+    def load(self) -> EngineLoad:
+        load = self.servicer.load
+        queued, queued_tokens, running = load.report()
+        return EngineLoad(queued_requests=queued, queued_tokens=queued_tokens, running_requests=running,
+                          active_request_ids=load.active_ids(), finished_request_ids=load.drain_left())
+
+    def stop_accepting(self) -> None:
+        self.servicer.draining = True
+
+    def busy(self) -> bool:
+        return self.servicer.running > 0
+
+    async def end_remaining(self) -> None:
+        """Nothing to do: stopping the server ends the calls left, and the gateway places them again."""
+
+    async def close(self) -> None:
+        await self.servicer.close()
+        if self.kvstore is not None:
+            await self.kvstore.close()
+
+
+async def serve(settings: PrefillSettings, instance: EngineInstance, signals: ShutdownSignals) -> None:
+    async def attach(server: grpc.aio.Server) -> PrefillRole:
         assert instance.engine is not None
         kvstore = (
             KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory)
@@ -32,17 +60,11 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, stop: async
 
         servicer = PrefillServicer(instance.engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon,
                                    scheduler_address=settings.scheduler_address)
-        instance.load = servicer.load.report
+        servicer.load.on_change = instance.nudge
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+        return PrefillRole(servicer, kvstore)
 
-        async def cleanup() -> None:
-            await servicer.close()
-            if kvstore is not None:
-                await kvstore.close()
-
-        return cleanup
-
-    await instance.run(attach, stop)
+    await instance.run(attach, signals)
 
 
 def main(config_path: Path | None = None) -> None:
@@ -51,4 +73,4 @@ def main(config_path: Path | None = None) -> None:
     settings = load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)
     instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address)
-    run_engine_process(instance.worker, lambda stop: serve(settings, instance, stop))
+    run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

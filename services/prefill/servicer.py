@@ -4,6 +4,10 @@ For each request: attach the longest locally cached prefix, fetch the following 
 from the kvstore, compute the rest, sample the first token and stream it to the gateway at once;
 then push the request and all its KV to the chosen decode instance, and write the prompt's new
 full blocks to the kvstore in the background.
+
+A handoff that fails (decode gone or draining) ends the Prefill call with UNAVAILABLE after the
+first token, so the gateway places the request again and continues the stream; the pages go
+back either way. A draining instance refuses new calls with UNAVAILABLE "draining".
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from crescent.services.common.grpc_service import insecure_channel
 from crescent.services.common.kv_block import KvBlock, chunks_of
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
+from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.runtime import EngineWorker
@@ -29,6 +34,15 @@ from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
 
 log = logging.getLogger(__name__)
+
+# How a failed handoff ends the Prefill call; anything else is UNAVAILABLE: place it again.
+_HANDOFF_FAILURES = {
+    grpc.StatusCode.ABORTED: grpc.StatusCode.ABORTED,                        # the gateway aborted it
+    grpc.StatusCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # larger than that decode's cache
+    grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INTERNAL,              # prefill and decode disagree
+    grpc.StatusCode.ALREADY_EXISTS: grpc.StatusCode.INTERNAL,
+}
+
 
 class _PageHold:
     """A sequence's pages go back once every holder (the call, the kvstore export) lets go."""
@@ -58,7 +72,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = engine_metrics("prefill")
-        self.running = 0
+        self.running = 0  # Prefill calls open
+        self.draining = False
         self.load = PrefillLoad()
         self.puller = (PrefixPuller(engine, worker, self.metrics, PeerDirectory(scheduler_address))
                        if scheduler_address else None)
@@ -79,6 +94,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         request_id_var.set(request.request_id)
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this prefill instance takes no new requests")
         cfg = self.engine.config
         if request.model_id and request.model_id != self.engine.model_id:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"this instance serves {self.engine.model_id!r}, not {request.model_id!r}")
@@ -108,14 +125,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             start = time.perf_counter()
             sampling = sampling_config(request.sampling)
             self.load.computing(request.request_id)
-            first = await self.worker.run(lambda: sample_batch(self.engine.prefill(seq)[None], [sampling], [0])[0])
+            step = max(request.sampling.first_step, 0)  # after a migration: the client has that many tokens
+            first = await self.worker.run(lambda: sample_batch(self.engine.prefill(seq)[None], [sampling], [step])[0])
             self.load.done(request.request_id)
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
-            stop_ids = set(request.sampling.stop_token_ids)
-            if not request.sampling.ignore_eos:
-                stop_ids.update(cfg.eos_token_ids)
+            stop_ids = stop_token_ids(request.sampling.stop_token_ids, cfg.eos_token_ids, request.sampling.ignore_eos)
             finished = first in stop_ids or request.sampling.max_tokens <= 1
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
@@ -128,7 +144,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 )
             )
             if not finished:
-                await self._hand_off(request, seq, first)
+                try:
+                    await self._hand_off(request, seq, first)
+                except grpc.aio.AioRpcError as exc:
+                    self.metrics.requests.labels("prefill", "error").inc()
+                    code = _HANDOFF_FAILURES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
+                    log.warning("handoff to decode %s failed: %s %s", request.decode_address, exc.code().name, exc.details())
+                    await context.abort(code, f"handoff to decode {request.decode_address} failed: "
+                                              f"{exc.code().name}: {exc.details()}")
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
             self.metrics.requests.labels("prefill", "ok").inc()
         except CacheFullError as exc:
@@ -139,7 +162,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise
         finally:
             self.running -= 1
-            self.load.done(request.request_id)
+            self.load.left(request.request_id)
             self.metrics.queue_depth.labels("prefill").set(self.worker.pending)
             if hold is not None:
                 hold.release()
@@ -158,7 +181,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Prefix blocks the placement says a peer holds beyond our own: pull and keep them."""
         if self.puller is None or not request.prefix_source_id or request.prefix_source_blocks <= 0:
             return 0
-        return await self.puller.pull(seq, request.prefix_source_id, request.prefix_source_blocks)
+        return await self.puller.pull(seq, request.prefix_source_id, request.prefix_source_blocks,
+                                      address=request.prefix_source_address)
 
     async def FetchPrefix(self, request: prefill_pb2.FetchPrefixRequest, context: grpc.aio.ServicerContext):
         if request.model_id and request.model_id != self.engine.model_id:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from crescent.services.engine.engine import Engine
+from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.sampler import SamplingConfig
 from tests.engine.tiny_model import TINY, dense_logits, tiny_model, tiny_weights
 
@@ -140,3 +142,22 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed():
     assert engine.generate(tokens, max_tokens=12, sampling=hot, stop_token_ids=[]) == first
     other = engine.generate(tokens, max_tokens=12, sampling=SamplingConfig(temperature=1.5, top_p=0.95, top_k=40, seed=8), stop_token_ids=[])
     assert other != first
+
+
+def test_a_reservation_keeps_its_pages_while_others_fill_the_cache():
+    prefill_engine, engine = make_engine(), make_engine(capacity_tokens=8 * PAGE)
+    tokens = prompt(2 * PAGE)
+    seq = prefill_engine.add_sequence("a", tokens)
+    first = int(torch.argmax(prefill_engine.prefill(seq)))
+    payloads = [prefill_engine.block_payload(seq, i).clone() for i in range(2)]
+    adopted = engine.adopt_sequence("a", tokens + [first], len(tokens), payloads, reserve_tokens=6 * PAGE)
+    assert engine.cache.pages.unpromised_pages == 2
+    with pytest.raises(CacheFullError):
+        engine.adopt_sequence("b", tokens + [first], len(tokens), payloads, reserve_tokens=3 * PAGE)
+    other = engine.cache.pages.allocate(2)  # someone takes every page nobody was promised
+    while adopted.num_tokens < 6 * PAGE:  # growing into its reservation never meets a full cache
+        adopted.token_ids.append(int(torch.argmax(engine.decode_step([adopted])[0])))
+    assert adopted.num_tokens == 6 * PAGE and len(adopted.pages) == 6
+    engine.release(adopted)
+    engine.cache.pages.release(other)
+    assert engine.cache.pages.free_pages == 8 and engine.cache.pages.promised_pages == 0
