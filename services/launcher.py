@@ -54,14 +54,20 @@ class ServiceSpec:
     metrics_url: str
 
 
-def _takes_drain_grace(service: str) -> bool:
-    """Whether this service's settings have ``drain_grace_s`` (writing an unknown key would
-    fail its settings validation)."""
+def _drain_setting(service: str, grace_s: float) -> dict[str, Any]:
+    """``drain_grace_s`` where this service's settings take it: at the top (gateway) or in its
+    engine's settings (prefill, decode); nothing where it has none (an unknown key would fail
+    the settings' validation)."""
     import importlib
 
     module = importlib.import_module(f"crescent.services.{service}.config")
-    settings = getattr(module, f"{service.capitalize()}Settings")
-    return "drain_grace_s" in settings.model_fields
+    fields = getattr(module, f"{service.capitalize()}Settings").model_fields
+    if "drain_grace_s" in fields:
+        return {"drain_grace_s": grace_s}
+    engine = fields.get("engine")
+    if engine is not None and "drain_grace_s" in getattr(engine.annotation, "model_fields", {}):
+        return {"engine": {"drain_grace_s": grace_s}}
+    return {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +101,6 @@ class PlatformPlan:
             return ({"host": host, "port": grpc_port, "admin_port": admin_port}, f"{host}:{grpc_port}",
                     f"http://{host}:{admin_port}")
 
-        def drain(service: str) -> dict[str, float]:
-            return {"drain_grace_s": self.drain_grace_s} if _takes_drain_grace(service) else {}
 
         specs = []
         sched_listen, scheduler, sched_admin = listen()
@@ -115,8 +119,9 @@ class PlatformPlan:
         for role, count in (("prefill", self.prefill), ("decode", self.decode)):
             for i in range(count):
                 inst_listen, address, admin = listen()
+                drain = _drain_setting(role, self.drain_grace_s)
                 config = {"listen": inst_listen, "instance_id": f"{role}-{i}", "scheduler_address": scheduler,
-                          "engine": engine, **drain(role)}
+                          **drain, "engine": {**engine, **drain.get("engine", {})}}
                 if role == "prefill":
                     config["kvstore_address"] = kvstore
                 specs.append(ServiceSpec(f"{role}-{i}", role, config, address, f"{admin}/health", f"{admin}/metrics"))
@@ -124,7 +129,7 @@ class PlatformPlan:
         specs.append(ServiceSpec("gateway", "gateway", {
             # No block size: the gateway learns it from the engines through the scheduler.
             "listen": {"host": host, "port": self.port}, "scheduler_address": scheduler, "model": self.model,
-            **drain("gateway"),
+            **_drain_setting("gateway", self.drain_grace_s),
         }, None, f"{gateway}/health", f"{gateway}/metrics"))
         return specs
 

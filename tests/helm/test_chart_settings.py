@@ -71,7 +71,9 @@ def test_rendered_settings_load_in_the_service(tmp_path: Path, name: str, servic
         assert settings.node_id == POD_FIELDS["NODE_NAME"]
     if service == "scheduler":
         assert settings.discovery.enabled  # every example leaves scheduler.kubernetesDiscovery on
-    if service in ("gateway", "prefill", "decode"):
+    if service == "gateway":
         assert settings.drain_grace_s > 0  # from terminationGracePeriodSeconds, see test_lifecycle
+    if service in ("prefill", "decode"):
+        assert settings.engine.drain_grace_s > 0
     if service != "scheduler" and hasattr(settings, "scheduler_address"):
         assert settings.scheduler_address == "crescent-scheduler:50051"

@@ -27,11 +27,17 @@ def config_of(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
     return yaml.safe_load(by_kind(docs, "ConfigMap")[f"crescent-{component}"]["data"]["config.yaml"])
 
 
+def drain_grace_of(docs: list[dict[str, Any]], component: str) -> float:
+    """The gateway's own setting; prefill and decode drain in their engine's settings."""
+    config = config_of(docs, component)
+    return config["drain_grace_s"] if component == "gateway" else config["engine"]["drain_grace_s"]
+
+
 @pytest.mark.parametrize("name", sorted(VALUES_FILES))
 def test_draining_pods_sleep_in_prestop_then_drain_within_their_grace(name: str) -> None:
     docs = render(values=VALUES_FILES[name])
     for component in DRAINING:
-        drain = config_of(docs, component)["drain_grace_s"]
+        drain = drain_grace_of(docs, component)
         for workload in workloads_of(docs, component):
             spec = workload["spec"]["template"]["spec"]
             command = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
@@ -47,7 +53,7 @@ def test_grace_period_and_prestop_are_settable_and_zero_sleep_drops_the_hook() -
     (decode,) = workloads_of(docs, "decode")
     spec = decode["spec"]["template"]["spec"]
     assert spec["terminationGracePeriodSeconds"] == 300 and "lifecycle" not in spec["containers"][0]
-    assert config_of(docs, "decode")["drain_grace_s"] == 300 - MARGIN_S
+    assert drain_grace_of(docs, "decode") == 300 - MARGIN_S
 
 
 def test_a_grace_period_too_short_to_drain_in_is_refused() -> None:

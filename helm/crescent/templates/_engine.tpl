@@ -260,8 +260,7 @@ instance id and advertised address are per pod, so they come from env vars in th
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int $v.grpcPort) "admin_port" (int $v.adminPort))
   "scheduler_address" (include "crescent.schedulerAddress" $root)
-  "engine" (dict "model" (include "crescent.modelSpec" $root))
-  "drain_grace_s" (include "crescent.drainGraceSeconds" $v | int) }}
+  "engine" (dict "model" (include "crescent.modelSpec" $root) "drain_grace_s" (include "crescent.drainGraceSeconds" $v | int)) }}
 {{- if and (eq .role "prefill") $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}
