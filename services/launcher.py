@@ -340,7 +340,10 @@ class Platform:
             child.restart_at = self.clock() + delay
             return SupervisionEvent("restart_failed", child.spec.name, f"{exc}; next try in {delay:.1f} s")
         child.awaiting_health = True
-        self.write_manifest()
+        try:
+            self.write_manifest()
+        except OSError as exc:  # e.g. a full disk: the service runs anyway, only the listing is stale
+            log.warning("cannot update services.json: %s", exc)
         assert child.proc is not None
         return SupervisionEvent("restarted", child.spec.name, f"pid {child.proc.pid} (restart {child.restarts})")
 
