@@ -282,12 +282,15 @@ class Platform:
                 raise LaunchError(f"{proc_name} exited ({describe_exit(code)}); last log lines:\n" + "\n".join(tail))
 
     def write_manifest(self) -> Path:
-        manifest = [
-            {"name": s.name, "role": s.service, "grpc": s.grpc_address, "metrics_url": s.metrics_url,
-             "health_url": s.health_url, "log": str(self.log_path(s.name)), "pid": self.children[s.name].proc.pid,
-             "restarts": self.children[s.name].restarts}
-            for s in self.specs
-        ]
+        manifest = []
+        for s in self.specs:
+            child = self.children[s.name]
+            manifest.append({
+                "name": s.name, "role": s.service, "grpc": s.grpc_address, "metrics_url": s.metrics_url,
+                "health_url": s.health_url, "log": str(self.log_path(s.name)),
+                "pid": child.proc.pid if child.proc is not None else None,  # None: waiting to be restarted
+                "restarts": child.restarts,
+            })
         path = self.run_dir / "services.json"
         tmp = path.with_suffix(".json.tmp")  # readers never see half a file
         tmp.write_text(json.dumps(manifest, indent=2))
