@@ -75,24 +75,26 @@ class SchedulerStandIn:
 
 
 class DecodeProcess:
-    """``crescent serve decode`` as the CLI runs it: ``server.main(config)`` in its own process."""
+    """``crescent serve decode`` (or ``prefill``) as the CLI runs it: ``server.main(config)`` in its own process."""
 
     def __init__(self, run_dir: Path, scheduler_address: str, kv_capacity_tokens: int, *, max_batch_size: int = 8,
-                 drain_grace_s: float = 100.0) -> None:
+                 drain_grace_s: float = 100.0, role: str = "decode") -> None:
+        self.role = role
         self.port, self.admin_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.config = run_dir / "decode.yaml"
+        self.config = run_dir / f"{role}.yaml"
         self.config.write_text(yaml.safe_dump({
             "listen": {"host": "127.0.0.1", "port": self.port, "admin_port": self.admin_port},
             "scheduler_address": scheduler_address,
             "engine": {"kv_capacity_tokens": kv_capacity_tokens, "block_size": BLOCK, "threads": 1,
                        "max_batch_size": max_batch_size, "drain_grace_s": drain_grace_s},
         }))
-        self.log = run_dir / "decode.log"
+        self.log = run_dir / f"{role}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 120.0, wait_ready: bool = True) -> None:
-        code = "import sys; from pathlib import Path; from crescent.services.decode.server import main; main(Path(sys.argv[1]))"
+        code = ("import sys; from pathlib import Path; "
+                f"from crescent.services.{self.role}.server import main; main(Path(sys.argv[1]))")
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.config)], stdout=log,
                                          stderr=subprocess.STDOUT, env=dict(os.environ, CRESCENT_LOG_LEVEL="INFO"))
@@ -100,7 +102,7 @@ class DecodeProcess:
         while wait_ready and not self.healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("decode did not become ready:\n" + self.log.read_text(errors="replace")[-3000:])
+                raise RuntimeError(f"{self.role} did not become ready:\n" + self.log.read_text(errors="replace")[-3000:])
             time.sleep(0.1)
 
     def healthy(self) -> bool:
