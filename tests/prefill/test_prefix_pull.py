@@ -67,3 +67,43 @@ def test_load_counts_prompt_tokens_still_to_compute() -> None:
     load.done("a")
     load.done("a")                  # the request's end after its prefill: nothing changes
     assert load.report() == (1, 300, 0)
+
+
+class NoLookups(FixedDirectory):
+    """A directory that must not be asked: the placement already carries the address."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.forgotten: list[str] = []
+
+    async def address(self, instance_id: str) -> str | None:
+        raise AssertionError(f"looked up {instance_id} although the placement gave its address")
+
+    def forget(self, instance_id: str) -> None:
+        self.forgotten.append(instance_id)
+
+
+def test_the_placement_s_prefix_source_address_is_dialled_without_a_lookup() -> None:
+    torch.set_num_threads(1)
+    engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, page_size=PAGE)
+    worker = EngineWorker("test")
+    serving = threading.Thread(target=worker.serve_forever)
+    serving.start()
+
+    async def scenario() -> tuple[int, list[str]]:
+        directory = NoLookups()
+        puller = PrefixPuller(engine, worker, _METRICS, directory)
+        seq = engine.add_sequence("r", list(range(5 * PAGE)))
+        try:
+            added = await puller.pull(seq, "prefill-7", 4, address=f"127.0.0.1:{free_port()}")
+            return added, directory.forgotten
+        finally:
+            await puller.close()
+
+    try:
+        added, forgotten = asyncio.run(scenario())
+    finally:
+        worker.shutdown()
+        serving.join()
+    assert added == 0  # nobody answers there: the prompt is computed instead
+    assert forgotten == ["prefill-7"], "the given address was dialled (and found gone)"
