@@ -96,9 +96,9 @@ class Policy(ABC):
 
     def place(self, request: PlacementRequest, view: ClusterView) -> Decision:
         if not view.prefill:
-            return Rejection("no_prefill_instance", "no prefill instance is registered", self.options.no_instance_retry_after_s)
+            return Rejection("no_prefill_instance", "no prefill instance is registered and taking requests", self.options.no_instance_retry_after_s)
         if not view.decode:
-            return Rejection("no_decode_instance", "no decode instance is registered", self.options.no_instance_retry_after_s)
+            return Rejection("no_decode_instance", "no decode instance is registered and taking requests", self.options.no_instance_retry_after_s)
         too_big = exceeds_capacity(request, view.decode)
         if too_big is not None:
             return too_big

@@ -69,9 +69,11 @@ class SchedulerProcess:
 
 
 def instance(instance_id: str, role: str, *, model_id: str = "m", block_size: int = 4, kv_capacity_tokens: int = 100_000,
-             max_batch_size: int = 16) -> scheduler_pb2.InstanceInfo:
-    roles = {"prefill": scheduler_pb2.INSTANCE_ROLE_PREFILL, "decode": scheduler_pb2.INSTANCE_ROLE_DECODE}
+             max_batch_size: int = 16, kv_format: str = "", kv_dtype: str = "") -> scheduler_pb2.InstanceInfo:
+    roles = {"prefill": scheduler_pb2.INSTANCE_ROLE_PREFILL, "decode": scheduler_pb2.INSTANCE_ROLE_DECODE,
+             "kvstore": scheduler_pb2.INSTANCE_ROLE_KVSTORE}
     return scheduler_pb2.InstanceInfo(
         instance_id=instance_id, role=roles[role], address=f"{instance_id}.local:7000",
         model_id=model_id, block_size=block_size, kv_capacity_tokens=kv_capacity_tokens, max_batch_size=max_batch_size,
+        kv_format=kv_format, kv_dtype=kv_dtype,
     )

@@ -19,9 +19,10 @@ def keys(n: int, tag: int = 0) -> list[bytes]:
     return prefix_block_keys(list(range(tag * 1000, tag * 1000 + 4 * n)), 4, "m")
 
 
-def place(stub, block_keys=(), prompt_tokens=64, max_tokens=16, model_id="m", request_id="r"):
+def place(stub, block_keys=(), prompt_tokens=64, max_tokens=16, model_id="m", request_id="r", block_size=0):
     return stub.Place(scheduler_pb2.PlaceRequest(
-        request_id=request_id, model_id=model_id, block_keys=list(block_keys), prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+        request_id=request_id, model_id=model_id, block_keys=list(block_keys), prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens, block_size=block_size,
     ))
 
 
@@ -175,3 +176,56 @@ def test_reregistered_instance_loses_its_stale_blocks(start_scheduler) -> None:
     # p0 restarted with an empty cache: what the index held for it must not be trusted.
     assert sched.stub.Register(instance("p0", "prefill")).want_full_snapshot
     assert place(sched.stub, prompt, prompt_tokens=30).expected_cached_blocks == 0
+
+
+def test_disagreeing_instances_and_block_sizes_are_refused_loudly(start_scheduler) -> None:
+    sched = start_scheduler(heartbeat_timeout_s=30)
+    sched.stub.Register(instance("p0", "prefill", kv_format="paged-v1:30x2x64", kv_dtype="float32"))
+    with pytest.raises(grpc.RpcError) as err:
+        sched.stub.Register(instance("d0", "decode", kv_format="paged-v1:30x2x64", kv_dtype="bfloat16"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'bfloat16'" in err.value.details() and "'float32'" in err.value.details()
+    sched.stub.Register(instance("d0", "decode", kv_format="paged-v1:30x2x64", kv_dtype="float32"))
+    # A kvstore node holds blocks of any model: no block size, no format to agree on.
+    sched.stub.Register(instance("kv0", "kvstore", model_id="", block_size=0))
+    with pytest.raises(grpc.RpcError) as err:
+        place(sched.stub, keys(4), prompt_tokens=20, block_size=8)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size 8" in err.value.details() and "block_size 4" in err.value.details()
+    assert not place(sched.stub, keys(4), prompt_tokens=20, block_size=4).HasField("rejection")
+    roles = {s.info.instance_id: s.info.role for s in sched.stub.ListInstances(scheduler_pb2.ListInstancesRequest()).instances}
+    assert roles["kv0"] == scheduler_pb2.INSTANCE_ROLE_KVSTORE
+
+
+def test_a_registered_kvstore_is_named_with_its_address(start_scheduler) -> None:
+    sched = start_scheduler(heartbeat_timeout_s=30)
+    for name, role in (("p0", "prefill"), ("d0", "decode")):
+        sched.stub.Register(instance(name, role))
+    sched.stub.Register(instance("kv0", "kvstore", model_id="", block_size=0))
+    prompt = keys(10)
+    sched.stub.PublishBlockEvents(stored("kv0", prompt[:9], tier=common_pb2.KV_TIER_HOST, full=True))
+    placement = place(sched.stub, prompt, prompt_tokens=43)
+    assert (placement.prefix_source_id, placement.prefix_source_address) == ("kv0", "kv0.local:7000")
+    assert placement.expected_cached_blocks == 9
+
+
+def test_released_and_reported_requests_free_what_was_reserved(start_scheduler) -> None:
+    sched = start_scheduler(heartbeat_timeout_s=30, slo={"ttft_s": 5.0})
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d0", "decode", kv_capacity_tokens=1000))
+    assert not place(sched.stub, prompt_tokens=500, max_tokens=400, request_id="a").HasField("rejection")
+    # a's 900 tokens are promised: b does not fit, and a frees them only after its 400 tokens.
+    full = place(sched.stub, prompt_tokens=500, max_tokens=400, request_id="b")
+    assert full.rejection.reason == "decode_kv_full" and full.rejection.retry_after_s >= 1
+    # a ended at its first token (the gateway says so): its decode KV is free again.
+    sched.stub.ReportOutcome(scheduler_pb2.RequestOutcome(request_id="a", ttft_s=0.3, released=True))
+    assert not place(sched.stub, prompt_tokens=500, max_tokens=400, request_id="b").HasField("rejection")
+    # b reached decode and finished: the instance's report retires it.
+    sched.stub.Heartbeat(scheduler_pb2.InstanceLoad(instance_id="d0", free_kv_tokens=100, running_requests=1,
+                                                    active_request_ids=["b"]))
+    assert place(sched.stub, prompt_tokens=500, max_tokens=400, request_id="c").rejection.reason == "decode_kv_full"
+    sched.stub.Heartbeat(scheduler_pb2.InstanceLoad(instance_id="d0", free_kv_tokens=1000, finished_request_ids=["b"]))
+    assert not place(sched.stub, prompt_tokens=500, max_tokens=400, request_id="c").HasField("rejection")
+    # A draining instance takes nothing new.
+    sched.stub.Heartbeat(scheduler_pb2.InstanceLoad(instance_id="d0", free_kv_tokens=1000, draining=True))
+    assert place(sched.stub, prompt_tokens=10, max_tokens=4, request_id="d").rejection.reason == "no_decode_instance"
