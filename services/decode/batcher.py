@@ -133,17 +133,17 @@ class Batcher:
         self._update_gauges()
         self.on_change()
 
-    def abort(self, request_id: str, why: str, ending: str = ABORTED) -> bool:
-        """Drop a request and free its KV now; False when it is not here. The reader, if any,
-        gets ``ending``."""
+    def abort(self, request_id: str, why: str) -> bool:
+        """Drop a request and free its KV now; False when it is not here. A reader still
+        streaming it gets ABORTED."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
         self.left.append(request_id)
         if not request.finished:
-            log.info("ending %s: %s", request_id, why)
-            request.queue.put_nowait(TokenUpdate((), ending, why))
-            self.metrics.requests.labels("decode", "aborted" if ending == ABORTED else "error").inc()
+            log.info("aborting %s: %s", request_id, why)
+            request.queue.put_nowait(TokenUpdate((), ABORTED, why))
+            self.metrics.requests.labels("decode", "aborted").inc()
             self._finish(request)
         else:
             self.on_change()
@@ -182,18 +182,26 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
-            self._expire_unclaimed()
-            await self._admit_waiting()
-            batch = [r for r in self.running if not r.finished][: self.max_batch_size]
-            self._update_gauges()
-            if not batch:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
-                continue
-            await self._step(batch)
+            try:
+                await self._next()
+            except Exception:  # noqa: BLE001 - the loop must outlive a bug, or every request would stall
+                log.exception("decode loop failed; carrying on")
+                await asyncio.sleep(0.1)
+
+    async def _next(self) -> None:
+        """Admit what fits, then run one step (or wait for work)."""
+        self._expire_unclaimed()
+        await self._admit_waiting()
+        batch = [r for r in self.running if not r.finished][: self.max_batch_size]
+        self._update_gauges()
+        if not batch:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            return
+        await self._step(batch)
 
     async def _admit_waiting(self) -> None:
         """Move waiting requests, oldest first, into the cache while their reservations fit."""

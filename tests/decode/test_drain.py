@@ -10,7 +10,8 @@ import time
 import grpc
 import pytest
 
-from tests.decode.process import BLOCK, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
+from crescent.protos import decode_pb2
+from tests.decode.process import BLOCK, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub
 
 TEXT = "The lighthouse keeper counted the ships that passed the rocky point every night, and he wrote"
 
@@ -49,7 +50,7 @@ class Reader(threading.Thread):
         channel, stub = decode_stub(self.address)
         with channel:
             try:
-                for event in stub.StreamTokens(_stream(self.request_id), timeout=120):
+                for event in stub.StreamTokens(decode_pb2.StreamRequest(request_id=self.request_id), timeout=120):
                     self.tokens.extend(event.token_ids)
                     self.reason = event.finish_reason or self.reason
                     self.started_streaming.set()
@@ -58,12 +59,6 @@ class Reader(threading.Thread):
             finally:
                 self.ended_at = time.monotonic()
                 self.started_streaming.set()
-
-
-def _stream(request_id: str):
-    from crescent.protos import decode_pb2
-
-    return decode_pb2.StreamRequest(request_id=request_id)
 
 
 def hand_off(process: DecodeProcess, prompts: PromptKv, request_id: str, tokens: list[int], max_tokens: int) -> int:
