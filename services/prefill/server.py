@@ -35,7 +35,7 @@ class PrefillRole:
         self.servicer.draining = True
 
     def busy(self) -> bool:
-        return self.servicer.running > 0
+        return self.servicer.busy()
 
     async def end_remaining(self) -> None:
         """Nothing to do: stopping the server ends the calls left, and the gateway places them again."""

@@ -78,6 +78,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.puller = (PrefixPuller(engine, worker, self.metrics, PeerDirectory(scheduler_address))
                        if scheduler_address else None)
 
+    def busy(self) -> bool:
+        """Prefill calls open, or new blocks still on their way to the kvstore."""
+        return self.running > 0 or bool(self._background)
+
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
