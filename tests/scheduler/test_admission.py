@@ -164,3 +164,18 @@ def test_registered_kvstores_are_shared_sources_and_unregistered_publishers_stil
     placed = cluster.place("r", prompt=64 * 6 + 3, keys=keys)
     assert isinstance(placed, Placement) and placed.pull is not None and placed.pull.source == "legacy"
     assert placed.cached_blocks == 5
+
+
+def test_the_decode_outlook_runs_requests_first_in_first_out() -> None:
+    from crescent.services.scheduler.decode_outlook import KnownRequest, project_releases
+
+    step = 0.1
+    held = [KnownRequest(600, 10, 0.0), KnownRequest(600, 50, 0.0)]  # the second waits: 1200 > 1000
+    assert project_releases(held, 1000, 0, step) == [(1.0, 600), (pytest.approx(6.0), 600)]
+    # A request on its way joins when it arrives, the ones behind it not before; a batch cap
+    # makes each wait for a slot.
+    coming = [KnownRequest(100, 10, 0.0), KnownRequest(100, 10, 0.5), KnownRequest(100, 10, 0.5)]
+    assert [t for t, _ in project_releases(coming, 1000, 0, step)] == pytest.approx([1.0, 1.5, 1.5])
+    assert [t for t, _ in project_releases(coming, 1000, 1, step)] == pytest.approx([1.0, 2.0, 3.0])
+    # One larger than the room blocks the queue behind it, as on the instance.
+    assert project_releases([KnownRequest(2000, 5, 0.0), KnownRequest(10, 5, 0.0)], 1000, 0, step) == []
