@@ -195,7 +195,6 @@ class Conductor:
     def view(self, model_id: str = "", need_kv_tokens: int = 0) -> ClusterView:
         """The cluster as the policy sees it: reported load plus what reports do not cover yet."""
         now = self._clock()
-        prefill_cost = self.costs.prefill
         prefill, decode = [], []
         for r in self.registry.placeable(Role.PREFILL):
             if model_id and r.spec.model_id != model_id:
