@@ -17,6 +17,8 @@ import pytest
 from crescent.protos import decode_pb2
 from tests.decode.process import BLOCK, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
 
+pytestmark = pytest.mark.slow  # real processes: a model load each
+
 KV_TOKENS = 6 * BLOCK     # two requests of 3 pages each at a time
 MAX_TOKENS = 40
 

@@ -13,6 +13,8 @@ import pytest
 from crescent.protos import decode_pb2
 from tests.decode.process import BLOCK, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub
 
+pytestmark = pytest.mark.slow  # real processes: a model load each
+
 TEXT = "The lighthouse keeper counted the ships that passed the rocky point every night, and he wrote"
 
 

@@ -19,6 +19,8 @@ from crescent.services.engine.sampler import SamplingConfig
 from tests.decode.process import BLOCK, DecodeProcess, PromptKv, SchedulerStandIn
 from tests.ports import free_port
 
+pytestmark = pytest.mark.slow  # real processes: a model load each
+
 TEXTS = [
     "The lighthouse keeper counted the ships that passed the rocky point every night, and he wrote",
     "In the valley below the mountains, farmers grew apples, pears and plums, and every autumn they",
