@@ -165,7 +165,7 @@ class EngineInstance:
         finally:
             for task in waits:
                 task.cancel()
-        if isinstance(failed, asyncio.Event) and failed.is_set() and not signals.requested.is_set():
+        if isinstance(failed, asyncio.Event) and failed.is_set():
             return str(getattr(self.agent, "fatal_error", None) or "registration refused")
         return None
 
