@@ -96,15 +96,17 @@ class Conductor:
 
     # ---- instances -------------------------------------------------------------------------
 
-    def register(self, spec: InstanceSpec) -> bool:
+    def register(self, spec: InstanceSpec, assumed: bool = False) -> bool:
         """Add or replace an instance; returns whether it should send a block snapshot.
 
         A (re-)registering instance may have restarted with an empty cache, so whatever the
         index held for it is dropped rather than trusted. Raises ``RegistrationConflictError``
-        when it disagrees with the model's other instances.
+        when it disagrees with the model's other instances. ``assumed``: discovered, with
+        guessed details, which nothing is checked against until the instance registers itself.
         """
-        self._check_agreement(spec)
-        self.registry.register(spec)
+        if not assumed:
+            self._check_agreement(spec)
+        self.registry.register(spec, assumed)
         self.index.drop_source(spec.instance_id)
         self._snapshotted.discard(SourceId(spec.instance_id))
         return True
@@ -134,7 +136,9 @@ class Conductor:
             return  # the registered ones agree with each other: one comparison is enough
 
     def _model_records(self, model_id: str) -> list[InstanceRecord]:
-        return [r for role in (Role.PREFILL, Role.DECODE) for r in self.registry.live(role) if r.spec.model_id == model_id]
+        """The model's live engines that registered themselves (their details are facts)."""
+        return [r for role in (Role.PREFILL, Role.DECODE) for r in self.registry.live(role)
+                if r.spec.model_id == model_id and not r.assumed]
 
     def model_block_size(self, model_id: str) -> int:
         """The block size of the model's instances (the pinned one if set); 0 while unknown."""
@@ -279,7 +283,8 @@ class Conductor:
         request_id = request_id or f"anonymous-{next(self._anonymous)}"
         self.release(request_id)  # placed again (a retry, a migration): the earlier promise is void
         view = self.view(model_id, prompt_tokens + max_tokens)
-        request = PlacementRequest(request_id, block_keys, prompt_tokens, max_tokens, model_block or block_size or 1)
+        assumed = next((r.spec.block_size for r in self.registry.live(Role.PREFILL) if r.spec.model_id == model_id), 1)
+        request = PlacementRequest(request_id, block_keys, prompt_tokens, max_tokens, model_block or block_size or assumed)
         decision = self.policy.place(request, view)
         if isinstance(decision, Rejection) and decision.reason.startswith("no_") and model_id:
             decision = Rejection(decision.reason, f"{decision.message} for model {model_id!r}", decision.retry_after_s)

@@ -146,7 +146,7 @@ class DiscoveredMembership:
             if e.ready and registry.get(e.instance_id) is None and e.address not in known_addresses:
                 s = self.settings
                 self.conductor.register(InstanceSpec(e.instance_id, e.role, e.address, s.model_id, s.block_size,
-                                                     kv_capacity_tokens=0, max_batch_size=0))
+                                                     kv_capacity_tokens=0, max_batch_size=0), assumed=True)
                 log.info("discovered %s instance %s at %s", e.role.value, e.instance_id, e.address)
 
     def keep_alive(self) -> None:

@@ -52,6 +52,7 @@ class InstanceRecord:
     reservations: ReservationBook = field(default_factory=lambda: ReservationBook(keep_held=True))
     reports_request_ids: bool = False  # False so far: maybe an older instance that lists no requests
     registered_at: float = field(default=0.0)
+    assumed: bool = False  # discovered, not registered by itself: its details are guesses
 
     @property
     def placeable(self) -> bool:
@@ -68,14 +69,15 @@ class InstanceRegistry:
         self._clock = clock
         self._records: dict[InstanceId, InstanceRecord] = {}
 
-    def register(self, spec: InstanceSpec) -> None:
+    def register(self, spec: InstanceSpec, assumed: bool = False) -> None:
         now = self._clock()
         previous = self._records.get(spec.instance_id)
         if previous is not None and previous.spec != spec:
             log.info("instance %s re-registered with new details", spec.instance_id)
         load = LoadReport(free_kv_tokens=spec.kv_capacity_tokens)
         book = ReservationBook(keep_held=spec.role is not Role.KVSTORE)
-        self._records[spec.instance_id] = InstanceRecord(spec, load, last_seen=now, reservations=book, registered_at=now)
+        self._records[spec.instance_id] = InstanceRecord(spec, load, last_seen=now, reservations=book, registered_at=now,
+                                                         assumed=assumed)
         log.info("registered %s instance %s at %s", spec.role.value, spec.instance_id, spec.address)
 
     def heartbeat(self, instance_id: InstanceId, load: LoadReport) -> None:

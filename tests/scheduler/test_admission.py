@@ -179,3 +179,12 @@ def test_the_decode_outlook_runs_requests_first_in_first_out() -> None:
     assert [t for t, _ in project_releases(coming, 1000, 1, step)] == pytest.approx([1.0, 2.0, 3.0])
     # One larger than the room blocks the queue behind it, as on the instance.
     assert project_releases([KnownRequest(2000, 5, 0.0), KnownRequest(10, 5, 0.0)], 1000, 0, step) == []
+
+
+def test_a_discovered_instance_with_guessed_details_does_not_refuse_the_real_ones() -> None:
+    cluster = Cluster()  # p0 and d0 registered themselves with block_size 64
+    guess = InstanceSpec(InstanceId("p1"), Role.PREFILL, "p1:1", "m", 16, 0, 0)  # discovery's assumed block size
+    cluster.conductor.register(guess, assumed=True)
+    assert cluster.conductor.model_block_size("m") == 64
+    cluster.register("p1", Role.PREFILL)  # the instance itself, with its real details
+    assert cluster.conductor.registry.get(InstanceId("p1")).spec.block_size == 64
