@@ -135,7 +135,9 @@ class Policy(ABC):
             )
         if decode is None:
             return Rejection(
-                "decode_kv_full", "no decode instance has KV room for this request, and none is known to free it soon",
+                "decode_kv_full",
+                "no decode instance has KV room for this request now, and none is known to free enough of it before "
+                f"its wait exceeds the SLO of {slo.ttft_s:g}s",
                 self.options.tbt_retry_after_s,
             )
         if prefill.ttft_s + decode.wait_s > slo.ttft_s:
@@ -150,7 +152,7 @@ class Policy(ABC):
             return Rejection(
                 decode.wait_reason,
                 f"waiting {decode.wait_s:.1f}s at decode makes the predicted time between tokens "
-                f"{decode.tbt_s:.3f}s, over the SLO of {slo.tbt_s:g}s",
+                f"{decode.tbt_s:.3f}s, which exceeds the SLO of {slo.tbt_s:g}s",
                 _retry_after(decode.wait_s),
             )
         if decode.tbt_s > slo.tbt_s:
