@@ -33,6 +33,11 @@ _ENDINGS = {
 }
 
 
+def _max_tokens(header: decode_pb2.HandoffHeader) -> int:
+    """Tokens to generate, prefill's first one included."""
+    return max(header.sampling.max_tokens, 1)
+
+
 class Tombstones:
     """Ids of requests aborted before they arrived, each remembered for ``ttl_s``."""
 
@@ -70,6 +75,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         raise BlockFormatError("a second handoff header")
                     header = part.header
                     request_id_var.set(header.request_id)
+                    await self._refuse_early(header, context)  # before its KV crosses the wire
                     continue
                 if header is None:
                     raise BlockFormatError("KV block before the handoff header")
@@ -84,33 +90,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         problem = self._check(header, payloads)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if self.batcher.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
-        if header.request_id in self.tombstones:
-            await context.abort(grpc.StatusCode.ABORTED, f"request {header.request_id} was aborted")
-        if self.batcher.holds(header.request_id):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {header.request_id} is already here")
-        prompt = list(header.prompt_token_ids)
-        max_tokens = max(header.sampling.max_tokens, 1)
-        reserve = min(len(prompt) + max_tokens, self.engine.config.max_position_embeddings)
-        if self.batcher.never_fits(reserve):
-            capacity = self.engine.cache.capacity_tokens
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request needs {reserve} KV tokens (prompt {len(prompt)} + max_tokens {max_tokens}), "
-                f"more than this decode instance's whole cache of {capacity} tokens",
-            )
+        await self._refuse_early(header, context)  # again: the stream took a while
         self.batcher.accept(DecodeRequest(
-            request_id=header.request_id, token_ids=prompt + [header.first_token_id], payloads=payloads,
-            sampling=sampling_config(header.sampling), max_tokens=max_tokens,
+            request_id=header.request_id, token_ids=[*header.prompt_token_ids, header.first_token_id],
+            payloads=payloads, sampling=sampling_config(header.sampling), max_tokens=_max_tokens(header),
             stop_token_ids=stop_token_ids(header.sampling.stop_token_ids, self.engine.config.eos_token_ids,
                                           header.sampling.ignore_eos),
-            reserve_tokens=reserve, first_step=max(header.sampling.first_step, 0),
+            reserve_tokens=self._reserve_tokens(header), first_step=max(header.sampling.first_step, 0),
         ))
         metrics = self.batcher.metrics
         metrics.transfer_bytes.labels("decode", "handoff_in").inc(received)
         metrics.transfer_seconds.labels("decode", "handoff_in").observe(time.perf_counter() - start)
         return decode_pb2.HandoffReply(accepted=True)
+
+    def _reserve_tokens(self, header: decode_pb2.HandoffHeader) -> int:
+        """KV tokens the request may ever hold: prompt + max_tokens, within the context window."""
+        return min(len(header.prompt_token_ids) + _max_tokens(header), self.engine.config.max_position_embeddings)
+
+    async def _refuse_early(self, header: decode_pb2.HandoffHeader, context: grpc.aio.ServicerContext) -> None:
+        """Refusals the header alone decides."""
+        request_id = header.request_id
+        if self.batcher.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
+        if request_id in self.tombstones:
+            await context.abort(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
+        if self.batcher.holds(request_id):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already here")
+        reserve = self._reserve_tokens(header)
+        if self.batcher.never_fits(reserve):
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request needs {reserve} KV tokens (prompt {len(header.prompt_token_ids)} + max_tokens "
+                f"{_max_tokens(header)}), more than this decode instance's whole cache of "
+                f"{self.engine.cache.capacity_tokens} tokens",
+            )
 
     def _check(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
         cfg = self.engine.config
