@@ -36,8 +36,8 @@ class GrpcService:
     stops that work. ``ready`` tells ``/health`` whether to answer 200.
 
     Draining: ``draining = True`` turns ``/health`` to 503 at once while the gRPC server keeps
-    serving what is in flight; ``run_until(stop, drain=...)`` awaits ``drain`` before it stops
-    the server, so a long drain is never cut by the server's short stop grace.
+    serving what is in flight; the owner calls ``stop`` (whose grace is short) only once its
+    drain is over (see engine/instance.py).
     """
 
     def __init__(
@@ -97,13 +97,10 @@ class GrpcService:
             loop.add_signal_handler(sig, stop.set)
         await self.run_until(stop)
 
-    async def run_until(self, stop: asyncio.Event, drain: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Start, serve until ``stop`` is set, drain (not ready, in-flight work finishes), then stop cleanly."""
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """Start, serve until ``stop`` is set, then stop cleanly."""
         await self.start()
         try:
             await stop.wait()
-            if drain is not None:
-                self.draining = True
-                await drain()
         finally:
             await self.stop()
