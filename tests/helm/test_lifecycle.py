@@ -99,3 +99,13 @@ def test_without_kubernetes_discovery_the_scheduler_neither_watches_nor_holds_a_
     assert "discovery" not in config_of(docs, "scheduler")
     assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
     assert workloads_of(docs, "scheduler")[0]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_kvstore_nodes_register_with_their_pod_address() -> None:
+    """A kvstore node registers with the scheduler as a prefix source; engines dial the address it gives."""
+    docs = render()
+    (daemonset,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    env = {e["name"]: e for e in daemonset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    names = list(env)
+    assert env["CRESCENT_KVSTORE__ADVERTISE_ADDRESS"]["value"].startswith("$(POD_IP):")
+    assert names.index("POD_IP") < names.index("CRESCENT_KVSTORE__ADVERTISE_ADDRESS")  # $(VAR) needs it defined first
