@@ -69,6 +69,21 @@ def test_load_counts_prompt_tokens_still_to_compute() -> None:
     assert load.report() == (1, 300, 0)
 
 
+def test_load_names_the_requests_held_and_those_that_left_once() -> None:
+    nudges = []
+    load = PrefillLoad(on_change=lambda: nudges.append(1))
+    load.admit("a", 100)
+    load.admit("b", 100)
+    load.done("a")                  # computed, still handing off: held
+    assert load.active_ids() == ["a", "b"]
+    load.left("a")
+    load.left("a")
+    assert load.active_ids() == ["b"]
+    assert load.drain_left() == ["a"]
+    assert load.drain_left() == [], "each departure is reported once"
+    assert len(nudges) == 3, "arrivals and departures reach the scheduler at once"
+
+
 class NoLookups(FixedDirectory):
     """A directory that must not be asked: the placement already carries the address."""
 
