@@ -127,7 +127,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             reply.prefix_source_id = decision.pull.source
             reply.prefix_source_blocks = decision.pull.blocks
             source = self.conductor.registry.get(InstanceId(decision.pull.source))
-            reply.prefix_source_address = source.spec.address if source is not None else ""
+            # Only a peer engine is dialled: prefill reads a kvstore source through its own node's
+            # kvstore (which asks its peers), and a kvstore serves no FetchPrefix.
+            if source is not None and source.spec.role is not Role.KVSTORE:
+                reply.prefix_source_address = source.spec.address
         return reply
 
     def _ref(self, instance_id: InstanceId) -> scheduler_pb2.InstanceRef:

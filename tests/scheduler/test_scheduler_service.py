@@ -197,7 +197,7 @@ def test_disagreeing_instances_and_block_sizes_are_refused_loudly(start_schedule
     assert roles["kv0"] == scheduler_pb2.INSTANCE_ROLE_KVSTORE
 
 
-def test_a_registered_kvstore_is_named_with_its_address(start_scheduler) -> None:
+def test_a_registered_kvstore_is_named_but_never_dialled_as_a_peer(start_scheduler) -> None:
     sched = start_scheduler(heartbeat_timeout_s=30)
     for name, role in (("p0", "prefill"), ("d0", "decode")):
         sched.stub.Register(instance(name, role))
@@ -205,7 +205,8 @@ def test_a_registered_kvstore_is_named_with_its_address(start_scheduler) -> None
     prompt = keys(10)
     sched.stub.PublishBlockEvents(stored("kv0", prompt[:9], tier=common_pb2.KV_TIER_HOST, full=True))
     placement = place(sched.stub, prompt, prompt_tokens=43)
-    assert (placement.prefix_source_id, placement.prefix_source_address) == ("kv0", "kv0.local:7000")
+    # Prefill reads kvstore blocks through its own node; only peer engines get an address to pull from.
+    assert (placement.prefix_source_id, placement.prefix_source_address) == ("kv0", "")
     assert placement.expected_cached_blocks == 9
 
 
