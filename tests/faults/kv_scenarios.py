@@ -4,6 +4,7 @@ KV cache. KV is read from each decode instance's ``crescent_engine_kv_used_token
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import time
@@ -21,6 +22,8 @@ from tests.faults.scenarios import (
     wait_recovered,
 )
 from tests.faults.stack import FaultStack
+
+log = logging.getLogger(__name__)
 
 KV_WATCH_S = 3.0  # how long to keep watching after the KV is back: a late handoff shows up here
 
@@ -44,7 +47,7 @@ def kv_freed_after(stack: FaultStack, since: float, baseline: float, watch_s: fl
 
 
 def idle_kv(stack: FaultStack) -> float:
-    """Decode KV in use with no request running (should be 0)."""
+    """Decode KV in use now, over every decode instance (0 with no request running)."""
     return sum(v for v in stack.decode_kv_used().values() if v is not None)
 
 
@@ -54,13 +57,15 @@ async def gateway_killed(stack: FaultStack, client: LoadClient) -> FaultOutcome:
     load = StreamingLoad(client, MAX_TOKENS, salt=f"fault-{uuid.uuid4().hex}")
     load.add_all(story_prompts(STREAMS))
     await load.wait_streaming(MIN_CHUNKS)
+    held = idle_kv(stack)
     old_pid = stack.signal("gateway", signal.SIGKILL)
     signalled_at = time.monotonic()
     kv_freed = await asyncio.to_thread(kv_freed_after, stack, signalled_at, baseline)
     recovery = asyncio.create_task(wait_recovered(stack, "gateway", old_pid, signalled_at))
     outcome = FaultOutcome("gateway SIGKILL", "gateway", signalled_at, await load.results(60), {},
-                           kv_freed_s=kv_freed)
+                           kv_freed_s=kv_freed, kv_at_fault=held)
     await finish_recovery(outcome, recovery)
+    log.info(outcome.summary())
     return outcome
 
 
@@ -75,10 +80,14 @@ async def clients_gone(stack: FaultStack, client: LoadClient, *, before_first_to
         await asyncio.sleep(0.3)
     else:
         await load.wait_streaming(MIN_CHUNKS)
+    held = idle_kv(stack)
     gone_at = await load.hang_up()
     kv_freed = await asyncio.to_thread(kv_freed_after, stack, gone_at, baseline)
     where = "before the first token" if before_first_token else "mid-stream"
-    return FaultOutcome(f"client disconnect {where}", "client", gone_at, load.records, {}, kv_freed_s=kv_freed)
+    outcome = FaultOutcome(f"client disconnect {where}", "client", gone_at, load.records, {}, kv_freed_s=kv_freed,
+                           kv_at_fault=held)
+    log.info(outcome.summary())
+    return outcome
 
 
 # -- overload of a small KV cache -------------------------------------------------------------

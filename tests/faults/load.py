@@ -75,6 +75,7 @@ class StreamResult:
     chunks: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, content)
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
     done: bool = False                 # data: [DONE] arrived
     error_event: bool = False          # data: {"error": ...} arrived after the 200
     transport_error: str | None = None  # the connection broke or never opened
@@ -184,6 +185,7 @@ class LoadClient:
                     now = time.monotonic()
                     if chunk.usage is not None:
                         result.completion_tokens = chunk.usage.completion_tokens
+                        result.prompt_tokens = chunk.usage.prompt_tokens
                     for choice in chunk.choices:
                         if choice.delta.content:
                             result.chunks.append((now, choice.delta.content))

@@ -21,7 +21,7 @@ from tests.faults.stack import FaultStack, StackError
 log = logging.getLogger(__name__)
 
 STREAMS = 6            # concurrent streams under every fault (the issue measured 4-8)
-MAX_TOKENS = 160       # per stream: long enough to be mid-stream when the fault lands
+MAX_TOKENS = 128       # per stream: long enough to be mid-stream when the fault lands
 MIN_CHUNKS = 8         # a stream is "open" once it has this many content chunks
 RECOVERY_TIMEOUT_S = 90
 STALL_LIMIT_S = 5.0    # the longest gap between two chunks a fault may cause
@@ -45,6 +45,7 @@ class FaultOutcome:
     recovery_s: float | None = None
     recovery_error: str | None = None             # why the stack did not come back
     kv_freed_s: float | None = None
+    kv_at_fault: float = 0.0                     # decode KV in use (tokens) just before the fault
     migrations: float = 0.0
     waiting_at_signal: int = 0                   # streams without a first token when signalled
 
@@ -57,6 +58,15 @@ class FaultOutcome:
 
     def incomplete(self) -> list[str]:
         return [r.describe() for r in self.streams if not r.completed]
+
+    def summary(self) -> str:
+        completed = sum(r.completed for r in self.streams)
+        refused = sum(p.status == 503 for p in self.probes)
+        return (f"{self.fault} on {self.target}: {completed}/{len(self.streams)} streams completed, "
+                f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations, "
+                f"error events {sum(r.error_event for r in self.streams)}, probes {len(self.probes)} "
+                f"({refused} x 503), worst stall {self.worst_stall_s():.2f} s, recovery {self.recovery_s} s, "
+                f"KV freed {self.kv_freed_s} s (held {self.kv_at_fault:.0f} tokens at the fault)")
 
     def worst_stall_s(self) -> float:
         """The longest gap between two chunks that ended after the signal, over all streams."""
@@ -155,6 +165,7 @@ async def streams_under_fault(stack: FaultStack, client: LoadClient, fault: str,
     outcome = FaultOutcome(fault, target, signalled_at, streams, references, target_health=target_health)
     await finish_recovery(outcome, recovery)
     outcome.migrations = (stack.metric("gateway", MIGRATIONS) or 0.0) - migrations_before
+    log.info(outcome.summary())
     return outcome
 
 
@@ -182,6 +193,7 @@ async def scheduler_outage(stack: FaultStack, client: LoadClient, sig: signal.Si
     outcome = FaultOutcome(f"scheduler {sig.name}", "scheduler", signalled_at, await load.results(), references,
                            probes=probes, gateway_health=gateway_health)
     await finish_recovery(outcome, recovery)
+    log.info(outcome.summary())
     return outcome
 
 
@@ -213,4 +225,5 @@ async def prefill_fault(stack: FaultStack, client: LoadClient, sig: signal.Signa
                            waiting_at_signal=waiting)
     outcome.migrations = (stack.metric("gateway", MIGRATIONS) or 0.0) - migrations_before
     await finish_recovery(outcome, recovery)
+    log.info(outcome.summary())
     return outcome

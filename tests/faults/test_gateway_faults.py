@@ -35,6 +35,7 @@ async def test_killed_gateway_breaks_its_streams_and_decode_frees_their_kv(healt
     broken = [r for r in outcome.streams if not r.completed]
     assert broken, "streams were open when the gateway died"
     assert all(r.transport_error for r in broken), [r.describe() for r in broken]
+    assert outcome.kv_at_fault > 0, "decode held the streams' KV when the gateway died"
     assert outcome.kv_freed_s is not None and outcome.kv_freed_s <= KV_FREED_LIMIT_S, outcome.kv_freed_s
     assert outcome.recovery_error is None
 
@@ -42,4 +43,6 @@ async def test_killed_gateway_breaks_its_streams_and_decode_frees_their_kv(healt
 @pytest.mark.parametrize("before_first_token", [False, True], ids=["mid-stream", "before-first-token"])
 async def test_decode_frees_the_kv_of_clients_that_hang_up(healthy_stack, client, before_first_token):
     outcome = await clients_gone(healthy_stack, client, before_first_token=before_first_token)
+    if not before_first_token:
+        assert outcome.kv_at_fault > 0, "decode held the streams' KV when the clients left"
     assert outcome.kv_freed_s is not None and outcome.kv_freed_s <= KV_FREED_LIMIT_S, outcome.kv_freed_s

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from tests.faults.kv_scenarios import OVERLOAD_REQUESTS, SEQUENTIAL_REQUESTS, overload
+from tests.faults.kv_scenarios import OVERLOAD_MAX_TOKENS, OVERLOAD_REQUESTS, SEQUENTIAL_REQUESTS, overload
 from tests.faults.stack import StackPlan
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
@@ -25,6 +25,10 @@ async def test_small_kv_overload_aborts_nothing_it_accepted(healthy_stack, clien
                                      outcome.statuses(outcome.concurrent), outcome.statuses(outcome.sequential),
                                      outcome.seconds)
     assert len(outcome.concurrent) == OVERLOAD_REQUESTS
+    prompt = max(r.prompt_tokens or 0 for r in outcome.concurrent)
+    demand = OVERLOAD_REQUESTS * (prompt + OVERLOAD_MAX_TOKENS)
+    capacity = STACK_PLAN.decode * STACK_PLAN.kv_capacity_tokens
+    assert demand > 2 * capacity, f"not an overload: the requests need {demand} KV tokens of {capacity}"
     assert outcome.aborted_after_accept() == []
     assert set(outcome.statuses(outcome.concurrent)) <= {200, 429}
     assert outcome.untrue_429s(outcome.concurrent) == []
