@@ -97,7 +97,7 @@ OVERLOAD_WORDS = 200        # about 300 prompt tokens
 OVERLOAD_MAX_TOKENS = 128   # prompt + max_tokens ~ 7 pages of 64: 4 fit a 2048-token decode at once
 SEQUENTIAL_REQUESTS = 300
 # A 429 is true when it says which SLO the request was predicted to miss, and by how much.
-_PREDICTION = re.compile(r"\((ttft_slo|tbt_slo|decode_kv_full)\).*?exceeds the SLO of")
+_PREDICTION = re.compile(r"\((ttft_slo|tbt_slo|decode_kv_full|decode_batch_full)\).*?exceeds the SLO of")
 
 
 @dataclass
