@@ -1,7 +1,8 @@
 """Fixtures of the fault suite: ``crescent up`` stacks, healthy before every test.
 
-Modules that run the default platform share one stack for the session (starting one costs tens
-of seconds of CPU); a module that sets ``STACK_PLAN`` (a ``StackPlan``) gets its own. Tests that
+Consecutive modules that want the same platform share one stack (starting one costs tens of
+seconds of CPU); a module sets ``STACK_PLAN`` (a ``StackPlan``) to want another, and only one
+stack runs at a time. Tests that
 break a service leave it to the launcher to bring it back; the next test starts only once every
 service answers /health, the gateway sees every engine and a request succeeds, so a service that
 never comes back fails the next test's set-up, loudly, naming it.
@@ -21,22 +22,39 @@ RECOVERY_TIMEOUT_S = 90  # a restarted engine loads its model again: seconds on 
 log = logging.getLogger(__name__)
 
 
+class StackPool:
+    """At most one stack alive (they are heavy): reused while modules want the same plan,
+    replaced when one wants another."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._plan: StackPlan | None = None
+        self._stack: FaultStack | None = None
+
+    def get(self, plan: StackPlan) -> FaultStack:
+        if self._stack is not None and self._plan == plan and self._stack.proc.poll() is None:
+            return self._stack
+        self.close()
+        self._stack = FaultStack.start(self._tmp.mktemp("stack"), plan)
+        self._plan = plan
+        return self._stack
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.stop()
+            self._stack = None
+
+
 @pytest.fixture(scope="session")
-def default_stack(tmp_path_factory: pytest.TempPathFactory):
-    running = FaultStack.start(tmp_path_factory.mktemp("default-stack"), StackPlan())
-    yield running
-    running.stop()
+def stack_pool(tmp_path_factory: pytest.TempPathFactory):
+    pool = StackPool(tmp_path_factory)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="module")
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    plan = getattr(request.module, "STACK_PLAN", None)
-    if plan is None or plan == StackPlan():
-        yield request.getfixturevalue("default_stack")
-        return
-    running = FaultStack.start(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), plan)
-    yield running
-    running.stop()
+def stack(request: pytest.FixtureRequest, stack_pool: StackPool) -> FaultStack:
+    return stack_pool.get(getattr(request.module, "STACK_PLAN", StackPlan()))
 
 
 @pytest.fixture
