@@ -26,7 +26,7 @@ from crescent.services.gateway.errors import (
     RateLimitedError,
     ServiceUnavailableError,
 )
-from crescent.services.gateway.migration import MigrationPolicy, generate_with_migration
+from crescent.services.gateway.migration import MigrationPolicy, generate_with_migration, migrations_counter
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,18 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
 
 class GrpcBackend:
     def __init__(self, scheduler_address: str, *, request_timeout_s: float, place_timeout_s: float,
-                 health_timeout_s: float, block_size: int | None = None,
+                 health_timeout_s: float, block_size: int | None = None, model_id: str | None = None,
                  migration: MigrationPolicy = MigrationPolicy()) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[None]] = set()  # Abort, ReportOutcome, finishing prefills
         self._configured_block_size = block_size
+        self._model_id = model_id  # /health counts this model's instances (None: every instance)
         self._block_sizes: dict[str, int] = {}             # model id -> what its instances use
         self._request_timeout_s = request_timeout_s
         self._place_timeout_s = place_timeout_s
         self._health_timeout_s = health_timeout_s
         self._migration = migration
+        migrations_counter()  # on /metrics before the first migration
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel(scheduler_address))
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -110,7 +112,8 @@ class GrpcBackend:
 
     async def health(self) -> BackendHealth:
         reply = await self._list_instances()
-        roles = [status.info.role for status in reply.instances]
+        roles = [status.info.role for status in reply.instances
+                 if self._model_id is None or status.info.model_id in (self._model_id, "")]
         return BackendHealth(
             prefill_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_PREFILL),
             decode_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_DECODE),

@@ -45,8 +45,10 @@ class MigrationPolicy:
 @cache
 def migrations_counter() -> Counter:
     # Kept with the gateway's code rather than in services/common/metrics.py (shared by all services).
-    return Counter("crescent_gateway_migrations", "Requests placed again after their placement failed",
-                   ["stage"])  # before_first_token | mid_stream
+    counter = Counter("crescent_gateway_migrations", "Requests placed again after their placement failed", ["stage"])
+    for stage in ("before_first_token", "mid_stream"):
+        counter.labels(stage=stage)  # exported as 0 from the start, so rates and alerts see the series
+    return counter
 
 
 def attempt_request(request: GenerationRequest, generated: list[int], attempt: int) -> AttemptRequest:

@@ -75,6 +75,7 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
         place_timeout_s=settings.place_timeout_s,
         health_timeout_s=settings.health_timeout_s,
         block_size=settings.block_size,
+        model_id=model.model_id,
         migration=MigrationPolicy(max_retries=settings.migration_retries),
     )
     drain = Drain()

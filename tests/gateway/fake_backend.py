@@ -120,6 +120,7 @@ class State:
     aborts: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[dict[str, Any]] = field(default_factory=list)
     prefill_attempts: dict[str, int] = field(default_factory=dict)  # by the request's last user message
+    models: set[str] = field(default_factory=lambda: {MODEL_ID})  # served by the instances it lists
 
     def hand_off(self, request_id: str, job: Job) -> None:
         if request_id in self.tombstones:
@@ -145,6 +146,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             "prompt_tokens": request.prompt_tokens, "max_tokens": request.max_tokens,
             "block_size": request.block_size,
         })
+        s.models.add(request.model_id)  # a gateway serving another tokenizer's model: list instances of it too
         if request.block_size != s.block_size:  # like the real scheduler: one block size per model
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"block_size {request.block_size} differs from the model's {s.block_size}")
@@ -155,13 +157,18 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.Placement(prefill=here, decode=here)
 
     async def ListInstances(self, request: Any, context: grpc.aio.ServicerContext) -> scheduler_pb2.ListInstancesReply:
-        def status(role: int, i: int) -> scheduler_pb2.InstanceStatus:
-            info = scheduler_pb2.InstanceInfo(instance_id=f"fake-{role}-{i}", role=role, address=self.state.address,
-                                              model_id=MODEL_ID, block_size=self.state.block_size)
+        def status(role: int, i: int, model_id: str) -> scheduler_pb2.InstanceStatus:
+            info = scheduler_pb2.InstanceInfo(instance_id=f"fake-{model_id}-{role}-{i}", role=role,
+                                              address=self.state.address, model_id=model_id,
+                                              block_size=self.state.block_size)
             return scheduler_pb2.InstanceStatus(info=info)
 
-        instances = [status(scheduler_pb2.INSTANCE_ROLE_PREFILL, i) for i in range(self.state.prefill_instances)]
-        instances += [status(scheduler_pb2.INSTANCE_ROLE_DECODE, i) for i in range(self.state.decode_instances)]
+        instances = []
+        for model_id in sorted(self.state.models):
+            instances += [status(scheduler_pb2.INSTANCE_ROLE_PREFILL, i, model_id)
+                          for i in range(self.state.prefill_instances)]
+            instances += [status(scheduler_pb2.INSTANCE_ROLE_DECODE, i, model_id)
+                          for i in range(self.state.decode_instances)]
         return scheduler_pb2.ListInstancesReply(instances=instances)
 
     async def ReportOutcome(self, request: scheduler_pb2.RequestOutcome,
