@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,15 @@ def test_a_stream_longer_than_the_grace_ends_with_an_error_event(draining_gatewa
     reader = StreamReader(gw.url, "#loop #delay=0.05 endless")
     reader.start()
     reader.wait_for_events(3)
-    signalled = sigterm(gw)
-    reader.join(timeout=10)
+    with ThreadPoolExecutor(1) as pool:
+        # A non-streamed completion in flight as well: it gets a plain 503 when the grace is over.
+        whole = pool.submit(httpx.post, f"{gw.url}/v1/chat/completions", timeout=10, json={
+            "model": MODEL_ID, "messages": [{"role": "user", "content": "#loop #delay=0.05 endless too"}]})
+        time.sleep(0.3)
+        signalled = sigterm(gw)
+        reader.join(timeout=10)
+        refused = whole.result()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "gateway_draining"
     assert reader.failure is None and reader.ended_at is not None
     assert 0.9 < reader.ended_at - signalled < 3.0
     assert reader.events[-1] == "[DONE]"
