@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Rejections that mean "nothing can serve this model now" rather than "too busy".
 _UNAVAILABLE_REASONS = {"no_prefill_instance", "no_decode_instance"}
+# Rejections no retry can fix: the request is larger than any instance can ever hold.
+_NEVER_FITS_REASONS = {"exceeds_kv_capacity"}
 _ENGINE_ROLES = (scheduler_pb2.INSTANCE_ROLE_PREFILL, scheduler_pb2.INSTANCE_ROLE_DECODE,
                  scheduler_pb2.INSTANCE_ROLE_KVSTORE)
 _RETRY_AFTER_S = 1.0
@@ -147,6 +149,8 @@ class GrpcBackend:
         if placement.HasField("rejection"):
             rejection = placement.rejection
             message = f"rejected by the scheduler ({rejection.reason}): {rejection.message}"
+            if rejection.reason in _NEVER_FITS_REASONS:  # waiting cannot help: the client must ask for less
+                raise PlaceFailed(InvalidRequestError(message, code=rejection.reason))
             error_type = ServiceUnavailableError if rejection.reason in _UNAVAILABLE_REASONS else RateLimitedError
             raise PlaceFailed(error_type(message, retry_after_s=rejection.retry_after_s))
         if not placement.prefill.address or not placement.decode.address:

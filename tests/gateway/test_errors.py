@@ -125,6 +125,16 @@ def test_scheduler_rejection_is_429_with_retry_after(gateway: Gateway, backend: 
     assert_still_serving(gateway.url)
 
 
+def test_a_request_larger_than_any_decode_cache_is_400_not_429(gateway: Gateway, backend: FakeBackend) -> None:
+    # Retrying cannot help: the client has to ask for fewer tokens.
+    backend.post("/reject", {"reason": "exceeds_kv_capacity", "retry_after_s": 0,
+                             "message": "the request needs 9000 tokens of decode KV; the largest decode instance holds 4096"})
+    reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=GOOD, timeout=10)
+    error = assert_error(reply, 400, "exceeds_kv_capacity", None)
+    assert "4096" in error["message"] and "retry-after" not in reply.headers
+    assert_still_serving(gateway.url)
+
+
 def test_no_instance_rejection_is_503(gateway: Gateway, backend: FakeBackend) -> None:
     backend.post("/reject", {"reason": "no_decode_instance", "message": "no decode instance", "retry_after_s": 0})
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=GOOD, timeout=10)
