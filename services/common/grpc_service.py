@@ -17,10 +17,20 @@ log = logging.getLogger(__name__)
 
 # KV blocks travel as messages of a few MB; leave room for large blocks (64 MiB) and headers.
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+# A peer whose host vanishes without closing TCP (node loss) is noticed by keepalive pings
+# within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of at the call's deadline; callers
+# then migrate or retry. Clients ping only while a call is open; servers accept those pings
+# however long a stream stays silent (a request waiting for decode KV sends nothing).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
