@@ -30,17 +30,20 @@ KV_WATCH_S = 3.0  # how long to keep watching after the KV is back: a late hando
 
 def kv_freed_after(stack: FaultStack, since: float, baseline: float, watch_s: float = KV_WATCH_S,
                    poll_s: float = 0.02) -> float | None:
-    """Seconds from ``since`` until decode KV in use is back to ``baseline`` for good: watched
-    until ``watch_s`` after it last was above it. None: still held when the watch ended (30 s)."""
-    last_held = since
+    """Seconds from ``since`` until the first poll that found decode KV in use back to
+    ``baseline`` for good (an upper bound: the poll's answer arrived then), watching until
+    ``watch_s`` after it last was above it. None: still held when the watch ended (30 s)."""
+    freed_at: float | None = None
     give_up = since + 30
     while True:
-        now = time.monotonic()
         used = sum(v for v in stack.decode_kv_used().values() if v is not None)
+        now = time.monotonic()
         if used > baseline:
-            last_held = now
-        elif now - last_held >= watch_s:
-            return max(last_held - since, 0.0)
+            freed_at = None
+        elif freed_at is None:
+            freed_at = now
+        elif now - freed_at >= watch_s:
+            return freed_at - since
         if now > give_up:
             return None
         time.sleep(poll_s)

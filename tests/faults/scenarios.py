@@ -122,6 +122,13 @@ async def watch_health(stack: FaultStack, name: str, into: list[int | None], sto
             pass
 
 
+def migrations_since(stack: FaultStack, before: float) -> float:
+    """Re-placements counted by the gateway since it read ``before`` (a restarted gateway counts
+    from zero again: then its own count)."""
+    after = stack.metric("gateway", MIGRATIONS) or 0.0
+    return after - before if after >= before else after
+
+
 async def finish_recovery(outcome: FaultOutcome, recovery: asyncio.Task[float]) -> None:
     try:
         outcome.recovery_s = await recovery
@@ -164,7 +171,7 @@ async def streams_under_fault(stack: FaultStack, client: LoadClient, fault: str,
         await watcher
     outcome = FaultOutcome(fault, target, signalled_at, streams, references, target_health=target_health)
     await finish_recovery(outcome, recovery)
-    outcome.migrations = (stack.metric("gateway", MIGRATIONS) or 0.0) - migrations_before
+    outcome.migrations = migrations_since(stack, migrations_before)
     log.info(outcome.summary())
     return outcome
 
@@ -223,7 +230,7 @@ async def prefill_fault(stack: FaultStack, client: LoadClient, sig: signal.Signa
     recovery = asyncio.create_task(wait_recovered(stack, target, old_pid, signalled_at))
     outcome = FaultOutcome(f"prefill {sig.name}", target, signalled_at, await load.results(), references,
                            waiting_at_signal=waiting)
-    outcome.migrations = (stack.metric("gateway", MIGRATIONS) or 0.0) - migrations_before
+    outcome.migrations = migrations_since(stack, migrations_before)
     await finish_recovery(outcome, recovery)
     log.info(outcome.summary())
     return outcome

@@ -191,15 +191,16 @@ class FaultStack:
 
     # -- KV held by decode ---------------------------------------------------------------------
 
-    def metric(self, name: str, metric: str) -> float | None:
-        """Sum of one metric's samples on a service's /metrics; None when it does not answer."""
+    def metric(self, name: str, metric: str, label: str = "") -> float | None:
+        """Sum of one metric's samples (those whose labels contain ``label``, e.g.
+        ``stage="mid_stream"``) on a service's /metrics; None when it does not answer."""
         try:
             text = httpx.get(self.service(name)["metrics_url"], timeout=2).text
         except httpx.HTTPError:
             return None
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(metric) and line[len(metric):len(metric) + 1] in ("{", " "):
+            if line.startswith(metric) and line[len(metric):len(metric) + 1] in ("{", " ") and label in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
