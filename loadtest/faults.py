@@ -121,7 +121,8 @@ def row(name: str, outcome: FaultOutcome | OverloadOutcome) -> dict[str, str]:
     return {"fault": f"{outcome.fault} ({outcome.target})", "client saw": client_saw(outcome),
             "recovery s": recovery if outcome.target != "client" else "—",
             "worst stall s": _seconds(outcome.worst_stall_s()) if outcome.references else "—",
-            "KV freed s": _seconds(outcome.kv_freed_s)}
+            "KV freed s": _seconds(outcome.kv_freed_s) + (
+                f" (scheduler: {_seconds(outcome.scheduler_freed_s)})" if outcome.kv_freed_s is not None else "")}
 
 
 async def run(names: list[str], shared: bool, work: Path) -> list[dict[str, str]]:

@@ -12,6 +12,8 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
+import grpc
+
 from tests.faults.load import LoadClient, Prompt, StreamingLoad, StreamResult, document_prompts, story_prompts
 from tests.faults.scenarios import (
     MAX_TOKENS,
@@ -49,6 +51,21 @@ def kv_freed_after(stack: FaultStack, since: float, baseline: float, watch_s: fl
         time.sleep(poll_s)
 
 
+def scheduler_sees_freed_after(stack: FaultStack, since: float, timeout_s: float = 10) -> float | None:
+    """Seconds from ``since`` until the scheduler's ListInstances reports every decode
+    instance's whole KV free again (what placement decisions read); None if not within ``timeout_s``."""
+    capacity = stack.plan.kv_capacity_tokens
+    while time.monotonic() < since + timeout_s:
+        try:
+            free = stack.scheduler_free_kv()
+        except grpc.RpcError:
+            free = {}
+        if len(free) == stack.plan.decode and all(v >= capacity for v in free.values()):
+            return time.monotonic() - since
+        time.sleep(0.05)
+    return None
+
+
 def idle_kv(stack: FaultStack) -> float:
     """Decode KV in use now, over every decode instance (0 with no request running)."""
     return sum(v for v in stack.decode_kv_used().values() if v is not None)
@@ -63,10 +80,11 @@ async def gateway_killed(stack: FaultStack, client: LoadClient) -> FaultOutcome:
     held = idle_kv(stack)
     old_pid = stack.signal("gateway", signal.SIGKILL)
     signalled_at = time.monotonic()
+    scheduler_freed = asyncio.create_task(asyncio.to_thread(scheduler_sees_freed_after, stack, signalled_at))
     kv_freed = await asyncio.to_thread(kv_freed_after, stack, signalled_at, baseline)
     recovery = asyncio.create_task(wait_recovered(stack, "gateway", old_pid, signalled_at))
     outcome = FaultOutcome("gateway SIGKILL", "gateway", signalled_at, await load.results(60), {},
-                           kv_freed_s=kv_freed, kv_at_fault=held)
+                           kv_freed_s=kv_freed, kv_at_fault=held, scheduler_freed_s=await scheduler_freed)
     await finish_recovery(outcome, recovery)
     log.info(outcome.summary())
     return outcome
@@ -85,10 +103,11 @@ async def clients_gone(stack: FaultStack, client: LoadClient, *, before_first_to
         await load.wait_streaming(MIN_CHUNKS)
     held = idle_kv(stack)
     gone_at = await load.hang_up()
+    scheduler_freed = asyncio.create_task(asyncio.to_thread(scheduler_sees_freed_after, stack, gone_at))
     kv_freed = await asyncio.to_thread(kv_freed_after, stack, gone_at, baseline)
     where = "before the first token" if before_first_token else "mid-stream"
     outcome = FaultOutcome(f"client disconnect {where}", "client", gone_at, load.records, {}, kv_freed_s=kv_freed,
-                           kv_at_fault=held)
+                           kv_at_fault=held, scheduler_freed_s=await scheduler_freed)
     log.info(outcome.summary())
     return outcome
 

@@ -46,6 +46,7 @@ class FaultOutcome:
     recovery_error: str | None = None             # why the stack did not come back
     kv_freed_s: float | None = None
     kv_at_fault: float = 0.0                     # decode KV in use (tokens) just before the fault
+    scheduler_freed_s: float | None = None       # until the scheduler's view shows that KV free
     migrations: float = 0.0
     waiting_at_signal: int = 0                   # streams without a first token when signalled
 
@@ -66,7 +67,8 @@ class FaultOutcome:
                 f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations, "
                 f"error events {sum(r.error_event for r in self.streams)}, probes {len(self.probes)} "
                 f"({refused} x 503), worst stall {self.worst_stall_s():.2f} s, recovery {self.recovery_s} s, "
-                f"KV freed {self.kv_freed_s} s (held {self.kv_at_fault:.0f} tokens at the fault)")
+                f"KV freed {self.kv_freed_s} s (held {self.kv_at_fault:.0f} tokens at the fault; "
+                f"the scheduler saw it free after {self.scheduler_freed_s} s)")
 
     def worst_stall_s(self) -> float:
         """The longest gap between two chunks that ended after the signal, over all streams."""
