@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from tests.faults.kv_scenarios import (  # noqa: E402
     OVERLOAD_REQUESTS,
-    SEQUENTIAL_REQUESTS,
     OverloadOutcome,
     clients_gone,
     gateway_killed,
@@ -80,6 +79,8 @@ FAULTS: dict[str, tuple[Scenario, StackPlan]] = {
     "disconnect-mid-stream": (lambda s, c: clients_gone(s, c, before_first_token=False), StackPlan()),
     "disconnect-before-first-token": (lambda s, c: clients_gone(s, c, before_first_token=True), StackPlan()),
     "small-kv-overload": (overload, SMALL_KV),
+    "small-kv-overload-slo-10s": (lambda s, c: overload(s, c, sequential=0),
+                                  StackPlan(kv_capacity_tokens=2048, extra_args=("--ttft-slo", "10"))),
 }
 
 
@@ -113,9 +114,12 @@ def client_saw(outcome: FaultOutcome) -> str:
 def row(name: str, outcome: FaultOutcome | OverloadOutcome) -> dict[str, str]:
     if isinstance(outcome, OverloadOutcome):
         conc, seq = outcome.statuses(outcome.concurrent), outcome.statuses(outcome.sequential)
-        saw = (f"{OVERLOAD_REQUESTS} concurrent: {dict(conc)}, {len(outcome.aborted_after_accept())} aborted after accept, "
-               f"{len(outcome.untrue_429s(outcome.concurrent))} 429s without a true reason; "
-               f"{SEQUENTIAL_REQUESTS} sequential max_tokens=1: {dict(seq)}")
+        ttfts = [r.first_token_at - r.started for r in outcome.concurrent if r.first_token_at]
+        saw = (f"{OVERLOAD_REQUESTS} concurrent: {dict(conc)}, {len(outcome.aborted_after_accept())} aborted after "
+               f"accept, {len(outcome.untrue_429s(outcome.concurrent))} 429s without a true reason, slowest first "
+               f"token {max(ttfts, default=0.0):.1f} s")
+        if outcome.sequential:
+            saw += f"; {len(outcome.sequential)} sequential max_tokens=1: {dict(seq)}"
         return {"fault": name, "client saw": saw, "recovery s": "—", "worst stall s": "—", "KV freed s": "—"}
     recovery = _seconds(outcome.recovery_s) if outcome.recovery_error is None else "did not recover"
     return {"fault": f"{outcome.fault} ({outcome.target})", "client saw": client_saw(outcome),
@@ -176,11 +180,16 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(FAULTS), help="run these faults only")
     parser.add_argument("--shared-stack", action="store_true", help="one stack for every fault (faster)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--keep", type=Path, help="run the stacks in this directory and keep their logs")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="crescent-faults-") as work:
-        rows = asyncio.run(run(args.only or list(FAULTS), args.shared_stack, Path(work)))
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        rows = asyncio.run(run(args.only or list(FAULTS), args.shared_stack, args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="crescent-faults-") as work:
+            rows = asyncio.run(run(args.only or list(FAULTS), args.shared_stack, Path(work)))
     header = (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {machine()}, "
               f"{time.monotonic() - started:.0f} s in all\n\n")
     sys.stdout.write(header + markdown(rows))

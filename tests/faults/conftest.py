@@ -15,9 +15,10 @@ import logging
 import pytest
 
 from tests.faults.load import LoadClient
+from tests.faults.scenarios import RECOVERY_TIMEOUT_S
 from tests.faults.stack import FaultStack, StackPlan
 
-RECOVERY_TIMEOUT_S = 90  # a restarted engine loads its model again: seconds on a shared CPU
+
 
 log = logging.getLogger(__name__)
 

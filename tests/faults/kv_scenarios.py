@@ -139,15 +139,15 @@ class OverloadOutcome:
                 if r.status == 429 and not _PREDICTION.search(r.error_message or "")]
 
 
-async def overload(stack: FaultStack, client: LoadClient) -> OverloadOutcome:
-    """``OVERLOAD_REQUESTS`` streams at once against a small KV cache, then
-    ``SEQUENTIAL_REQUESTS`` one-token requests one after another."""
+async def overload(stack: FaultStack, client: LoadClient, sequential: int = SEQUENTIAL_REQUESTS) -> OverloadOutcome:
+    """``OVERLOAD_REQUESTS`` streams at once against a small KV cache, then ``sequential``
+    one-token requests one after another."""
     start = time.monotonic()
     load = StreamingLoad(client, OVERLOAD_MAX_TOKENS, salt=f"overload-{uuid.uuid4().hex}")
     load.add_all(document_prompts(OVERLOAD_REQUESTS, OVERLOAD_WORDS, tag="overload"))
     outcome = OverloadOutcome(await load.results(600))
     one_word = Prompt("Say yes.", system="You answer in one word.")
-    for i in range(SEQUENTIAL_REQUESTS):
+    for i in range(sequential):
         outcome.sequential.append(await client.stream(one_word, 1, salt=f"seq-{i % 4}", ignore_eos=False))
     outcome.seconds = time.monotonic() - start
     return outcome
