@@ -167,9 +167,9 @@ class LoadClient:
         await self.close()
 
     async def stream(self, prompt: Prompt, max_tokens: int, *, salt: str, ignore_eos: bool = True,
-                     stop_after_chunks: int | None = None, record: StreamResult | None = None) -> StreamResult:
-        """One streamed chat completion at temperature 0, recorded into ``record`` as it goes.
-        ``stop_after_chunks``: the client hangs up after that many content chunks."""
+                     record: StreamResult | None = None) -> StreamResult:
+        """One streamed chat completion at temperature 0, recorded into ``record`` as it goes
+        (so that it can be read while the stream runs)."""
         tag = uuid.uuid4().hex
         result = record if record is not None else StreamResult(prompt, started=time.monotonic())
         try:
@@ -191,8 +191,6 @@ class LoadClient:
                             result.chunks.append((now, choice.delta.content))
                         if choice.finish_reason is not None:
                             result.finish_reason = choice.finish_reason
-                    if stop_after_chunks is not None and len(result.chunks) >= stop_after_chunks:
-                        break  # leaving the context manager closes the connection
         except openai.APIStatusError as exc:  # refused before the stream started
             result.status = exc.status_code
             result.retry_after = exc.response.headers.get("retry-after")
