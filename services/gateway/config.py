@@ -39,7 +39,9 @@ class GatewaySettings(StrictModel):
     place_timeout_s: float = Field(default=5.0, gt=0, description="deadline of one scheduler call")
     health_timeout_s: float = Field(default=1.0, gt=0, description="deadline of the scheduler check behind /health")
     migration_retries: int = Field(
-        default=8, ge=0, description="placements tried again in a row after failures before a request fails"
+        default=20, ge=0,
+        description="placements tried again in a row after failures before a request fails (backoff 0.1 s "
+                    "doubling to 2 s: 20 retries wait ~33 s, long enough for a supervisor to restart a lone instance)",
     )
     drain_grace_s: float = Field(
         default=100.0, ge=0,

@@ -34,9 +34,9 @@ StartAttempt = Callable[[AttemptRequest], AsyncGenerator[BackendEvent, None]]
 
 @dataclass(frozen=True, slots=True)
 class MigrationPolicy:
-    max_retries: int = 8          # consecutive failed attempts (no new token in between)
+    max_retries: int = 20         # consecutive failed attempts (no new token in between): ~33 s
     first_backoff_s: float = 0.1  # doubles per consecutive failure
-    max_backoff_s: float = 1.0
+    max_backoff_s: float = 2.0
 
     def backoff_s(self, failures: int) -> float:
         return min(self.first_backoff_s * 2 ** (failures - 1), self.max_backoff_s)
@@ -101,8 +101,11 @@ async def generate_with_migration(
             raise AttemptFailed("backend", "the attempt ended without a finish reason",
                                 before_first_token=not generated)
         except PlaceFailed as refused:
-            if attempt == 0 or not isinstance(refused.error, RateLimitedError):
-                raise refused.error from None  # the first placement's refusal is the client's answer
+            # The first placement's refusal is the client's answer. A request already accepted
+            # waits out a busy cluster or a role with no live instance (a supervisor is
+            # restarting it) within its retries; a refusal no wait can fix ends it.
+            if attempt == 0 or not isinstance(refused.error, RateLimitedError | ServiceUnavailableError):
+                raise refused.error from None
             why = refused.error.message
         except AttemptFailed as failed:
             why = str(failed)

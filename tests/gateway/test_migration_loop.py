@@ -127,6 +127,20 @@ def test_the_deadline_stops_retries() -> None:
     assert len(script.seen) == 1
 
 
+def test_a_migrated_request_waits_for_a_role_to_come_back() -> None:
+    # Its only decode instance died: the scheduler says none is registered until it restarts.
+    gone = ServiceUnavailableError("rejected by the scheduler (no_decode_instance)", retry_after_s=2)
+    script = Script(("fail", 2), ("refuse", gone), ("refuse", gone), ("ok",))
+    events, pauses = asyncio.run(run(script))
+    assert tokens(events) == REPLY and pauses == [0.1, 0.2, 0.4]
+
+
+def test_a_migrated_request_fails_on_a_refusal_no_wait_can_fix() -> None:
+    script = Script(("fail", 2), ("refuse", InvalidRequestError("exceeds_kv_capacity")))
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(run(script))
+
+
 def test_the_first_placement_refusal_is_the_answer() -> None:
     refusal = RateLimitedError("ttft_slo", retry_after_s=3)
     with pytest.raises(RateLimitedError, match="ttft_slo"):
