@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Live, open-loop replay of a Mooncake-format trace against any OpenAI-compatible server.
 
 Each 512-token hash id becomes a fixed block of ``--tokens-per-block`` words derived from the id
@@ -8,9 +7,9 @@ divided by ``--output-scale`` and generated with ``ignore_eos``; arrival times a
 ``--time-scale`` (< 1 compresses them: more load), or set by ``--rate`` (requests/s). Requests are
 sent at their arrival time whatever the server is doing (open loop).
 
-  python -m loadtest.replay --url http://127.0.0.1:8000 --max-requests 100 --time-scale 0.05
+  python -m loadtest.replay --url http://127.0.0.1:8000 --max-requests 100 --rate 0.2
   python -m loadtest.replay --sweep --target crescent=http://127.0.0.1:8000 \\
-      --target vllm=http://127.0.0.1:8100 --time-scales 0.2,0.1,0.05 --png sweep.png
+      --target vllm=http://127.0.0.1:8100 --rates 0.2,0.4,0.8 --png sweep.png
 
 Reports completed/failed, rejections by status and reason, TTFT and TBT percentiles (TBT per
 Mooncake: the mean of a request's longest 10% inter-token intervals), SLO attainment, effective
