@@ -29,6 +29,15 @@ from tests.ports import free_port
 
 BLOCK = 64
 
+# Prompts for the process tests: distinct openings, so no two share a prefix block.
+TEXTS = [
+    "The lighthouse keeper counted the ships that passed the rocky point every night, and he wrote",
+    "In the valley below the mountains, farmers grew apples, pears and plums, and every autumn they",
+    "A short history of the printing press: movable type changed how books were made, because it",
+    "The recipe for bread is simple: flour, water, salt and yeast, mixed and left to rise until it",
+    "Our team meeting covered three topics today: the release schedule, the hiring plan and the",
+]
+
 
 @dataclass
 class RecordingScheduler(scheduler_pb2_grpc.SchedulerServicer):

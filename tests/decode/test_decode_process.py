@@ -15,20 +15,13 @@ import grpc
 import pytest
 
 from crescent.protos import decode_pb2
-from tests.decode.process import BLOCK, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
+from tests.decode.process import TEXTS, BLOCK, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
 
 pytestmark = pytest.mark.slow  # real processes: a model load each
 
 KV_TOKENS = 6 * BLOCK     # two requests of 3 pages each at a time
 MAX_TOKENS = 40
 
-TEXTS = [
-    "The lighthouse keeper counted the ships that passed the rocky point every night, and he wrote",
-    "In the valley below the mountains, farmers grew apples, pears and plums, and every autumn they",
-    "A short history of the printing press: movable type changed how books were made, because it",
-    "The recipe for bread is simple: flour, water, salt and yeast, mixed and left to rise until it",
-    "Our team meeting covered three topics today: the release schedule, the hiring plan and the",
-]
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,12 @@ import pytest
 
 from crescent.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.engine.sampler import SamplingConfig
-from tests.decode.process import BLOCK, DecodeProcess, PromptKv, SchedulerStandIn
+from tests.decode.process import TEXTS as SHARED_TEXTS, BLOCK, DecodeProcess, PromptKv, SchedulerStandIn
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow  # real processes: a model load each
 
-TEXTS = [
-    "The lighthouse keeper counted the ships that passed the rocky point every night, and he wrote",
-    "In the valley below the mountains, farmers grew apples, pears and plums, and every autumn they",
-    "A short history of the printing press: movable type changed how books were made, because it",
-]
+TEXTS = SHARED_TEXTS[:3]
 
 
 @pytest.fixture(scope="module")
