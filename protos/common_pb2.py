@@ -24,25 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rescent/protos/common.proto\x12\x0b\x63rescent.v1\"\xb7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nfirst_step\x18\t \x01(\x05\"\xb8\x01\n\tBlockMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\x12\r\n\x05\x66ound\x18\n \x01(\x08\"N\n\nBlockChunk\x12$\n\x04meta\x18\x01 \x01(\x0b\x32\x16.crescent.v1.BlockMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"\x8f\x01\n\nBlockEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.crescent.v1.BlockEventKind\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nparent_key\x18\x03 \x01(\x0c\x12!\n\x04tier\x18\x04 \x01(\x0e\x32\x13.crescent.v1.KvTier\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\"d\n\x0f\x42lockEventBatch\x12\x11\n\tsource_id\x18\x01 \x01(\t\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.crescent.v1.BlockEvent\x12\x15\n\rfull_snapshot\x18\x03 \x01(\x08*z\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_TIER_GPU\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03\x12\x0e\n\nKV_TIER_S3\x10\x04\x12\x12\n\x0eKV_TIER_ENGINE\x10\x05*|\n\x0e\x42lockEventKind\x12\x1b\n\x17\x42LOCK_EVENT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42LOCK_EVENT_STORED\x10\x01\x12\x17\n\x13\x42LOCK_EVENT_REMOVED\x10\x02\x12\x1c\n\x18\x42LOCK_EVENT_TIER_CHANGED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rescent/protos/common.proto\x12\x0b\x63rescent.v1\"\xee\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nfirst_step\x18\t \x01(\x05\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.crescent.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12+\n\nconstraint\x18\x11 \x01(\x0b\x32\x17.crescent.v1.Constraint\x12\t\n\x01n\x18\x12 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x91\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.crescent.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.crescent.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb8\x01\n\tBlockMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\x12\r\n\x05\x66ound\x18\n \x01(\x08\"N\n\nBlockChunk\x12$\n\x04meta\x18\x01 \x01(\x0b\x32\x16.crescent.v1.BlockMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"\x8f\x01\n\nBlockEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.crescent.v1.BlockEventKind\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x12\n\nparent_key\x18\x03 \x01(\x0c\x12!\n\x04tier\x18\x04 \x01(\x0e\x32\x13.crescent.v1.KvTier\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\"d\n\x0f\x42lockEventBatch\x12\x11\n\tsource_id\x18\x01 \x01(\t\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.crescent.v1.BlockEvent\x12\x15\n\rfull_snapshot\x18\x03 \x01(\x08*z\n\x06KvTier\x12\x17\n\x13KV_TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_TIER_GPU\x10\x01\x12\x10\n\x0cKV_TIER_HOST\x10\x02\x12\x10\n\x0cKV_TIER_DISK\x10\x03\x12\x0e\n\nKV_TIER_S3\x10\x04\x12\x12\n\x0eKV_TIER_ENGINE\x10\x05*|\n\x0e\x42lockEventKind\x12\x1b\n\x17\x42LOCK_EVENT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42LOCK_EVENT_STORED\x10\x01\x12\x17\n\x13\x42LOCK_EVENT_REMOVED\x10\x02\x12\x1c\n\x18\x42LOCK_EVENT_TIER_CHANGED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crescent.protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVTIER']._serialized_start=746
-  _globals['_KVTIER']._serialized_end=868
-  _globals['_BLOCKEVENTKIND']._serialized_start=870
-  _globals['_BLOCKEVENTKIND']._serialized_end=994
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_KVTIER']._serialized_start=1374
+  _globals['_KVTIER']._serialized_end=1496
+  _globals['_BLOCKEVENTKIND']._serialized_start=1498
+  _globals['_BLOCKEVENTKIND']._serialized_end=1622
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=229
-  _globals['_BLOCKMETA']._serialized_start=232
-  _globals['_BLOCKMETA']._serialized_end=416
-  _globals['_BLOCKCHUNK']._serialized_start=418
-  _globals['_BLOCKCHUNK']._serialized_end=496
-  _globals['_BLOCKEVENT']._serialized_start=499
-  _globals['_BLOCKEVENT']._serialized_end=642
-  _globals['_BLOCKEVENTBATCH']._serialized_start=644
-  _globals['_BLOCKEVENTBATCH']._serialized_end=744
+  _globals['_SAMPLINGPARAMS']._serialized_end=540
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=492
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=540
+  _globals['_CONSTRAINT']._serialized_start=543
+  _globals['_CONSTRAINT']._serialized_end=688
+  _globals['_CHOICELIST']._serialized_start=690
+  _globals['_CHOICELIST']._serialized_end=719
+  _globals['_TOKENLOGPROB']._serialized_start=721
+  _globals['_TOKENLOGPROB']._serialized_end=808
+  _globals['_TOPLOGPROB']._serialized_start=810
+  _globals['_TOPLOGPROB']._serialized_end=857
+  _globals['_BLOCKMETA']._serialized_start=860
+  _globals['_BLOCKMETA']._serialized_end=1044
+  _globals['_BLOCKCHUNK']._serialized_start=1046
+  _globals['_BLOCKCHUNK']._serialized_end=1124
+  _globals['_BLOCKEVENT']._serialized_start=1127
+  _globals['_BLOCKEVENT']._serialized_end=1270
+  _globals['_BLOCKEVENTBATCH']._serialized_start=1272
+  _globals['_BLOCKEVENTBATCH']._serialized_end=1372
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from crescent.protos import common_pb2 as crescent_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63rescent/protos/prefill.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\"\xfb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.crescent.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x18\n\x10prefix_source_id\x18\x07 \x01(\t\x12\x1c\n\x14prefix_source_blocks\x18\x08 \x01(\x05\x12\x1d\n\x15prefix_source_address\x18\t \x01(\t\"u\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"#\n\tHandedOff\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\"u\n\x0cPrefillEvent\x12.\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.crescent.v1.FirstTokenH\x00\x12,\n\nhanded_off\x18\x02 \x01(\x0b\x32\x16.crescent.v1.HandedOffH\x00\x42\x07\n\x05\x65vent\"M\n\x12\x46\x65tchPrefixRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x32\x99\x01\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1b.crescent.v1.PrefillRequest\x1a\x19.crescent.v1.PrefillEvent0\x01\x12I\n\x0b\x46\x65tchPrefix\x12\x1f.crescent.v1.FetchPrefixRequest\x1a\x17.crescent.v1.BlockChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63rescent/protos/prefill.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\"\xfb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.crescent.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x18\n\x10prefix_source_id\x18\x07 \x01(\t\x12\x1c\n\x14prefix_source_blocks\x18\x08 \x01(\x05\x12\x1d\n\x15prefix_source_address\x18\t \x01(\t\"\xb0\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05index\x18\x06 \x01(\x05\x12*\n\x07logprob\x18\x07 \x01(\x0b\x32\x19.crescent.v1.TokenLogprob\"#\n\tHandedOff\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\"u\n\x0cPrefillEvent\x12.\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x17.crescent.v1.FirstTokenH\x00\x12,\n\nhanded_off\x18\x02 \x01(\x0b\x32\x16.crescent.v1.HandedOffH\x00\x42\x07\n\x05\x65vent\"M\n\x12\x46\x65tchPrefixRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_keys\x18\x02 \x03(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x32\x99\x01\n\x07Prefill\x12\x43\n\x07Prefill\x12\x1b.crescent.v1.PrefillRequest\x1a\x19.crescent.v1.PrefillEvent0\x01\x12I\n\x0b\x46\x65tchPrefix\x12\x1f.crescent.v1.FetchPrefixRequest\x1a\x17.crescent.v1.BlockChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,14 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=77
   _globals['_PREFILLREQUEST']._serialized_end=328
-  _globals['_FIRSTTOKEN']._serialized_start=330
-  _globals['_FIRSTTOKEN']._serialized_end=447
-  _globals['_HANDEDOFF']._serialized_start=449
-  _globals['_HANDEDOFF']._serialized_end=484
-  _globals['_PREFILLEVENT']._serialized_start=486
-  _globals['_PREFILLEVENT']._serialized_end=603
-  _globals['_FETCHPREFIXREQUEST']._serialized_start=605
-  _globals['_FETCHPREFIXREQUEST']._serialized_end=682
-  _globals['_PREFILL']._serialized_start=685
-  _globals['_PREFILL']._serialized_end=838
+  _globals['_FIRSTTOKEN']._serialized_start=331
+  _globals['_FIRSTTOKEN']._serialized_end=507
+  _globals['_HANDEDOFF']._serialized_start=509
+  _globals['_HANDEDOFF']._serialized_end=544
+  _globals['_PREFILLEVENT']._serialized_start=546
+  _globals['_PREFILLEVENT']._serialized_end=663
+  _globals['_FETCHPREFIXREQUEST']._serialized_start=665
+  _globals['_FETCHPREFIXREQUEST']._serialized_end=742
+  _globals['_PREFILL']._serialized_start=745
+  _globals['_PREFILL']._serialized_end=898
 # @@protoc_insertion_point(module_scope)

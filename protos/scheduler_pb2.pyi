@@ -76,20 +76,22 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "block_keys", "prompt_tokens", "max_tokens", "block_size")
+    __slots__ = ("request_id", "model_id", "block_keys", "prompt_tokens", "max_tokens", "block_size", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
     max_tokens: int
     block_size: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class InstanceRef(_message.Message):
     __slots__ = ("instance_id", "address")
