@@ -18,7 +18,7 @@ from rich.text import Text
 
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
-from crescent.services.engine.model_source import DEFAULT_MODEL
+from crescent.services.model.model_source import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from crescent.services.launcher import SupervisionEvent

@@ -21,7 +21,7 @@ import torch
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
-from crescent.services.engine.model_source import resolve_model
+from crescent.services.model.model_source import resolve_model
 from crescent.services.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from pydantic import Field
 
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
-from crescent.services.engine.model_source import DEFAULT_MODEL
+from crescent.services.model.model_source import DEFAULT_MODEL
 
 
 class EngineSettings(StrictModel):

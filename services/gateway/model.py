@@ -10,10 +10,10 @@ import json
 import logging
 
 import gguf
-from crescent.services.engine.chat_template import ChatTemplateError
-from crescent.services.engine.kimi_tokenizer import KimiTokenizer, tokenizer_for
-from crescent.services.engine.model_source import ModelSource, resolve_model
-from crescent.services.engine.tokenizer import Tokenizer
+from crescent.services.model.chat_template import ChatTemplateError
+from crescent.services.model.kimi_tokenizer import KimiTokenizer, tokenizer_for
+from crescent.services.model.model_source import ModelSource, resolve_model
+from crescent.services.model.tokenizer import Tokenizer
 from crescent.services.gateway.config import DEFAULT_CONTEXT_WINDOW, GatewaySettings
 from crescent.services.gateway.output_format import KIMI_OUTPUT, PLAIN_OUTPUT
 from crescent.services.gateway.prompt import ChatTokenizer, ServedModel

@@ -1,6 +1,6 @@
 """From a chat request to prompt token ids: the chat template, tokenization and length checks.
 
-The gateway needs only this much of a tokenizer (``crescent.services.engine.tokenizer.Tokenizer``
+The gateway needs only this much of a tokenizer (``crescent.services.model.tokenizer.Tokenizer``
 provides it); tests inject a small fake with the same methods.
 """
 

@@ -6,7 +6,7 @@ import torch
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
-from crescent.services.engine.model_source import DEFAULT_MODEL, resolve_model
+from crescent.services.model.model_source import DEFAULT_MODEL, resolve_model
 from tests.e2e.stack import Stack, start_stack, stop_stack
 
 KV_TOKENS = 2048  # small on purpose: long prompts push earlier blocks out to the kvstore

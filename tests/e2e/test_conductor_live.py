@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.engine.model_source import DEFAULT_MODEL
+from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.e2e.stack import Stack, start_stack, stop_stack
 from tests.e2e.test_request_path import LONG_CONTEXT, ask, client, reference_reply
 

@@ -15,8 +15,8 @@ import torch
 
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import load_k3_model
-from crescent.services.engine.kimi_tokenizer import tokenizer_for
-from crescent.services.engine.model_source import resolve_model
+from crescent.services.model.kimi_tokenizer import tokenizer_for
+from crescent.services.model.model_source import resolve_model
 from tests.e2e.stack import Stack, start_stack, stop_stack
 
 pytestmark = pytest.mark.slow

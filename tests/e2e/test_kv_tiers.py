@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from crescent.services.engine.model_source import DEFAULT_MODEL
+from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.e2e.stack import start_stack, stop_stack
 from tests.e2e.test_request_path import LONG_CONTEXT, reference_reply
 from tests.kvstore.conftest import S3Server, free_port

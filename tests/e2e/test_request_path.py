@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from crescent.services.engine.model_source import DEFAULT_MODEL
+from crescent.services.model.model_source import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 

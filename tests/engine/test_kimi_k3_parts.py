@@ -21,7 +21,7 @@ from crescent.services.engine.kimi_k3.model import K3Model
 from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, select_backend, situ_glu
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.model_config import ModelConfigError
-from crescent.services.engine.model_source import resolve_model
+from crescent.services.model.model_source import resolve_model
 from tests.engine.k3_reference import TEST_CFG
 
 REF, TRITON = K3Ops(Backend.REFERENCE), K3Ops(Backend.TRITON)

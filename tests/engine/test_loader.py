@@ -28,7 +28,7 @@ from crescent.services.engine.loader import (
 )
 from crescent.services.engine.loader.dequant import dequantize
 from crescent.services.engine.model_config import LlamaConfig
-from crescent.services.engine.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
+from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
 
 torch.set_num_threads(2)
 

@@ -21,7 +21,7 @@ import grpc
 import httpx
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.engine.model_source import DEFAULT_MODEL
+from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.ports import free_port
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from crescent.services.common.block_keys import prefix_block_keys
-from crescent.services.engine.model_source import DEFAULT_MODEL, ModelNotFoundError, resolve_model
-from crescent.services.engine.tokenizer import Tokenizer
+from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from crescent.services.model.tokenizer import Tokenizer
 
 from .support import BLOCK_SIZE, PRODUCTION_ENTRY, FakeBackend, Gateway
 

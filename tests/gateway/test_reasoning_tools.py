@@ -181,7 +181,7 @@ KIMI_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokeniz
 @pytest.mark.skipif(not (KIMI_DIR / "tiktoken.model").is_file(), reason=f"no Kimi vocabulary at {KIMI_DIR}")
 def test_a_kimi_token_stream_parses_into_reasoning_and_tool_calls() -> None:
     # With the real vocabulary the tags are single tokens; they must reach the parsers as text.
-    from crescent.services.engine.kimi_tokenizer import KimiTokenizer
+    from crescent.services.model.kimi_tokenizer import KimiTokenizer
     from crescent.services.gateway.assistant_output import AssistantOutputParser, ReasoningDelta, ToolCallDelta
     from crescent.services.gateway.generation import TextDelta
     from crescent.services.gateway.output_format import KIMI_OUTPUT
@@ -202,7 +202,7 @@ def test_a_kimi_token_stream_parses_into_reasoning_and_tool_calls() -> None:
 @pytest.mark.skipif(not (KIMI_DIR / "tiktoken.model").is_file(), reason=f"no Kimi vocabulary at {KIMI_DIR}")
 def test_the_gateway_serves_kimi_k3_nano_with_the_kimi_chat_format(
         backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> None:
-    from crescent.services.engine.kimi_tokenizer import KimiTokenizer
+    from crescent.services.model.kimi_tokenizer import KimiTokenizer
 
     gw = Gateway(tmp_path_factory.mktemp("kimi"), backend.address, entry=PRODUCTION_ENTRY, model="kimi-k3-nano")
     gw.start_gateway()

@@ -24,7 +24,7 @@ from crescent.services.engine.kimi_k3.model import K3Model
 from crescent.services.engine.kimi_k3.weights import random_weights, weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.hf_loader import weight_files
-from crescent.services.engine.model_source import ModelSource
+from crescent.services.model.model_source import ModelSource
 
 log = logging.getLogger(__name__)
 

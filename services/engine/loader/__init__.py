@@ -12,7 +12,7 @@ from crescent.services.engine.loader.export import export_hf_dir
 from crescent.services.engine.loader.gguf_loader import load_gguf
 from crescent.services.engine.loader.hf_loader import load_hf_dir
 from crescent.services.engine.loader.loaded import LoadedModel
-from crescent.services.engine.model_source import ModelSource
+from crescent.services.model.model_source import ModelSource
 
 __all__ = ["LoadedModel", "ModelLoadError", "UnsupportedTensorTypeError", "export_hf_dir", "load_model"]
 

@@ -14,7 +14,7 @@ from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.loaded import LoadedModel
 from crescent.services.engine.loader.progress import track
 from crescent.services.engine.model_config import LlamaConfig, ModelConfigError
-from crescent.services.engine.tokenizer import Tokenizer, TokenizerError
+from crescent.services.model.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
 

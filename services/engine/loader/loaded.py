@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from crescent.services.engine.model_config import LlamaConfig
-from crescent.services.engine.tokenizer import Tokenizer
+from crescent.services.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

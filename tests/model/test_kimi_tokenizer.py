@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 import regex
-from crescent.services.engine.chat_template import ChatTemplateError
-from crescent.services.engine.kimi_tokenizer import (
+from crescent.services.model.chat_template import ChatTemplateError
+from crescent.services.model.kimi_tokenizer import (
     DEFAULT_SYSTEM_PROMPT,
     PAT_STR,
     TOKENIZER_DIR_ENV,
     KimiTokenizer,
     tokenizer_for,
 )
-from crescent.services.engine.model_source import ModelSource, resolve_model
-from crescent.services.engine.tokenizer import TokenizerError
+from crescent.services.model.model_source import ModelSource, resolve_model
+from crescent.services.model.tokenizer import TokenizerError
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
 pytestmark = pytest.mark.skipif(

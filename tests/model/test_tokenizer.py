@@ -8,9 +8,9 @@ import gguf
 import pytest
 from tokenizers import pre_tokenizers
 
-from crescent.services.engine.chat_template import ChatTemplate, ChatTemplateError
-from crescent.services.engine.model_source import DEFAULT_MODEL, resolve_model
-from crescent.services.engine.tokenizer import Tokenizer, TokenizerError
+from crescent.services.model.chat_template import ChatTemplate, ChatTemplateError
+from crescent.services.model.model_source import DEFAULT_MODEL, resolve_model
+from crescent.services.model.tokenizer import Tokenizer, TokenizerError
 
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

@@ -2,7 +2,7 @@
 
 A Kimi tokenizer directory holds ``tiktoken.model`` (one base64 token and its rank per line)
 and ``tokenizer_config.json`` (the special tokens and their ids). ``KimiTokenizer`` offers the
-same interface as ``crescent.services.engine.tokenizer.Tokenizer`` plus tool definitions in
+same interface as ``crescent.services.model.tokenizer.Tokenizer`` plus tool definitions in
 ``apply_chat_template``.
 
 The pre-tokenizer regex is the ``pat_str`` of Kimi K2's ``tokenization_kimi.py``
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import tiktoken
-from crescent.services.engine.chat_template import ChatTemplate
-from crescent.services.engine.model_source import ModelSource
-from crescent.services.engine.tokenizer import Tokenizer, TokenizerError
+from crescent.services.model.chat_template import ChatTemplate
+from crescent.services.model.model_source import ModelSource
+from crescent.services.model.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
 

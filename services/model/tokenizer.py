@@ -18,8 +18,8 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HfTokenizer
 
-from crescent.services.engine.chat_template import ChatTemplate
-from crescent.services.engine.model_source import ModelSource
+from crescent.services.model.chat_template import ChatTemplate
+from crescent.services.model.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
