@@ -2,6 +2,9 @@
 
 Requests are strict: a field of the wrong type is a 400, not a silent coercion, and a parameter
 the platform does not implement is a 400 that names it (``extra="forbid"``), never ignored.
+An explicit ``null`` for an optional field means the field is absent, as OpenAI's API treats it.
+Integers are bounded to what the engines' wire format carries, so an out-of-range value is a 400
+here instead of a failure after the request was placed.
 """
 
 from __future__ import annotations
@@ -16,14 +19,25 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_validator,
     model_serializer,
 )
 
 MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class TextPart(RequestModel):
@@ -102,28 +116,42 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(RequestModel):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, description="extension; 0 or -1: off")
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX, description="extension; 0 or -1: off")
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     # Accepted only at the value that means "off"; anything else is refused by name.
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logprobs: bool = False
-    user: str | None = None
-    cache_salt: str | None = Field(default=None, description="extension: isolates a tenant's prefix cache")
-    ignore_eos: bool = Field(default=False, description="extension: generate max_tokens even past end-of-sequence")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    cache_salt: str | None = Field(default=None, description="extension: isolates a tenant's prefix cache")
+    ignore_eos: bool = Field(default=False, description="extension: generate max_tokens even past end-of-sequence")
+    # Accepted and ignored: they mean nothing on this platform (docs/api.md says why for each).
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -156,6 +184,14 @@ class ChatCompletionRequest(RequestModel):
             problems.append(("frequency_penalty", "only frequency_penalty=0 is supported"))
         if self.logprobs:
             problems.append(("logprobs", "logprobs are not supported"))
+        if self.top_logprobs:
+            problems.append(("top_logprobs", "logprobs are not supported"))
+        if self.logit_bias:
+            problems.append(("logit_bias", "logit_bias is not supported"))
+        if self.response_format is not None and self.response_format.type != "text":
+            problems.append(("response_format", "structured outputs (json_object, json_schema) are not supported yet"))
+        if self.parallel_tool_calls is False:
+            problems.append(("parallel_tool_calls", "only parallel_tool_calls=true is supported"))
         if self.tool_choice not in (None, "none", "auto"):
             problems.append(("tool_choice", "only 'auto' and 'none' are supported (a tool call cannot be forced)"))
         elif self.tool_choice == "auto" and not self.tools:

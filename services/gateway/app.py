@@ -12,10 +12,13 @@ from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain, DrainGuard
-from crescent.services.gateway.errors import ApiError, ModelNotFoundError, install_error_handlers
+from crescent.services.gateway.errors import ERROR_RESPONSES, ApiError, ModelNotFoundError, install_error_handlers
+from crescent.services.gateway.http_guard import HttpGuard
 from crescent.services.gateway.prompt import ServedModel
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +36,16 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
             metrics.requests.labels(status="client_error").inc()
 
     install_error_handlers(app, on_invalid_body=count_invalid_body)
+    # Added last = outermost: HttpGuard sees every request first (ids, body limits, 500s).
     app.add_middleware(DrainGuard, drain=drain)
+    if settings.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
+            allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"],
+        )
+    app.add_middleware(HttpGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.handle(body, request)
 
@@ -43,7 +53,7 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     async def list_models() -> ModelList:
         return ModelList(data=[card])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={404: ERROR_RESPONSES[404]})
     async def get_model(model_id: str) -> ModelCard:
         if model_id != card.id:
             raise ModelNotFoundError(f"the model {model_id!r} does not exist", param="model")
@@ -68,7 +78,9 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
             }
         return JSONResponse(body, status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics_endpoint() -> Response:
         return metrics_response()
 

@@ -100,10 +100,12 @@ def _prefill_request(request: AttemptRequest, placement: scheduler_pb2.Placement
 def _failure(exc: grpc.aio.AioRpcError, stage: str, *, before_first_token: bool) -> Exception:
     code = exc.code()
     details = exc.details() or (code.name if code is not None else "unknown error")
+    role = stage.split(" ", 1)[0]  # the client hears "prefill", not the instance's address
     if code in _CLIENT_FAULT:
-        return InvalidRequestError(f"{stage} refused the request: {details}")
+        log.info("%s refused the request: %s", stage, details)
+        return InvalidRequestError(f"{role} refused the request: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return GatewayTimeoutError(f"the request did not finish before its deadline ({stage})")
+        return GatewayTimeoutError(f"the request did not finish before its deadline ({role})")
     name = code.name if code is not None else "unknown"
     return AttemptFailed(stage, f"{name}: {details}", before_first_token=before_first_token)
 

@@ -15,7 +15,6 @@ from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TypeVar
 
-from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord
@@ -121,7 +120,8 @@ class ChatCompletions:
 
     async def handle(self, body: ChatCompletionRequest, request: Request) -> Response:
         request_id = new_request_id()
-        request_id_var.set(request_id)
+        # Log records keep the HTTP request id (X-Request-Id) the client sees; link the two once.
+        log.info("completion %s", request_id)
         record = RequestRecord(self._metrics)
         try:
             generation_request = await self._generation_request(body, request_id)

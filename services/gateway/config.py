@@ -48,6 +48,18 @@ class GatewaySettings(StrictModel):
         description="on SIGTERM, how long in-flight requests may finish (keep it below the pod's "
                     "terminationGracePeriodSeconds); then they end with an error event",
     )
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, gt=0,
+        description="largest request body accepted; a larger one gets 413 before it is parsed",
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="a request body must arrive in full within this time, else 408 and the connection closes",
+    )
+    cors_allow_origins: list[str] = Field(
+        default_factory=list,
+        description="origins browsers may call the API from (\"*\" for any); empty: CORS off",
+    )
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 
     @model_validator(mode="after")

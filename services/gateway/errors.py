@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,16 @@ class UnsupportedParameterError(InvalidRequestError):
 
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    status = 408
+    code = "request_timeout"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    status = 413
+    code = "payload_too_large"
 
 
 class ModelNotFoundError(ApiError):
@@ -142,6 +153,34 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
     return InvalidRequestError(f"invalid value for {param}: {reason}", param=param, code="invalid_value")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error response's body (for the OpenAPI document)."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in {
+        400: "invalid request: the message names the field (param) and why",
+        404: "unknown model",
+        408: "the request body did not arrive in time",
+        413: "the request body is larger than the gateway's limit",
+        429: "rejected early: the request would miss its SLO (Retry-After says when to retry)",
+        500: "internal error: the message carries the request id to quote",
+        503: "no instance can serve now, or the gateway is draining (Retry-After)",
+        504: "the request did not finish before its deadline",
+    }.items()
+}
+
+
 def install_error_handlers(app: FastAPI, on_invalid_body: Callable[[Request], None] | None = None) -> None:
     """Replace FastAPI's 422 and other defaults with OpenAI-style error bodies.
 
@@ -163,8 +202,5 @@ def install_error_handlers(app: FastAPI, on_invalid_body: Callable[[Request], No
         error = NotFoundError(str(exc.detail)) if exc.status_code == 404 else InvalidRequestError(str(exc.detail))
         error.status = exc.status_code
         return error_response(error)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error: %s", exc)
-        return error_response(InternalError("internal error"))
+    # Exceptions nothing here handles become a 500 in ``http_guard.HttpGuard``, which keeps the
+    # connection usable (an ``Exception`` handler here would re-raise, and uvicorn would reset it).

@@ -46,19 +46,21 @@ _CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
-    """Map a failed call to the error a client should see."""
+    """Map a failed call to the error a client should see: a plain message; gRPC's detail
+    (addresses, connection errors) goes to the log, under the request id."""
     code = exc.code()
-    details = exc.details() or (code.name if code is not None else "unknown error")
-    message = f"{what} failed: {details}"
+    name = code.name if code is not None else "UNKNOWN"
+    log.warning("%s failed: %s: %s", what, name, exc.details())
     if code == grpc.StatusCode.UNAVAILABLE:
-        return ServiceUnavailableError(f"{what} is unavailable: {details}", retry_after_s=_RETRY_AFTER_S)
+        return ServiceUnavailableError(f"{what} is unavailable; retry later", retry_after_s=_RETRY_AFTER_S)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayTimeoutError(f"{what} did not answer in time")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RateLimitedError(message, retry_after_s=_RETRY_AFTER_S)
+        return RateLimitedError(f"{what} is out of capacity; retry later", retry_after_s=_RETRY_AFTER_S)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-        return InvalidRequestError(message)
-    return InternalError(message)
+        # Our own services' refusals of the request: their text is written for the client.
+        return InvalidRequestError(f"{what} refused the request: {exc.details()}")
+    return InternalError(f"{what} failed ({name})")
 
 
 class GrpcBackend:

@@ -112,13 +112,16 @@ async def generate_with_migration(
         failures += 1
         attempt += 1
         stage = "before_first_token" if not generated else "mid_stream"
+        # The client hears what happened; the last failure's detail (addresses, gRPC text) is logged.
         if failures > policy.max_retries:
+            log.warning("giving up on %s after %d placements in a row; last: %s", request.request_id, failures, why)
             raise ServiceUnavailableError(
-                f"the request failed on {failures} placements in a row; last: {why}", retry_after_s=1.0
+                f"the request failed on {failures} placements in a row; retry later", retry_after_s=1.0
             )
         pause = policy.backoff_s(failures)
         if clock() + pause >= deadline:
-            raise GatewayTimeoutError(f"the request's deadline passed while placing it again; last failure: {why}")
+            log.warning("deadline of %s passed while placing it again; last: %s", request.request_id, why)
+            raise GatewayTimeoutError("the request's deadline passed while placing it again")
         log.warning("placing %s again (%s, %d tokens streamed, retry %d) after: %s",
                     request.request_id, stage, len(generated), failures, why)
         migrations_counter().labels(stage=stage).inc()

@@ -17,6 +17,7 @@ from crescent.services.gateway.errors import (
     UnsupportedParameterError,
 )
 from crescent.services.gateway.output_format import PLAIN_OUTPUT, OutputFormat
+from crescent.services.model.literal_text import ReservedCharacterError, encode_marked, mark_literals
 
 
 class Detokenizer(Protocol):
@@ -30,6 +31,12 @@ class ChatTokenizer(Protocol):
     def eos_token_ids(self) -> Sequence[int]: ...
 
     def encode(self, text: str) -> list[int]: ...
+
+    def contains_control_text(self, text: str) -> bool: ...
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Encode with control-token strings as plain text (``services.model.literal_text``)."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -82,17 +89,19 @@ def _check_tools_supported(request: ChatCompletionRequest, model: ServedModel) -
     if model.output_format.supports_tools:
         return
     why = "this model's chat template has no tool support"
-    if request.tools:
+    if request.offers_tools():  # tools with tool_choice "none" are never rendered: nothing to support
         raise UnsupportedParameterError(f"tools are not supported: {why}", param="tools")
     if any(m.tool_calls for m in request.messages):
         raise UnsupportedParameterError(f"messages with tool_calls are not supported: {why}", param="messages")
 
 
 def _render(request: ChatCompletionRequest, model: ServedModel) -> str:
-    messages = [_template_message(m) for m in request.messages]
+    """The prompt text; client strings that hold control-token text come back marked as literal."""
+    literal = model.tokenizer.contains_control_text
+    messages = mark_literals([_template_message(m) for m in request.messages], literal)
     if not request.offers_tools():
         return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+    tools = mark_literals([tool.model_dump(exclude_none=True) for tool in request.tools or ()], literal)
     tokenizer: ToolChatTokenizer = model.tokenizer  # type: ignore[assignment]  # supports_tools says so
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
 
@@ -102,9 +111,11 @@ def build_prompt(request: ChatCompletionRequest, model: ServedModel, default_max
     _check_tools_supported(request, model)
     try:
         text = _render(request, model)
+        token_ids = tuple(encode_marked(text, model.tokenizer.encode, model.tokenizer.encode_as_text))
+    except ReservedCharacterError as exc:
+        raise InvalidRequestError(f"invalid text in the request: {exc}", param="messages") from exc
     except model.template_errors as exc:
         raise InvalidRequestError(f"messages do not fit the model's chat template: {exc}", param="messages") from exc
-    token_ids = tuple(model.tokenizer.encode(text))
     window = model.context_window
     if len(token_ids) >= window:
         raise ContextLengthExceededError(

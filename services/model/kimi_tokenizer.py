@@ -41,6 +41,7 @@ from typing import Any
 
 import tiktoken
 from crescent.services.model.chat_template import ChatTemplate
+from crescent.services.model.literal_text import control_text_pattern
 from crescent.services.model.model_source import ModelSource
 from crescent.services.model.tokenizer import Tokenizer, TokenizerError
 
@@ -134,7 +135,7 @@ class KimiDetokenizer:
 class KimiTokenizer:
     """Encode/decode, stop tokens and chat format of a Kimi model (see the module docstring)."""
 
-    __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template")
+    __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template", "_control")
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: Mapping[str, int], *,
                  skip_ids: frozenset[int]) -> None:
@@ -148,6 +149,7 @@ class KimiTokenizer:
         self._special_ids = dict(special_tokens)
         self._skip_ids = skip_ids
         self._template = ChatTemplate(KIMI_CHAT_TEMPLATE, bos_token="[BOS]", eos_token=END_OF_TEXT)
+        self._control = control_text_pattern(special_tokens)
 
     # --- construction -------------------------------------------------------------------
 
@@ -206,6 +208,17 @@ class KimiTokenizer:
         ids: list[int] = []
         for piece in _pieces(text):
             ids += self._enc.encode(piece, allowed_special="all")
+        return ids
+
+    def contains_control_text(self, text: str) -> bool:
+        """Whether ``text`` holds the string of one of Kimi's special tokens."""
+        return self._control is not None and self._control.search(text) is not None
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token strings encoded as the plain text they are."""
+        ids: list[int] = []
+        for piece in _pieces(text):
+            ids += self._enc.encode(piece, allowed_special=set(), disallowed_special=())
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HfTokenizer
 
 from crescent.services.model.chat_template import ChatTemplate
+from crescent.services.model.literal_text import control_text_pattern
 from crescent.services.model.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class IncrementalDetokenizer:
 class Tokenizer:
     """Encode/decode, stop tokens and chat template of one model."""
 
-    __slots__ = ("_tok", "_eos_ids", "_bos_id", "_bos_text", "_eos_text", "_template")
+    __slots__ = ("_tok", "_eos_ids", "_bos_id", "_bos_text", "_eos_text", "_template", "_control", "_as_text")
 
     def __init__(self, tok: HfTokenizer, *, eos_token_ids: Sequence[int], bos_token_id: int | None,
                  chat_template: str | None) -> None:
@@ -100,6 +101,8 @@ class Tokenizer:
         self._bos_text = None if bos_token_id is None else tok.id_to_token(bos_token_id)
         self._eos_text = tok.id_to_token(self._eos_ids[0])
         self._template = ChatTemplate(chat_template, bos_token=self._bos_text, eos_token=self._eos_text)
+        self._control = control_text_pattern(a.content for a in tok.get_added_tokens_decoder().values() if a.special)
+        self._as_text: HfTokenizer | None = None  # a copy that encodes control-token text as text, made on first use
 
     # --- construction -------------------------------------------------------------------
 
@@ -214,6 +217,19 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token text such as ``<|im_start|>`` maps to its id."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def contains_control_text(self, text: str) -> bool:
+        """Whether ``text`` holds the string of a control (special) token."""
+        return self._control is not None and self._control.search(text) is not None
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with control-token strings encoded as the plain text they are."""
+        if self._as_text is None:
+            # A copy, not a flag flipped on the shared tokenizer: prompts are encoded on several threads.
+            copy = HfTokenizer.from_str(self._tok.to_str())
+            copy.encode_special_tokens = True
+            self._as_text = copy
+        return self._as_text.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

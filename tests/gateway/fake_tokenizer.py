@@ -4,6 +4,8 @@ Tokens are pairs of ASCII characters (single characters where a pair does not fi
 string can begin in the middle of one token and end in the middle of the next. Ids are
 stable across processes: the fake backend decodes prompts with this same module. The chat
 template is ChatML and, like real templates, refuses a system message that is not first.
+Text holding ``#tokenizer_bug`` makes ``encode`` raise ``RuntimeError``: an unhandled error in the
+gateway, for the tests of its 500s.
 """
 
 from __future__ import annotations
@@ -58,7 +60,15 @@ class FakeDetokenizer:
 class FakeTokenizer:
     eos_token_ids = (IM_END, ENDOFTEXT)
 
+    def contains_control_text(self, text: str) -> bool:
+        return _SPLIT.search(text) is not None
+
+    def encode_as_text(self, text: str) -> list[int]:
+        return _piece_ids(text)
+
     def encode(self, text: str) -> list[int]:
+        if "#tokenizer_bug" in text:
+            raise RuntimeError("the fake tokenizer's simulated bug")
         ids: list[int] = []
         for part in _SPLIT.split(text):
             ids.extend([SPECIALS[part]] if part in SPECIALS else _piece_ids(part))
