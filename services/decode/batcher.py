@@ -20,6 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from crescent.services.common.metrics import EngineMetrics, engine_metrics
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.decode.admission import KvLedger
+from crescent.services.engine.constraints import ConstraintError, TokenConstraint, submit_masks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.runtime import EngineWorker
@@ -57,6 +59,7 @@ class DecodeRequest:
     stop_token_ids: frozenset[int]
     reserve_tokens: int               # KV tokens it may ever hold: prompt + max_tokens, within the context
     first_step: int = 0               # seeded sampling step of the first token (after a migration)
+    constraint: TokenConstraint | None = None  # structured output: its matcher has taken every token so far
     generated: int = 1                # the first token came from prefill
     seq: Sequence | None = None       # set once admitted
     queue: asyncio.Queue[TokenUpdate] = field(default_factory=asyncio.Queue)
@@ -70,16 +73,21 @@ class DecodeRequest:
 
 
 def forward_and_sample(engine: Engine, seqs: list[Sequence], cfgs: list[SamplingConfig],
-                       steps: list[int]) -> list[int | Exception]:
-    """One decode step (engine thread): a token per sequence, or the exception its sampling raised."""
+                       steps: list[int], masks: Future[list[torch.Tensor | None]] | None = None) -> list[int | Exception]:
+    """One decode step (engine thread): a token per sequence, or the exception its sampling raised.
+    ``masks`` (constrained rows) are computed on other threads while the forward runs."""
     logits = engine.decode_step(seqs)
+    histories = [seq.token_ids for seq in seqs]
+    allowed = masks.result() if masks is not None else None
     try:
-        return list(sample_batch(logits, cfgs, steps))
+        return list(sample_batch(logits, cfgs, steps, histories, allowed))
     except Exception:  # noqa: BLE001 - find the row that fails; the others keep their token
         out: list[int | Exception] = []
         for i in range(len(seqs)):
             try:
-                out.append(sample_batch(logits[i : i + 1], cfgs[i : i + 1], steps[i : i + 1])[0])
+                row_mask = [allowed[i]] if allowed is not None else None
+                out.append(sample_batch(logits[i : i + 1], cfgs[i : i + 1], steps[i : i + 1], histories[i : i + 1],
+                                        row_mask)[0])
             except Exception as exc:  # noqa: BLE001 - ends only this request
                 out.append(exc)
         return out
@@ -262,6 +270,13 @@ class Batcher:
                 log.error("decode step failed for %s: %r", request.request_id, result)
                 self._fail(request, f"decode step failed: {result}")
                 continue
+            if request.constraint is not None:
+                try:
+                    request.constraint.advance(result)
+                except ConstraintError as exc:
+                    log.error("constraint of %s: %s", request.request_id, exc)
+                    self._fail(request, f"structured output failed: {exc}")
+                    continue
             self.metrics.generated_tokens.labels("decode").inc()
             request.generated += 1
             reason = None
@@ -282,7 +297,8 @@ class Batcher:
         seqs = [r.seq for r in batch]
         cfgs = [r.sampling for r in batch]
         steps = [r.first_step + r.generated for r in batch]
-        return await self.worker.run(forward_and_sample, self.engine, seqs, cfgs, steps)
+        masks = submit_masks([r.constraint for r in batch]) if any(r.constraint for r in batch) else None
+        return await self.worker.run(forward_and_sample, self.engine, seqs, cfgs, steps, masks)
 
     # ---- endings ---------------------------------------------------------------------------
 

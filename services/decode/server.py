@@ -13,6 +13,7 @@ from crescent.services.common.settings import load_settings
 from crescent.services.decode.batcher import DRAINING, Batcher
 from crescent.services.decode.config import ENV_PREFIX, DecodeSettings
 from crescent.services.decode.servicer import DecodeServicer
+from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
 
@@ -61,7 +62,9 @@ async def serve(settings: DecodeSettings, instance: EngineInstance, signals: Shu
         batcher = Batcher(instance.engine, instance.worker, settings.engine.max_batch_size, settings.unclaimed_timeout_s)
         batcher.on_change = instance.nudge
         batcher.start()
-        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(batcher), server)
+        engine = instance.engine
+        constraints = Constraints.for_model(settings.engine.model, engine.config.vocab_size, engine.config.eos_token_ids)
+        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(batcher, constraints), server)
         return DecodeRole(batcher)
 
     await instance.run(attach, signals)

@@ -14,11 +14,12 @@ import time
 import grpc
 import torch
 
-from crescent.protos import decode_pb2, decode_pb2_grpc
+from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import ABORTED, DRAINING, ERROR, Batcher, DecodeRequest
+from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint
 from crescent.services.engine.wire import KV_DTYPE, block_tensor, sampling_config
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,9 @@ class Tombstones:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, batcher: Batcher) -> None:
+    def __init__(self, batcher: Batcher, constraints: Constraints | None = None) -> None:
         self.batcher = batcher
+        self.constraints = constraints
         self.engine = batcher.engine
         self.tombstones = Tombstones()
 
@@ -90,18 +92,35 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         problem = self._check(header, payloads)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        token_ids = [*header.prompt_token_ids, header.first_token_id]
+        first_step = max(header.sampling.first_step, 0)
+        # The constraint continues where prefill left it: it takes every token generated so far.
+        constraint = await self._constraint(header.sampling, token_ids[len(token_ids) - first_step - 1:], context)
         await self._refuse_early(header, context)  # again: the stream took a while
+        stops = stop_token_ids(header.sampling.stop_token_ids, self.engine.config.eos_token_ids,
+                               header.sampling.ignore_eos)
         self.batcher.accept(DecodeRequest(
-            request_id=header.request_id, token_ids=[*header.prompt_token_ids, header.first_token_id],
-            payloads=payloads, sampling=sampling_config(header.sampling), max_tokens=_max_tokens(header),
-            stop_token_ids=stop_token_ids(header.sampling.stop_token_ids, self.engine.config.eos_token_ids,
-                                          header.sampling.ignore_eos),
-            reserve_tokens=self._reserve_tokens(header), first_step=max(header.sampling.first_step, 0),
+            request_id=header.request_id, token_ids=token_ids,
+            payloads=payloads, sampling=sampling_config(header.sampling, stops), max_tokens=_max_tokens(header),
+            stop_token_ids=stops, reserve_tokens=self._reserve_tokens(header), first_step=first_step,
+            constraint=constraint,
         ))
         metrics = self.batcher.metrics
         metrics.transfer_bytes.labels("decode", "handoff_in").inc(received)
         metrics.transfer_seconds.labels("decode", "handoff_in").observe(time.perf_counter() - start)
         return decode_pb2.HandoffReply(accepted=True)
+
+    async def _constraint(self, sampling: common_pb2.SamplingParams, generated: list[int],
+                          context: grpc.aio.ServicerContext) -> TokenConstraint | None:
+        if sampling.constraint.WhichOneof("kind") is None:
+            return None
+        if self.constraints is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this instance serves no structured outputs")
+        try:
+            return await self.constraints.compile(sampling.constraint, generated)
+        except ConstraintError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {exc}")
+        raise AssertionError("abort raises")
 
     def _reserve_tokens(self, header: decode_pb2.HandoffHeader) -> int:
         """KV tokens the request may ever hold: prompt + max_tokens, within the context window."""

@@ -20,6 +20,7 @@ from crescent.services.common.block_keys import BlockKey, prefix_block_keys
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.llama import ForwardBatch, LlamaModel, SeqChunk
 from crescent.services.engine.model_config import LlamaConfig
+from crescent.services.engine.constraints import TokenConstraint
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 
 log = logging.getLogger(__name__)
@@ -207,15 +208,20 @@ class Engine:
         stop_token_ids: Seq[int] | None = None,
         *,
         use_cache: bool = False,
+        constraint: TokenConstraint | None = None,
     ) -> list[int]:
-        """Prefill then decode one request in this process; the tokens generated (stop token included)."""
+        """Prefill then decode one request in this process; the tokens generated (stop token included).
+        ``constraint`` (structured output) masks every step, as prefill and decode do."""
         stop = set(self.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
         seq = self.add_sequence("generate", token_ids, use_cache=use_cache)
         out: list[int] = []
         try:
             logits = self.prefill(seq)[None]
             while True:
-                token = sample_batch(logits, [sampling], [len(out)])[0]
+                allowed = [constraint.allowed()] if constraint is not None else None
+                token = sample_batch(logits, [sampling], [len(out)], [[*token_ids, *out]], allowed)[0]
+                if constraint is not None:
+                    constraint.advance(token)
                 out.append(token)
                 if token in stop or len(out) >= max_tokens:
                     return out

@@ -14,12 +14,19 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.sampler import SamplingConfig
 
 
-def sampling_config(params: common_pb2.SamplingParams) -> SamplingConfig:
+def sampling_config(params: common_pb2.SamplingParams, stop_token_ids: Sequence[int] = ()) -> SamplingConfig:
+    """The engine's view of a request's sampling; ``stop_token_ids`` are what ``min_tokens`` holds back."""
     return SamplingConfig(
         temperature=params.temperature,
         top_p=params.top_p if 0 < params.top_p <= 1 else 1.0,
         top_k=max(params.top_k, 0),
         seed=params.seed if params.has_seed else None,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty > 0 else 1.0,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in params.logit_bias.items())),
+        min_tokens=max(params.min_tokens, 0),  # counted against the step, which includes first_step
+        stop_token_ids=tuple(sorted(stop_token_ids)),
     )
 
 

@@ -210,6 +210,11 @@ class KimiTokenizer:
             ids += self._enc.encode(piece, allowed_special="all")
         return ids
 
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The tiktoken encoding (what grammar engines build their token trie from)."""
+        return self._enc
+
     def contains_control_text(self, text: str) -> bool:
         """Whether ``text`` holds the string of one of Kimi's special tokens."""
         return self._control is not None and self._control.search(text) is not None

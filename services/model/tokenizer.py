@@ -218,6 +218,10 @@ class Tokenizer:
         """Token ids of ``text``; special-token text such as ``<|im_start|>`` maps to its id."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def hf_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what grammar engines build their token trie from)."""
+        return self._tok.to_str()
+
     def contains_control_text(self, text: str) -> bool:
         """Whether ``text`` holds the string of a control (special) token."""
         return self._control is not None and self._control.search(text) is not None

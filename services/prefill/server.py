@@ -10,6 +10,7 @@ import grpc
 from crescent.protos import prefill_pb2_grpc
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
+from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
@@ -58,8 +59,11 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
             if instance.agent is not None:
                 asyncio.get_running_loop().create_task(instance.agent.publish_now())
 
-        servicer = PrefillServicer(instance.engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon,
-                                   scheduler_address=settings.scheduler_address)
+        engine = instance.engine
+        servicer = PrefillServicer(engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon,
+                                   scheduler_address=settings.scheduler_address,
+                                   constraints=Constraints.for_model(settings.engine.model, engine.config.vocab_size,
+                                                                     engine.config.eos_token_ids))
         servicer.load.on_change = instance.nudge
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
         return PrefillRole(servicer, kvstore)

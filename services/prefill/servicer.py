@@ -24,6 +24,7 @@ from crescent.services.common.kv_block import KvBlock, chunks_of
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, submit_masks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.runtime import EngineWorker
@@ -63,8 +64,9 @@ class _PageHold:
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
-                 on_blocks_stored, scheduler_address: str = "") -> None:
+                 on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None) -> None:
         self.engine = engine
+        self.constraints = constraints
         self.worker = worker
         self.kvstore = kvstore
         self.lease_ms = lease_ms
@@ -90,6 +92,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await channel.close()
         if self.puller is not None:
             await self.puller.close()
+
+    async def _constraint(self, sampling: common_pb2.SamplingParams, generated: list[int],
+                          context: grpc.aio.ServicerContext) -> TokenConstraint | None:
+        """The request's structured-output matcher (None: unconstrained); a bad one is INVALID_ARGUMENT."""
+        if sampling.constraint.WhichOneof("kind") is None:
+            return None
+        if self.constraints is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this instance serves no structured outputs")
+        try:
+            return await self.constraints.compile(sampling.constraint, generated)
+        except ConstraintError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {exc}")
+        raise AssertionError("abort raises")
 
     def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
         if address not in self._decode_channels:
@@ -126,16 +141,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             peer_hit = await self._pull_from_peer(request, seq)
             remote_hit = await self._attach_from_kvstore(seq)
             self.load.cached(request.request_id, seq.num_cached)
-            start = time.perf_counter()
-            sampling = sampling_config(request.sampling)
-            self.load.computing(request.request_id)
+            stop_ids = stop_token_ids(request.sampling.stop_token_ids, cfg.eos_token_ids, request.sampling.ignore_eos)
             step = max(request.sampling.first_step, 0)  # after a migration: the client has that many tokens
-            first = await self.worker.run(lambda: sample_batch(self.engine.prefill(seq)[None], [sampling], [step])[0])
+            constraint = await self._constraint(request.sampling, tokens[len(tokens) - step:], context)
+            start = time.perf_counter()
+            sampling = sampling_config(request.sampling, stop_ids)
+            self.load.computing(request.request_id)
+            mask = submit_masks([constraint]) if constraint is not None else None  # computed while the forward runs
+
+            def forward_and_sample() -> int:
+                logits = self.engine.prefill(seq)[None]
+                return sample_batch(logits, [sampling], [step], [tokens], mask.result() if mask else None)[0]
+
+            first = await self.worker.run(forward_and_sample)
             self.load.done(request.request_id)
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
-            stop_ids = stop_token_ids(request.sampling.stop_token_ids, cfg.eos_token_ids, request.sampling.ignore_eos)
             finished = first in stop_ids or request.sampling.max_tokens <= 1
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
