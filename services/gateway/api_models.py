@@ -190,8 +190,6 @@ class ChatCompletionRequest(RequestModel):
             problems.append(("logit_bias", "logit_bias is not supported"))
         if self.response_format is not None and self.response_format.type != "text":
             problems.append(("response_format", "structured outputs (json_object, json_schema) are not supported yet"))
-        if self.parallel_tool_calls is False:
-            problems.append(("parallel_tool_calls", "only parallel_tool_calls=true is supported"))
         if self.tool_choice not in (None, "none", "auto"):
             problems.append(("tool_choice", "only 'auto' and 'none' are supported (a tool call cannot be forced)"))
         elif self.tool_choice == "auto" and not self.tools:

@@ -3,7 +3,8 @@
 ``parse_output`` wraps ``generation.generate_text``: its text deltas go through the reasoning
 parser (``<think>``…``</think>`` → ``ReasoningDelta``) and then, when the request offered tools,
 through the tool-call parser (→ ``ToolCallDelta``); the rest stays ``TextDelta`` content. A
-reply that ends normally after at least one complete tool call finishes with ``"tool_calls"``.
+reply that ends normally after at least one complete tool call finishes with ``"tool_calls"``;
+with ``parallel_tool_calls`` false only the first call is kept (later ones are dropped).
 What a model emits is its ``output_format.OutputFormat``; the plain one (no reasoning, no tools)
 passes text through untouched.
 """
@@ -16,9 +17,16 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
+from crescent.services.gateway.json_tool_calls import JsonToolCallParser, JsonToolCallTags
 from crescent.services.gateway.output_format import OutputFormat
 from crescent.services.gateway.reasoning import Piece, ReasoningParser
-from crescent.services.gateway.tool_calls import ContentText, ToolCallArguments, ToolCallHeader, ToolCallParser
+from crescent.services.gateway.tool_calls import (
+    ContentText,
+    ToolCallArguments,
+    ToolCallHeader,
+    ToolCallMarkers,
+    ToolCallParser,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +48,24 @@ OutputEvent: TypeAlias = TextDelta | ReasoningDelta | ToolCallDelta | Finished
 ReplyFinishReason: TypeAlias = Literal["stop", "length", "tool_calls"]
 
 
+def _tool_call_parser(markup: ToolCallMarkers | JsonToolCallTags | None) -> ToolCallParser | JsonToolCallParser | None:
+    if markup is None:
+        return None
+    return JsonToolCallParser(markup) if isinstance(markup, JsonToolCallTags) else ToolCallParser(markup)
+
+
 class AssistantOutputParser:
     """Synchronous core of ``parse_output``: text in, client-facing events out."""
 
-    def __init__(self, fmt: OutputFormat) -> None:
+    def __init__(self, fmt: OutputFormat, *, parallel_tool_calls: bool = True) -> None:
         self._reasoning = ReasoningParser(fmt.reasoning) if fmt.reasoning is not None else None
-        self._tools = ToolCallParser(fmt.tool_calls) if fmt.tool_calls is not None else None
+        self._tools = _tool_call_parser(fmt.tool_calls)
+        self._max_calls = None if parallel_tool_calls else 1
 
     @property
     def completed_tool_calls(self) -> int:
-        return self._tools.completed_calls if self._tools is not None else 0
+        done = self._tools.completed_calls if self._tools is not None else 0
+        return done if self._max_calls is None else min(done, self._max_calls)
 
     def push(self, text: str) -> list[OutputEvent]:
         if self._reasoning is None:
@@ -59,7 +75,7 @@ class AssistantOutputParser:
     def finish(self) -> list[OutputEvent]:
         out = self._split(self._reasoning.finish()) if self._reasoning is not None else []
         if self._tools is not None:
-            out += [_event(e) for e in self._tools.finish()]
+            out += self._calls(self._tools.finish())
         return out
 
     def _split(self, pieces: list[Piece]) -> list[OutputEvent]:
@@ -71,7 +87,12 @@ class AssistantOutputParser:
     def _content(self, text: str) -> list[OutputEvent]:
         if self._tools is None:
             return [TextDelta(text)] if text else []
-        return [_event(e) for e in self._tools.push(text)]
+        return self._calls(self._tools.push(text))
+
+    def _calls(self, events: list[ContentText | ToolCallHeader | ToolCallArguments]) -> list[OutputEvent]:
+        """Client events; calls past the first are dropped when only one is allowed."""
+        limit = self._max_calls
+        return [_event(e) for e in events if limit is None or isinstance(e, ContentText) or e.index < limit]
 
 
 def _event(event: ContentText | ToolCallHeader | ToolCallArguments) -> OutputEvent:
@@ -87,10 +108,10 @@ def final_finish_reason(reason: ReplyFinishReason, completed_tool_calls: int) ->
 
 
 async def parse_output(
-    events: AsyncGenerator[GenerationEvent, None], fmt: OutputFormat
+    events: AsyncGenerator[GenerationEvent, None], fmt: OutputFormat, *, parallel_tool_calls: bool = True
 ) -> AsyncGenerator[OutputEvent, None]:
     """Re-emit ``events`` split into reasoning, content and tool calls; closing this closes ``events``."""
-    parser = AssistantOutputParser(fmt)
+    parser = AssistantOutputParser(fmt, parallel_tool_calls=parallel_tool_calls)
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextDelta):

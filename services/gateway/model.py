@@ -10,12 +10,12 @@ import json
 import logging
 
 import gguf
-from crescent.services.model.chat_template import ChatTemplateError
+from crescent.services.model.chat_template import ChatTemplateError, template_takes_tools
 from crescent.services.model.kimi_tokenizer import KimiTokenizer, tokenizer_for
 from crescent.services.model.model_source import ModelSource, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 from crescent.services.gateway.config import DEFAULT_CONTEXT_WINDOW, GatewaySettings
-from crescent.services.gateway.output_format import KIMI_OUTPUT, PLAIN_OUTPUT
+from crescent.services.gateway.output_format import DEFAULT_TOOL_OUTPUT, KIMI_OUTPUT, PLAIN_OUTPUT, OutputFormat
 from crescent.services.gateway.prompt import ChatTokenizer, ServedModel
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,19 @@ def _hf_tokenizer_and_window(source: ModelSource) -> tuple[ChatTokenizer, int | 
     return tokenizer_for(source), int(window) if isinstance(window, int) else None  # Kimi's for Kimi models
 
 
+def _output_format(tokenizer: ChatTokenizer, model_id: str) -> OutputFormat:
+    """Kimi models reason in <think> tags and call tools in Kimi's markup; a template without tool
+    support gets the gateway's default tool prompt (``default_tools``). A template with a tool
+    format of its own is not one the gateway can parse yet: its model serves plain text."""
+    if isinstance(tokenizer, KimiTokenizer):
+        return KIMI_OUTPUT
+    if isinstance(tokenizer, Tokenizer) and template_takes_tools(tokenizer.chat_template):
+        log.warning("model %s: its chat template has its own tool format, which the gateway does not parse; "
+                    "requests with tools are refused", model_id)
+        return PLAIN_OUTPUT
+    return DEFAULT_TOOL_OUTPUT
+
+
 def load_served_model(settings: GatewaySettings) -> ServedModel:
     """Resolve ``settings.model``; raises the engine's ``ModelNotFoundError`` for an unknown spec."""
     source = resolve_model(settings.model)
@@ -51,9 +64,7 @@ def load_served_model(settings: GatewaySettings) -> ServedModel:
         tokenizer, model_window = _hf_tokenizer_and_window(source)
     window = settings.context_window or model_window or DEFAULT_CONTEXT_WINDOW
     log.info("model %s (%s): context window %d tokens", source.model_id, source.path, window)
-    # Kimi models reason in <think> tags and call tools in Kimi's markup; the others get plain text.
-    output_format = KIMI_OUTPUT if isinstance(tokenizer, KimiTokenizer) else PLAIN_OUTPUT
     return ServedModel(
         tokenizer=tokenizer, model_id=source.model_id, context_window=window, template_errors=(ChatTemplateError,),
-        output_format=output_format,
+        output_format=_output_format(tokenizer, source.model_id),
     )

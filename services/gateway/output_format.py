@@ -1,19 +1,30 @@
-"""What markup a served model's replies use: reasoning tags, tool-call markers, or neither."""
+"""What markup a served model's replies use: reasoning tags, tool-call markers, or neither.
+
+Tools reach a model one of two ways: its own chat template renders them (Kimi's), or, for a
+template without tool support, the gateway writes them into the conversation itself in the
+default format (``default_tools``) and parses replies with ``json_tool_calls``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from crescent.services.gateway.json_tool_calls import HERMES_TOOL_CALL_TAGS, JsonToolCallTags
 from crescent.services.gateway.reasoning import THINK_TAGS, ReasoningTags
 from crescent.services.gateway.tool_calls import KIMI_TOOL_CALL_MARKERS, ToolCallMarkers
 
 
 @dataclass(frozen=True, slots=True)
 class OutputFormat:
-    """``None`` means the model has no such channel; a model with tool-call markers accepts ``tools``."""
+    """``None`` means the model has no such channel; a model with tool-call markup accepts ``tools``.
+
+    ``gateway_renders_tools``: the gateway writes tool definitions, calls and results into the
+    messages (``default_tools``); otherwise the tokenizer's template takes them (``tools=``).
+    """
 
     reasoning: ReasoningTags | None = None
-    tool_calls: ToolCallMarkers | None = None
+    tool_calls: ToolCallMarkers | JsonToolCallTags | None = None
+    gateway_renders_tools: bool = False
 
     @property
     def supports_tools(self) -> bool:
@@ -25,3 +36,5 @@ class OutputFormat:
 
 PLAIN_OUTPUT = OutputFormat()
 KIMI_OUTPUT = OutputFormat(reasoning=THINK_TAGS, tool_calls=KIMI_TOOL_CALL_MARKERS)
+# Models whose template has no tool support: the default tool prompt and <tool_call>{json}</tool_call>.
+DEFAULT_TOOL_OUTPUT = OutputFormat(tool_calls=HERMES_TOOL_CALL_TAGS, gateway_renders_tools=True)

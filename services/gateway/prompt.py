@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from crescent.services.gateway.api_models import ChatCompletionRequest, Message
+from crescent.services.gateway.default_tools import with_default_tools
 from crescent.services.gateway.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -60,7 +61,8 @@ class ServedModel:
     model_id: str                     # names the model to the engines and in block keys
     context_window: int               # prompt + completion tokens
     template_errors: tuple[type[Exception], ...] = ()  # errors meaning "these messages don't fit the template"
-    output_format: OutputFormat = PLAIN_OUTPUT  # reasoning/tool-call markup; tools need a ToolChatTokenizer
+    # Reasoning/tool-call markup; tools need a ToolChatTokenizer unless the gateway renders them.
+    output_format: OutputFormat = PLAIN_OUTPUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +100,16 @@ def _check_tools_supported(request: ChatCompletionRequest, model: ServedModel) -
 def _render(request: ChatCompletionRequest, model: ServedModel) -> str:
     """The prompt text; client strings that hold control-token text come back marked as literal."""
     literal = model.tokenizer.contains_control_text
-    messages = mark_literals([_template_message(m) for m in request.messages], literal)
-    if not request.offers_tools():
+    messages = [_template_message(m) for m in request.messages]
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()] if request.offers_tools() else None
+    if model.output_format.gateway_renders_tools:
+        # Tools, calls and results become plain message text, marked below like any client text.
+        messages, tools = with_default_tools(messages, tools), None
+    messages = mark_literals(messages, literal)
+    if tools is None:
         return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    tools = mark_literals([tool.model_dump(exclude_none=True) for tool in request.tools or ()], literal)
     tokenizer: ToolChatTokenizer = model.tokenizer  # type: ignore[assignment]  # supports_tools says so
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=mark_literals(tools, literal))
 
 
 def build_prompt(request: ChatCompletionRequest, model: ServedModel, default_max_tokens: int) -> Prompt:

