@@ -1,4 +1,4 @@
-"""The gateway's HTTP API: OpenAI-compatible chat completions, models, health and metrics."""
+"""The gateway's HTTP API: OpenAI-compatible chat and text completions, models, health and metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from crescent.services.common.metrics import gateway_metrics
 from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCard, ModelList
 from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
+from crescent.services.gateway.completions import Completions
+from crescent.services.gateway.completions_api import CompletionRequest
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain, DrainGuard
 from crescent.services.gateway.errors import ERROR_RESPONSES, ApiError, ModelNotFoundError, install_error_handlers
@@ -27,12 +29,13 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     """The FastAPI app; ``backend``, ``model`` and ``drain`` are owned by the caller (``server``)."""
     metrics = gateway_metrics()
     chat = ChatCompletions(settings, backend, model, metrics, drain)
+    completions = Completions(backend, model, metrics, drain, chat.served_name)
     created = int(time.time())
     card = ModelCard(id=chat.served_name, created=created, max_model_len=model.context_window)
     app = FastAPI(title="Crescent gateway", docs_url=None, redoc_url=None)
 
     def count_invalid_body(request: Request) -> None:
-        if request.url.path == "/v1/chat/completions":
+        if request.url.path in ("/v1/chat/completions", "/v1/completions"):
             metrics.requests.labels(status="client_error").inc()
 
     install_error_handlers(app, on_invalid_body=count_invalid_body)
@@ -48,6 +51,10 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.handle(body, request)
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def text_completions(body: CompletionRequest, request: Request) -> Response:
+        return await completions.handle(body, request)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

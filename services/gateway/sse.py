@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from crescent.services.gateway.accounting import RequestRecord, UsageCounts
 from crescent.services.gateway.api_models import (
@@ -154,10 +155,18 @@ def _tool_call_chunk(event: ToolCallDelta) -> ToolCallChunk:
                          function=FunctionDelta(name=event.name, arguments=event.arguments))
 
 
-class SseResponse(StreamingResponse):
-    """A streaming response that always closes its ``ChatStream``, even if never iterated."""
+class EventStream(Protocol):
+    """What ``SseResponse`` sends: a ``ChatStream``, or ``completions_stream.CompletionStream``."""
 
-    def __init__(self, stream: ChatStream) -> None:
+    def sse(self) -> AsyncIterator[str]: ...
+
+    async def close(self) -> None: ...
+
+
+class SseResponse(StreamingResponse):
+    """A streaming response that always closes its stream (``EventStream``), even if never iterated."""
+
+    def __init__(self, stream: EventStream) -> None:
         super().__init__(
             stream.sse(),
             media_type="text/event-stream",

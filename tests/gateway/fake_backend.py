@@ -1,7 +1,9 @@
 """A test-only process serving fake Scheduler, Prefill and Decode gRPC services, plus HTTP control.
 
 The reply to a chat is the last user message echoed back (tokenized with the fake tokenizer),
-then end-of-turn. Directives at the start of that message script the rest:
+then end-of-turn ("ok" for a chat with no user turn). A prompt that is not ChatML (no
+``<|im_start|>``: a raw ``/v1/completions`` prompt) is echoed whole, as its text without control
+tokens. Directives at the start of that message script the rest:
 ``#loop`` repeat the text forever (only max_tokens ends it), ``#delay=S`` seconds per decode
 event, ``#batch=N`` tokens per event, ``#prefill_delay=S`` before the first token,
 ``#fail_after=N`` decode fails (UNAVAILABLE) after N events of every stream, ``#late_handoff=S`` a
@@ -45,7 +47,7 @@ from crescent.services.common.admin_http import AdminServer
 from crescent.services.common.block_keys import prefix_block_keys
 from fastapi import FastAPI
 
-from .fake_tokenizer import IM_END, MODEL_ID, FakeTokenizer
+from .fake_tokenizer import IM_END, IM_START, MODEL_ID, FakeTokenizer
 
 log = logging.getLogger("fake_backend")
 TOKENIZER = FakeTokenizer()
@@ -73,10 +75,16 @@ class Script:
         return float("inf") if self.loop else len(self.reply)
 
 
+def scripted_message(prompt_ids: list[int]) -> str:
+    """The text the reply echoes: the last user turn of a chat prompt, else the whole (raw) prompt."""
+    if IM_START not in prompt_ids:
+        return TOKENIZER.decode(prompt_ids)
+    users = _LAST_USER.findall(TOKENIZER.decode(prompt_ids, skip_special_tokens=False))
+    return users[-1] if users else "ok"
+
+
 def parse_script(prompt_ids: list[int]) -> Script:
-    text = TOKENIZER.decode(prompt_ids, skip_special_tokens=False)
-    users = _LAST_USER.findall(text)
-    message = users[-1] if users else "ok"
+    message = scripted_message(prompt_ids)
     options: dict[str, str | None] = {}
     while (m := _DIRECTIVE.match(message)) is not None:
         options[m.group(1)] = m.group(2)
@@ -205,8 +213,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         }
         self.state.prefills.append(record)
         script = parse_script(list(request.token_ids))
-        message = _LAST_USER.findall(TOKENIZER.decode(list(request.token_ids), skip_special_tokens=False))[-1:]
-        tries = self.state.prefill_attempts[str(message)] = self.state.prefill_attempts.get(str(message), 0) + 1
+        message = scripted_message(list(request.token_ids))
+        tries = self.state.prefill_attempts[message] = self.state.prefill_attempts.get(message, 0) + 1
         try:
             await asyncio.sleep(script.prefill_delay_s)
             stuck = script.stuck_after is not None and s.first_step >= script.stuck_after

@@ -4,8 +4,8 @@ Tokens are pairs of ASCII characters (single characters where a pair does not fi
 string can begin in the middle of one token and end in the middle of the next. Ids are
 stable across processes: the fake backend decodes prompts with this same module. The chat
 template is ChatML and, like real templates, refuses a system message that is not first.
-Text holding ``#tokenizer_bug`` makes ``encode`` raise ``RuntimeError``: an unhandled error in the
-gateway, for the tests of its 500s.
+Its vocabulary is every id below ``VOCAB_SIZE``. Text holding ``#tokenizer_bug`` makes ``encode``
+raise ``RuntimeError``: an unhandled error in the gateway, for the tests of its 500s.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ SPECIALS = {"<|endoftext|>": ENDOFTEXT, "<|im_start|>": IM_START, "<|im_end|>": 
 _SPECIAL_TEXT = {v: k for k, v in SPECIALS.items()}
 _SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 _SINGLE, _PAIR, _WIDE = 3, 3 + 128, 3 + 128 + 128 * 128
+VOCAB_SIZE = _WIDE + 0x110000  # every code point has an id; a surrogate's decodes as U+FFFD, as real ones would
 MODEL_ID = "fake-model"
 
 
@@ -45,7 +46,8 @@ def token_text(token_id: int, *, specials: bool = False) -> str:
     if token_id in _SPECIAL_TEXT:
         return _SPECIAL_TEXT[token_id] if specials else ""
     if token_id >= _WIDE:
-        return chr(token_id - _WIDE)
+        code = token_id - _WIDE
+        return "\ufffd" if 0xD800 <= code <= 0xDFFF else chr(code)
     if token_id >= _PAIR:
         a, b = divmod(token_id - _PAIR, 128)
         return chr(a) + chr(b)
@@ -59,6 +61,7 @@ class FakeDetokenizer:
 
 class FakeTokenizer:
     eos_token_ids = (IM_END, ENDOFTEXT)
+    vocab_size = VOCAB_SIZE
 
     def contains_control_text(self, text: str) -> bool:
         return _SPLIT.search(text) is not None

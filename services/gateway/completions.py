@@ -1,0 +1,176 @@
+"""``POST /v1/completions``: validate, tokenize the prompts, generate every choice, answer or stream.
+
+Each prompt of the request is one choice and one backend request of its own (request id
+``<response id>-<index>``), all generated concurrently; each is also one request in the
+gateway's metrics (TTFT, TBT and tokens are per generation), as vLLM counts them. As in chat,
+errors before the first token are plain HTTP errors even for streaming requests: the stream
+starts once every choice has its first event, and a failure of any choice before then cancels
+the others. A client that goes away, streaming or not, cancels every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from contextlib import aclosing
+from typing import TypeVar
+
+from crescent.services.common.metrics import GatewayMetrics
+from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts
+from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
+from crescent.services.gateway.chat import ClientGone, _unless_disconnected
+from crescent.services.gateway.completion_prompt import CompletionPrompt, build_completion_prompts
+from crescent.services.gateway.completions_api import CompletionChoice, CompletionRequest, TextCompletion
+from crescent.services.gateway.completions_stream import CompletionStream, total_usage
+from crescent.services.gateway.drain import Drain
+from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
+from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
+from crescent.services.gateway.prompt import ServedModel
+from crescent.services.gateway.sse import ChunkHeader, SseResponse, status_of, usage_model
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Events = AsyncGenerator[GenerationEvent, None]
+
+
+async def all_or_none(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Await every item concurrently; the first failure cancels the rest and is raised.
+
+    (``asyncio.gather`` would leave the others running; a ``TaskGroup`` would wrap the error.)
+    """
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # on a failure, and when this wait itself is cancelled (client gone, drain)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    return [task.result() for task in tasks]
+
+
+async def _collect(events: Events) -> tuple[str, Finished]:
+    parts: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+            elif isinstance(event, Finished):
+                return "".join(parts), event
+    raise AssertionError("generate_text always ends with Finished or an error")
+
+
+class Completions:
+    def __init__(self, backend: Backend, model: ServedModel, metrics: GatewayMetrics, drain: Drain,
+                 served_name: str) -> None:
+        self._backend = backend
+        self._model = model
+        self._metrics = metrics
+        self._drain = drain
+        self.served_name = served_name
+
+    async def _prompts(self, body: CompletionRequest) -> list[CompletionPrompt]:
+        if body.model != self.served_name:
+            raise ModelNotFoundError(
+                f"the model {body.model!r} does not exist; this gateway serves {self.served_name!r}", param="model"
+            )
+        unsupported = body.unsupported_values()
+        if unsupported:
+            param, why = unsupported[0]
+            raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
+        # Tokenizing long prompts takes milliseconds of CPU: keep it off the event loop.
+        return await asyncio.to_thread(build_completion_prompts, body, self._model)
+
+    def _generation_request(self, body: CompletionRequest, request_id: RequestId,
+                            prompt: CompletionPrompt) -> GenerationRequest:
+        # The one stop rule: engines apply the same function with their own EOS ids.
+        stops = stop_token_ids((), self._model.tokenizer.eos_token_ids, body.ignore_eos)
+        return GenerationRequest(
+            request_id=request_id,
+            model_id=self._model.model_id,
+            prompt_token_ids=prompt.token_ids,
+            cache_salt=(body.cache_salt or "").encode(),
+            sampling=Sampling(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                seed=body.seed,
+                max_tokens=prompt.max_tokens,
+                stop_token_ids=tuple(sorted(stops)),
+                ignore_eos=body.ignore_eos,
+            ),
+        )
+
+    async def handle(self, body: CompletionRequest, request: Request) -> Response:
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        log.info("completion %s", response_id)  # links the HTTP request id in log records to this one
+        records = [RequestRecord(self._metrics) for _ in body.prompts()]
+
+        def finish_all(status: RequestStatus) -> None:
+            for record in records:
+                record.finish(status)  # a no-op for the records already finished
+
+        try:
+            prompts = await self._prompts(body)
+            stops = body.stop_strings()
+            requests = [self._generation_request(body, RequestId(f"{response_id}-{i}"), p)
+                        for i, p in enumerate(prompts)]
+            header = ChunkHeader(
+                request_id=response_id,
+                created=int(time.time()),
+                model=self.served_name,
+                include_usage=body.stream_options is not None and body.stream_options.include_usage,
+            )
+            echoes = [p.text if body.echo else "" for p in prompts]
+            if not body.stream:
+                # A choice cancelled before its first step never started its generator: no backend call to undo.
+                collected = await _unless_disconnected(request, self._drain.race(all_or_none([
+                    _collect(generate_text(self._backend, self._model.tokenizer, r, stops, record))
+                    for r, record in zip(requests, records)
+                ])))
+                finish_all("ok")
+                return JSONResponse(_completion(header, echoes, collected).model_dump())
+            events = [generate_text(self._backend, self._model.tokenizer, r, stops, record)
+                      for r, record in zip(requests, records)]
+            try:
+                firsts = await _unless_disconnected(request, self._drain.race(all_or_none([anext(e) for e in events])))
+            except BaseException:
+                for e in events:
+                    await e.aclose()
+                raise
+            return SseResponse(CompletionStream(header, echoes, events, firsts, records, self._drain))
+        except ApiError as exc:
+            log.info("request failed: %s %s", exc.status, exc.message)
+            finish_all(status_of(exc))
+            raise
+        except ClientGone:
+            log.info("client disconnected before the first token")
+            finish_all("cancelled")
+            return Response(status_code=499)  # nobody reads it; the status is for access logs
+        except asyncio.CancelledError:
+            finish_all("cancelled")
+            raise
+        except Exception:
+            finish_all("error")
+            raise
+
+
+def _completion(header: ChunkHeader, echoes: list[str], collected: list[tuple[str, Finished]]) -> TextCompletion:
+    usages: list[UsageCounts] = [finished.usage for _, finished in collected]
+    return TextCompletion(
+        id=header.request_id, created=header.created, model=header.model,
+        choices=[
+            CompletionChoice(index=i, text=echo + text, finish_reason=finished.finish_reason)  # type: ignore[arg-type]
+            for i, (echo, (text, finished)) in enumerate(zip(echoes, collected))
+        ],
+        usage=usage_model(total_usage(usages)),
+    )
