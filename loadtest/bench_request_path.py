@@ -43,22 +43,25 @@ def long_prompt(tokens: int, nonce: str) -> str:
     return f"Session {nonce}. " + PARAGRAPH * max(1, tokens // 88)
 
 
-def stream(url: str, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = False) -> dict:
-    """One streamed request: first-token time, completion time, token count."""
+def stream(url: str, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = False,
+           extra: dict | None = None) -> dict:
+    """One streamed request: first-token time, completion time, token count (``extra``: more body fields)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     if ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
     first = None
     usage = {}
     arrivals = []  # when each content chunk arrived
+    text: list[str] = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            text.extend(c["delta"].get("content") or "" for c in chunk.get("choices", []))
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if any(c["delta"].get("content") for c in chunk.get("choices", [])):
@@ -66,6 +69,7 @@ def stream(url: str, model: str, messages: list[dict], max_tokens: int, ignore_e
                 first = first or arrivals[-1]
     end = time.perf_counter()
     return {"ttft": (first or end) - start, "start": start, "first": first or end, "end": end, "arrivals": arrivals,
+            "text": "".join(text),
             "completion_tokens": usage.get("completion_tokens", 0),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "prompt_tokens": usage.get("prompt_tokens", 0)}

@@ -36,8 +36,8 @@ class RequestModel(BaseModel):
     def _null_means_absent(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        optional = {key for name, f in cls.model_fields.items() if not f.is_required() for key in (name, f.alias)}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class TextPart(RequestModel):
@@ -116,9 +116,38 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(default="response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # an empty schema: any JSON value
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputs(RequestModel):
+    """Extension (vLLM's name and fields): exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = Field(default=None, min_length=1, description="a Lark grammar (llguidance's dialect)")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar")
+        return self
 
 
 class ChatCompletionRequest(RequestModel):
@@ -137,10 +166,16 @@ class ChatCompletionRequest(RequestModel):
     n: int = Field(default=1, ge=1, le=128)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="extension; 1: off")
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=1024, description="token id (as a string) -> bias added to its logit")
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX, description="extension: stop tokens held back until then")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = Field(
+        default=None, description="extension: token ids that end the reply, besides the model's own")
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="extension: regex, choice, grammar")
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -170,6 +205,10 @@ class ChatCompletionRequest(RequestModel):
         """Tools are given and may be called: render them into the prompt and parse calls from the reply."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def constrains_output(self) -> bool:
+        return (self.response_format is not None and self.response_format.type != "text") or (
+            self.structured_outputs is not None)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -178,18 +217,17 @@ class ChatCompletionRequest(RequestModel):
         problems = []
         if self.n != 1:
             problems.append(("n", "only n=1 is supported"))
-        if self.presence_penalty != 0:
-            problems.append(("presence_penalty", "only presence_penalty=0 is supported"))
-        if self.frequency_penalty != 0:
-            problems.append(("frequency_penalty", "only frequency_penalty=0 is supported"))
         if self.logprobs:
             problems.append(("logprobs", "logprobs are not supported"))
         if self.top_logprobs:
             problems.append(("top_logprobs", "logprobs are not supported"))
-        if self.logit_bias:
-            problems.append(("logit_bias", "logit_bias is not supported"))
-        if self.response_format is not None and self.response_format.type != "text":
-            problems.append(("response_format", "structured outputs (json_object, json_schema) are not supported yet"))
+        if self.constrains_output():
+            if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+                problems.append(("structured_outputs", "give either response_format or structured_outputs, not both"))
+            if self.stop is not None:
+                problems.append(("stop", "stop strings would cut a structured output short of its format"))
+            if self.ignore_eos:
+                problems.append(("ignore_eos", "a structured output ends where its format does"))
         if self.tool_choice not in (None, "none", "auto"):
             problems.append(("tool_choice", "only 'auto' and 'none' are supported (a tool call cannot be forced)"))
         elif self.tool_choice == "auto" and not self.tools:

@@ -13,6 +13,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, NewType, Protocol
 
+from crescent.protos.common_pb2 import Constraint
+
 RequestId = NewType("RequestId", str)
 FinishReason = Literal["stop", "length"]
 
@@ -26,6 +28,12 @@ class Sampling:
     max_tokens: int                 # the first token included
     stop_token_ids: tuple[int, ...]  # with ignore_eos, what services/common/stop_rule.py is given
     ignore_eos: bool = False        # benchmarks: run to max_tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    constraint: Constraint | None = None  # structured output (services/model/grammar.py checked it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TypeVar
 
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.common.stop_rule import stop_token_ids
@@ -28,53 +27,37 @@ from crescent.services.gateway.api_models import (
 )
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
+from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
-from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
+from crescent.services.gateway.errors import (
+    ApiError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UnsupportedParameterError,
+)
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatStream, ChunkHeader, SseResponse, status_of, usage_model
+from crescent.services.gateway.structured_output import constraint_of
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+def token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs; a key that is not a token id of this model is a 400."""
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                                      param="logit_bias", code="invalid_value")
+        pairs.append((int(key), bias))
+    return tuple(sorted(pairs))
 
 
 def new_request_id() -> RequestId:
     return RequestId(f"chatcmpl-{uuid.uuid4().hex}")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected while its request was being worked on."""
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientGone``.
-
-    Starlette notices a disconnect only while a streaming response is being sent; before that
-    (a long prefill, a whole non-streamed completion) nobody would, and decode would keep going.
-    """
-    task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watch.cancel()
-        raise
-    watch.cancel()
-    if not task.done():
-        task.cancel()  # runs the backend's cleanup: in-flight calls cancelled, decode told
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone()
-    return task.result()
 
 
 class ChatCompletions:
@@ -100,8 +83,9 @@ class ChatCompletions:
         # Templating and tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         prompt = await asyncio.to_thread(build_prompt, body, self._model, self._settings.default_max_tokens)
         salt = (body.cache_salt or "").encode()
+        constraint = constraint_of(body)
         # The one stop rule: engines apply the same function with their own EOS ids.
-        stops = stop_token_ids((), self._model.tokenizer.eos_token_ids, body.ignore_eos)
+        stops = stop_token_ids(body.stop_token_ids or (), self._model.tokenizer.eos_token_ids, body.ignore_eos)
         return GenerationRequest(
             request_id=request_id,
             model_id=self._model.model_id,
@@ -115,6 +99,12 @@ class ChatCompletions:
                 max_tokens=prompt.max_tokens,
                 stop_token_ids=tuple(sorted(stops)),
                 ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=token_biases(body.logit_bias, self._model.tokenizer.vocab_size),
+                min_tokens=body.min_tokens,
+                constraint=constraint,
             ),
         )
 
@@ -129,6 +119,7 @@ class ChatCompletions:
             events = parse_output(
                 generate_text(self._backend, self._model.tokenizer, generation_request, body.stop_strings(), record),
                 output_format if body.offers_tools() else output_format.without_tools(),
+                parallel_tool_calls=body.parallel_tool_calls is not False,
             )
             header = ChunkHeader(
                 request_id=request_id,
@@ -137,11 +128,11 @@ class ChatCompletions:
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
             )
             if not body.stream:
-                completion = await _unless_disconnected(request, self._drain.race(self._collect(header, events)))
+                completion = await unless_disconnected(request, self._drain.race(self._collect(header, events)))
                 record.finish("ok")
                 return JSONResponse(completion.model_dump())
             try:
-                first = await _unless_disconnected(request, self._drain.race(anext(events)))
+                first = await unless_disconnected(request, self._drain.race(anext(events)))
             except BaseException:
                 await events.aclose()
                 raise

@@ -11,18 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+
 
 from crescent.services.gateway.completions_api import CompletionRequest
 from crescent.services.gateway.errors import ContextLengthExceededError, InvalidRequestError
-from crescent.services.gateway.prompt import ChatTokenizer, ServedModel
-
-
-class VocabularyTokenizer(ChatTokenizer, Protocol):
-    """A tokenizer that says how many ids it has (the model's and the fake tokenizers all do)."""
-
-    @property
-    def vocab_size(self) -> int: ...
+from crescent.services.gateway.prompt import ServedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +55,7 @@ def _fit(token_ids: tuple[int, ...], request: CompletionRequest, window: int, wh
 
 def build_completion_prompts(request: CompletionRequest, model: ServedModel) -> list[CompletionPrompt]:
     """Tokenize (or check) every prompt of the request; index i is choice i."""
-    # ChatTokenizer does not declare vocab_size yet; every tokenizer the gateway serves has it.
-    tokenizer = cast(VocabularyTokenizer, model.tokenizer)
+    tokenizer = model.tokenizer
     prompts = request.prompts()
     prompts_out = []
     for index, prompt in enumerate(prompts):

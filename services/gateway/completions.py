@@ -22,7 +22,7 @@ from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
-from crescent.services.gateway.chat import ClientGone, _unless_disconnected
+from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
 from crescent.services.gateway.completion_prompt import CompletionPrompt, build_completion_prompts
 from crescent.services.gateway.completions_api import CompletionChoice, CompletionRequest, TextCompletion
 from crescent.services.gateway.completions_stream import CompletionStream, total_usage
@@ -133,7 +133,7 @@ class Completions:
             echoes = [p.text if body.echo else "" for p in prompts]
             if not body.stream:
                 # A choice cancelled before its first step never started its generator: no backend call to undo.
-                collected = await _unless_disconnected(request, self._drain.race(all_or_none([
+                collected = await unless_disconnected(request, self._drain.race(all_or_none([
                     _collect(generate_text(self._backend, self._model.tokenizer, r, stops, record))
                     for r, record in zip(requests, records)
                 ])))
@@ -142,7 +142,7 @@ class Completions:
             events = [generate_text(self._backend, self._model.tokenizer, r, stops, record)
                       for r, record in zip(requests, records)]
             try:
-                firsts = await _unless_disconnected(request, self._drain.race(all_or_none([anext(e) for e in events])))
+                firsts = await unless_disconnected(request, self._drain.race(all_or_none([anext(e) for e in events])))
             except BaseException:
                 for e in events:
                     await e.aclose()

@@ -65,6 +65,9 @@ def attempt_request(request: GenerationRequest, generated: list[int], attempt: i
             has_seed=s.seed is not None, seed=s.seed or 0,
             max_tokens=s.max_tokens - len(generated), stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, first_step=len(generated),
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
+            constraint=s.constraint,
         ),
     )
 

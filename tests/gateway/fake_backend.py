@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from crescent.protos import (
     decode_pb2,
     decode_pb2_grpc,
@@ -209,6 +210,10 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             "seed": s.seed if s.has_seed else None, "max_tokens": s.max_tokens,
             "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos, "first_step": s.first_step,
             "prefix_source_address": request.prefix_source_address, "token_ids": list(request.token_ids),
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty, "logit_bias": {str(k): v for k, v in s.logit_bias.items()},
+            "min_tokens": s.min_tokens,
+            "constraint": json_format.MessageToDict(s.constraint) if s.HasField("constraint") else None,
             "outcome": "running",
         }
         self.state.prefills.append(record)

@@ -199,7 +199,6 @@ def test_tool_choice_none_offers_nothing_and_parses_nothing(client: openai.OpenA
     assert "# Tools" not in tokenizer.decode(sent_prompt(echo))
 
 
-@pytest.mark.xfail(strict=True, reason="chat.py must pass parallel_tool_calls to parse_output (see docs/tools.md)")
 def test_parallel_tool_calls_false_keeps_the_first_call(client: openai.OpenAI) -> None:
     reply = chat(client, user(PARIS + "\n" + OSLO), tools=TOOLS, parallel_tool_calls=False)
     calls = reply.choices[0].message.tool_calls

@@ -67,7 +67,6 @@ def test_tools_with_tool_choice_none_on_a_model_without_tool_support(
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
 ])
