@@ -209,6 +209,9 @@ class ChatCompletionRequest(RequestModel):
         return (self.response_format is not None and self.response_format.type != "text") or (
             self.structured_outputs is not None)
 
+    def forces_tool_call(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -221,17 +224,18 @@ class ChatCompletionRequest(RequestModel):
             problems.append(("logprobs", "logprobs are not supported"))
         if self.top_logprobs:
             problems.append(("top_logprobs", "logprobs are not supported"))
-        if self.constrains_output():
-            if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
-                problems.append(("structured_outputs", "give either response_format or structured_outputs, not both"))
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            problems.append(("structured_outputs", "give either response_format or structured_outputs, not both"))
+        if self.constrains_output() or self.forces_tool_call():
             if self.stop is not None:
                 problems.append(("stop", "stop strings would cut a structured output short of its format"))
             if self.ignore_eos:
                 problems.append(("ignore_eos", "a structured output ends where its format does"))
-        if self.tool_choice not in (None, "none", "auto"):
-            problems.append(("tool_choice", "only 'auto' and 'none' are supported (a tool call cannot be forced)"))
-        elif self.tool_choice == "auto" and not self.tools:
-            problems.append(("tool_choice", "tool_choice 'auto' needs tools"))
+        if self.tool_choice not in (None, "none") and not self.tools:
+            problems.append(("tool_choice", "this tool_choice needs tools"))
+        elif isinstance(self.tool_choice, NamedToolChoice) and self.tools and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools}:
+            problems.append(("tool_choice", f"no tool named {self.tool_choice.function.name!r} is offered"))
         return problems
 
 

@@ -71,7 +71,8 @@ class ChatCompletions:
         self._metrics = metrics
         self.served_name = settings.served_model_name or model.model_id
 
-    async def _generation_request(self, body: ChatCompletionRequest, request_id: RequestId) -> GenerationRequest:
+    async def generation_request(self, body: ChatCompletionRequest, request_id: RequestId) -> GenerationRequest:
+        """The backend request for ``body``: checks, prompt, constraint, sampling (``responses`` reuses it)."""
         if body.model != self.served_name:
             raise ModelNotFoundError(
                 f"the model {body.model!r} does not exist; this gateway serves {self.served_name!r}", param="model"
@@ -83,7 +84,7 @@ class ChatCompletions:
         # Templating and tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         prompt = await asyncio.to_thread(build_prompt, body, self._model, self._settings.default_max_tokens)
         salt = (body.cache_salt or "").encode()
-        constraint = constraint_of(body)
+        constraint = constraint_of(body, self._model.output_format)
         # The one stop rule: engines apply the same function with their own EOS ids.
         stops = stop_token_ids(body.stop_token_ids or (), self._model.tokenizer.eos_token_ids, body.ignore_eos)
         return GenerationRequest(
@@ -114,7 +115,7 @@ class ChatCompletions:
         log.info("completion %s", request_id)
         record = RequestRecord(self._metrics)
         try:
-            generation_request = await self._generation_request(body, request_id)
+            generation_request = await self.generation_request(body, request_id)
             output_format = self._model.output_format
             events = parse_output(
                 generate_text(self._backend, self._model.tokenizer, generation_request, body.stop_strings(), record),

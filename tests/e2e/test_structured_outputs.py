@@ -108,3 +108,29 @@ def test_choice_and_rules_equal_the_reference(stack, reference, compiler) -> Non
     text, _ = reference_text(reference, compiler, messages, 24, sampling=SamplingConfig(
         presence_penalty=1.5, frequency_penalty=0.5, logit_bias=((28, -100.0),)))
     assert reply.choices[0].message.content == text
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+                                       "required": ["timezone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_a_forced_tool_call_has_arguments_that_follow_its_schema(stack, choice) -> None:
+    reply = client(stack).chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=False, temperature=0, max_tokens=60,
+    )
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls" and message.tool_calls and len(message.tool_calls) == 1
+    call = message.tool_calls[0].function
+    if isinstance(choice, dict):
+        assert call.name == "get_time"
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]
+    jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])

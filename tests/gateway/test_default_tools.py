@@ -208,9 +208,17 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client: openai.OpenAI) -
     assert [c["arguments"] for c in streamed_calls] == ['{"city": "Paris"}']
 
 
-def test_forcing_a_call_is_still_refused(client: openai.OpenAI) -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError) as caught:
-            chat(client, user("hi"), tools=TOOLS, tool_choice=choice)
-        assert caught.value.body["param"] == "tool_choice"  # type: ignore[index]
+def test_forcing_a_call_sends_the_call_grammar(client: openai.OpenAI, echo: RealEchoBackend) -> None:
+    # The echo backend ignores the grammar; real engines follow it (tests/e2e/test_structured_outputs.py).
+    reply = chat(client, user(PARIS), tools=TOOLS, tool_choice="required")
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["get_weather"]
+    grammar = echo.get("/prefills")[-1]["constraint"]["grammar"]
+    assert grammar.startswith('start: call ("\\n" call)*') and '"const":"get_weather"' in grammar
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat(client, user(PARIS), tools=TOOLS, tool_choice=named)
+    assert echo.get("/prefills")[-1]["constraint"]["grammar"].startswith("start: call\n")
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, user("hi"), tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert caught.value.body["param"] == "tool_choice"  # type: ignore[index]
+    assert "nope" in caught.value.body["message"]  # type: ignore[index]
 

@@ -154,11 +154,16 @@ def refused(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return reply.json()["error"]
 
 
-def test_forcing_a_tool_call_is_refused(tool_gateway: Gateway) -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        error = refused(tool_gateway.url, {"model": TOOL_MODEL_ID, "messages": user("hi"), "tools": TOOLS,
-                                           "tool_choice": choice})
-        assert (error["param"], error["code"]) == ("tool_choice", "unsupported_parameter")
+def test_forcing_a_tool_call_is_written_in_kimi_markup(tool_client: openai.OpenAI, backend: FakeBackend) -> None:
+    tool_client.chat.completions.create(model=TOOL_MODEL_ID, messages=user("hi"), tools=TOOLS, tool_choice="required")
+    grammar = backend.get("/prefills")[-1]["constraint"]["grammar"]
+    assert grammar.startswith("start: <|tool_calls_section_begin|> call+ <|tool_calls_section_end|>")
+    assert '"functions.get_weather:" /[0-9]+/ <|tool_call_argument_begin|>' in grammar
+
+
+def test_forcing_needs_an_offered_tool(tool_gateway: Gateway) -> None:
+    error = refused(tool_gateway.url, {"model": TOOL_MODEL_ID, "messages": user("hi"), "tool_choice": "required"})
+    assert error["param"] == "tool_choice"
     error = refused(tool_gateway.url, {"model": TOOL_MODEL_ID, "messages": user("hi"),
                                        "tools": [{"type": "function", "function": {"name": "bad name!"}}]})
     assert error["param"] == "tools[0].function.name"
