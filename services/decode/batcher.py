@@ -31,6 +31,7 @@ from crescent.services.decode.admission import KvLedger
 from crescent.services.engine.constraints import ConstraintError, TokenConstraint, submit_masks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
+from crescent.services.engine.logprobs import TokenLogprob, token_logprob
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 
@@ -47,6 +48,15 @@ class TokenUpdate:
     token_ids: tuple[int, ...]
     finish_reason: str | None  # "stop", "length", one of the endings above, or None while running
     detail: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A row's result of a step: its token, and its log-probabilities when it asked."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: it holds tensors and a queue
@@ -73,24 +83,32 @@ class DecodeRequest:
 
 
 def forward_and_sample(engine: Engine, seqs: list[Sequence], cfgs: list[SamplingConfig],
-                       steps: list[int], masks: Future[list[torch.Tensor | None]] | None = None) -> list[int | Exception]:
+                       steps: list[int], masks: Future[list[torch.Tensor | None]] | None = None
+                       ) -> list[Sampled | Exception]:
     """One decode step (engine thread): a token per sequence, or the exception its sampling raised.
     ``masks`` (constrained rows) are computed on other threads while the forward runs."""
     logits = engine.decode_step(seqs)
     histories = [seq.token_ids for seq in seqs]
     allowed = masks.result() if masks is not None else None
     try:
-        return list(sample_batch(logits, cfgs, steps, histories, allowed))
+        tokens: list[int | Exception] = list(sample_batch(logits, cfgs, steps, histories, allowed))
     except Exception:  # noqa: BLE001 - find the row that fails; the others keep their token
-        out: list[int | Exception] = []
+        tokens = []
         for i in range(len(seqs)):
             try:
                 row_mask = [allowed[i]] if allowed is not None else None
-                out.append(sample_batch(logits[i : i + 1], cfgs[i : i + 1], steps[i : i + 1], histories[i : i + 1],
-                                        row_mask)[0])
+                tokens.append(sample_batch(logits[i : i + 1], cfgs[i : i + 1], steps[i : i + 1],
+                                           histories[i : i + 1], row_mask)[0])
             except Exception as exc:  # noqa: BLE001 - ends only this request
-                out.append(exc)
-        return out
+                tokens.append(exc)
+    out: list[Sampled | Exception] = []
+    for i, (token, cfg) in enumerate(zip(tokens, cfgs)):
+        if isinstance(token, Exception):
+            out.append(token)
+        else:
+            out.append(Sampled(token, token_logprob(logits[i], token, cfg.logprobs) if cfg.logprobs is not None
+                               else None))
+    return out
 
 
 class Batcher:
@@ -270,9 +288,10 @@ class Batcher:
                 log.error("decode step failed for %s: %r", request.request_id, result)
                 self._fail(request, f"decode step failed: {result}")
                 continue
+            token = result.token_id
             if request.constraint is not None:
                 try:
-                    request.constraint.advance(result)
+                    request.constraint.advance(token)
                 except ConstraintError as exc:
                     log.error("constraint of %s: %s", request.request_id, exc)
                     self._fail(request, f"structured output failed: {exc}")
@@ -281,19 +300,20 @@ class Batcher:
             request.generated += 1
             reason = None
             assert request.seq is not None
-            if result in request.stop_token_ids:
+            if token in request.stop_token_ids:
                 reason = "stop"
             elif request.generated >= request.max_tokens or request.seq.num_tokens + 1 >= context_limit:
                 reason = "length"
-            request.queue.put_nowait(TokenUpdate((result,), reason))
+            logprobs = (result.logprob,) if result.logprob is not None else ()
+            request.queue.put_nowait(TokenUpdate((token,), reason, logprobs=logprobs))
             if reason is None:
-                request.seq.token_ids.append(result)
+                request.seq.token_ids.append(token)
             else:
                 # The record stays until its stream has read this last update (or expires).
                 self.metrics.requests.labels("decode", "ok").inc()
                 self._finish(request)
 
-    async def _run(self, batch: list[DecodeRequest]) -> list[int | Exception]:
+    async def _run(self, batch: list[DecodeRequest]) -> list[Sampled | Exception]:
         seqs = [r.seq for r in batch]
         cfgs = [r.sampling for r in batch]
         steps = [r.first_step + r.generated for r in batch]

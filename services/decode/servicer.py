@@ -20,7 +20,7 @@ from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import ABORTED, DRAINING, ERROR, Batcher, DecodeRequest
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint
-from crescent.services.engine.wire import KV_DTYPE, block_tensor, sampling_config
+from crescent.services.engine.wire import KV_DTYPE, block_tensor, logprob_message, sampling_config
 
 log = logging.getLogger(__name__)
 
@@ -176,16 +176,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             while not done:
                 update = await entry.queue.get()
                 tokens = list(update.token_ids)
+                logprobs = [logprob_message(lp) for lp in update.logprobs]
                 while not entry.queue.empty() and update.finish_reason is None:  # catch up in one message
                     update = entry.queue.get_nowait()
                     tokens.extend(update.token_ids)
+                    logprobs.extend(logprob_message(lp) for lp in update.logprobs)
                 done = update.finish_reason is not None
                 if update.finish_reason in _ENDINGS:
                     if tokens:  # never lose a token the client has not seen
-                        yield decode_pb2.TokenEvent(token_ids=tokens)
+                        yield decode_pb2.TokenEvent(token_ids=tokens, logprobs=logprobs)
                     message = "decode draining" if update.finish_reason == DRAINING else update.detail
                     await context.abort(_ENDINGS[update.finish_reason], message or update.finish_reason)
-                yield decode_pb2.TokenEvent(token_ids=tokens, finished=done, finish_reason=update.finish_reason or "")
+                yield decode_pb2.TokenEvent(token_ids=tokens, finished=done, finish_reason=update.finish_reason or "",
+                                            logprobs=logprobs)
         finally:
             if done:
                 self.batcher.forget(request.request_id)

@@ -33,6 +33,8 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()  # what min_tokens holds back
+    # Report each token's raw log-probability with this many alternatives (logprobs.py); None: off.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,7 @@ from crescent.protos import common_pb2
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import KvBlock
 from crescent.services.engine.engine import Engine
+from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from crescent.services.engine.sampler import SamplingConfig
 
 
@@ -27,7 +28,14 @@ def sampling_config(params: common_pb2.SamplingParams, stop_token_ids: Sequence[
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in params.logit_bias.items())),
         min_tokens=max(params.min_tokens, 0),  # counted against the step, which includes first_step
         stop_token_ids=tuple(sorted(stop_token_ids)),
+        logprobs=min(max(params.top_logprobs, 0), MAX_TOP_LOGPROBS) if params.logprobs else None,
     )
+
+
+def logprob_message(entry: TokenLogprob) -> common_pb2.TokenLogprob:
+    """A sampled token's log-probabilities as they travel to the gateway."""
+    return common_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+                                   top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
 
 
 # KV travels as float32 bytes (the engine's cache dtype), whatever the hop.

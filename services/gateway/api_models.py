@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic_core import PydanticCustomError
+from crescent.services.gateway.logprobs_api import ChatLogprobs
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -220,10 +221,8 @@ class ChatCompletionRequest(RequestModel):
         problems = []
         if self.n != 1:
             problems.append(("n", "only n=1 is supported"))
-        if self.logprobs:
-            problems.append(("logprobs", "logprobs are not supported"))
-        if self.top_logprobs:
-            problems.append(("top_logprobs", "logprobs are not supported"))
+        if self.top_logprobs is not None and not self.logprobs:
+            problems.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
             problems.append(("structured_outputs", "give either response_format or structured_outputs, not both"))
         if self.constrains_output() or self.forces_tool_call():
@@ -288,7 +287,7 @@ class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -327,7 +326,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: StreamFinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -6,7 +6,8 @@ through the tool-call parser (→ ``ToolCallDelta``); the rest stays ``TextDelta
 reply that ends normally after at least one complete tool call finishes with ``"tool_calls"``;
 with ``parallel_tool_calls`` false only the first call is kept (later ones are dropped).
 What a model emits is its ``output_format.OutputFormat``; the plain one (no reasoning, no tools)
-passes text through untouched.
+passes text through untouched. ``TokenLogprobs`` pass through as they arrive (before the text of
+their tokens, which a parser may hold back a while).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Literal, TypeAlias
 
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
 from crescent.services.gateway.json_tool_calls import JsonToolCallParser, JsonToolCallTags
+from crescent.services.gateway.logprobs import TokenLogprobs
 from crescent.services.gateway.output_format import OutputFormat
 from crescent.services.gateway.reasoning import Piece, ReasoningParser
 from crescent.services.gateway.tool_calls import (
@@ -44,7 +46,7 @@ class ToolCallDelta:
     arguments: str
 
 
-OutputEvent: TypeAlias = TextDelta | ReasoningDelta | ToolCallDelta | Finished
+OutputEvent: TypeAlias = TextDelta | ReasoningDelta | ToolCallDelta | TokenLogprobs | Finished
 ReplyFinishReason: TypeAlias = Literal["stop", "length", "tool_calls"]
 
 
@@ -117,6 +119,9 @@ async def parse_output(
             if isinstance(event, TextDelta):
                 for out in parser.push(event.text):
                     yield out
+                continue
+            if isinstance(event, TokenLogprobs):  # passed on as they come: the stream attaches them
+                yield event
                 continue
             for out in parser.finish():
                 yield out

@@ -22,7 +22,14 @@ from typing import Protocol
 
 import grpc
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, scheduler_pb2
-from crescent.services.gateway.backend import BackendEvent, FinishReason, FirstToken, MoreTokens, RequestId
+from crescent.services.gateway.backend import (
+    BackendEvent,
+    FinishReason,
+    FirstToken,
+    MoreTokens,
+    RequestId,
+    TokenLogprob,
+)
 from crescent.services.gateway.errors import ApiError, GatewayTimeoutError, InternalError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -74,6 +81,10 @@ class AttemptCalls(Protocol):
     def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str) -> None: ...
 
     def let_prefill_finish(self, call: grpc.aio.UnaryStreamCall) -> None: ...
+
+
+def token_logprob(message: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(message.token_id, message.logprob, tuple((t.token_id, t.logprob) for t in message.top))
 
 
 def finish_reason(value: str) -> FinishReason:
@@ -137,6 +148,7 @@ async def run_attempt(calls: AttemptCalls, request: AttemptRequest, deadline: fl
             prompt_tokens=token.prompt_tokens,
             cached_tokens=token.cached_tokens,
             finish_reason=finish_reason(token.finish_reason) if token.finished else None,
+            logprob=token_logprob(token.logprob) if token.HasField("logprob") else None,
         )
         if done:
             return
@@ -154,6 +166,7 @@ async def run_attempt(calls: AttemptCalls, request: AttemptRequest, deadline: fl
             yield MoreTokens(
                 token_ids=tuple(event.token_ids),
                 finish_reason=finish_reason(event.finish_reason) if event.finished else None,
+                logprobs=tuple(token_logprob(lp) for lp in event.logprobs),
             )
             if done:
                 return

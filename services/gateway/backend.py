@@ -34,6 +34,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     constraint: Constraint | None = None  # structured output (services/model/grammar.py checked it)
+    logprobs: int | None = None     # report each token's log-probability with this many alternatives; None: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +47,28 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's raw log-probability and the most likely alternatives (docs/logprobs.md)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class FirstToken:
     token_id: int
     prompt_tokens: int
     cached_tokens: int              # prompt tokens whose KV was reused
     finish_reason: FinishReason | None
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
 class MoreTokens:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for logprobs
 
 
 BackendEvent = FirstToken | MoreTokens

@@ -37,6 +37,7 @@ from crescent.services.gateway.errors import (
     UnsupportedParameterError,
 )
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
+from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatStream, ChunkHeader, SseResponse, status_of, usage_model
 from crescent.services.gateway.structured_output import constraint_of
@@ -106,6 +107,7 @@ class ChatCompletions:
                 logit_bias=token_biases(body.logit_bias, self._model.tokenizer.vocab_size),
                 min_tokens=body.min_tokens,
                 constraint=constraint,
+                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             ),
         )
 
@@ -129,7 +131,8 @@ class ChatCompletions:
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
             )
             if not body.stream:
-                completion = await unless_disconnected(request, self._drain.race(self._collect(header, events)))
+                completion = await unless_disconnected(request, self._drain.race(
+                    self._collect(header, events, logprobs=body.logprobs)))
                 record.finish("ok")
                 return JSONResponse(completion.model_dump())
             try:
@@ -153,8 +156,10 @@ class ChatCompletions:
             record.finish("error")
             raise
 
-    async def _collect(self, header: ChunkHeader, events: AsyncGenerator[OutputEvent, None]) -> ChatCompletion:
+    async def _collect(self, header: ChunkHeader, events: AsyncGenerator[OutputEvent, None], *,
+                       logprobs: bool = False) -> ChatCompletion:
         parts: list[str] = []
+        entries: list[ReportedToken] = []
         reasoning: list[str] = []
         calls: dict[int, tuple[str, str, list[str]]] = {}  # index -> id, name, argument fragments
         async with aclosing(events):
@@ -163,6 +168,8 @@ class ChatCompletions:
                     parts.append(event.text)
                 elif isinstance(event, ReasoningDelta):
                     reasoning.append(event.text)
+                elif isinstance(event, TokenLogprobs):
+                    entries.extend(event.entries)
                 elif isinstance(event, ToolCallDelta):
                     if event.call_id is not None:
                         calls[event.index] = (event.call_id, event.name or "", [])
@@ -179,7 +186,8 @@ class ChatCompletions:
                     )
                     return ChatCompletion(
                         id=header.request_id, created=header.created, model=header.model,
-                        choices=[Choice(message=message, finish_reason=event.finish_reason)],
+                        choices=[Choice(message=message, finish_reason=event.finish_reason,
+                                        logprobs=chat_logprobs(entries) if logprobs else None)],
                         usage=usage_model(event.usage),
                     )
         raise AssertionError("generate_text always ends with Finished or an error")

@@ -29,6 +29,7 @@ from crescent.services.gateway.completions_stream import CompletionStream, total
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
+from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.sse import ChunkHeader, SseResponse, status_of, usage_model
 from fastapi import Request
@@ -58,14 +59,17 @@ async def all_or_none(work: Sequence[Awaitable[T]]) -> list[T]:
     return [task.result() for task in tasks]
 
 
-async def _collect(events: Events) -> tuple[str, Finished]:
+async def _collect(events: Events) -> tuple[str, Finished, list[ReportedToken]]:
     parts: list[str] = []
+    entries: list[ReportedToken] = []
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextDelta):
                 parts.append(event.text)
+            elif isinstance(event, TokenLogprobs):
+                entries.extend(event.entries)
             elif isinstance(event, Finished):
-                return "".join(parts), event
+                return "".join(parts), event, entries
     raise AssertionError("generate_text always ends with Finished or an error")
 
 
@@ -107,6 +111,7 @@ class Completions:
                 max_tokens=prompt.max_tokens,
                 stop_token_ids=tuple(sorted(stops)),
                 ignore_eos=body.ignore_eos,
+                logprobs=body.logprobs,
             ),
         )
 
@@ -138,7 +143,7 @@ class Completions:
                     for r, record in zip(requests, records)
                 ])))
                 finish_all("ok")
-                return JSONResponse(_completion(header, echoes, collected).model_dump())
+                return JSONResponse(_completion(header, echoes, collected, logprobs=body.logprobs is not None).model_dump())
             events = [generate_text(self._backend, self._model.tokenizer, r, stops, record)
                       for r, record in zip(requests, records)]
             try:
@@ -164,13 +169,15 @@ class Completions:
             raise
 
 
-def _completion(header: ChunkHeader, echoes: list[str], collected: list[tuple[str, Finished]]) -> TextCompletion:
-    usages: list[UsageCounts] = [finished.usage for _, finished in collected]
+def _completion(header: ChunkHeader, echoes: list[str], collected: list[tuple[str, Finished, list[ReportedToken]]],
+                *, logprobs: bool = False) -> TextCompletion:
+    usages: list[UsageCounts] = [finished.usage for _, finished, _ in collected]
     return TextCompletion(
         id=header.request_id, created=header.created, model=header.model,
         choices=[
-            CompletionChoice(index=i, text=echo + text, finish_reason=finished.finish_reason)  # type: ignore[arg-type]
-            for i, (echo, (text, finished)) in enumerate(zip(echoes, collected))
+            CompletionChoice(index=i, text=echo + text, finish_reason=finished.finish_reason,  # type: ignore[arg-type]
+                             logprobs=completion_logprobs(entries) if logprobs else None)
+            for i, (echo, (text, finished, entries)) in enumerate(zip(echoes, collected))
         ],
         usage=usage_model(total_usage(usages)),
     )

@@ -2,7 +2,7 @@
 
 The same conventions as ``api_models`` (chat): strict types, unknown fields refused by name,
 an explicit ``null`` means absent, integers bounded to what the engines' wire format carries.
-A parameter the platform accepts but cannot honour yet (``n > 1``, ``logprobs``, penalties, ...)
+A parameter the platform accepts but cannot honour yet (``n > 1``, penalties, ...)
 is refused by ``unsupported_values`` with a 400 naming it, never silently ignored.
 
 ``prompt`` takes OpenAI's four forms: a string, a list of strings, a list of token ids, or a
@@ -24,6 +24,7 @@ from crescent.services.gateway.api_models import (
     StreamOptions,
     Usage,
 )
+from crescent.services.gateway.logprobs_api import CompletionLogprobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint (chat's is "as long as it fits")
 MAX_PROMPTS = 128        # prompts in one request: each becomes a backend request of its own
@@ -57,7 +58,7 @@ class CompletionRequest(RequestModel):
     n: int = Field(default=1, ge=1, le=128)
     best_of: int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="alternatives per token (docs/logprobs.md)")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -109,8 +110,8 @@ class CompletionRequest(RequestModel):
             problems.append(("best_of", "only best_of=1 is supported"))
         if self.suffix is not None:
             problems.append(("suffix", "suffix (text insertion) is not supported"))
-        if self.logprobs:
-            problems.append(("logprobs", "logprobs are not supported"))
+        if self.logprobs is not None and self.echo:
+            problems.append(("echo", "echo with logprobs needs the prompt's log-probabilities, which are not computed"))
         if self.presence_penalty != 0:
             problems.append(("presence_penalty", "only presence_penalty=0 is supported"))
         if self.frequency_penalty != 0:
@@ -129,7 +130,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: CompletionFinishReason
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class TextCompletion(BaseModel):
@@ -145,7 +146,7 @@ class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     finish_reason: CompletionStreamFinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class TextCompletionChunk(BaseModel):

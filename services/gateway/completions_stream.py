@@ -3,7 +3,8 @@
 The stream is ``data: {text_completion}\\n\\n`` lines, each carrying one choice's new ``text``
 (with ``echo``, a choice's first chunk is its prompt); a choice ends with a chunk holding its
 ``finish_reason``. Choices are generated concurrently, so their chunks interleave, each tagged
-with its ``index``. After the last choice ends come a usage chunk (``choices: []``, usage summed
+with its ``index``; with ``logprobs``, a chunk carries the entries of the tokens whose text it
+holds. After the last choice ends come a usage chunk (``choices: []``, usage summed
 over the choices) when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 
 A stream that cannot finish (a choice failed past what migration could save, or the drain
@@ -28,6 +29,7 @@ from crescent.services.gateway.completions_api import (
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, InternalError
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
+from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs
 from crescent.services.gateway.sse import DONE, ChunkHeader, status_of, usage_model
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class CompletionStream:
         self._drain = drain
         self._usage: dict[int, UsageCounts] = {}
         self._reading: dict[asyncio.Task[GenerationEvent], int] = {}  # each open choice's next event
+        self._logprobs: dict[int, list[ReportedToken]] = {}  # by choice: entries for its next chunk
 
     def _chunk(self, choices: list[CompletionChunkChoice], usage: Usage | None = None,
                error: ApiError | None = None) -> str:
@@ -69,18 +72,25 @@ class CompletionStream:
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def _text(self, index: int, text: str, finish_reason: CompletionStreamFinishReason | None = None) -> str:
-        return self._chunk([CompletionChunkChoice(index=index, text=text, finish_reason=finish_reason)])
+        entries = self._logprobs.pop(index, None)  # waiting for this choice's next chunk
+        logprobs = completion_logprobs(entries) if entries else None
+        return self._chunk([CompletionChunkChoice(index=index, text=text, finish_reason=finish_reason,
+                                                  logprobs=logprobs)])
 
     def _open(self) -> list[int]:
         return sorted(i for i in range(len(self._events)) if i not in self._usage)
 
-    def _on(self, index: int, event: GenerationEvent) -> str:
-        """The chunk for one event; after a ``Finished`` the choice is closed, else its next read starts."""
+    def _on(self, index: int, event: GenerationEvent) -> str | None:
+        """The chunk for one event (None: it waits for the next one); after a ``Finished`` the
+        choice is closed, else its next read starts."""
         if isinstance(event, Finished):
             self._usage[index] = event.usage
             self._records[index].finish("ok")
             return self._text(index, "", event.finish_reason)  # type: ignore[arg-type]  # no tools here
         self._reading[asyncio.ensure_future(anext(self._events[index]))] = index
+        if isinstance(event, TokenLogprobs):  # they come before their text: its chunk carries them
+            self._logprobs.setdefault(index, []).extend(event.entries)
+            return None
         assert isinstance(event, TextDelta)
         return self._text(index, event.text)
 
@@ -97,7 +107,8 @@ class CompletionStream:
         ready = list(enumerate(self._firsts))
         while True:
             for index, event in ready:
-                yield self._on(index, event)
+                if (chunk := self._on(index, event)) is not None:
+                    yield chunk
             if not self._reading:
                 break
             try:

@@ -3,6 +3,9 @@
 The gateway owns detokenization, so stop strings are applied here: when the generated text
 contains one, the text before it is the last delta, the finish reason is "stop", and the
 backend stream is closed, which cancels the request in decode.
+
+A request that asked for logprobs also gets ``TokenLogprobs`` events, each just before the
+text its tokens produced (``logprobs`` says which tokens get one).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Literal
 from crescent.services.gateway.accounting import RequestRecord, UsageCounts
 from crescent.services.gateway.backend import Backend, FinishReason, FirstToken, GenerationRequest
 from crescent.services.gateway.errors import InternalError
+from crescent.services.gateway.logprobs import LogprobTracker, TokenLogprobs
 from crescent.services.gateway.prompt import ChatTokenizer
 from crescent.services.gateway.stop_strings import StopStringMatcher
 
@@ -33,7 +37,7 @@ class Finished:
     usage: UsageCounts
 
 
-GenerationEvent = TextDelta | Finished
+GenerationEvent = TextDelta | TokenLogprobs | Finished
 
 
 async def generate_text(
@@ -43,8 +47,13 @@ async def generate_text(
     stop_strings: Sequence[str],
     record: RequestRecord,
 ) -> AsyncGenerator[GenerationEvent, None]:
-    """Drive the backend and yield non-empty ``TextDelta``s, then exactly one ``Finished``."""
+    """Drive the backend and yield non-empty ``TextDelta``s (and ``TokenLogprobs`` when asked),
+    then exactly one ``Finished``."""
     detokenizer = tokenizer.new_detokenizer()
+    tracker = None
+    if request.sampling.logprobs is not None:
+        # Every tokenizer the gateway serves has token_bytes (ChatTokenizer does not list it yet).
+        tracker = LogprobTracker(tokenizer.token_bytes)  # type: ignore[attr-defined]
     matcher = StopStringMatcher(stop_strings)
     eos = frozenset(tokenizer.eos_token_ids)
     prompt_tokens = len(request.prompt_token_ids)
@@ -61,15 +70,23 @@ async def generate_text(
                 prompt_tokens = event.prompt_tokens or prompt_tokens
                 cached_tokens = event.cached_tokens
                 token_ids: Sequence[int] = (event.token_id,)
+                logprobs = (event.logprob,) if event.logprob is not None else ()
             else:
-                token_ids = event.token_ids
+                token_ids, logprobs = event.token_ids, event.logprobs
+            if tracker is not None and len(logprobs) != len(token_ids):
+                raise InternalError(f"the backend sent {len(logprobs)} log-probabilities for {len(token_ids)} tokens")
             record.tokens_arrived(len(token_ids))
-            for token_id in token_ids:
+            for i, token_id in enumerate(token_ids):
                 completion_tokens += 1
                 usage()  # a request cut short still reports what it used
                 if token_id in eos:
                     continue  # the end-of-turn token is not part of the answer's text
-                scan = matcher.push(detokenizer.push(token_id))
+                text = detokenizer.push(token_id)
+                scan = matcher.push(text)
+                if tracker is not None:
+                    tracker.generated(logprobs[i], text)
+                    if (ready := tracker.released(scan.text)) is not None:
+                        yield ready
                 if scan.text:
                     yield TextDelta(scan.text)
                 if scan.stopped:
@@ -78,6 +95,8 @@ async def generate_text(
                     return
             if event.finish_reason is not None:
                 tail = matcher.flush()
+                if tracker is not None and (ready := tracker.flush()) is not None:
+                    yield ready
                 if tail:
                     yield TextDelta(tail)
                 yield Finished(event.finish_reason, usage())

@@ -7,6 +7,7 @@
   its prompt, ``first_step`` = the tokens the client has, ``max_tokens`` = what remains. The new
   prefill's first token is the next token of the stream, so it is passed on as ``MoreTokens``:
   no token is lost or repeated, and at temperature 0 the output equals an uninterrupted run.
+  Its log-probabilities (when asked) travel with it, so the client's entries continue too.
 
 Each attempt gets its own backend request id (decode keeps a tombstone for an aborted id, so an
 id is never reused). Only when the retries or the deadline run out does the request fail.
@@ -67,7 +68,7 @@ def attempt_request(request: GenerationRequest, generated: list[int], attempt: i
             ignore_eos=s.ignore_eos, first_step=len(generated),
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
-            constraint=s.constraint,
+            constraint=s.constraint, logprobs=s.logprobs is not None, top_logprobs=s.logprobs or 0,
         ),
     )
 
@@ -92,7 +93,8 @@ async def generate_with_migration(
                     if isinstance(event, FirstToken):
                         failures = 0
                         if generated:  # a migrated attempt: its first token continues the stream
-                            event = MoreTokens(token_ids=(event.token_id,), finish_reason=event.finish_reason)
+                            event = MoreTokens(token_ids=(event.token_id,), finish_reason=event.finish_reason,
+                                               logprobs=(event.logprob,) if event.logprob is not None else ())
                             generated.append(event.token_ids[0])
                         else:
                             generated.append(event.token_id)

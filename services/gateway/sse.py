@@ -3,7 +3,9 @@
 The stream is ``data: {chunk}\\n\\n`` lines: a first chunk with ``delta.role``, content (or
 ``reasoning_content``, or ``tool_calls``) chunks,
 a chunk with ``finish_reason``, a usage chunk when ``stream_options.include_usage`` is set, then
-``data: [DONE]``. A stream that cannot finish (the backend failed past what migration could
+``data: [DONE]``. With ``logprobs``, a chunk carries the entries of the tokens whose text it
+holds (entries whose text a parser still holds back ride with a later chunk, at the latest the
+one with ``finish_reason``). A stream that cannot finish (the backend failed past what migration could
 save, or the gateway's drain grace ran out) ends with one chunk carrying both
 ``finish_reason: "error"`` and an ``"error"`` object (the ``openai`` client raises it), then
 ``data: [DONE]``: a client always sees a finish reason and ``[DONE]``. However the response ends
@@ -35,6 +37,7 @@ from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDel
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, InternalError, RateLimitedError
 from crescent.services.gateway.generation import Finished, TextDelta
+from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -86,13 +89,17 @@ class ChatStream:
         self._record = record
         self._drain = drain
         self._next: asyncio.Task[OutputEvent] | None = None  # reading the generation's next event
+        self._logprobs: list[ReportedToken] = []  # entries not sent yet: they go with the next chunk
 
     def _chunk(self, delta: Delta, finish_reason: StreamFinishReason | None = None, usage: Usage | None = None,
                choices: bool = True, error: ApiError | None = None) -> str:
         h = self._header
+        logprobs = None
+        if choices and self._logprobs:  # entries waiting for a chunk: this one carries them
+            logprobs, self._logprobs = chat_logprobs(self._logprobs), []
         chunk = ChatCompletionChunk(
             id=h.request_id, created=h.created, model=h.model,
-            choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)] if choices else [],
+            choices=[ChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)] if choices else [],
             usage=usage,
         )
         body = chunk.model_dump(exclude=None if h.include_usage else {"usage"})
@@ -110,6 +117,8 @@ class ChatStream:
                 yield self._chunk(Delta(reasoning_content=event.text))
             elif isinstance(event, ToolCallDelta):
                 yield self._chunk(Delta(tool_calls=[_tool_call_chunk(event)]))
+            elif isinstance(event, TokenLogprobs):
+                self._logprobs.extend(event.entries)  # before their text: the text's chunk carries them
             elif isinstance(event, Finished):
                 yield self._chunk(Delta(), finish_reason=event.finish_reason)
                 if self._header.include_usage:
@@ -136,6 +145,7 @@ class ChatStream:
     def _error(self, error: ApiError) -> str:
         log.warning("stream failed after it started: %s", error.message)
         self._record.finish(status_of(error))
+        self._logprobs = []  # their text never came
         return self._chunk(Delta(), finish_reason="error", error=error)
 
     async def close(self) -> None:

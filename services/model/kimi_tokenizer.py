@@ -230,6 +230,10 @@ class KimiTokenizer:
         kept = [i for i in ids if not (skip_special_tokens and i in self._skip_ids)]
         return b"".join(_token_bytes(self._enc, i) for i in kept).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (what logprobs report); a special token's are its text."""
+        return _token_bytes(self._enc, token_id)
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a special token's text, or of a text that is exactly one ordinary token."""
         if token in self._special_ids:

@@ -89,7 +89,8 @@ class IncrementalDetokenizer:
 class Tokenizer:
     """Encode/decode, stop tokens and chat template of one model."""
 
-    __slots__ = ("_tok", "_eos_ids", "_bos_id", "_bos_text", "_eos_text", "_template", "_control", "_as_text")
+    __slots__ = ("_tok", "_eos_ids", "_bos_id", "_bos_text", "_eos_text", "_template", "_control", "_as_text",
+                 "_added_text")
 
     def __init__(self, tok: HfTokenizer, *, eos_token_ids: Sequence[int], bos_token_id: int | None,
                  chat_template: str | None) -> None:
@@ -103,6 +104,7 @@ class Tokenizer:
         self._template = ChatTemplate(chat_template, bos_token=self._bos_text, eos_token=self._eos_text)
         self._control = control_text_pattern(a.content for a in tok.get_added_tokens_decoder().values() if a.special)
         self._as_text: HfTokenizer | None = None  # a copy that encodes control-token text as text, made on first use
+        self._added_text = {i: a.content for i, a in tok.get_added_tokens_decoder().items()}
 
     # --- construction -------------------------------------------------------------------
 
@@ -241,6 +243,23 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (what logprobs report): an added token's text, else its
+        vocabulary entry spelled back into bytes (byte-level BPE, or SentencePiece's ``<0xNN>``/``▁``)."""
+        if token_id in self._added_text:
+            return self._added_text[token_id].encode("utf-8")
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise TokenizerError(f"token id {token_id} is not in the vocabulary")
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return self._template.render(messages, add_generation_prompt=add_generation_prompt)
 
@@ -263,6 +282,20 @@ class Tokenizer:
         if model_max_length is not None:
             config["model_max_length"] = model_max_length
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character table reversed: how byte-level BPE vocabularies spell each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = dict(zip(printable, printable))
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + sum(1 for x in range(b) if x not in printable)
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _merge_pair(merge: str) -> tuple[str, str]:

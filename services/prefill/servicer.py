@@ -27,9 +27,17 @@ from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, submit_masks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
+from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, batch_logprobs
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import sample_batch
-from crescent.services.engine.wire import KV_DTYPE, block_matches, block_tensor, page_block, sampling_config
+from crescent.services.engine.wire import (
+    KV_DTYPE,
+    block_matches,
+    block_tensor,
+    logprob_message,
+    page_block,
+    sampling_config,
+)
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
@@ -127,6 +135,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address is required")
         if any(t < 0 or t >= cfg.vocab_size for t in tokens):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be in [0, {cfg.vocab_size})")
+        if request.sampling.logprobs and not 0 <= request.sampling.top_logprobs <= MAX_TOP_LOGPROBS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
         self.metrics.queue_depth.labels("prefill").set(self.worker.pending + 1)
         self.running += 1
@@ -149,11 +159,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.load.computing(request.request_id)
             mask = submit_masks([constraint]) if constraint is not None else None  # computed while the forward runs
 
-            def forward_and_sample() -> int:
+            def forward_and_sample() -> tuple[int, TokenLogprob | None]:
                 logits = self.engine.prefill(seq)[None]
-                return sample_batch(logits, [sampling], [step], [tokens], mask.result() if mask else None)[0]
+                token = sample_batch(logits, [sampling], [step], [tokens], mask.result() if mask else None)[0]
+                return token, batch_logprobs(logits, [token], [sampling.logprobs])[0]
 
-            first = await self.worker.run(forward_and_sample)
+            first, logprob = await self.worker.run(forward_and_sample)
             self.load.done(request.request_id)
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
@@ -167,6 +178,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 first_token=prefill_pb2.FirstToken(
                     token_id=first, prompt_tokens=len(tokens), cached_tokens=seq.num_cached, finished=finished,
                     finish_reason=("stop" if first in stop_ids else "length") if finished else "",
+                    logprob=logprob_message(logprob) if logprob is not None else None,
                 )
             )
             if not finished:

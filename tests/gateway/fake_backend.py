@@ -12,6 +12,8 @@ flight), ``#prefill_fail=N`` the first N prefills of this prompt fail (UNAVAILAB
 first token, ``#handoff_fail=N`` the first N fail after their first token, before the handoff,
 ``#stuck_after=N`` every prefill of a request whose client has N tokens or more fails.
 Prefill honours ``first_step`` (a migrated request continues the reply where the client is).
+With ``sampling.logprobs`` every token carries ``fake_logprob`` of its place in the reply, so a
+migrated stream's entries continue where the client is too.
 Like the real decode, StreamTokens for a request not handed off (yet) answers NOT_FOUND, and
 ``Abort`` drops a request (cancelling its stream) or leaves a tombstone that refuses its handoff.
 
@@ -37,6 +39,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from crescent.protos import (
+    common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
@@ -54,6 +57,18 @@ log = logging.getLogger("fake_backend")
 TOKENIZER = FakeTokenizer()
 _LAST_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 _DIRECTIVE = re.compile(r"#(\w+)(?:=([\d.]+))?\s*")
+
+
+ALTERNATIVE = TOKENIZER.encode("\u03b1")[0]  # alternatives are Greek letters: two UTF-8 bytes each
+
+
+def fake_logprob(index: int, token_id: int, top: int) -> common_pb2.TokenLogprob:
+    """Reply token ``index``'s entry: log-probability -(index + 1) / 8 (exact in float32), and
+    ``top`` alternatives, the token itself first, then α, β, ... each 0.5 less likely."""
+    logprob = -(index + 1) / 8
+    alternatives = [(token_id, logprob)] + [(ALTERNATIVE + j, logprob - j / 2) for j in range(1, top)]
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, top=[
+        common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in alternatives[:top]])
 
 
 @dataclass
@@ -110,6 +125,7 @@ class Job:
     script: Script
     next_index: int            # of the reply token decode sends next
     remaining: int             # tokens decode may still send
+    top_logprobs: int | None = None  # send fake_logprob entries with this many alternatives
 
 
 @dataclass
@@ -212,7 +228,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             "prefix_source_address": request.prefix_source_address, "token_ids": list(request.token_ids),
             "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
             "repetition_penalty": s.repetition_penalty, "logit_bias": {str(k): v for k, v in s.logit_bias.items()},
-            "min_tokens": s.min_tokens,
+            "min_tokens": s.min_tokens, "logprobs": s.logprobs, "top_logprobs": s.top_logprobs,
             "constraint": json_format.MessageToDict(s.constraint) if s.HasField("constraint") else None,
             "outcome": "running",
         }
@@ -231,15 +247,18 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             first = script.token(step)
             finished = first == IM_END or s.max_tokens == 1
             reason = "stop" if first == IM_END else "length"
+            top = s.top_logprobs if s.logprobs else None
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
                 token_id=first, prompt_tokens=len(request.token_ids), cached_tokens=cached,
                 finished=finished, finish_reason=reason if finished else "",
+                logprob=fake_logprob(step, first, top) if top is not None else None,
             ))
             if not finished:
                 if tries <= script.prefill_fail + script.handoff_fail:
                     record["outcome"] = "failed"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill instance lost before the handoff")
-                self.state.hand_off(request.request_id, Job(script, next_index=step + 1, remaining=s.max_tokens - 1))
+                self.state.hand_off(request.request_id, Job(script, next_index=step + 1, remaining=s.max_tokens - 1,
+                                                            top_logprobs=top))
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
             record["outcome"] = "done"
         except (asyncio.CancelledError, GeneratorExit):
@@ -272,15 +291,18 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 if job.script.fail_after is not None and sent_events >= job.script.fail_after:
                     self.state.decode_event(rid, "failed")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode instance lost")
-                ids, reason = [], ""
+                ids, logprobs, reason = [], [], ""
                 while len(ids) < job.script.batch and not reason:
                     token = job.script.token(job.next_index)
                     ids.append(token)
+                    if job.top_logprobs is not None:
+                        logprobs.append(fake_logprob(job.next_index, token, job.top_logprobs))
                     job.next_index += 1
                     job.remaining -= 1
                     reason = "stop" if token == IM_END else "length" if job.remaining <= 0 else ""
                 sent_events += 1
-                yield decode_pb2.TokenEvent(token_ids=ids, finished=bool(reason), finish_reason=reason)
+                yield decode_pb2.TokenEvent(token_ids=ids, finished=bool(reason), finish_reason=reason,
+                                            logprobs=logprobs)
                 if reason:
                     self.state.decode_event(rid, "completed")
                     return

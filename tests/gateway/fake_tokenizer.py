@@ -90,6 +90,9 @@ class FakeTokenizer:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return token_text(token_id, specials=True).encode("utf-8")
+
     def new_detokenizer(self) -> FakeDetokenizer:
         return FakeDetokenizer()
 

@@ -186,7 +186,7 @@ def test_off_values_are_accepted(client: openai.OpenAI, model: str) -> None:
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": " the end"}, "suffix"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 2, "echo": True}, "echo"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1.0}, "frequency_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
