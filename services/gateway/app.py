@@ -1,4 +1,4 @@
-"""The gateway's HTTP API: OpenAI-compatible chat and text completions, models, health and metrics."""
+"""The gateway's HTTP API: OpenAI-compatible chat and text completions, responses, models, health and metrics."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from crescent.services.gateway.drain import Drain, DrainGuard
 from crescent.services.gateway.errors import ERROR_RESPONSES, ApiError, ModelNotFoundError, install_error_handlers
 from crescent.services.gateway.http_guard import HttpGuard
 from crescent.services.gateway.prompt import ServedModel
+from crescent.services.gateway.response_store import ResponseStore
+from crescent.services.gateway.responses import Responses
+from crescent.services.gateway.responses_api import ResponseRequest
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -30,12 +33,13 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     metrics = gateway_metrics()
     chat = ChatCompletions(settings, backend, model, metrics, drain)
     completions = Completions(backend, model, metrics, drain, chat.served_name)
+    responses = Responses(chat, backend, model, metrics, drain, ResponseStore(settings.responses_db))
     created = int(time.time())
     card = ModelCard(id=chat.served_name, created=created, max_model_len=model.context_window)
     app = FastAPI(title="Crescent gateway", docs_url=None, redoc_url=None)
 
     def count_invalid_body(request: Request) -> None:
-        if request.url.path in ("/v1/chat/completions", "/v1/completions"):
+        if request.url.path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
             metrics.requests.labels(status="client_error").inc()
 
     install_error_handlers(app, on_invalid_body=count_invalid_body)
@@ -43,7 +47,7 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     app.add_middleware(DrainGuard, drain=drain)
     if settings.cors_allow_origins:
         app.add_middleware(
-            CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
+            CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"],
         )
     app.add_middleware(HttpGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
@@ -55,6 +59,18 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def text_completions(body: CompletionRequest, request: Request) -> Response:
         return await completions.handle(body, request)
+
+    @app.post("/v1/responses", responses=ERROR_RESPONSES)
+    async def create_response(body: ResponseRequest, request: Request) -> Response:
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
+    async def get_response(response_id: str) -> Response:
+        return await responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
+    async def delete_response(response_id: str) -> Response:
+        return await responses.delete(response_id)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -60,6 +60,11 @@ class GatewaySettings(StrictModel):
         default_factory=list,
         description="origins browsers may call the API from (\"*\" for any); empty: CORS off",
     )
+    responses_db: str = Field(
+        default="~/.cache/crescent/responses.sqlite3", min_length=1,
+        description="SQLite file of stored /v1/responses (store: true, previous_response_id); "
+                    "\":memory:\": kept only while the gateway runs",
+    )
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 
     @model_validator(mode="after")

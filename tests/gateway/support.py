@@ -109,6 +109,7 @@ class Gateway(Process):
             "listen": {"host": "127.0.0.1", "port": self.port},
             "scheduler_address": scheduler_address,  # no block size: learned from the scheduler
             "log_level": "WARNING",
+            "responses_db": ":memory:",  # stored responses never outlive the test's gateway
             **settings,
         }
         path = config_dir / f"gateway-{self.port}.yaml"

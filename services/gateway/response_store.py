@@ -1,0 +1,85 @@
+"""Stored responses (``store: true``) in an embedded SQLite database, for ``previous_response_id``.
+
+Each row keeps a response object as it was returned and the whole conversation that led to it:
+the conversation of the response it continued, its own input items, then its output items. A
+follow-up reads one row, so deleting a response never breaks the chains built on it.
+
+sqlite3 calls block, so every method here runs in a worker thread (``asyncio.to_thread``); one
+connection, opened on first use, is shared under a lock (``:memory:`` lives as long as it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    response TEXT NOT NULL,       -- the response object, JSON
+    conversation TEXT NOT NULL    -- input items that continue it, JSON list
+)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+
+
+class ResponseStore:
+    def __init__(self, path: str) -> None:
+        self._path = path if path == ":memory:" else str(Path(path).expanduser())
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._db is None:
+            if self._path != ":memory:":
+                Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+            if self._path != ":memory:":
+                db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for a writer
+            db.execute(_SCHEMA)
+            self._db = db
+        return self._db
+
+    def _put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._connection().execute(
+                "INSERT OR REPLACE INTO responses (id, created_at, response, conversation) VALUES (?, ?, ?, ?)",
+                (response["id"], response["created_at"], json.dumps(response), json.dumps(conversation)),
+            )
+
+    def _get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            row = self._connection().execute(
+                "SELECT response, conversation FROM responses WHERE id = ?", (response_id,)).fetchone()
+        return None if row is None else StoredResponse(json.loads(row[0]), json.loads(row[1]))
+
+    def _delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._connection().execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+
+    async def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self._put, response, conversation)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return await asyncio.to_thread(self._get, response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        """True if there was such a response."""
+        return await asyncio.to_thread(self._delete, response_id)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

@@ -1,0 +1,141 @@
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``: OpenAI's Responses API.
+
+A response is a chat completion underneath (``responses_input``): the stored conversation of
+``previous_response_id`` (if given), then this request's input, become a chat request, and
+chat's ``generation_request`` builds what the backend gets. The reply's events become output
+items (``responses_output``), answered whole or streamed (``responses_stream``). As in chat,
+errors before the first token are plain HTTP errors even for streaming requests, and a client
+that goes away cancels its generation. With ``store`` (the default) the response and its
+conversation are kept in the ``response_store`` database once it has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import replace
+from crescent.services.common.metrics import GatewayMetrics
+from crescent.services.gateway.accounting import RequestRecord
+from crescent.services.gateway.assistant_output import OutputEvent, parse_output
+from crescent.services.gateway.backend import Backend, RequestId
+from crescent.services.gateway.chat import ChatCompletions
+from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
+from crescent.services.gateway.drain import Drain
+from crescent.services.gateway.errors import ApiError, NotFoundError, UnsupportedParameterError
+from crescent.services.gateway.generation import Finished, generate_text
+from crescent.services.gateway.prompt import ServedModel
+from crescent.services.gateway.response_store import ResponseStore
+from crescent.services.gateway.responses_api import INPUT_ITEMS, ResponseRequest
+from crescent.services.gateway.responses_input import Item, chat_request, responses_error
+from crescent.services.gateway.responses_output import OutputBuilder, ResponseDraft, ResponseObject
+from crescent.services.gateway.responses_stream import OnDone, ResponseStream
+from crescent.services.gateway.sse import SseResponse, status_of
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+log = logging.getLogger(__name__)
+
+
+def _not_found(response_id: str, param: str | None = None) -> NotFoundError:
+    return NotFoundError(f"no stored response has the id {response_id!r}", param=param)
+
+
+class Responses:
+    def __init__(self, chat: ChatCompletions, backend: Backend, model: ServedModel, metrics: GatewayMetrics,
+                 drain: Drain, store: ResponseStore) -> None:
+        self._chat = chat
+        self._backend = backend
+        self._model = model
+        self._metrics = metrics
+        self._drain = drain
+        self._store = store
+
+    async def _history(self, previous_response_id: str | None) -> list[Item]:
+        """The stored conversation this request continues (empty without ``previous_response_id``)."""
+        if previous_response_id is None:
+            return []
+        stored = await self._store.get(previous_response_id)
+        if stored is None:
+            raise _not_found(previous_response_id, param="previous_response_id")
+        return list(INPUT_ITEMS.validate_python(stored.conversation))
+
+    async def create(self, body: ResponseRequest, request: Request) -> Response:
+        draft = ResponseDraft(body, self._chat.served_name)
+        log.info("response %s", draft.id)  # links the HTTP request id in log records to this one
+        record = RequestRecord(self._metrics)
+        try:
+            unsupported = body.unsupported_values()
+            if unsupported:
+                param, why = unsupported[0]
+                raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
+            conversation = await self._history(body.previous_response_id) + body.input_items()
+            chat_body = chat_request(body, conversation)
+            try:
+                generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id))
+            except ApiError as exc:
+                raise responses_error(exc) from None
+            sampling = generation_request.sampling
+            draft = replace(draft, temperature=sampling.temperature, top_p=sampling.top_p)
+            output_format = self._model.output_format
+            events = parse_output(
+                generate_text(self._backend, self._model.tokenizer, generation_request, (), record),
+                output_format if chat_body.offers_tools() else output_format.without_tools(),
+                parallel_tool_calls=chat_body.parallel_tool_calls is not False,
+            )
+            stored = [item.model_dump(exclude_none=True, by_alias=True) for item in conversation]
+
+            async def on_done(response: ResponseObject, builder: OutputBuilder) -> None:
+                if body.store:
+                    await self._store.put(response.model_dump(), stored + [i.model_dump() for i in builder.items])
+
+            if not body.stream:
+                response = await unless_disconnected(request, self._drain.race(self._collect(draft, events, on_done)))
+                record.finish("ok")
+                return JSONResponse(response.model_dump())
+            try:
+                first = await unless_disconnected(request, self._drain.race(anext(events)))
+            except BaseException:
+                await events.aclose()
+                raise
+            return SseResponse(ResponseStream(draft, first, events, record, self._drain, on_done))
+        except ApiError as exc:
+            log.info("request failed: %s %s", exc.status, exc.message)
+            record.finish(status_of(exc))
+            raise
+        except ClientGone:
+            log.info("client disconnected before the response was ready")
+            record.finish("cancelled")
+            return Response(status_code=499)  # nobody reads it; the status is for access logs
+        except asyncio.CancelledError:
+            record.finish("cancelled")
+            raise
+        except Exception:
+            record.finish("error")
+            raise
+
+    async def _collect(self, draft: ResponseDraft, events: AsyncGenerator[OutputEvent, None],
+                       on_done: OnDone) -> ResponseObject:
+        builder = OutputBuilder()
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, Finished):
+                    cut = event.finish_reason == "length"
+                    builder.finish(cut)
+                    response = draft.response("incomplete" if cut else "completed", builder.items, event.usage)
+                    await on_done(response, builder)
+                    return response
+                builder.push(event)
+        raise AssertionError("generate_text always ends with Finished or an error")
+
+    async def retrieve(self, response_id: str) -> JSONResponse:
+        stored = await self._store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return JSONResponse(stored.response)
+
+    async def delete(self, response_id: str) -> JSONResponse:
+        if not await self._store.delete(response_id):
+            raise _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
