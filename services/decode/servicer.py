@@ -19,7 +19,7 @@ from crescent.services.common.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import ABORTED, DRAINING, ERROR, Batcher, DecodeRequest
-from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint
+from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
 from crescent.services.engine.wire import KV_DTYPE, block_tensor, logprob_message, sampling_config
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _constraint(self, sampling: common_pb2.SamplingParams, generated: list[int],
                           context: grpc.aio.ServicerContext) -> TokenConstraint | None:
-        if sampling.constraint.WhichOneof("kind") is None:
-            return None
-        if self.constraints is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this instance serves no structured outputs")
+        """The request's structured-output matcher (None: unconstrained); a bad one is INVALID_ARGUMENT."""
         try:
-            return await self.constraints.compile(sampling.constraint, generated)
+            return await compile_constraint(self.constraints, sampling, generated)
         except ConstraintError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {exc}")
         raise AssertionError("abort raises")

@@ -28,7 +28,8 @@ import torch
 from crescent.protos import common_pb2
 from crescent.services.model.grammar import ConstraintError, grammar_text
 
-__all__ = ["ConstraintCompiler", "ConstraintError", "Constraints", "TokenConstraint", "submit_masks"]
+__all__ = ["ConstraintCompiler", "ConstraintError", "Constraints", "TokenConstraint", "compile_constraint",
+           "submit_masks"]
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +128,13 @@ class Constraints:
             return None
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(_POOL, lambda: self._compiler_now().compile(constraint, generated))
+
+
+async def compile_constraint(constraints: Constraints | None, sampling: common_pb2.SamplingParams,
+                             generated: Sequence[int]) -> TokenConstraint | None:
+    """A request's matcher (None: unconstrained); ``ConstraintError`` when it cannot be served here."""
+    if sampling.constraint.WhichOneof("kind") is None:
+        return None
+    if constraints is None:
+        raise ConstraintError("this instance serves no structured outputs")
+    return await constraints.compile(sampling.constraint, generated)

@@ -135,6 +135,12 @@ class ResponseFormat(RequestModel):
         return self
 
 
+class ThinkingOption(RequestModel):
+    """Kimi's switch between thinking and instant replies."""
+
+    type: Literal["enabled", "disabled"]
+
+
 class StructuredOutputs(RequestModel):
     """Extension (vLLM's name and fields): exactly one of these constrains the output."""
 
@@ -180,6 +186,10 @@ class ChatCompletionRequest(RequestModel):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning controls; which values a model takes is its card's (model_policy.py).
+    reasoning_effort: str | None = Field(default=None, max_length=32)
+    thinking: ThinkingOption | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="variables for the chat template")
     cache_salt: str | None = Field(default=None, description="extension: isolates a tenant's prefix cache")
     ignore_eos: bool = Field(default=False, description="extension: generate max_tokens even past end-of-sequence")
     # Accepted and ignored: they mean nothing on this platform (docs/api.md says why for each).
@@ -344,6 +354,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "crescent"
     max_model_len: int
+    policy: dict[str, Any] | None = None  # extension: reasoning controls, sampling defaults, locked parameters
 
 
 class ModelList(BaseModel):

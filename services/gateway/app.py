@@ -35,7 +35,8 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     completions = Completions(backend, model, metrics, drain, chat.served_name)
     responses = Responses(chat, backend, model, metrics, drain, ResponseStore(settings.responses_db))
     created = int(time.time())
-    card = ModelCard(id=chat.served_name, created=created, max_model_len=model.context_window)
+    card = ModelCard(id=chat.served_name, created=created, max_model_len=model.context_window,
+                     policy=model.policy.card())
     app = FastAPI(title="Crescent gateway", docs_url=None, redoc_url=None)
 
     def count_invalid_body(request: Request) -> None:

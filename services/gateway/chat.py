@@ -78,6 +78,7 @@ class ChatCompletions:
             raise ModelNotFoundError(
                 f"the model {body.model!r} does not exist; this gateway serves {self.served_name!r}", param="model"
             )
+        body = self._model.policy.apply(body)  # the model card: refuse what it fixes, fill in its defaults
         unsupported = body.unsupported_values()
         if unsupported:
             param, why = unsupported[0]

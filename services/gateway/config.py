@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from crescent.services.common.settings import StrictModel, load_settings
+from crescent.services.gateway.model_policy import ModelPolicy
 from pydantic import Field, model_validator
 
 ENV_PREFIX = "CRESCENT_GATEWAY"
@@ -64,6 +65,11 @@ class GatewaySettings(StrictModel):
         default="~/.cache/crescent/responses.sqlite3", min_length=1,
         description="SQLite file of stored /v1/responses (store: true, previous_response_id); "
                     "\":memory:\": kept only while the gateway runs",
+    )
+    model_policy: ModelPolicy | None = Field(
+        default=None,
+        description="the served model's card: reasoning controls, sampling defaults and locked parameters "
+                    "(docs/model-policy.md); default: the model family's (Kimi's for Kimi models, none otherwise)",
     )
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 

@@ -52,8 +52,7 @@ async def generate_text(
     detokenizer = tokenizer.new_detokenizer()
     tracker = None
     if request.sampling.logprobs is not None:
-        # Every tokenizer the gateway serves has token_bytes (ChatTokenizer does not list it yet).
-        tracker = LogprobTracker(tokenizer.token_bytes)  # type: ignore[attr-defined]
+        tracker = LogprobTracker(tokenizer.token_bytes)
     matcher = StopStringMatcher(stop_strings)
     eos = frozenset(tokenizer.eos_token_ids)
     prompt_tokens = len(request.prompt_token_ids)

@@ -15,6 +15,7 @@ from crescent.services.model.kimi_tokenizer import KimiTokenizer, tokenizer_for
 from crescent.services.model.model_source import ModelSource, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 from crescent.services.gateway.config import DEFAULT_CONTEXT_WINDOW, GatewaySettings
+from crescent.services.gateway.model_policy import KIMI_POLICY, NO_POLICY
 from crescent.services.gateway.output_format import DEFAULT_TOOL_OUTPUT, KIMI_OUTPUT, PLAIN_OUTPUT, OutputFormat
 from crescent.services.gateway.prompt import ChatTokenizer, ServedModel
 
@@ -64,7 +65,8 @@ def load_served_model(settings: GatewaySettings) -> ServedModel:
         tokenizer, model_window = _hf_tokenizer_and_window(source)
     window = settings.context_window or model_window or DEFAULT_CONTEXT_WINDOW
     log.info("model %s (%s): context window %d tokens", source.model_id, source.path, window)
+    policy = KIMI_POLICY if isinstance(tokenizer, KimiTokenizer) else NO_POLICY  # settings.model_policy: server.main
     return ServedModel(
         tokenizer=tokenizer, model_id=source.model_id, context_window=window, template_errors=(ChatTemplateError,),
-        output_format=_output_format(tokenizer, source.model_id),
+        output_format=_output_format(tokenizer, source.model_id), policy=policy,
     )

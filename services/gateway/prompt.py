@@ -17,6 +17,7 @@ from crescent.services.gateway.errors import (
     InvalidRequestError,
     UnsupportedParameterError,
 )
+from crescent.services.gateway.model_policy import NO_POLICY, ModelPolicy
 from crescent.services.gateway.output_format import PLAIN_OUTPUT, OutputFormat
 from crescent.services.model.literal_text import ReservedCharacterError, encode_marked, mark_literals
 
@@ -38,13 +39,18 @@ class ChatTokenizer(Protocol):
 
     def contains_control_text(self, text: str) -> bool: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (logprobs report them)."""
+        ...
+
     def encode_as_text(self, text: str) -> list[int]:
         """Encode with control-token strings as plain text (``services.model.literal_text``)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **template_vars: Any) -> str: ...
 
     def new_detokenizer(self) -> Detokenizer: ...
 
@@ -53,7 +59,7 @@ class ToolChatTokenizer(ChatTokenizer, Protocol):
     """A tokenizer whose chat format also renders tool definitions (``KimiTokenizer``)."""
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str: ...
+                            tools: list[dict[str, Any]] | None = None, **template_vars: Any) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,7 @@ class ServedModel:
     template_errors: tuple[type[Exception], ...] = ()  # errors meaning "these messages don't fit the template"
     # Reasoning/tool-call markup; tools need a ToolChatTokenizer unless the gateway renders them.
     output_format: OutputFormat = PLAIN_OUTPUT
+    policy: ModelPolicy = NO_POLICY   # reasoning controls, sampling defaults and locks (the model card)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +116,34 @@ def _render(request: ChatCompletionRequest, model: ServedModel) -> str:
         # Tools, calls and results become plain message text, marked below like any client text.
         messages, tools = with_default_tools(messages, tools), None
     messages = mark_literals(messages, literal)
+    template_vars = mark_literals(_template_vars(request), literal)
     if tools is None:
-        return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_vars)
     tokenizer: ToolChatTokenizer = model.tokenizer  # type: ignore[assignment]  # supports_tools says so
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=mark_literals(tools, literal))
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=mark_literals(tools, literal),
+                                         **template_vars)
+
+
+# Names the gateway itself gives the template; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                    "raise_exception", "strftime_now", "thinking", "enable_thinking",
+                                    "reasoning_effort"})
+
+
+def _template_vars(request: ChatCompletionRequest) -> dict[str, Any]:
+    """``chat_template_kwargs``, plus the reasoning controls under the names templates use
+    (``thinking``; ``enable_thinking`` as Qwen3's templates call it; ``reasoning_effort``)."""
+    extra = dict(request.chat_template_kwargs or {})
+    clash = sorted(RESERVED_TEMPLATE_VARS & extra.keys())
+    if clash:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {clash[0]!r}: the gateway sets it"
+                                  + (" (use the request's own field)" if clash[0] in {"thinking", "reasoning_effort"}
+                                     else ""), param=f"chat_template_kwargs.{clash[0]}")
+    if request.thinking is not None:
+        extra["thinking"] = extra["enable_thinking"] = request.thinking.type == "enabled"
+    if request.reasoning_effort is not None:
+        extra["reasoning_effort"] = request.reasoning_effort
+    return extra
 
 
 def build_prompt(request: ChatCompletionRequest, model: ServedModel, default_max_tokens: int) -> Prompt:

@@ -13,6 +13,7 @@ signal ends the grace at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -120,6 +121,8 @@ def main(config_path: Path | None = None, *, model_loader: ModelLoader | None = 
     settings = load_gateway_settings(config_path)
     configure_logging("gateway", settings.log_level)
     model = (model_loader or _default_loader)(settings)
+    if settings.model_policy is not None:  # the settings' card replaces the model family's
+        model = dataclasses.replace(model, policy=settings.model_policy)
     log.info(
         "gateway serving %s on http://%s:%d, scheduler at %s",
         settings.served_model_name or model.model_id, settings.listen.host, settings.listen.port,

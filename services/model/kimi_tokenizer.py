@@ -23,7 +23,8 @@ The chat format (``KIMI_CHAT_TEMPLATE``) follows Kimi K2's published one:
   ``<|tool_calls_section_end|>``; ids have the native form ``functions.NAME:INDEX``;
 - a tool result: ``<|im_system|>NAME<|im_middle|>## Return of ID\\nRESULT<|im_end|>``
   (NAME is the message's ``name``, else ``tool``);
-- the reply starts after ``<|im_assistant|>assistant<|im_middle|>``.
+- the reply starts after ``<|im_assistant|>assistant<|im_middle|>``; with ``thinking=False``
+  (instant mode) the prompt also closes an empty ``<think></think>``, so the reply is the answer.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ KIMI_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "<|im_end|>"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking is false -%}<think></think>{%- endif -%}"
+    "{%- endif -%}"
 )
 
 
@@ -244,9 +247,11 @@ class KimiTokenizer:
             return None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """Render a conversation; ``tools`` are OpenAI tool definitions (``{"type": "function", ...}``)."""
-        return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools or None)
+                            tools: list[dict[str, Any]] | None = None, **template_vars: Any) -> str:
+        """Render a conversation; ``tools`` are OpenAI tool definitions (``{"type": "function", ...}``);
+        ``template_vars`` go to the template (``thinking=False`` opens the reply with an empty think block)."""
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                     **template_vars)
 
     def new_detokenizer(self) -> KimiDetokenizer:
         return KimiDetokenizer(self._enc, self._skip_ids)

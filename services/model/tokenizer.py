@@ -260,8 +260,10 @@ class Tokenizer:
                 pass
         return piece.replace("\u2581", " ").encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_vars: Any) -> str:
+        """Render a conversation; ``template_vars`` (``chat_template_kwargs``, thinking...) go to the template."""
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, **template_vars)
 
     def new_detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok)

@@ -24,7 +24,13 @@ from crescent.services.common.kv_block import KvBlock, chunks_of
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.stop_rule import stop_token_ids
-from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, submit_masks
+from crescent.services.engine.constraints import (
+    ConstraintError,
+    Constraints,
+    TokenConstraint,
+    compile_constraint,
+    submit_masks,
+)
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, batch_logprobs
@@ -104,12 +110,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _constraint(self, sampling: common_pb2.SamplingParams, generated: list[int],
                           context: grpc.aio.ServicerContext) -> TokenConstraint | None:
         """The request's structured-output matcher (None: unconstrained); a bad one is INVALID_ARGUMENT."""
-        if sampling.constraint.WhichOneof("kind") is None:
-            return None
-        if self.constraints is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this instance serves no structured outputs")
         try:
-            return await self.constraints.compile(sampling.constraint, generated)
+            return await compile_constraint(self.constraints, sampling, generated)
         except ConstraintError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {exc}")
         raise AssertionError("abort raises")

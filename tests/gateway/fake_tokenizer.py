@@ -80,7 +80,8 @@ class FakeTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(token_text(i, specials=not skip_special_tokens) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **template_vars: object) -> str:
         parts = []
         for index, message in enumerate(messages):
             if message["role"] == "system" and index != 0:

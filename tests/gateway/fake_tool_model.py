@@ -26,7 +26,7 @@ TOOL_MODEL_ID = "fake-tool-model"
 
 class FakeToolTokenizer(FakeTokenizer):
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, **template_vars: Any) -> str:
         parts = [f"<|im_start|>tools\n{json.dumps(tools, ensure_ascii=False)}<|im_end|>\n"] if tools else []
         for message in messages:
             body = message["content"] or ""

@@ -1,0 +1,131 @@
+"""Model cards: reasoning controls, sampling defaults, locked parameters, and chat_template_kwargs.
+
+Checked on real gateway processes: one serving kimi-k3-nano (Kimi's tokenizer, chat format and
+default card), one with the fake tokenizer and a card from its settings file. The fake backend
+records what prefill received (the prompt's token ids and the sampling parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from crescent.services.gateway.api_models import ChatCompletionRequest
+from crescent.services.gateway.errors import InvalidRequestError
+from crescent.services.gateway.model_policy import KIMI_POLICY, ModelPolicy, SamplingPolicy
+
+from .fake_tokenizer import MODEL_ID
+from .support import PRODUCTION_ENTRY, FakeBackend, Gateway
+
+KIMI_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
+USER = [{"role": "user", "content": "hi"}]
+CARD = {"reasoning_efforts": ["medium", "high"], "sampling": {"defaults": {"max_tokens": 7},
+                                                               "locked": {"temperature": 0.3}}}
+
+
+def request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": USER, **fields})
+
+
+def test_kimi_card_fills_defaults_per_thinking_mode() -> None:
+    thinking = KIMI_POLICY.apply(request())
+    assert (thinking.thinking.type, thinking.temperature, thinking.top_p, thinking.reasoning_effort) == \
+        ("enabled", 1.0, 0.95, "max")
+    instant = KIMI_POLICY.apply(request(thinking={"type": "disabled"}))
+    assert (instant.temperature, instant.top_p) == (0.6, 1.0)
+    assert KIMI_POLICY.apply(request(temperature=0.2, thinking={"type": "disabled"})).temperature == 0.2
+
+
+def test_locked_parameters_are_refused_by_name_unless_equal() -> None:
+    assert KIMI_POLICY.apply(request(top_p=0.95)).top_p == 0.95
+    with pytest.raises(InvalidRequestError) as caught:
+        KIMI_POLICY.apply(request(top_p=0.5))
+    assert (caught.value.param, caught.value.code) == ("top_p", "locked_parameter")
+    assert "thinking enabled" in caught.value.message
+    with pytest.raises(InvalidRequestError, match="reasoning_effort 'low'"):
+        KIMI_POLICY.apply(request(reasoning_effort="low"))
+
+
+def test_a_max_tokens_default_never_overrides_max_completion_tokens() -> None:
+    card = ModelPolicy(sampling=SamplingPolicy(defaults={"max_tokens": 9}))
+    assert card.apply(request()).max_tokens == 9
+    assert card.apply(request(max_completion_tokens=30)).requested_max_tokens() == 30
+
+
+def test_a_card_whose_lock_contradicts_its_default_does_not_load() -> None:
+    with pytest.raises(ValueError, match="locked to one value"):
+        ModelPolicy(sampling=SamplingPolicy(defaults={"temperature": 1.0}, locked={"temperature": 0.5}))
+
+
+@pytest.fixture(scope="module")
+def kimi(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    if not (KIMI_DIR / "tiktoken.model").is_file():
+        pytest.skip(f"no Kimi vocabulary at {KIMI_DIR}")
+    gw = Gateway(tmp_path_factory.mktemp("kimi-card"), backend.address, entry=PRODUCTION_ENTRY, model="kimi-k3-nano")
+    gw.start_gateway(timeout_s=60)
+    yield gw
+    assert gw.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def carded(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = Gateway(tmp_path_factory.mktemp("carded"), backend.address, model_policy=CARD)
+    gw.start_gateway()
+    yield gw
+    assert gw.stop() == 0
+
+
+def post(gw: Gateway, model: str, **fields: Any) -> httpx.Response:
+    return httpx.post(f"{gw.url}/v1/chat/completions", json={"model": model, "messages": USER, **fields}, timeout=20)
+
+
+def test_kimi_thinking_switch_reaches_the_prompt_and_the_sampling(kimi: Gateway, backend: FakeBackend) -> None:
+    from crescent.services.model.kimi_tokenizer import KimiTokenizer
+
+    tokenizer = KimiTokenizer.from_dir(KIMI_DIR)
+    assert post(kimi, "kimi-k3-nano", thinking={"type": "disabled"}).status_code == 200
+    sent = backend.get("/prefills")[-1]
+    assert tokenizer.decode(sent["token_ids"], skip_special_tokens=False).endswith(
+        "<|im_assistant|>assistant<|im_middle|><think></think>")
+    assert sent["temperature"] == pytest.approx(0.6)
+    assert post(kimi, "kimi-k3-nano", reasoning_effort="max").status_code == 200
+    sent = backend.get("/prefills")[-1]
+    assert tokenizer.decode(sent["token_ids"], skip_special_tokens=False).endswith("<|im_middle|>")
+    assert (sent["temperature"], sent["top_p"]) == (pytest.approx(1.0), pytest.approx(0.95))
+    refused = post(kimi, "kimi-k3-nano", top_p=0.5).json()["error"]
+    assert (refused["param"], refused["code"]) == ("top_p", "locked_parameter")
+
+
+def test_the_card_is_on_the_model_endpoint(kimi: Gateway, carded: Gateway) -> None:
+    card = httpx.get(f"{kimi.url}/v1/models/kimi-k3-nano", timeout=5).json()["policy"]
+    assert card["reasoning_efforts"] == ["max"] and card["thinking"] == ["enabled", "disabled"]
+    assert card["when_thinking"]["locked"] == {"top_p": 0.95}
+    listed = httpx.get(f"{carded.url}/v1/models", timeout=5).json()["data"][0]["policy"]
+    assert listed["sampling"] == {"defaults": {"max_tokens": 7.0}, "locked": {"temperature": 0.3}}
+
+
+def test_a_card_from_the_settings_file_applies(carded: Gateway, backend: FakeBackend) -> None:
+    assert post(carded, MODEL_ID, reasoning_effort="high").status_code == 200
+    sent = backend.get("/prefills")[-1]
+    assert sent["max_tokens"] == 7 and sent["temperature"] == pytest.approx(0.3)
+    error = post(carded, MODEL_ID, temperature=1.0).json()["error"]
+    assert (error["param"], error["code"]) == ("temperature", "locked_parameter")
+    error = post(carded, MODEL_ID, reasoning_effort="max").json()["error"]
+    assert error["param"] == "reasoning_effort" and "medium, high" in error["message"]
+
+
+def test_a_model_without_reasoning_controls_refuses_them_by_name(gateway: Gateway) -> None:
+    error = post(gateway, MODEL_ID, reasoning_effort="high").json()["error"]
+    assert error["param"] == "reasoning_effort" and "no reasoning effort control" in error["message"]
+    error = post(gateway, MODEL_ID, thinking={"type": "enabled"}).json()["error"]
+    assert error["param"] == "thinking.type"
+
+
+def test_chat_template_kwargs_reach_the_template_but_not_the_gateways_names(gateway: Gateway) -> None:
+    assert post(gateway, MODEL_ID, chat_template_kwargs={"custom_flag": True}).status_code == 200
+    for name in ("messages", "add_generation_prompt", "thinking"):
+        error = post(gateway, MODEL_ID, chat_template_kwargs={name: 1}).json()["error"]
+        assert error["param"] == f"chat_template_kwargs.{name}", error
