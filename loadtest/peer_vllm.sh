@@ -19,7 +19,7 @@ case "${1:-}" in
 import sys
 from pathlib import Path
 from crescent.services.engine.loader import export_hf_dir, load_model
-from crescent.services.engine.model_source import DEFAULT_MODEL, resolve_model
+from crescent.services.model.model_source import DEFAULT_MODEL, resolve_model
 export_hf_dir(load_model(resolve_model(DEFAULT_MODEL), progress=False), Path(sys.argv[1]))
 print("exported", sys.argv[1])
 PY
