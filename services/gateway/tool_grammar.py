@@ -56,7 +56,8 @@ def _default_format_grammar(tags: JsonToolCallTags, tools: list[ToolDefinition],
 
 
 def _kimi_grammar(markers: ToolCallMarkers, tools: list[ToolDefinition], several: bool) -> str:
-    rules = [f"fn{i}: {json.dumps(f'functions.{tool.function.name}:')} /[0-9]+/ {markers.argument_begin} "
+    # The index numbers calls across the conversation; bounded, so a weak model cannot write digits forever.
+    rules = [f"fn{i}: {json.dumps(f'functions.{tool.function.name}:')} /[0-9]{{1,3}}/ {markers.argument_begin} "
              f"args{i}\nargs{i}: {_json_rule(_parameters(tool))}" for i, tool in enumerate(tools)]
     calls = "call+" if several else "call"
     return "\n".join([

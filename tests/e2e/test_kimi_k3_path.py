@@ -7,12 +7,17 @@ kvstore, with the same output as a cold run.
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 import torch
 
+from crescent.protos import common_pb2
+from crescent.services.engine.constraints import ConstraintCompiler
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import load_k3_model
 from crescent.services.model.kimi_tokenizer import tokenizer_for
@@ -104,3 +109,37 @@ def test_prefix_evicted_from_prefill_comes_back_from_the_kvstore(k3_stack, k3_re
     from_kvstore = k3_stack.metric("prefill-0", "crescent_engine_cached_tokens_total", {"source": "kvstore"}) - before
     assert from_kvstore >= 4 * BLOCK and from_kvstore % BLOCK == 0
     assert reply.choices[0].message.content == reply_text(k3_reference, out)
+
+
+class Verdict(pydantic.BaseModel):
+    verdict: Literal["yes", "no", "unsure"]
+    confidence: Literal["low", "medium", "high"]
+
+
+def test_structured_output_and_forced_tool_call_on_the_kimi_family(k3_stack, k3_reference):
+    """The SDK's .parse() and a forced tool call, on Kimi's tokenizer and markup, equal the reference."""
+    api = openai.OpenAI(base_url=f"{k3_stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Is the tide high?"}]
+    reply = api.chat.completions.parse(model=MODEL, messages=messages, response_format=Verdict, temperature=0,
+                                       max_tokens=40)
+    assert isinstance(reply.choices[0].message.parsed, Verdict)
+    schema = openai.lib._pydantic.to_strict_json_schema(Verdict)
+    engine, tokenizer = k3_reference
+    compiler = ConstraintCompiler.for_model(MODEL, engine.config.vocab_size, engine.config.eos_token_ids)
+    expected = engine.generate(prompt_ids(k3_reference, messages), 40,
+                               constraint=compiler.compile(common_pb2.Constraint(json_schema=json.dumps(schema))))
+    assert reply.choices[0].message.content == tokenizer.decode(expected)
+
+    tide = {"type": "function", "function": {"name": "tide_table", "parameters": {
+        "type": "object", "properties": {"port": {"enum": ["Brest", "Oslo"]}}, "required": ["port"],
+        "additionalProperties": False}}}
+    chunks = api.chat.completions.create(model=MODEL, messages=messages, tools=[tide], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0, max_tokens=40, stream=True)
+    names, arguments, finish = [], [], None
+    for chunk in chunks:
+        for call in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            names += [call.function.name] if call.function and call.function.name else []
+            arguments.append(call.function.arguments or "" if call.function else "")
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert names == ["tide_table"] and finish == "tool_calls"
+    assert json.loads("".join(arguments))["port"] in {"Brest", "Oslo"}
