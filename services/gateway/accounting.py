@@ -3,6 +3,10 @@
 TTFT is measured from the moment the request arrived to the first generated token; the
 inter-token intervals are what a streaming client sees (tokens that arrive together count as
 0 s apart); TBT is Mooncake's: the mean of the longest 10% of a request's intervals.
+
+A request with ``n`` choices (docs/api.md, "n > 1") is one request here: TTFT is its first token
+(choice 0's), intervals are measured within each choice, and its usage is what the client is
+told (``choices_usage``): the prompt once, every choice's completion tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +32,30 @@ class UsageCounts:
     completion_tokens: int
 
 
+def total_usage(usages: Sequence[UsageCounts]) -> UsageCounts:
+    """Usage of separate prompts (``/v1/completions`` with a list): every prompt and completion counts."""
+    return UsageCounts(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+    )
+
+
+def choices_usage(usages: Sequence[UsageCounts]) -> UsageCounts:
+    """Usage of the choices of one prompt, choice 0 first: the prompt counts once, with the tokens
+    choice 0 found cached (as OpenAI bills ``n``); every choice's completion tokens count."""
+    return UsageCounts(
+        prompt_tokens=usages[0].prompt_tokens,
+        cached_tokens=usages[0].cached_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+    )
+
+
+def response_usage(usages: Sequence[UsageCounts], n: int) -> UsageCounts:
+    """Usage of a response whose choices (in choice order) are ``n`` per prompt."""
+    return total_usage([choices_usage(usages[i:i + n]) for i in range(0, len(usages), n)])
+
+
 def tbt_seconds(intervals: Sequence[float]) -> float | None:
     """Mean of the longest 10% of the intervals (at least one); None without intervals."""
     if not intervals:
@@ -37,30 +65,42 @@ def tbt_seconds(intervals: Sequence[float]) -> float | None:
 
 
 class RequestRecord:
-    """Timing and outcome of one request; ``finish`` reports it once."""
+    """Timing and outcome of one request, all its choices together; ``finish`` reports it once."""
 
     def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics
         self._clock = clock
         self._started = clock()
         self._first_token: float | None = None
-        self._last_token: float | None = None
+        self._last_token: dict[int, float] = {}  # by choice
         self._intervals: list[float] = []
         self._finished = False
-        self.usage: UsageCounts | None = None  # kept current while tokens arrive
+        self._usage: dict[int, UsageCounts] = {}  # by choice, kept current while tokens arrive
         metrics.in_flight.inc()
 
-    def tokens_arrived(self, count: int) -> None:
+    @property
+    def usage(self) -> UsageCounts | None:
+        """The request's usage so far (``choices_usage`` of the choices that reported any)."""
+        if not self._usage:
+            return None
+        return choices_usage([self._usage[i] for i in sorted(self._usage)])
+
+    def set_usage(self, usage: UsageCounts, choice: int = 0) -> None:
+        self._usage[choice] = usage
+
+    def tokens_arrived(self, count: int, choice: int = 0) -> None:
         if count <= 0:
             return
         now = self._clock()
-        if self._last_token is None:
+        if self._first_token is None:
             self._first_token = now
             self._metrics.ttft.observe(now - self._started)
+        last = self._last_token.get(choice)
+        if last is None:
             gaps = [0.0] * (count - 1)
         else:
-            gaps = [now - self._last_token] + [0.0] * (count - 1)
-        self._last_token = now
+            gaps = [now - last] + [0.0] * (count - 1)
+        self._last_token[choice] = now
         for gap in gaps:
             self._metrics.inter_token.observe(gap)
         self._intervals.extend(gaps)
@@ -84,7 +124,7 @@ class RequestRecord:
             m.completion_tokens.inc(usage.completion_tokens)
         if status == "ok":
             m.e2e.observe(self._clock() - self._started)
-        if self._last_token is not None:
+        if self._last_token:
             tbt = tbt_seconds(self._intervals)
             if tbt is not None:
                 m.tbt.observe(tbt)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic_core import PydanticCustomError
+from crescent.services.gateway.choices import MAX_CHOICES
 from crescent.services.gateway.logprobs_api import ChatLogprobs
 from pydantic import (
     BaseModel,
@@ -169,8 +170,7 @@ class ChatCompletionRequest(RequestModel):
     top_k: int = Field(default=0, ge=-1, le=INT32_MAX, description="extension; 0 or -1: off")
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    # Accepted only at the value that means "off"; anything else is refused by name.
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices (docs/api.md, \"n > 1\")")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="extension; 1: off")
@@ -229,8 +229,6 @@ class ChatCompletionRequest(RequestModel):
     def unsupported_values(self) -> list[tuple[str, str]]:
         """(param, why) for every accepted parameter set to a value the platform cannot honour."""
         problems = []
-        if self.n != 1:
-            problems.append(("n", "only n=1 is supported"))
         if self.top_logprobs is not None and not self.logprobs:
             problems.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:

@@ -3,6 +3,8 @@
 Errors that happen before the first token (bad request, rejection, backend down) are plain
 HTTP errors even for streaming requests: the stream starts only once there is something to
 send. A non-streaming request whose client goes away is cancelled like a stream would be.
+With ``n > 1`` every choice is a generation of its own (``choices``); the response waits for
+choice 0's first token, and a client that goes away cancels every choice.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from functools import partial
 
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.common.stop_rule import stop_token_ids
-from crescent.services.gateway.accounting import RequestRecord
+from crescent.services.gateway.accounting import RequestRecord, response_usage
 from crescent.services.gateway.api_models import (
     AssistantMessage,
     ChatCompletion,
@@ -27,6 +30,8 @@ from crescent.services.gateway.api_models import (
 )
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
+from crescent.services.gateway.choice_stream import ChoiceStream, status_of
+from crescent.services.gateway.choices import choice_requests, collect_choices, leaders_first, resumed
 from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
@@ -39,7 +44,7 @@ from crescent.services.gateway.errors import (
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
 from crescent.services.gateway.prompt import ServedModel, build_prompt
-from crescent.services.gateway.sse import ChatStream, ChunkHeader, SseResponse, status_of, usage_model
+from crescent.services.gateway.sse import ChatChunks, ChunkHeader, SseResponse, usage_model
 from crescent.services.gateway.structured_output import constraint_of
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -74,6 +79,10 @@ class ChatCompletions:
 
     async def generation_request(self, body: ChatCompletionRequest, request_id: RequestId) -> GenerationRequest:
         """The backend request for ``body``: checks, prompt, constraint, sampling (``responses`` reuses it)."""
+        return await self._generation_request(self.checked(body), request_id)
+
+    def checked(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
+        """``body`` under the model card (defaults filled in), or the 400 for what cannot be served."""
         if body.model != self.served_name:
             raise ModelNotFoundError(
                 f"the model {body.model!r} does not exist; this gateway serves {self.served_name!r}", param="model"
@@ -83,6 +92,9 @@ class ChatCompletions:
         if unsupported:
             param, why = unsupported[0]
             raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
+        return body
+
+    async def _generation_request(self, body: ChatCompletionRequest, request_id: RequestId) -> GenerationRequest:
         # Templating and tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         prompt = await asyncio.to_thread(build_prompt, body, self._model, self._settings.default_max_tokens)
         salt = (body.cache_salt or "").encode()
@@ -118,13 +130,16 @@ class ChatCompletions:
         log.info("completion %s", request_id)
         record = RequestRecord(self._metrics)
         try:
-            generation_request = await self.generation_request(body, request_id)
+            body = self.checked(body)  # the card first: a locked n is refused before n is read
+            n = body.n
+            requests = choice_requests(await self._generation_request(body, request_id), n)
             output_format = self._model.output_format
-            events = parse_output(
-                generate_text(self._backend, self._model.tokenizer, generation_request, body.stop_strings(), record),
-                output_format if body.offers_tools() else output_format.without_tools(),
-                parallel_tool_calls=body.parallel_tool_calls is not False,
-            )
+            fmt = output_format if body.offers_tools() else output_format.without_tools()
+            events = [
+                parse_output(generate_text(self._backend, self._model.tokenizer, r, body.stop_strings(), record, i),
+                             fmt, parallel_tool_calls=body.parallel_tool_calls is not False)
+                for i, r in enumerate(requests)
+            ]
             header = ChunkHeader(
                 request_id=request_id,
                 created=int(time.time()),
@@ -132,16 +147,18 @@ class ChatCompletions:
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
             )
             if not body.stream:
-                completion = await unless_disconnected(request, self._drain.race(
-                    self._collect(header, events, logprobs=body.logprobs)))
+                collected = await unless_disconnected(request, self._drain.race(
+                    collect_choices(events, [0], partial(_collect, logprobs=body.logprobs))))
                 record.finish("ok")
+                completion = ChatCompletion(
+                    id=header.request_id, created=header.created, model=header.model,
+                    choices=[choice.model_copy(update={"index": i}) for i, (choice, _) in enumerate(collected)],
+                    usage=usage_model(response_usage([finished.usage for _, finished in collected], n)),
+                )
                 return JSONResponse(completion.model_dump())
-            try:
-                first = await unless_disconnected(request, self._drain.race(anext(events)))
-            except BaseException:
-                await events.aclose()
-                raise
-            return SseResponse(ChatStream(header, first, events, record, self._drain))
+            firsts = await unless_disconnected(request, self._drain.race(leaders_first(events, [0])))
+            return SseResponse(ChoiceStream(ChatChunks(header), events, firsts, [record] * n,
+                                            partial(response_usage, n=n), self._drain))
         except ApiError as exc:
             log.info("request failed: %s %s", exc.status, exc.message)
             record.finish(status_of(exc))
@@ -157,38 +174,37 @@ class ChatCompletions:
             record.finish("error")
             raise
 
-    async def _collect(self, header: ChunkHeader, events: AsyncGenerator[OutputEvent, None], *,
-                       logprobs: bool = False) -> ChatCompletion:
-        parts: list[str] = []
-        entries: list[ReportedToken] = []
-        reasoning: list[str] = []
-        calls: dict[int, tuple[str, str, list[str]]] = {}  # index -> id, name, argument fragments
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    parts.append(event.text)
-                elif isinstance(event, ReasoningDelta):
-                    reasoning.append(event.text)
-                elif isinstance(event, TokenLogprobs):
-                    entries.extend(event.entries)
-                elif isinstance(event, ToolCallDelta):
-                    if event.call_id is not None:
-                        calls[event.index] = (event.call_id, event.name or "", [])
-                    calls[event.index][2].append(event.arguments)
-                elif isinstance(event, Finished):
-                    tool_calls = [
-                        ToolCallOut(id=call_id, function=FunctionCallOut(name=name, arguments="".join(args)))
-                        for call_id, name, args in (calls[i] for i in sorted(calls))
-                    ]
-                    message = AssistantMessage(
-                        content="".join(parts) if parts or not tool_calls else None,
-                        reasoning_content="".join(reasoning) if reasoning else None,
-                        tool_calls=tool_calls or None,
-                    )
-                    return ChatCompletion(
-                        id=header.request_id, created=header.created, model=header.model,
-                        choices=[Choice(message=message, finish_reason=event.finish_reason,
-                                        logprobs=chat_logprobs(entries) if logprobs else None)],
-                        usage=usage_model(event.usage),
-                    )
-        raise AssertionError("generate_text always ends with Finished or an error")
+
+async def _collect(events: AsyncGenerator[OutputEvent, None], first: OutputEvent | None, *,
+                   logprobs: bool = False) -> tuple[Choice, Finished]:
+    """One choice's whole reply (its ``index`` left at 0), after ``first`` (already read from ``events``)."""
+    parts: list[str] = []
+    entries: list[ReportedToken] = []
+    reasoning: list[str] = []
+    calls: dict[int, tuple[str, str, list[str]]] = {}  # index -> id, name, argument fragments
+    async with aclosing(resumed(first, events)) as reply:
+        async for event in reply:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                reasoning.append(event.text)
+            elif isinstance(event, TokenLogprobs):
+                entries.extend(event.entries)
+            elif isinstance(event, ToolCallDelta):
+                if event.call_id is not None:
+                    calls[event.index] = (event.call_id, event.name or "", [])
+                calls[event.index][2].append(event.arguments)
+            elif isinstance(event, Finished):
+                tool_calls = [
+                    ToolCallOut(id=call_id, function=FunctionCallOut(name=name, arguments="".join(args)))
+                    for call_id, name, args in (calls[i] for i in sorted(calls))
+                ]
+                message = AssistantMessage(
+                    content="".join(parts) if parts or not tool_calls else None,
+                    reasoning_content="".join(reasoning) if reasoning else None,
+                    tool_calls=tool_calls or None,
+                )
+                choice = Choice(message=message, finish_reason=event.finish_reason,
+                                logprobs=chat_logprobs(entries) if logprobs else None)
+                return choice, event
+    raise AssertionError("generate_text always ends with Finished or an error")

@@ -1,10 +1,12 @@
 """``POST /v1/completions``: validate, tokenize the prompts, generate every choice, answer or stream.
 
-Each prompt of the request is one choice and one backend request of its own (request id
-``<response id>-<index>``), all generated concurrently; each is also one request in the
-gateway's metrics (TTFT, TBT and tokens are per generation), as vLLM counts them. As in chat,
-errors before the first token are plain HTTP errors even for streaming requests: the stream
-starts once every choice has its first event, and a failure of any choice before then cancels
+Each prompt of the request has ``n`` choices (index = prompt index * n + i, as OpenAI numbers
+them), each a backend request of its own: ``<response id>-<prompt index>``, with ``-c<i>`` added
+when n > 1 (``choices``: a prompt's choice 0 starts first, the others once it has its first
+token, so the prompt is prefilled once). Each prompt is one request in the gateway's metrics
+(TTFT, TBT and tokens), as vLLM counts them; its n choices count as one. As in chat, errors
+before the first token are plain HTTP errors even for streaming requests: the stream starts once
+every prompt's choice 0 has its first event, and a failure of any choice before then cancels
 the others. A client that goes away, streaming or not, cancels every choice.
 """
 
@@ -14,55 +16,48 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TypeVar
+from functools import partial
 
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.common.stop_rule import stop_token_ids
-from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts
+from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts, response_usage
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
+from crescent.services.gateway.choice_stream import ChoiceStream, status_of
+from crescent.services.gateway.choices import choice_requests, collect_choices, leaders_first, resumed
 from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
 from crescent.services.gateway.completion_prompt import CompletionPrompt, build_completion_prompts
-from crescent.services.gateway.completions_api import CompletionChoice, CompletionRequest, TextCompletion
-from crescent.services.gateway.completions_stream import CompletionStream, total_usage
+from crescent.services.gateway.completions_api import (
+    MAX_CHOICES_PER_REQUEST,
+    CompletionChoice,
+    CompletionRequest,
+    TextCompletion,
+)
+from crescent.services.gateway.completions_stream import CompletionChunks
 from crescent.services.gateway.drain import Drain
-from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
+from crescent.services.gateway.errors import (
+    ApiError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UnsupportedParameterError,
+)
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs
 from crescent.services.gateway.prompt import ServedModel
-from crescent.services.gateway.sse import ChunkHeader, SseResponse, status_of, usage_model
+from crescent.services.gateway.sse import ChunkHeader, SseResponse, usage_model
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Events = AsyncGenerator[GenerationEvent, None]
 
 
-async def all_or_none(work: Sequence[Awaitable[T]]) -> list[T]:
-    """Await every item concurrently; the first failure cancels the rest and is raised.
-
-    (``asyncio.gather`` would leave the others running; a ``TaskGroup`` would wrap the error.)
-    """
-    tasks = [asyncio.ensure_future(w) for w in work]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:  # on a failure, and when this wait itself is cancelled (client gone, drain)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for task in tasks:
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
-    return [task.result() for task in tasks]
-
-
-async def _collect(events: Events) -> tuple[str, Finished, list[ReportedToken]]:
+async def _collect(events: Events, first: GenerationEvent | None) -> tuple[str, Finished, list[ReportedToken]]:
     parts: list[str] = []
     entries: list[ReportedToken] = []
-    async with aclosing(events):
+    async with aclosing(resumed(first, events)) as events:
         async for event in events:
             if isinstance(event, TextDelta):
                 parts.append(event.text)
@@ -91,6 +86,11 @@ class Completions:
         if unsupported:
             param, why = unsupported[0]
             raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
+        choices = len(body.prompts()) * body.n
+        if choices > MAX_CHOICES_PER_REQUEST:
+            raise InvalidRequestError(
+                f"{len(body.prompts())} prompts with n={body.n} make {choices} choices; "
+                f"a request has at most {MAX_CHOICES_PER_REQUEST}", param="n", code="invalid_value")
         # Tokenizing long prompts takes milliseconds of CPU: keep it off the event loop.
         return await asyncio.to_thread(build_completion_prompts, body, self._model)
 
@@ -127,32 +127,30 @@ class Completions:
         try:
             prompts = await self._prompts(body)
             stops = body.stop_strings()
-            requests = [self._generation_request(body, RequestId(f"{response_id}-{i}"), p)
-                        for i, p in enumerate(prompts)]
+            n = body.n
+            requests = [choice for p, prompt in enumerate(prompts) for choice in choice_requests(
+                self._generation_request(body, RequestId(f"{response_id}-{p}"), prompt), n)]
+            leaders = range(0, len(requests), n)  # each prompt's choice 0
+            choice_records = [records[k // n] for k in range(len(requests))]
             header = ChunkHeader(
                 request_id=response_id,
                 created=int(time.time()),
                 model=self.served_name,
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
             )
-            echoes = [p.text if body.echo else "" for p in prompts]
+            echoes = [prompts[k // n].text if body.echo else "" for k in range(len(requests))]
+            # A choice not started yet has no backend call to undo; the others are closed however it ends.
+            events = [generate_text(self._backend, self._model.tokenizer, r, stops, choice_records[k], choice=k % n)
+                      for k, r in enumerate(requests)]
             if not body.stream:
-                # A choice cancelled before its first step never started its generator: no backend call to undo.
-                collected = await unless_disconnected(request, self._drain.race(all_or_none([
-                    _collect(generate_text(self._backend, self._model.tokenizer, r, stops, record))
-                    for r, record in zip(requests, records)
-                ])))
+                collected = await unless_disconnected(request, self._drain.race(
+                    collect_choices(events, leaders, _collect)))
                 finish_all("ok")
-                return JSONResponse(_completion(header, echoes, collected, logprobs=body.logprobs is not None).model_dump())
-            events = [generate_text(self._backend, self._model.tokenizer, r, stops, record)
-                      for r, record in zip(requests, records)]
-            try:
-                firsts = await unless_disconnected(request, self._drain.race(all_or_none([anext(e) for e in events])))
-            except BaseException:
-                for e in events:
-                    await e.aclose()
-                raise
-            return SseResponse(CompletionStream(header, echoes, events, firsts, records, self._drain))
+                completion = _completion(header, echoes, collected, n, logprobs=body.logprobs is not None)
+                return JSONResponse(completion.model_dump())
+            firsts = await unless_disconnected(request, self._drain.race(leaders_first(events, leaders)))
+            return SseResponse(ChoiceStream(CompletionChunks(header, echoes), events, firsts, choice_records,
+                                            partial(response_usage, n=n), self._drain))
         except ApiError as exc:
             log.info("request failed: %s %s", exc.status, exc.message)
             finish_all(status_of(exc))
@@ -170,7 +168,7 @@ class Completions:
 
 
 def _completion(header: ChunkHeader, echoes: list[str], collected: list[tuple[str, Finished, list[ReportedToken]]],
-                *, logprobs: bool = False) -> TextCompletion:
+                n: int, *, logprobs: bool = False) -> TextCompletion:
     usages: list[UsageCounts] = [finished.usage for _, finished, _ in collected]
     return TextCompletion(
         id=header.request_id, created=header.created, model=header.model,
@@ -179,5 +177,5 @@ def _completion(header: ChunkHeader, echoes: list[str], collected: list[tuple[st
                              logprobs=completion_logprobs(entries) if logprobs else None)
             for i, (echo, (text, finished, entries)) in enumerate(zip(echoes, collected))
         ],
-        usage=usage_model(total_usage(usages)),
+        usage=usage_model(response_usage(usages, n)),
     )

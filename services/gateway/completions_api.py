@@ -2,11 +2,12 @@
 
 The same conventions as ``api_models`` (chat): strict types, unknown fields refused by name,
 an explicit ``null`` means absent, integers bounded to what the engines' wire format carries.
-A parameter the platform accepts but cannot honour yet (``n > 1``, penalties, ...)
+A parameter the platform accepts but cannot honour yet (``suffix``, penalties, ...)
 is refused by ``unsupported_values`` with a 400 naming it, never silently ignored.
 
 ``prompt`` takes OpenAI's four forms: a string, a list of strings, a list of token ids, or a
-list of token-id lists. Each item of a list is its own choice (``index`` = its position).
+list of token-id lists. Each item of a list has ``n`` choices of its own (``index`` = its
+position * n + i, as OpenAI numbers them; ``choices`` generates them).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from crescent.services.gateway.api_models import (
     StreamOptions,
     Usage,
 )
+from crescent.services.gateway.choices import MAX_CHOICES
 from crescent.services.gateway.logprobs_api import CompletionLogprobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint (chat's is "as long as it fits")
 MAX_PROMPTS = 128        # prompts in one request: each becomes a backend request of its own
+MAX_CHOICES_PER_REQUEST = MAX_PROMPTS  # prompts * n: backend requests of one request
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -54,8 +57,8 @@ class CompletionRequest(RequestModel):
     echo: bool = Field(default=False, description="the choice's text starts with its prompt")
     cache_salt: str | None = Field(default=None, description="extension: isolates a tenant's prefix cache")
     ignore_eos: bool = Field(default=False, description="extension: generate max_tokens even past end-of-sequence")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt (docs/api.md, \"n > 1\")")
     # Accepted only at the value that means "off"; anything else is refused by name.
-    n: int = Field(default=1, ge=1, le=128)
     best_of: int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5, description="alternatives per token (docs/logprobs.md)")
@@ -104,10 +107,9 @@ class CompletionRequest(RequestModel):
     def unsupported_values(self) -> list[tuple[str, str]]:
         """(param, why) for every accepted parameter set to a value the platform cannot honour."""
         problems = []
-        if self.n != 1:
-            problems.append(("n", "only n=1 is supported"))
-        if self.best_of not in (None, 1):
-            problems.append(("best_of", "only best_of=1 is supported"))
+        if self.best_of not in (None, self.n):
+            problems.append(("best_of", "best_of (choosing the best of more generations than n) is not supported; "
+                                        "leave it unset or equal to n"))
         if self.suffix is not None:
             problems.append(("suffix", "suffix (text insertion) is not supported"))
         if self.logprobs is not None and self.echo:

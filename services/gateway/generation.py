@@ -46,9 +46,11 @@ async def generate_text(
     request: GenerationRequest,
     stop_strings: Sequence[str],
     record: RequestRecord,
+    choice: int = 0,
 ) -> AsyncGenerator[GenerationEvent, None]:
     """Drive the backend and yield non-empty ``TextDelta``s (and ``TokenLogprobs`` when asked),
-    then exactly one ``Finished``."""
+    then exactly one ``Finished`` (with this generation's usage); ``choice``: which of the
+    request's choices this is, for ``record``."""
     detokenizer = tokenizer.new_detokenizer()
     tracker = None
     if request.sampling.logprobs is not None:
@@ -60,8 +62,9 @@ async def generate_text(
     completion_tokens = 0
 
     def usage() -> UsageCounts:
-        record.usage = UsageCounts(prompt_tokens, cached_tokens, completion_tokens)
-        return record.usage
+        counts = UsageCounts(prompt_tokens, cached_tokens, completion_tokens)
+        record.set_usage(counts, choice)
+        return counts
 
     async with aclosing(backend.generate(request)) as events:
         async for event in events:
@@ -74,7 +77,7 @@ async def generate_text(
                 token_ids, logprobs = event.token_ids, event.logprobs
             if tracker is not None and len(logprobs) != len(token_ids):
                 raise InternalError(f"the backend sent {len(logprobs)} log-probabilities for {len(token_ids)} tokens")
-            record.tokens_arrived(len(token_ids))
+            record.tokens_arrived(len(token_ids), choice)
             for i, token_id in enumerate(token_ids):
                 completion_tokens += 1
                 usage()  # a request cut short still reports what it used

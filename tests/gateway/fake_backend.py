@@ -10,7 +10,9 @@ event, ``#batch=N`` tokens per event, ``#prefill_delay=S`` before the first toke
 cancelled prefill still hands the request to decode S seconds later (a handoff that was in
 flight), ``#prefill_fail=N`` the first N prefills of this prompt fail (UNAVAILABLE) before their
 first token, ``#handoff_fail=N`` the first N fail after their first token, before the handoff,
-``#stuck_after=N`` every prefill of a request whose client has N tokens or more fails.
+``#stuck_after=N`` every prefill of a request whose client has N tokens or more fails,
+``#draw`` stands for sampling: a request with a seed gets the first ``1 + seed % W`` of the
+message's W words (without a seed, all of them), so choices with different seeds differ.
 Prefill honours ``first_step`` (a migrated request continues the reply where the client is).
 With ``sampling.logprobs`` every token carries ``fake_logprob`` of its place in the reply, so a
 migrated stream's entries continue where the client is too.
@@ -99,12 +101,15 @@ def scripted_message(prompt_ids: list[int]) -> str:
     return users[-1] if users else "ok"
 
 
-def parse_script(prompt_ids: list[int]) -> Script:
+def parse_script(prompt_ids: list[int], seed: int | None = None) -> Script:
     message = scripted_message(prompt_ids)
     options: dict[str, str | None] = {}
     while (m := _DIRECTIVE.match(message)) is not None:
         options[m.group(1)] = m.group(2)
         message = message[m.end():]
+    if "draw" in options and seed is not None and message.split():
+        words = message.split()
+        message = " ".join(words[:1 + seed % len(words)])
     loop = "loop" in options
     reply = TOKENIZER.encode(message or "ok") + ([] if loop else [IM_END])
     return Script(
@@ -230,10 +235,10 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             "repetition_penalty": s.repetition_penalty, "logit_bias": {str(k): v for k, v in s.logit_bias.items()},
             "min_tokens": s.min_tokens, "logprobs": s.logprobs, "top_logprobs": s.top_logprobs,
             "constraint": json_format.MessageToDict(s.constraint) if s.HasField("constraint") else None,
-            "outcome": "running",
+            "outcome": "running", "started_t": time.monotonic(),
         }
         self.state.prefills.append(record)
-        script = parse_script(list(request.token_ids))
+        script = parse_script(list(request.token_ids), s.seed if s.has_seed else None)
         message = scripted_message(list(request.token_ids))
         tries = self.state.prefill_attempts[message] = self.state.prefill_attempts.get(message, 0) + 1
         try:
@@ -242,12 +247,13 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             if tries <= script.prefill_fail or stuck:
                 record["outcome"] = "failed"
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill instance lost")
-            cached = self._cached_tokens(request)
+            cached = record["cached_tokens"] = self._cached_tokens(request)
             step = s.first_step  # a migrated request: the client has the reply up to here
             first = script.token(step)
             finished = first == IM_END or s.max_tokens == 1
             reason = "stop" if first == IM_END else "length"
             top = s.top_logprobs if s.logprobs else None
+            record["first_token_t"] = time.monotonic()  # as it is sent
             yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
                 token_id=first, prompt_tokens=len(request.token_ids), cached_tokens=cached,
                 finished=finished, finish_reason=reason if finished else "",

@@ -60,7 +60,7 @@ BAD_REQUESTS = [
     ("prompt beyond context", body(messages=user("x" * 600)), 400, "context_length_exceeded", "messages"),
     ("prompt + max_tokens beyond context", body(max_tokens=250), 400, "context_length_exceeded", "max_tokens"),
     ("tools", body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter", "tools"),
-    ("n=2", body(n=2), 400, "unsupported_parameter", "n"),
+    ("n above 16", body(n=17), 400, "invalid_value", "n"),
     ("top_logprobs without logprobs", body(top_logprobs=2), 400, "unsupported_parameter", "top_logprobs"),
     ("presence_penalty beyond 2", body(presence_penalty=2.5), 400, "invalid_value", "presence_penalty"),
     ("response_format unknown type", body(response_format={"type": "yaml"}), 400, "invalid_value",
