@@ -35,13 +35,9 @@ from crescent.services.gateway.choices import choice_requests, collect_choices, 
 from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
-from crescent.services.gateway.errors import (
-    ApiError,
-    InvalidRequestError,
-    ModelNotFoundError,
-    UnsupportedParameterError,
-)
+from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
+from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatChunks, ChunkHeader, SseResponse, usage_model
@@ -50,17 +46,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
-
-def token_biases(logit_bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """``logit_bias`` as (token id, bias) pairs; a key that is not a token id of this model is a 400."""
-    pairs = []
-    for key, bias in (logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
-            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id of this model (0 to {vocab_size - 1})",
-                                      param="logit_bias", code="invalid_value")
-        pairs.append((int(key), bias))
-    return tuple(sorted(pairs))
-
 
 def new_request_id() -> RequestId:
     return RequestId(f"chatcmpl-{uuid.uuid4().hex}")

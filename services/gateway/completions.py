@@ -43,6 +43,7 @@ from crescent.services.gateway.errors import (
     UnsupportedParameterError,
 )
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
+from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.sse import ChunkHeader, SseResponse, usage_model
@@ -112,6 +113,9 @@ class Completions:
                 stop_token_ids=tuple(sorted(stops)),
                 ignore_eos=body.ignore_eos,
                 logprobs=body.logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=token_biases(body.logit_bias, self._model.tokenizer.vocab_size),
             ),
         )
 

@@ -64,7 +64,7 @@ class CompletionRequest(RequestModel):
     logprobs: int | None = Field(default=None, ge=0, le=5, description="alternatives per token (docs/logprobs.md)")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(default=None, max_length=1024)
     # Accepted and ignored: an end-user id for abuse tracking means nothing here.
     user: str | None = None
 
@@ -114,12 +114,6 @@ class CompletionRequest(RequestModel):
             problems.append(("suffix", "suffix (text insertion) is not supported"))
         if self.logprobs is not None and self.echo:
             problems.append(("echo", "echo with logprobs needs the prompt's log-probabilities, which are not computed"))
-        if self.presence_penalty != 0:
-            problems.append(("presence_penalty", "only presence_penalty=0 is supported"))
-        if self.frequency_penalty != 0:
-            problems.append(("frequency_penalty", "only frequency_penalty=0 is supported"))
-        if self.logit_bias:
-            problems.append(("logit_bias", "logit_bias is not supported"))
         return problems
 
 

@@ -187,9 +187,6 @@ def test_off_values_are_accepted(client: openai.OpenAI, model: str) -> None:
     ({"n": 2, "best_of": 3}, "best_of"),
     ({"suffix": " the end"}, "suffix"),
     ({"logprobs": 2, "echo": True}, "echo"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1.0}, "frequency_penalty"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
 ], ids=lambda v: "-".join(v) if isinstance(v, dict) else v)
 def test_what_is_not_implemented_is_refused_by_name(client: openai.OpenAI, model: str, extra: dict[str, Any],
                                                     param: str) -> None:
@@ -198,6 +195,21 @@ def test_what_is_not_implemented_is_refused_by_name(client: openai.OpenAI, model
     assert caught.value.status_code == 400
     assert caught.value.body["param"] == param  # type: ignore[index]
     assert caught.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
+
+
+def test_penalties_and_logit_bias_reach_the_engines(client: openai.OpenAI, model: str, backend: FakeBackend) -> None:
+    client.completions.create(model=model, prompt="hi", presence_penalty=0.5, frequency_penalty=-1.0,
+                              logit_bias={"40": -100})
+    sent = backend.get("/prefills")[-1]
+    assert (sent["presence_penalty"], sent["frequency_penalty"], sent["logit_bias"]) == (0.5, -1.0, {"40": -100.0})
+    error = post_raw(client, {"logit_bias": {"nope": 1}})
+    assert error["param"] == "logit_bias"
+
+
+def post_raw(client: openai.OpenAI, extra: dict[str, Any]) -> dict[str, Any]:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL_ID, prompt="hi", extra_body=extra)
+    return caught.value.body  # type: ignore[return-value]
 
 
 def post(gateway: Gateway, **body: Any) -> httpx.Response:
