@@ -30,12 +30,12 @@ from crescent.services.gateway.api_models import (
 )
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
-from crescent.services.gateway.choice_stream import ChoiceStream, status_of
+from crescent.services.gateway.choice_stream import ChoiceStream
 from crescent.services.gateway.choices import choice_requests, collect_choices, leaders_first, resumed
-from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
+from crescent.services.gateway.client_gone import answered, unless_disconnected
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
-from crescent.services.gateway.errors import ApiError, ModelNotFoundError, UnsupportedParameterError
+from crescent.services.gateway.errors import ModelNotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
 from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
@@ -109,55 +109,46 @@ class ChatCompletions:
             ),
         )
 
+    def reply_events(self, body: ChatCompletionRequest, generation: GenerationRequest, record: RequestRecord,
+                     index: int = 0) -> AsyncGenerator[OutputEvent, None]:
+        """One choice's reply as the client sees it: text cut at stop strings, reasoning, tool calls
+        (``responses`` uses it too)."""
+        fmt = self._model.output_format if body.offers_tools() else self._model.output_format.without_tools()
+        text = generate_text(self._backend, self._model.tokenizer, generation, body.stop_strings(), record, index)
+        return parse_output(text, fmt, parallel_tool_calls=body.parallel_tool_calls is not False)
+
     async def handle(self, body: ChatCompletionRequest, request: Request) -> Response:
         request_id = new_request_id()
         # Log records keep the HTTP request id (X-Request-Id) the client sees; link the two once.
         log.info("completion %s", request_id)
         record = RequestRecord(self._metrics)
-        try:
-            body = self.checked(body)  # the card first: a locked n is refused before n is read
-            n = body.n
-            requests = choice_requests(await self._generation_request(body, request_id), n)
-            output_format = self._model.output_format
-            fmt = output_format if body.offers_tools() else output_format.without_tools()
-            events = [
-                parse_output(generate_text(self._backend, self._model.tokenizer, r, body.stop_strings(), record, i),
-                             fmt, parallel_tool_calls=body.parallel_tool_calls is not False)
-                for i, r in enumerate(requests)
-            ]
-            header = ChunkHeader(
-                request_id=request_id,
-                created=int(time.time()),
-                model=self.served_name,
-                include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        return await answered(self._respond(body, request, request_id, record), record, before="the first token")
+
+    async def _respond(self, body: ChatCompletionRequest, request: Request, request_id: RequestId,
+                       record: RequestRecord) -> Response:
+        body = self.checked(body)  # the card first: a locked n is refused before n is read
+        n = body.n
+        requests = choice_requests(await self._generation_request(body, request_id), n)
+        events = [self.reply_events(body, r, record, i) for i, r in enumerate(requests)]
+        header = ChunkHeader(
+            request_id=request_id,
+            created=int(time.time()),
+            model=self.served_name,
+            include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        )
+        if not body.stream:
+            collected = await unless_disconnected(request, self._drain.race(
+                collect_choices(events, [0], partial(_collect, logprobs=body.logprobs))))
+            record.finish("ok")
+            completion = ChatCompletion(
+                id=header.request_id, created=header.created, model=header.model,
+                choices=[choice.model_copy(update={"index": i}) for i, (choice, _) in enumerate(collected)],
+                usage=usage_model(response_usage([finished.usage for _, finished in collected], n)),
             )
-            if not body.stream:
-                collected = await unless_disconnected(request, self._drain.race(
-                    collect_choices(events, [0], partial(_collect, logprobs=body.logprobs))))
-                record.finish("ok")
-                completion = ChatCompletion(
-                    id=header.request_id, created=header.created, model=header.model,
-                    choices=[choice.model_copy(update={"index": i}) for i, (choice, _) in enumerate(collected)],
-                    usage=usage_model(response_usage([finished.usage for _, finished in collected], n)),
-                )
-                return JSONResponse(completion.model_dump())
-            firsts = await unless_disconnected(request, self._drain.race(leaders_first(events, [0])))
-            return SseResponse(ChoiceStream(ChatChunks(header), events, firsts, [record] * n,
-                                            partial(response_usage, n=n), self._drain))
-        except ApiError as exc:
-            log.info("request failed: %s %s", exc.status, exc.message)
-            record.finish(status_of(exc))
-            raise
-        except ClientGone:
-            log.info("client disconnected before the first token")
-            record.finish("cancelled")
-            return Response(status_code=499)  # nobody reads it; the status is for access logs
-        except asyncio.CancelledError:
-            record.finish("cancelled")
-            raise
-        except Exception:
-            record.finish("error")
-            raise
+            return JSONResponse(completion.model_dump())
+        firsts = await unless_disconnected(request, self._drain.race(leaders_first(events, [0])))
+        return SseResponse(ChoiceStream(ChatChunks(header), events, firsts, [record] * n,
+                                        partial(response_usage, n=n), self._drain))
 
 
 async def _collect(events: AsyncGenerator[OutputEvent, None], first: OutputEvent | None, *,

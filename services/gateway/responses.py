@@ -11,27 +11,26 @@ conversation are kept in the ``response_store`` database once it has finished.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.gateway.accounting import RequestRecord
-from crescent.services.gateway.assistant_output import OutputEvent, parse_output
+from crescent.services.gateway.assistant_output import OutputEvent
 from crescent.services.gateway.backend import Backend, RequestId
 from crescent.services.gateway.chat import ChatCompletions
-from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
+from crescent.services.gateway.client_gone import answered, unless_disconnected
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, NotFoundError, UnsupportedParameterError
-from crescent.services.gateway.generation import Finished, generate_text
+from crescent.services.gateway.generation import Finished
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.response_store import ResponseStore
 from crescent.services.gateway.responses_api import INPUT_ITEMS, ResponseRequest
 from crescent.services.gateway.responses_input import Item, chat_request, responses_error
 from crescent.services.gateway.responses_output import OutputBuilder, ResponseDraft, ResponseObject
 from crescent.services.gateway.responses_stream import OnDone, ResponseStream
-from crescent.services.gateway.sse import SseResponse, status_of
+from crescent.services.gateway.sse import SseResponse
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -65,55 +64,39 @@ class Responses:
         draft = ResponseDraft(body, self._chat.served_name)
         log.info("response %s", draft.id)  # links the HTTP request id in log records to this one
         record = RequestRecord(self._metrics)
+        return await answered(self._respond(body, request, draft, record), record, before="the response was ready")
+
+    async def _respond(self, body: ResponseRequest, request: Request, draft: ResponseDraft,
+                       record: RequestRecord) -> Response:
+        unsupported = body.unsupported_values()
+        if unsupported:
+            param, why = unsupported[0]
+            raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
+        conversation = await self._history(body.previous_response_id) + body.input_items()
+        chat_body = chat_request(body, conversation)
         try:
-            unsupported = body.unsupported_values()
-            if unsupported:
-                param, why = unsupported[0]
-                raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
-            conversation = await self._history(body.previous_response_id) + body.input_items()
-            chat_body = chat_request(body, conversation)
-            try:
-                generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id))
-            except ApiError as exc:
-                raise responses_error(exc) from None
-            sampling = generation_request.sampling
-            draft = replace(draft, temperature=sampling.temperature, top_p=sampling.top_p)
-            output_format = self._model.output_format
-            events = parse_output(
-                generate_text(self._backend, self._model.tokenizer, generation_request, (), record),
-                output_format if chat_body.offers_tools() else output_format.without_tools(),
-                parallel_tool_calls=chat_body.parallel_tool_calls is not False,
-            )
-            stored = [item.model_dump(exclude_none=True, by_alias=True) for item in conversation]
-
-            async def on_done(response: ResponseObject, builder: OutputBuilder) -> None:
-                if body.store:
-                    await self._store.put(response.model_dump(), stored + [i.model_dump() for i in builder.items])
-
-            if not body.stream:
-                response = await unless_disconnected(request, self._drain.race(self._collect(draft, events, on_done)))
-                record.finish("ok")
-                return JSONResponse(response.model_dump())
-            try:
-                first = await unless_disconnected(request, self._drain.race(anext(events)))
-            except BaseException:
-                await events.aclose()
-                raise
-            return SseResponse(ResponseStream(draft, first, events, record, self._drain, on_done))
+            generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id))
         except ApiError as exc:
-            log.info("request failed: %s %s", exc.status, exc.message)
-            record.finish(status_of(exc))
+            raise responses_error(exc) from None
+        sampling = generation_request.sampling
+        draft = replace(draft, temperature=sampling.temperature, top_p=sampling.top_p)
+        events = self._chat.reply_events(chat_body, generation_request, record)
+        stored = [item.model_dump(exclude_none=True, by_alias=True) for item in conversation]
+
+        async def on_done(response: ResponseObject, builder: OutputBuilder) -> None:
+            if body.store:
+                await self._store.put(response.model_dump(), stored + [i.model_dump() for i in builder.items])
+
+        if not body.stream:
+            response = await unless_disconnected(request, self._drain.race(self._collect(draft, events, on_done)))
+            record.finish("ok")
+            return JSONResponse(response.model_dump())
+        try:
+            first = await unless_disconnected(request, self._drain.race(anext(events)))
+        except BaseException:
+            await events.aclose()
             raise
-        except ClientGone:
-            log.info("client disconnected before the response was ready")
-            record.finish("cancelled")
-            return Response(status_code=499)  # nobody reads it; the status is for access logs
-        except asyncio.CancelledError:
-            record.finish("cancelled")
-            raise
-        except Exception:
-            record.finish("error")
-            raise
+        return SseResponse(ResponseStream(draft, first, events, record, self._drain, on_done))
 
     async def _collect(self, draft: ResponseDraft, events: AsyncGenerator[OutputEvent, None],
                        on_done: OnDone) -> ResponseObject:

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from crescent.services.gateway.accounting import RequestRecord
 from crescent.services.gateway.assistant_output import OutputEvent
+from crescent.services.gateway.choice_stream import status_of
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, InternalError, RateLimitedError
 from crescent.services.gateway.generation import Finished
@@ -32,7 +33,6 @@ from crescent.services.gateway.responses_output import (
     ResponseObject,
     StreamEvent,
 )
-from crescent.services.gateway.sse import status_of
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ from crescent.services.gateway.api_models import (
     Usage,
 )
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta
-from crescent.services.gateway.choice_stream import status_of  # noqa: F401  (responses imports it from here)
 from crescent.services.gateway.errors import ApiError
 from crescent.services.gateway.generation import Finished, TextDelta
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
