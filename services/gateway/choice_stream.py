@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts
@@ -33,6 +33,23 @@ DONE = "data: [DONE]\n\n"
 
 Event = TypeVar("Event")
 Event_contra = TypeVar("Event_contra", contravariant=True)
+
+
+T = TypeVar("T")
+
+
+async def result_or_error(work: Awaitable[T]) -> T | ApiError:
+    """``work``'s result, or the error a client should see when it failed after the stream began
+    (a generation that ended without a finish included)."""
+    try:
+        return await work
+    except ApiError as exc:
+        return exc
+    except StopAsyncIteration:
+        return InternalError("the generation ended without a finish")
+    except Exception:  # noqa: BLE001 - a bug: logged here, the client gets an error event
+        log.exception("stream failed")
+        return InternalError("internal error")
 
 
 def status_of(error: ApiError) -> RequestStatus:
@@ -118,18 +135,10 @@ class ChoiceStream(Generic[Event]):
                     yield chunk
             if not self._reading:
                 break
-            try:
-                ready = await self._drain.race(self._next_events())
-            except ApiError as exc:
-                error: ApiError = exc
-            except StopAsyncIteration:
-                error = InternalError("the generation ended without a finish")
-            except Exception:
-                log.exception("stream failed")
-                error = InternalError("internal error")
-            else:
+            ready = await result_or_error(self._drain.race(self._next_events()))
+            if not isinstance(ready, ApiError):
                 continue
-            yield self._error(error)
+            yield self._error(ready)
             yield DONE
             return
         if (usage := self._fmt.usage(self._total([self._usage[i] for i in sorted(self._usage)]))) is not None:

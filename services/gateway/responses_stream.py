@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from crescent.services.gateway.accounting import RequestRecord
 from crescent.services.gateway.assistant_output import OutputEvent
-from crescent.services.gateway.choice_stream import status_of
+from crescent.services.gateway.choice_stream import result_or_error, status_of
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, InternalError, RateLimitedError
 from crescent.services.gateway.generation import Finished
@@ -91,19 +91,11 @@ class ResponseStream:
                 return
             for built in self._builder.push(event):
                 yield self._sse(built)
-            try:
-                self._next = asyncio.ensure_future(anext(self._events))
-                event = await self._drain.race(self._next)
-            except ApiError as exc:
-                error: ApiError = exc
-            except StopAsyncIteration:
-                error = InternalError("the generation ended without a finish")
-            except Exception:
-                log.exception("stream failed")
-                error = InternalError("internal error")
-            else:
+            self._next = asyncio.ensure_future(anext(self._events))
+            event = await result_or_error(self._drain.race(self._next))
+            if not isinstance(event, ApiError):
                 continue
-            for line in self._failed(error):
+            for line in self._failed(event):
                 yield line
             return
 
