@@ -16,27 +16,14 @@ every choice is an independent draw.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
+from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.gateway.backend import GenerationRequest, RequestId
 
-MAX_CHOICES = 16  # n per prompt: each choice holds its own decode slot and KV copy
-
-T = TypeVar("T")
-E = TypeVar("E")
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed choice ``index`` samples with: ``seed`` for choice 0, else a signed 64-bit value
-    derived from (seed, index) by BLAKE2b, the same on every gateway and every run."""
-    if seed is None or index == 0:
-        return seed
-    digest = hashlib.blake2b(f"crescent-choice:{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
+__all__ = ["MAX_CHOICES", "choice_seed", "choice_requests", "all_or_none", "collect_choices", "leaders_first", "resumed"]
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
     """The ``n`` backend requests of one prompt; with ``n = 1``, ``request`` itself (same id)."""
