@@ -25,6 +25,10 @@ from crescent.services.gateway.backend import GenerationRequest, RequestId
 
 __all__ = ["MAX_CHOICES", "choice_seed", "choice_requests", "all_or_none", "collect_choices", "leaders_first", "resumed"]
 
+T = TypeVar("T")
+E = TypeVar("E")
+
+
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
     """The ``n`` backend requests of one prompt; with ``n = 1``, ``request`` itself (same id)."""
     if n == 1:
