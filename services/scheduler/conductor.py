@@ -196,7 +196,7 @@ class Conductor:
 
     # ---- placement -------------------------------------------------------------------------
 
-    def view(self, model_id: str = "", need_kv_tokens: int = 0) -> ClusterView:
+    def view(self, model_id: str = "", need_kv_tokens: int = 0, sequences: int = 1) -> ClusterView:
         """The cluster as the policy sees it: reported load plus what reports do not cover yet."""
         now = self._clock()
         prefill, decode = [], []
@@ -208,7 +208,7 @@ class Conductor:
         for r in self.registry.placeable(Role.DECODE):
             if model_id and r.spec.model_id != model_id:
                 continue
-            decode.append(self._decode_candidate(r, need_kv_tokens, now))
+            decode.append(self._decode_candidate(r, need_kv_tokens, sequences, now))
         registered = {SourceId(r.spec.instance_id) for r in self.registry.all()}
         kvstores = {SourceId(r.spec.instance_id) for r in self.registry.live(Role.KVSTORE)}
         # Unregistered sources publishing events are older kvstore nodes: shared too.
@@ -240,14 +240,14 @@ class Conductor:
             queue_s += unknown * cost.seconds(unknown_tokens // unknown)
         return queue_s
 
-    def _decode_candidate(self, r: InstanceRecord, need_kv_tokens: int, now: float) -> DecodeCandidate:
+    def _decode_candidate(self, r: InstanceRecord, need_kv_tokens: int, sequences: int, now: float) -> DecodeCandidate:
         spec, load = r.spec, r.load
         pending, pending_kv, pending_prompt = r.reservations.pending_totals()
         batch = load.running_requests + load.queued_requests + pending
         context = load.queued_tokens + pending_prompt
         capacity = spec.kv_capacity_tokens if spec.kv_capacity_tokens > 0 else None
         free = load.free_kv_tokens - pending_kv if capacity is not None else None
-        slot_short = bool(spec.max_batch_size) and batch + 1 > spec.max_batch_size
+        slot_short = bool(spec.max_batch_size) and batch + sequences > spec.max_batch_size
         releases: tuple[tuple[float, int], ...] = ()
         if capacity is not None and (slot_short or (free is not None and free < need_kv_tokens)):
             running = min(batch, spec.max_batch_size) if spec.max_batch_size else batch
@@ -264,16 +264,17 @@ class Conductor:
         known = []
         for e in held:  # one still waiting at the instance makes no progress
             done = (now - e.running_since) / step_s if e.running_since is not None and step_s > 0 else 0.0
-            known.append(KnownRequest(e.tokens, e.max_tokens - done, 0.0))
+            known.append(KnownRequest(e.tokens, e.max_tokens - done, 0.0, e.sequences))
         pending = sorted(r.reservations.pending(), key=lambda e: e.placed_at + e.ready_in_s)
-        known += [KnownRequest(e.tokens, e.max_tokens, max(e.ready_in_s - (now - e.placed_at), 0.0)) for e in pending]
+        known += [KnownRequest(e.tokens, e.max_tokens, max(e.ready_in_s - (now - e.placed_at), 0.0), e.sequences)
+                  for e in pending]
         return project_releases(known, room, r.spec.max_batch_size, step_s)
 
     def place(self, request_id: str, model_id: str, block_keys: tuple[BlockKey, ...],
-              prompt_tokens: int, max_tokens: int, block_size: int = 0) -> Decision:
+              prompt_tokens: int, max_tokens: int, block_size: int = 0, n: int = 1) -> Decision:
         """Place one request, or reject it with its true reason. ``block_size``: the one the
         caller computed ``block_keys`` with (0: not stated); another than the model's raises
-        ``BlockSizeMismatchError``."""
+        ``BlockSizeMismatchError``. ``n``: choices decoded from the prompt, placed together."""
         model_block = self.model_block_size(model_id)
         if block_size and model_block and block_size != model_block:
             raise BlockSizeMismatchError(
@@ -282,9 +283,10 @@ class Conductor:
             )
         request_id = request_id or f"anonymous-{next(self._anonymous)}"
         self.release(request_id)  # placed again (a retry, a migration): the earlier promise is void
-        view = self.view(model_id, prompt_tokens + max_tokens)
         assumed = next((r.spec.block_size for r in self.registry.live(Role.PREFILL) if r.spec.model_id == model_id), 1)
-        request = PlacementRequest(request_id, block_keys, prompt_tokens, max_tokens, model_block or block_size or assumed)
+        request = PlacementRequest(request_id, block_keys, prompt_tokens, max_tokens,
+                                   model_block or block_size or assumed, n)
+        view = self.view(model_id, request.decode_kv_tokens, request.sequences)
         decision = self.policy.place(request, view)
         if isinstance(decision, Rejection) and decision.reason.startswith("no_") and model_id:
             decision = Rejection(decision.reason, f"{decision.message} for model {model_id!r}", decision.retry_after_s)
@@ -301,7 +303,8 @@ class Conductor:
         assert prefill is not None and decode is not None  # the view came from the registry just now
         prefill.reservations.add(Reservation(request.request_id, prompt - cached, prompt, max_tokens, now, 0.0))
         decode.reservations.add(
-            Reservation(request.request_id, prompt + max_tokens, prompt, max_tokens, now, decision.predicted_ttft_s)
+            Reservation(request.request_id, request.decode_kv_tokens, prompt, max_tokens, now, decision.predicted_ttft_s,
+                        sequences=request.sequences)
         )
         self._placed[request.request_id] = _Placed(decision.prefill, decision.decode, decision.predicted_ttft_s)
         if len(self._placed) > _REMEMBERED_PLACEMENTS:

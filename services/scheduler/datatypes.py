@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from crescent.services.common.block_keys import BlockKey
+from crescent.services.common.choices import choices_kv_tokens
 
 InstanceId = NewType("InstanceId", str)
 SourceId = NewType("SourceId", str)  # an instance or a kvstore node that holds blocks
@@ -67,6 +68,18 @@ class PlacementRequest:
     prompt_tokens: int
     max_tokens: int
     block_size: int
+    n: int = 1  # choices decoded from the prompt, on one decode instance
+
+    @property
+    def sequences(self) -> int:
+        """Rows the request adds to its decode batch: one per choice."""
+        return max(self.n, 1)
+
+    @property
+    def decode_kv_tokens(self) -> int:
+        """Decode KV the request holds for its life: the prompt's full blocks are shared by the
+        choices, so n choices cost less than n requests."""
+        return choices_kv_tokens(self.prompt_tokens, self.max_tokens, self.n, self.block_size)
 
 
 @dataclass(frozen=True, slots=True)

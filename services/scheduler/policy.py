@@ -174,7 +174,7 @@ class Policy(ABC):
         """``arrives_in_s``: when the request reaches decode (its predicted TTFT); what frees
         before then is free for it. Its first token comes from prefill: a wait at decode is a
         stall before the second."""
-        need = request.prompt_tokens + request.max_tokens
+        need = request.decode_kv_tokens
         kv_wait = 0.0
         if d.free_kv_tokens is not None and d.free_kv_tokens < need:
             if d.kv_capacity_tokens is not None and need > d.kv_capacity_tokens:
@@ -193,11 +193,12 @@ class Policy(ABC):
     def decode_step_and_slot_wait(self, d: DecodeCandidate, request: PlacementRequest,
                                   arrives_in_s: float) -> tuple[float, float]:
         """The step time of the batch the request joins (at most ``max_batch_size`` run at once)
-        and its wait for a place in that batch."""
-        batch = d.batch_size + 1
+        and its wait for a place in that batch. Each of its n choices is a row of the batch."""
+        batch = d.batch_size + request.sequences
         running = min(batch, d.max_batch_size) if d.max_batch_size else batch
-        # Over its life the request sits in the batch with its prompt plus half its output.
-        context = (d.context_tokens + request.prompt_tokens + request.max_tokens // 2) * running // batch
+        # Over its life each row sits in the batch with the prompt plus half its output.
+        own_context = (request.prompt_tokens + request.max_tokens // 2) * request.sequences
+        context = (d.context_tokens + own_context) * running // batch
         step = self.costs.decode.step_seconds(running, context)
         waiting = batch - running
         if not waiting:
@@ -228,14 +229,17 @@ def seconds_until_freed(releases: Sequence[tuple[float, int]], tokens: int) -> f
 def exceeds_capacity(request: PlacementRequest, decode: Sequence[DecodeCandidate]) -> Rejection | None:
     """A request larger than every decode instance's whole KV can never run: refused, not queued."""
     capacities = [d.kv_capacity_tokens for d in decode]
-    need = request.prompt_tokens + request.max_tokens
+    need = request.decode_kv_tokens
     if any(c is None or c >= need for c in capacities):
         return None
     largest = max(c for c in capacities if c is not None)
+    if request.n > 1:
+        parts = f"{request.n} choices of prompt {request.prompt_tokens} with max_tokens {request.max_tokens} each"
+    else:
+        parts = f"prompt {request.prompt_tokens} + max_tokens {request.max_tokens}"
     return Rejection(
         "exceeds_kv_capacity",
-        f"the request needs {need} tokens of decode KV (prompt {request.prompt_tokens} + max_tokens "
-        f"{request.max_tokens}); the largest decode instance holds {largest}",
+        f"the request needs {need} tokens of decode KV ({parts}); the largest decode instance holds {largest}",
         0.0,
     )
 

@@ -2,7 +2,7 @@
 covers it.
 
 A placement reserves work on its prefill instance (the tokens it must compute) and KV on its
-decode instance (prompt + max_tokens). A reservation is *pending* until the instance lists the
+decode instance (prompt + max_tokens, or the n-choice figure). A reservation is *pending* until the instance lists the
 request in a load report: from then on the report's own figures include it. The book keeps such
 a request as *held* — never counted again against reported capacity — because what the
 scheduler knows of it one by one predicts better than totals: when a decode request frees its
@@ -20,13 +20,14 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class Reservation:
     request_id: str
-    tokens: int                  # prefill: tokens to compute; decode: KV tokens (prompt + max_tokens)
+    tokens: int                  # prefill: tokens to compute; decode: KV tokens (PlacementRequest.decode_kv_tokens)
     prompt_tokens: int           # prefill: tokens - prompt_tokens are cached
     max_tokens: int
     placed_at: float
     ready_in_s: float            # decode: predicted time until the request reaches it (its TTFT)
     held_since: float | None = None  # first listed by the instance
     running_since: float | None = None  # decode: first seen among the instance's running requests
+    sequences: int = 1           # decode: batch rows, one per choice
 
 
 class ReservationBook:
@@ -85,12 +86,13 @@ class ReservationBook:
                 e.running_since = now
 
     def pending_totals(self) -> tuple[int, int, int]:
-        """(requests, tokens, prompt tokens) still pending."""
+        """(sequences, tokens, prompt tokens per sequence) still pending: a request of n choices
+        is n rows of a decode batch, each attending to the prompt."""
         n = tokens = prompt = 0
         for e in self.pending():
-            n += 1
+            n += e.sequences
             tokens += e.tokens
-            prompt += e.prompt_tokens
+            prompt += e.prompt_tokens * e.sequences
         return n, tokens, prompt
 
     def __contains__(self, request_id: object) -> bool:

@@ -9,6 +9,7 @@ import grpc
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.common.block_keys import BlockKey
+from crescent.services.common.choices import MAX_CHOICES
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import scheduler_metrics
 from crescent.services.scheduler.conductor import (
@@ -87,6 +88,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             if request.prompt_tokens <= 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be positive")
+            if not 0 <= request.n <= MAX_CHOICES:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"n must be between 0 and {MAX_CHOICES} (0 or 1: one choice)")
             start = time.perf_counter()
             try:
                 decision = self.conductor.place(
@@ -96,6 +99,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     request.prompt_tokens,
                     max(request.max_tokens, 1),
                     max(request.block_size, 0),
+                    max(request.n, 1),
                 )
             except BlockSizeMismatchError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
