@@ -5,6 +5,9 @@ context window), all it can ever need. A request is *waiting* until the pages no
 admitted requests cover its reservation, *admitted* from then until it ends. The sum over
 admitted requests never exceeds the cache, which is why no step can run out of pages; what
 the scheduler hears as free is what is promised to nobody, waiting requests included.
+
+A request of ``n`` choices reserves the prompt's full pages once and each choice's own pages
+(its copy of the last partial page and its output); a choice that ends early gives its own back.
 """
 
 from __future__ import annotations
@@ -22,6 +25,16 @@ class KvLedger:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def own_pages(self, prompt_tokens: int, reserve_tokens: int) -> int:
+        """Pages one of several choices holds alone: all it may need but the prompt's full pages."""
+        return self.pages_for(reserve_tokens) - prompt_tokens // self.page_size
+
+    def pages_for_choices(self, prompt_tokens: int, reserve_tokens: int, choices: int) -> int:
+        """Pages ``choices`` sequences of one prompt may ever hold, each up to ``reserve_tokens``."""
+        if choices <= 1:
+            return self.pages_for(reserve_tokens)
+        return prompt_tokens // self.page_size + choices * self.own_pages(prompt_tokens, reserve_tokens)
+
     @property
     def admitted_pages(self) -> int:
         return sum(self.admitted.values())
@@ -35,9 +48,15 @@ class KvLedger:
         """Token slots promised to no request held here."""
         return max(self.num_pages - self.promised_pages, 0) * self.page_size
 
-    def wait(self, request_id: str, reserve_tokens: int) -> None:
+    def wait(self, request_id: str, pages: int) -> None:
         assert request_id not in self.waiting and request_id not in self.admitted, request_id
-        self.waiting[request_id] = self.pages_for(reserve_tokens)
+        self.waiting[request_id] = pages
+
+    def shrink(self, request_id: str, pages: int) -> None:
+        """Part of a request's reservation goes back (one of its choices ended)."""
+        held = self.admitted if request_id in self.admitted else self.waiting
+        assert held.get(request_id, 0) >= pages, (request_id, pages)
+        held[request_id] -= pages
 
     def fits_now(self, request_id: str) -> bool:
         """Whether a waiting request's reservation fits beside the admitted ones."""

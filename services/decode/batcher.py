@@ -11,6 +11,11 @@ One asyncio task owns the running set. Each step runs the next token of up to
 pushes the tokens to each request's queue, which its StreamTokens call drains. If a step
 raises, its sequences run again one by one, so only a broken sequence ends (with an error).
 Finished and aborted requests give their pages back at once.
+
+A request with ``n > 1`` choices is admitted as one: its reservation is the prompt's full
+pages once plus each choice's own pages (partial page copy and output), and its choices join
+the batch as sequences of their own. A choice that ends (or that the gateway aborts alone)
+gives back its own pages at once; the shared ones go with the last.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from crescent.services.common.metrics import EngineMetrics, engine_metrics
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.decode.admission import KvLedger
-from crescent.services.engine.constraints import ConstraintError, TokenConstraint, submit_masks
+from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
+from crescent.services.engine.constraints import ConstraintError, submit_masks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.logprobs import TokenLogprob, token_logprob
@@ -37,18 +43,7 @@ from crescent.services.engine.sampler import SamplingConfig, sample_batch
 
 log = logging.getLogger(__name__)
 
-# How a request ended when it did not finish normally; StreamTokens turns these into gRPC errors.
-ERROR = "error"          # its own step failed
-DRAINING = "draining"    # the instance shut down before it finished (the gateway migrates it)
-ABORTED = "aborted"      # the gateway asked (Abort) or nobody streamed it
-
-
-@dataclass(frozen=True, slots=True)
-class TokenUpdate:
-    token_ids: tuple[int, ...]
-    finish_reason: str | None  # "stop", "length", one of the endings above, or None while running
-    detail: str = ""
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them
+__all__ = ["ABORTED", "DRAINING", "ERROR", "Batcher", "Choice", "DecodeRequest", "TokenUpdate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,27 +54,28 @@ class Sampled:
     logprob: TokenLogprob | None = None
 
 
-@dataclass(slots=True, eq=False)  # compared by identity: it holds tensors and a queue
-class DecodeRequest:
-    request_id: str
-    token_ids: list[int]              # prompt + the first token (sampled by prefill)
-    payloads: list[torch.Tensor] | None  # the prompt's KV while it waits; None once in the cache
-    sampling: SamplingConfig
-    max_tokens: int                   # tokens to generate, the first one (prefill's) included
-    stop_token_ids: frozenset[int]
-    reserve_tokens: int               # KV tokens it may ever hold: prompt + max_tokens, within the context
-    first_step: int = 0               # seeded sampling step of the first token (after a migration)
-    constraint: TokenConstraint | None = None  # structured output: its matcher has taken every token so far
-    generated: int = 1                # the first token came from prefill
-    seq: Sequence | None = None       # set once admitted
-    queue: asyncio.Queue[TokenUpdate] = field(default_factory=asyncio.Queue)
-    claimed: bool = False
-    received_at: float = field(default_factory=time.monotonic)
-    finished: bool = False
+def adopt_choices(engine: Engine, request: DecodeRequest, payloads: list[torch.Tensor]) -> list[Sequence]:
+    """The request's sequences (engine thread): the first choice adopts the prompt's KV, the
+    others fork it. Raises ``CacheFullError`` when the pages are not there; nothing is held then."""
+    first, *others = request.open_choices
+    seq_id = request.request_id if not others else f"{request.request_id}/{first.index}"
+    seq = engine.adopt_sequence(seq_id, first.token_ids, request.prompt_tokens, payloads,
+                                reserve_tokens=request.reserve_tokens)
+    seqs = [seq]
+    try:
+        for choice in others:
+            seqs.append(engine.fork_sequence(seq, f"{request.request_id}/{choice.index}", choice.token_ids[-1],
+                                             reserve_tokens=request.reserve_tokens))
+    except BaseException:
+        for s in seqs:
+            engine.release(s)
+        raise
+    return seqs
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.token_ids) - 1
+
+def release_all(engine: Engine, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        engine.release(seq)
 
 
 def forward_and_sample(engine: Engine, seqs: list[Sequence], cfgs: list[SamplingConfig],
@@ -145,15 +141,18 @@ class Batcher:
         """Whether the id is in use here (its record or its pages are not gone yet)."""
         return request_id in self.requests or request_id in self.ledger.admitted or request_id in self.ledger.waiting
 
-    def never_fits(self, reserve_tokens: int) -> bool:
-        return self.ledger.pages_for(reserve_tokens) > self.ledger.num_pages
+    def never_fits(self, prompt_tokens: int, reserve_tokens: int, choices: int = 1) -> bool:
+        return self.ledger.pages_for_choices(prompt_tokens, reserve_tokens, choices) > self.ledger.num_pages
 
     def accept(self, request: DecodeRequest) -> None:
         """Take a request; it waits for its reservation (FIFO) and joins the batch between steps."""
         assert request.request_id not in self.requests, request.request_id
-        assert not self.never_fits(request.reserve_tokens), "the servicer refuses what can never fit"
+        choices = len(request.choices)
+        assert choices and not self.never_fits(request.prompt_tokens, request.reserve_tokens, choices), \
+            "the servicer refuses what can never fit"
         self.requests[request.request_id] = request
-        self.ledger.wait(request.request_id, request.reserve_tokens)
+        self.ledger.wait(request.request_id,
+                         self.ledger.pages_for_choices(request.prompt_tokens, request.reserve_tokens, choices))
         self.waiting.append(request)
         self._wake.set()
         self._update_gauges()
@@ -173,6 +172,22 @@ class Batcher:
             self._finish(request)
         else:
             self.on_change()
+        self._update_gauges()
+        return True
+
+    def abort_choice(self, request_id: str, index: int, why: str) -> bool:
+        """End one choice of a request and free its own KV now (the gateway found a stop string
+        in it); the last open choice ends the request. False when the request is not here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        choice = request.choice(index)
+        if choice is None or choice.finished or request.finished:
+            return True
+        if len(request.open_choices) == 1:
+            return self.abort(request_id, why)
+        log.info("ending choice %d of %s: %s", index, request_id, why)
+        self._end_choice(request, choice)
         self._update_gauges()
         return True
 
@@ -218,7 +233,7 @@ class Batcher:
         """Admit what fits, then run one step (or wait for work)."""
         self._expire_unclaimed()
         await self._admit_waiting()
-        batch = [r for r in self.running if not r.finished][: self.max_batch_size]
+        batch = self.open_sequences()[: self.max_batch_size]
         self._update_gauges()
         if not batch:
             self._wake.clear()
@@ -235,11 +250,9 @@ class Batcher:
             request = self.waiting.popleft()
             self.ledger.admit(request.request_id)
             payloads, request.payloads = request.payloads, None
+            choices = request.open_choices
             try:
-                seq = await self.worker.run(
-                    self.engine.adopt_sequence, request.request_id, request.token_ids, request.prompt_tokens,
-                    payloads, reserve_tokens=request.reserve_tokens,
-                )
+                seqs = await self.worker.run(adopt_choices, self.engine, request, payloads)
             except CacheFullError:  # the ledger and the cache disagree: wait for pages, do not fail it
                 log.exception("admitting %s: the cache had fewer pages than promised; it waits", request.request_id)
                 if request.finished:
@@ -257,67 +270,83 @@ class Batcher:
                     request.finished = True
                 self._release(request)  # the engine gave its pages back; this returns the promise
                 continue
-            request.seq = seq
+            for choice, seq in zip(choices, seqs):
+                choice.seq = seq
             if request.finished:  # aborted while its KV was being loaded
                 self._release(request)
-            else:
-                self.running.append(request)
+                continue
+            for choice in choices:
+                if choice.finished:  # this choice alone was aborted meanwhile
+                    self._release_seqs(choice)
+            self.running.append(request)
 
-    async def _step(self, batch: list[DecodeRequest]) -> None:
+    def open_sequences(self) -> list[tuple[DecodeRequest, Choice]]:
+        """Every admitted choice still generating, in admission order."""
+        return [(r, c) for r in self.running if not r.finished for c in r.choices if not c.finished]
+
+    async def _step(self, batch: list[tuple[DecodeRequest, Choice]]) -> None:
         start = time.perf_counter()
         try:
             results = await self._run(batch)
         except Exception:  # noqa: BLE001 - isolate: one sequence's failure must not end the others
             log.exception("decode step of %d sequences failed; running them one by one", len(batch))
             results = []
-            for request in batch:
-                if request.finished:  # aborted meanwhile: its sequence is gone
+            for request, choice in batch:
+                if request.finished or choice.finished:  # aborted meanwhile: its sequence is gone
                     results.append(RuntimeError("ended"))
                     continue
                 try:
-                    results += await self._run([request])
+                    results += await self._run([(request, choice)])
                 except Exception as exc:  # noqa: BLE001 - ends only this request
                     results.append(exc)
         self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - start)
         self.metrics.batch_size.labels("decode").observe(len(batch))
-        context_limit = self.engine.config.max_position_embeddings
-        for request, result in zip(batch, results):
-            if request.finished:
+        for (request, choice), result in zip(batch, results):
+            if request.finished or choice.finished:
                 continue  # aborted while the step ran; its pages are already released
             if isinstance(result, Exception):
                 log.error("decode step failed for %s: %r", request.request_id, result)
                 self._fail(request, f"decode step failed: {result}")
                 continue
-            token = result.token_id
-            if request.constraint is not None:
-                try:
-                    request.constraint.advance(token)
-                except ConstraintError as exc:
-                    log.error("constraint of %s: %s", request.request_id, exc)
-                    self._fail(request, f"structured output failed: {exc}")
-                    continue
-            self.metrics.generated_tokens.labels("decode").inc()
-            request.generated += 1
-            reason = None
-            assert request.seq is not None
-            if token in request.stop_token_ids:
-                reason = "stop"
-            elif request.generated >= request.max_tokens or request.seq.num_tokens + 1 >= context_limit:
-                reason = "length"
-            logprobs = (result.logprob,) if result.logprob is not None else ()
-            request.queue.put_nowait(TokenUpdate((token,), reason, logprobs=logprobs))
-            if reason is None:
-                request.seq.token_ids.append(token)
-            else:
-                # The record stays until its stream has read this last update (or expires).
-                self.metrics.requests.labels("decode", "ok").inc()
-                self._finish(request)
+            self._take(request, choice, result)
 
-    async def _run(self, batch: list[DecodeRequest]) -> list[Sampled | Exception]:
-        seqs = [r.seq for r in batch]
-        cfgs = [r.sampling for r in batch]
-        steps = [r.first_step + r.generated for r in batch]
-        masks = submit_masks([r.constraint for r in batch]) if any(r.constraint for r in batch) else None
+    def _take(self, request: DecodeRequest, choice: Choice, result: Sampled) -> None:
+        """A choice's new token: streamed, and the choice ended when it stops it."""
+        token = result.token_id
+        if choice.constraint is not None:
+            try:
+                choice.constraint.advance(token)
+            except ConstraintError as exc:
+                log.error("constraint of %s: %s", request.request_id, exc)
+                self._fail(request, f"structured output failed: {exc}")
+                return
+        self.metrics.generated_tokens.labels("decode").inc()
+        choice.generated += 1
+        assert choice.seq is not None
+        reason = None
+        if token in request.stop_token_ids:
+            reason = "stop"
+        elif (choice.generated >= request.max_tokens
+              or choice.seq.num_tokens + 1 >= self.engine.config.max_position_embeddings):
+            reason = "length"
+        logprobs = (result.logprob,) if result.logprob is not None else ()
+        last = reason is not None and len(request.open_choices) == 1
+        request.queue.put_nowait(TokenUpdate((token,), reason, logprobs=logprobs, index=choice.index, last=last))
+        if reason is None:
+            choice.seq.token_ids.append(token)
+        elif last:
+            # The record stays until its stream has read this last update (or expires).
+            self.metrics.requests.labels("decode", "ok").inc()
+            self._finish(request)
+        else:
+            self._end_choice(request, choice)
+
+    async def _run(self, batch: list[tuple[DecodeRequest, Choice]]) -> list[Sampled | Exception]:
+        seqs = [c.seq for _, c in batch]
+        cfgs = [c.sampling for _, c in batch]
+        steps = [r.first_step + c.generated for r, c in batch]
+        constraints = [c.constraint for _, c in batch]
+        masks = submit_masks(constraints) if any(constraints) else None
         return await self.worker.run(forward_and_sample, self.engine, seqs, cfgs, steps, masks)
 
     # ---- endings ---------------------------------------------------------------------------
@@ -333,17 +362,29 @@ class Batcher:
         request.payloads = None
         if request in self.waiting:
             self.waiting.remove(request)
-        if request.seq is not None or request.request_id not in self.ledger.admitted:
+        if any(c.seq is not None for c in request.choices) or request.request_id not in self.ledger.admitted:
             self._release(request)
         # else: it is being admitted right now; _admit_waiting releases it when that returns
+
+    def _end_choice(self, request: DecodeRequest, choice: Choice) -> None:
+        """One choice of several generates no more: its own pages and promise go back now."""
+        choice.finished = True
+        self.ledger.shrink(request.request_id, self.ledger.own_pages(request.prompt_tokens, request.reserve_tokens))
+        self._release_seqs(choice)
 
     def _release(self, request: DecodeRequest) -> None:
         self.ledger.release(request.request_id)
         if request in self.running:
             self.running.remove(request)
-        if request.seq is not None:
-            self.worker.submit(self.engine.release, request.seq, then=self._after_release)
-            request.seq = None
+        self._release_seqs(*request.choices)
+
+    def _release_seqs(self, *choices: Choice) -> None:
+        """The choices' sequences go back to the engine (pages shared with another choice stay)."""
+        seqs = [c.seq for c in choices if c.seq is not None]
+        for choice in choices:
+            choice.seq = None
+        if seqs:
+            self.worker.submit(release_all, self.engine, seqs, then=self._after_release)
         else:
             self._after_release()
         self._wake.set()  # a waiting request may fit now
@@ -361,7 +402,7 @@ class Batcher:
     def _update_gauges(self) -> None:
         pages = self.engine.cache.pages
         self.metrics.kv_used_tokens.labels("decode").set((pages.num_pages - pages.free_pages) * self.engine.page_size)
-        running = sum(not r.finished for r in self.running)
+        running = len(self.open_sequences())
         in_step = min(running, self.max_batch_size)
         self.metrics.running.labels("decode").set(in_step)
         self.metrics.queue_depth.labels("decode").set(len(self.waiting) + running - in_step)

@@ -28,12 +28,12 @@ class DecodeRole:
 
     def load(self) -> EngineLoad:
         b = self.batcher
-        admitted = [r for r in b.running if not r.finished]
+        admitted = [c for _, c in b.open_sequences()]
         in_step = min(len(admitted), b.max_batch_size)
         return EngineLoad(
             queued_requests=len(b.waiting) + len(admitted) - in_step,
-            queued_tokens=sum(r.seq.num_tokens if r.seq else len(r.token_ids) for r in admitted)
-            + sum(len(r.token_ids) for r in b.waiting),
+            queued_tokens=sum(c.seq.num_tokens if c.seq else len(c.token_ids) for c in admitted)
+            + sum(len(c.token_ids) for r in b.waiting for c in r.choices),
             running_requests=in_step,
             active_request_ids=list(b.requests),
             finished_request_ids=b.drain_left(),

@@ -4,21 +4,27 @@ Handoff accepts a request whenever it could ever fit this instance's cache; it t
 the batcher for its pages (see batcher.py) instead of being refused. Refusals: malformed input
 (INVALID_ARGUMENT), a reservation larger than the whole cache (RESOURCE_EXHAUSTED), a request
 aborted before it arrived (ABORTED), a draining instance (UNAVAILABLE).
+
+A handoff of ``n > 1`` choices carries every choice's first token; the choices decode on the
+prompt's shared KV and stream through one StreamTokens call, each event tagged with its choice.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
+from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
-from crescent.services.decode.batcher import ABORTED, DRAINING, ERROR, Batcher, DecodeRequest
+from crescent.services.decode.batcher import Batcher
+from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
 from crescent.services.engine.wire import KV_DTYPE, block_tensor, logprob_message, sampling_config
 
@@ -37,6 +43,30 @@ _ENDINGS = {
 def _max_tokens(header: decode_pb2.HandoffHeader) -> int:
     """Tokens to generate, prefill's first one included."""
     return max(header.sampling.max_tokens, 1)
+
+
+def _first_tokens(header: decode_pb2.HandoffHeader) -> list[int]:
+    """Every choice's first token, in index order."""
+    return list(header.first_token_ids) or [header.first_token_id]
+
+
+def _open_choices(header: decode_pb2.HandoffHeader) -> int:
+    """Choices left to decode (prefill ended the others at their first token)."""
+    return len(_first_tokens(header)) - len(set(header.finished_choices))
+
+
+def _coalesced(updates: list[TokenUpdate]) -> list[TokenUpdate]:
+    """Consecutive updates of one choice in one message (a reader that fell behind catches up)."""
+    out: list[TokenUpdate] = []
+    for update in updates:
+        prev = out[-1] if out else None
+        if (prev is not None and prev.finish_reason is None and prev.index == update.index
+                and update.finish_reason not in _ENDINGS):
+            out[-1] = replace(update, token_ids=prev.token_ids + update.token_ids,
+                              logprobs=prev.logprobs + update.logprobs)
+        else:
+            out.append(update)
+    return out
 
 
 class Tombstones:
@@ -92,18 +122,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         problem = self._check(header, payloads)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        token_ids = [*header.prompt_token_ids, header.first_token_id]
         first_step = max(header.sampling.first_step, 0)
-        # The constraint continues where prefill left it: it takes every token generated so far.
-        constraint = await self._constraint(header.sampling, token_ids[len(token_ids) - first_step - 1:], context)
-        await self._refuse_early(header, context)  # again: the stream took a while
         stops = stop_token_ids(header.sampling.stop_token_ids, self.engine.config.eos_token_ids,
                                header.sampling.ignore_eos)
+        sampling = sampling_config(header.sampling, stops)
+        choices = []
+        for index, first in enumerate(_first_tokens(header)):
+            if index in header.finished_choices:
+                continue
+            token_ids = [*header.prompt_token_ids, first]
+            # The constraint continues where prefill left it: it takes every token generated so far.
+            constraint = await self._constraint(header.sampling, token_ids[len(token_ids) - first_step - 1:], context)
+            choices.append(Choice(index, token_ids, replace(sampling, seed=choice_seed(sampling.seed, index)),
+                                  constraint))
+        await self._refuse_early(header, context)  # again: the stream took a while
         self.batcher.accept(DecodeRequest(
-            request_id=header.request_id, token_ids=token_ids,
-            payloads=payloads, sampling=sampling_config(header.sampling, stops), max_tokens=_max_tokens(header),
+            request_id=header.request_id, choices=choices, payloads=payloads, max_tokens=_max_tokens(header),
             stop_token_ids=stops, reserve_tokens=self._reserve_tokens(header), first_step=first_step,
-            constraint=constraint,
         ))
         metrics = self.batcher.metrics
         metrics.transfer_bytes.labels("decode", "handoff_in").inc(received)
@@ -133,11 +168,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.batcher.holds(request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already here")
         reserve = self._reserve_tokens(header)
-        if self.batcher.never_fits(reserve):
+        choices = _open_choices(header)
+        if self.batcher.never_fits(len(header.prompt_token_ids), reserve, choices):
+            each = f" for each of {choices} choices" if choices > 1 else ""
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"request needs {reserve} KV tokens (prompt {len(header.prompt_token_ids)} + max_tokens "
-                f"{_max_tokens(header)}), more than this decode instance's whole cache of "
+                f"{_max_tokens(header)}){each}, more than this decode instance's whole cache of "
                 f"{self.engine.cache.capacity_tokens} tokens",
             )
 
@@ -150,6 +187,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return f"prompt of {prompt_len} tokens does not fit the context window"
         if header.kv_dtype != KV_DTYPE or tuple(header.kv_block_shape) != self.engine.cache.block_shape:
             return f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} != {self.engine.cache.block_shape}"
+        firsts = _first_tokens(header)
+        n = max(header.sampling.n, 1)
+        if header.first_token_ids and len(firsts) != n:
+            return f"{len(firsts)} first tokens for n = {n}"
+        if n > MAX_CHOICES or (n > 1 and header.sampling.first_step > 0):
+            return f"n = {n} is not in [1, {MAX_CHOICES}] or is not a new request"
+        if any(t < 0 or t >= cfg.vocab_size for t in firsts):
+            return f"first token ids must be in [0, {cfg.vocab_size})"
+        if not all(0 <= i < len(firsts) for i in header.finished_choices) or _open_choices(header) < 1:
+            return f"finished_choices {list(header.finished_choices)} do not leave a choice of {len(firsts)} to decode"
         if len(payloads) != header.num_blocks or len(payloads) != -(-prompt_len // self.engine.page_size):
             return f"{len(payloads)} KV blocks for a prompt of {prompt_len} tokens"
         try:
@@ -171,21 +218,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         done = False
         try:
             while not done:
-                update = await entry.queue.get()
-                tokens = list(update.token_ids)
-                logprobs = [logprob_message(lp) for lp in update.logprobs]
-                while not entry.queue.empty() and update.finish_reason is None:  # catch up in one message
-                    update = entry.queue.get_nowait()
-                    tokens.extend(update.token_ids)
-                    logprobs.extend(logprob_message(lp) for lp in update.logprobs)
-                done = update.finish_reason is not None
-                if update.finish_reason in _ENDINGS:
-                    if tokens:  # never lose a token the client has not seen
-                        yield decode_pb2.TokenEvent(token_ids=tokens, logprobs=logprobs)
-                    message = "decode draining" if update.finish_reason == DRAINING else update.detail
-                    await context.abort(_ENDINGS[update.finish_reason], message or update.finish_reason)
-                yield decode_pb2.TokenEvent(token_ids=tokens, finished=done, finish_reason=update.finish_reason or "",
-                                            logprobs=logprobs)
+                updates = [await entry.queue.get()]
+                while not entry.queue.empty():
+                    updates.append(entry.queue.get_nowait())
+                for update in _coalesced(updates):  # tokens before an ending go out first: none is lost
+                    if update.finish_reason in _ENDINGS:
+                        done = True
+                        message = "decode draining" if update.finish_reason == DRAINING else update.detail
+                        await context.abort(_ENDINGS[update.finish_reason], message or update.finish_reason)
+                    yield decode_pb2.TokenEvent(
+                        token_ids=update.token_ids, finished=update.finish_reason is not None,
+                        finish_reason=update.finish_reason or "", index=update.index,
+                        logprobs=[logprob_message(lp) for lp in update.logprobs])
+                    if update.last:
+                        done = True
+                        break
         finally:
             if done:
                 self.batcher.forget(request.request_id)
@@ -194,7 +241,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decode_pb2.AbortReply:
         request_id_var.set(request.request_id)
-        found = self.batcher.abort(request.request_id, f"aborted by the caller: {request.reason or 'no reason given'}")
-        if not found:
+        why = f"aborted by the caller: {request.reason or 'no reason given'}"
+        if request.one_choice:
+            found = self.batcher.abort_choice(request.request_id, request.index, why)
+        else:
+            found = self.batcher.abort(request.request_id, why)
+        if not found and not request.one_choice:
             self.tombstones.add(request.request_id)  # its handoff may still be on the way
         return decode_pb2.AbortReply(found=found)

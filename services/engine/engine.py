@@ -140,6 +140,33 @@ class Engine:
         seq.num_computed = num_kv_tokens
         return seq
 
+    def fork_sequence(self, seq: Sequence, seq_id: str, first_token: int, *, reserve_tokens: int) -> Sequence:
+        """Another choice of ``seq``'s prompt (``n > 1``): a sequence of the prompt plus
+        ``first_token`` whose full prompt pages are ``seq``'s own (shared, one more reference each;
+        no token ever writes a full page) and whose last partial page is a copy, since the next
+        token writes into it. Call it before ``seq`` decodes.
+
+        ``reserve_tokens``: as for ``adopt_sequence``; the shared pages are not counted again.
+        Raises ``CacheFullError`` when its own pages are not there; nothing is held then."""
+        prompt = seq.num_computed
+        assert prompt == seq.num_tokens - 1, f"{seq.seq_id}: fork before decoding"
+        full = prompt // self.page_size
+        own = max(self.pages_for(reserve_tokens) - full, self.pages_for(prompt) - full)
+        self.cache.pages.reserve(own)
+        child = Sequence(seq_id, [*seq.token_ids[:prompt], first_token], [], reserved_pages=own)
+        child.pages = self.cache.pages.share(seq.pages[:full])
+        try:
+            if prompt % self.page_size:
+                (page,) = self.cache.pages.allocate(1, reserved=True)
+                child.reserved_pages -= 1
+                child.pages.append(page)
+                self.cache.write_block(page, self.cache.read_block(seq.pages[full], prompt % self.page_size))
+        except BaseException:
+            self.release(child)
+            raise
+        child.num_computed = prompt
+        return child
+
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's pages and what is left of its reservation; its registered
         full blocks stay cached until evicted."""

@@ -133,6 +133,13 @@ class PageManager:
             self._acquire(page)
         return pages
 
+    def share(self, pages: Sequence[int]) -> list[int]:
+        """Pages already held by one sequence, handed to another as well: each gains a reference."""
+        for page in pages:
+            assert self._refcount[page] > 0, f"page {page} is not held by anyone"
+            self._acquire(page)
+        return list(pages)
+
     def lookup(self, key: BlockKey) -> int | None:
         return self._key_page.get(key)
 

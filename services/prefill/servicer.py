@@ -3,7 +3,9 @@
 For each request: attach the longest locally cached prefix, fetch the following prefix blocks
 from the kvstore, compute the rest, sample the first token and stream it to the gateway at once;
 then push the request and all its KV to the chosen decode instance, and write the prompt's new
-full blocks to the kvstore in the background.
+full blocks to the kvstore in the background. With ``sampling.n > 1`` the prompt is computed
+once and each choice's first token is sampled from the same logits (choice i with
+``choice_seed(seed, i)``); one handoff carries them all, and decode forks the prompt's KV.
 
 A handoff that fails (decode gone or draining) ends the Prefill call with UNAVAILABLE after the
 first token, so the gateway places the request again and continues the stream; the pages go
@@ -15,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.common.grpc_service import insecure_channel
 from crescent.services.common.kv_block import KvBlock, chunks_of
 from crescent.services.common.logs import request_id_var
@@ -139,6 +143,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be in [0, {cfg.vocab_size})")
         if request.sampling.logprobs and not 0 <= request.sampling.top_logprobs <= MAX_TOP_LOGPROBS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        n = max(request.sampling.n, 1)
+        if n > MAX_CHOICES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"n must be in [1, {MAX_CHOICES}]")
+        if n > 1 and request.sampling.first_step > 0:  # a migrated choice continues alone
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n > 1 is for new requests (first_step 0)")
 
         self.metrics.queue_depth.labels("prefill").set(self.worker.pending + 1)
         self.running += 1
@@ -158,34 +167,38 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             constraint = await self._constraint(request.sampling, tokens[len(tokens) - step:], context)
             start = time.perf_counter()
             sampling = sampling_config(request.sampling, stop_ids)
+            # n > 1: every choice's first token from the same logits, each with its own seed.
+            cfgs = [replace(sampling, seed=choice_seed(sampling.seed, i)) for i in range(n)]
             self.load.computing(request.request_id)
             mask = submit_masks([constraint]) if constraint is not None else None  # computed while the forward runs
 
-            def forward_and_sample() -> tuple[int, TokenLogprob | None]:
-                logits = self.engine.prefill(seq)[None]
-                token = sample_batch(logits, [sampling], [step], [tokens], mask.result() if mask else None)[0]
-                return token, batch_logprobs(logits, [token], [sampling.logprobs])[0]
+            def forward_and_sample() -> tuple[list[int], list[TokenLogprob | None]]:
+                logits = self.engine.prefill(seq)[None].repeat(n, 1)
+                firsts = sample_batch(logits, cfgs, [step] * n, [tokens] * n, mask.result() * n if mask else None)
+                return firsts, batch_logprobs(logits, firsts, [c.logprobs for c in cfgs])
 
-            first, logprob = await self.worker.run(forward_and_sample)
+            firsts, logprobs = await self.worker.run(forward_and_sample)
             self.load.done(request.request_id)
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
-            finished = first in stop_ids or request.sampling.max_tokens <= 1
+            finished = [i for i, first in enumerate(firsts) if first in stop_ids or request.sampling.max_tokens <= 1]
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
                 hold.acquire()
                 self._spawn(self._store_new_blocks(seq, local_hit + peer_hit + remote_hit, hold))
-            yield prefill_pb2.PrefillEvent(
-                first_token=prefill_pb2.FirstToken(
-                    token_id=first, prompt_tokens=len(tokens), cached_tokens=seq.num_cached, finished=finished,
-                    finish_reason=("stop" if first in stop_ids else "length") if finished else "",
-                    logprob=logprob_message(logprob) if logprob is not None else None,
+            for i, (first, logprob) in enumerate(zip(firsts, logprobs)):
+                yield prefill_pb2.PrefillEvent(
+                    first_token=prefill_pb2.FirstToken(
+                        token_id=first, prompt_tokens=len(tokens), cached_tokens=seq.num_cached,
+                        finished=i in finished,
+                        finish_reason=("stop" if first in stop_ids else "length") if i in finished else "",
+                        logprob=logprob_message(logprob) if logprob is not None else None, index=i,
+                    )
                 )
-            )
-            if not finished:
+            if len(finished) < n:
                 try:
-                    await self._hand_off(request, seq, first)
+                    await self._hand_off(request, seq, firsts, finished)
                 except grpc.aio.AioRpcError as exc:
                     self.metrics.requests.labels("prefill", "error").inc()
                     code = _HANDOFF_FAILURES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
@@ -290,7 +303,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics.transfer_bytes.labels("prefill", "to_kvstore").inc(sum(b.nbytes for b in blocks))
         self.metrics.transfer_seconds.labels("prefill", "to_kvstore").observe(time.perf_counter() - start)
 
-    async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, first: int) -> None:
+    async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, firsts: list[int],
+                        finished: list[int]) -> None:
+        """Push the request (every choice's first token) and the prompt's KV, once, to decode."""
         start = time.perf_counter()
         prompt_len = len(request.token_ids)
         page = self.engine.page_size
@@ -308,8 +323,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         def parts():
             yield decode_pb2.HandoffPart(header=decode_pb2.HandoffHeader(
                 request_id=request.request_id, model_id=self.engine.model_id, prompt_token_ids=request.token_ids,
-                first_token_id=first, sampling=request.sampling, kv_dtype=KV_DTYPE, kv_block_shape=shape,
-                num_blocks=num_blocks,
+                first_token_id=firsts[0], sampling=request.sampling, kv_dtype=KV_DTYPE, kv_block_shape=shape,
+                num_blocks=num_blocks, first_token_ids=firsts if len(firsts) > 1 else [],
+                finished_choices=finished,
             ))
             for i, blob in enumerate(blobs):
                 tokens = min(page, prompt_len - i * page)

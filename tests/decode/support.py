@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import torch
 
 from crescent.services.common.metrics import engine_metrics
-from crescent.services.decode.batcher import Batcher, DecodeRequest
+from crescent.services.common.choices import choice_seed
+from crescent.services.decode.batcher import Batcher, Choice, DecodeRequest
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
@@ -32,16 +34,19 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def handed_off(prefill: Engine, request_id: str, tokens: list[int], max_tokens: int,
-               sampling: SamplingConfig = SamplingConfig(), first_step: int = 0) -> DecodeRequest:
-    """What a decode instance holds after prefill's handoff: prompt KV (host copies) + first token."""
+               sampling: SamplingConfig = SamplingConfig(), first_step: int = 0, n: int = 1) -> DecodeRequest:
+    """What a decode instance holds after prefill's handoff: prompt KV (host copies) + first
+    token(s); with ``n > 1``, choice i samples with ``choice_seed(seed, i)`` as prefill does."""
     seq = prefill.add_sequence(request_id, tokens, use_cache=False)
-    first = sample_batch(prefill.prefill(seq)[None], [sampling], [first_step])[0]
+    logits = prefill.prefill(seq)[None]
+    cfgs = [replace(sampling, seed=choice_seed(sampling.seed, i)) for i in range(n)]
+    firsts = sample_batch(logits.repeat(n, 1), cfgs, [first_step] * n)
     payloads = [prefill.block_payload(seq, i, min(PAGE, len(tokens) - i * PAGE)).clone()
                 for i in range(-(-len(tokens) // PAGE))]
     prefill.release(seq)
     return DecodeRequest(
-        request_id=request_id, token_ids=tokens + [first], payloads=payloads, sampling=sampling,
-        max_tokens=max_tokens, stop_token_ids=frozenset(), reserve_tokens=len(tokens) + max_tokens,
+        request_id=request_id, choices=[Choice(i, tokens + [first], cfg) for i, (first, cfg) in enumerate(zip(firsts, cfgs))],
+        payloads=payloads, max_tokens=max_tokens, stop_token_ids=frozenset(), reserve_tokens=len(tokens) + max_tokens,
         first_step=first_step,
     )
 
@@ -54,6 +59,17 @@ async def read_all(request: DecodeRequest) -> tuple[list[int], str]:
         tokens.extend(update.token_ids)
         if update.finish_reason is not None:
             return tokens, update.finish_reason
+
+
+async def read_choices(request: DecodeRequest) -> dict[int, tuple[list[int], str]]:
+    """Each choice's tokens after its first, and how it ended, until the request's last update."""
+    out: dict[int, tuple[list[int], str]] = {}
+    while True:
+        update = await request.queue.get()
+        tokens, _ = out.get(update.index, ([], ""))
+        out[update.index] = (tokens + list(update.token_ids), update.finish_reason or "")
+        if update.ends_request:
+            return out
 
 
 @asynccontextmanager

@@ -39,7 +39,7 @@ def test_more_requests_than_the_cache_holds_all_complete_with_single_process_tok
     assert promised_all == 0
     for request, tokens, (out, reason) in zip(requests, prompts, results):
         assert reason == "length", request.request_id
-        assert [request.token_ids[-1], *out] == reference(tokens, max_tokens), request.request_id
+        assert [request.choices[0].token_ids[-1], *out] == reference(tokens, max_tokens), request.request_id
     assert free_after == decode.cache.capacity_tokens
     assert decode.cache.pages.free_pages == decode.cache.pages.num_pages
     assert decode.cache.pages.promised_pages == 0
@@ -69,7 +69,7 @@ def test_a_broken_sequence_ends_alone_and_its_batch_carries_on() -> None:
     assert bad_reason == ERROR and bad_tokens == []
     for request, (out, reason) in zip(good, results):
         assert reason == "length"
-        assert [request.token_ids[-1], *out] == reference(prompts[request.request_id], 12)
+        assert [request.choices[0].token_ids[-1], *out] == reference(prompts[request.request_id], 12)
 
 
 def test_the_batch_cap_bounds_each_step_not_what_is_accepted() -> None:
@@ -89,7 +89,7 @@ def test_the_batch_cap_bounds_each_step_not_what_is_accepted() -> None:
     requests, results = asyncio.run(scenario())
     assert max(sizes) == 2
     for request, tokens, (out, _) in zip(requests, prompts, results):
-        assert [request.token_ids[-1], *out] == reference(tokens, 8)
+        assert [request.choices[0].token_ids[-1], *out] == reference(tokens, 8)
 
 
 def test_aborts_give_back_promises_and_pages_at_once() -> None:
@@ -129,7 +129,7 @@ def test_a_migrated_seeded_request_continues_the_original_tokens() -> None:
             request = handed_off(prefill, "moved", tokens + original[:done], 14 - done, hot, first_step=done)
             batcher.accept(request)
             out, reason = await read_all(request)
-            return [request.token_ids[-1], *out], reason
+            return [request.choices[0].token_ids[-1], *out], reason
 
     rest, reason = asyncio.run(scenario())
     assert reason == "length"
@@ -138,8 +138,8 @@ def test_a_migrated_seeded_request_continues_the_original_tokens() -> None:
 
 def test_ledger_promises_waiting_requests_too_and_admits_in_order() -> None:
     ledger = KvLedger(num_pages=10, page_size=PAGE)
-    ledger.wait("a", 6 * PAGE)
-    ledger.wait("b", 4 * PAGE + 1)  # 5 pages
+    ledger.wait("a", ledger.pages_for(6 * PAGE))
+    ledger.wait("b", ledger.pages_for(4 * PAGE + 1))  # 5 pages
     assert ledger.free_tokens == 0
     ledger.admit("a")
     assert not ledger.fits_now("b")
