@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from crescent.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
+from crescent.services.common.choices import choice_seed
 from crescent.services.engine.sampler import SamplingConfig
 from tests.decode.process import TEXTS as SHARED_TEXTS, BLOCK, DecodeProcess, PromptKv, SchedulerStandIn
 from tests.ports import free_port
@@ -84,6 +85,25 @@ def test_a_migrated_seeded_request_continues_at_first_step(prefill, prompts) -> 
     assert error is None
     assert events[0].first_token.token_id == original[done]
     assert events[0].first_token.finished and events[0].first_token.finish_reason == "length"
+
+
+def test_n_choices_get_their_first_tokens_from_one_prefill_each_with_its_seed(prefill, prompts) -> None:
+    process, _ = prefill
+    tokens = prompts.prompt(TEXTS[1])
+    expected = [prompts.engine.generate(tokens, 1, SamplingConfig(temperature=1.0, seed=choice_seed(3, i)),
+                                        stop_token_ids=[])[0] for i in range(3)]
+    sampling = common_pb2.SamplingParams(temperature=1.0, has_seed=True, seed=3, max_tokens=1, ignore_eos=True, n=3)
+    events, error = call_prefill(process.address, "n3", tokens, sampling)
+    assert error is None  # every choice ended at its first token: no handoff
+    firsts = [e.first_token for e in events]
+    assert [f.index for f in firsts] == [0, 1, 2]
+    assert [f.token_id for f in firsts] == expected
+    assert all(f.finished and f.finish_reason == "length" and f.prompt_tokens == len(tokens) for f in firsts)
+
+    for bad in (common_pb2.SamplingParams(max_tokens=1, n=17),
+                common_pb2.SamplingParams(max_tokens=1, n=2, first_step=2)):  # a migration continues one choice
+        events, error = call_prefill(process.address, "bad-n", tokens, bad)
+        assert not events and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_sigterm_finishes_the_prompt_in_progress_refuses_new_ones_and_exits_zero(tmp_path, prompts) -> None:
