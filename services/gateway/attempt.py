@@ -10,6 +10,11 @@ without awaiting, because it may run inside a cancelled task: its calls are canc
 is told to ``Abort`` it (one best-effort call: decode keeps a tombstone for an id it does not
 hold yet, so a handoff still in flight is refused), and a request that never reached decode is
 reported ``released`` so the scheduler frees what it reserved for it there.
+
+One attempt may serve ``n`` choices of the prompt (``sampling.n``, docs/api.md "n > 1"):
+prefill sends n first tokens, decode's events name their choice, and a choice whose reader
+stopped early is aborted alone (``Abort`` with ``one_choice``); ``choice_group`` gives each
+choice its own events. ``run_attempt`` is the one-choice case.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,7 +84,10 @@ class AttemptCalls(Protocol):
     def report_outcome(self, request: AttemptRequest, *, ttft_s: float = 0.0, cached_tokens: int = 0,
                        released: bool) -> None: ...
 
-    def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str) -> None: ...
+    def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str, *,
+                        index: int | None = None) -> None:
+        """``index``: end only that choice; None: the whole request."""
+        ...
 
     def let_prefill_finish(self, call: grpc.aio.UnaryStreamCall) -> None: ...
 
@@ -121,70 +130,132 @@ def _failure(exc: grpc.aio.AioRpcError, stage: str, *, before_first_token: bool)
     return AttemptFailed(stage, f"{name}: {details}", before_first_token=before_first_token)
 
 
-async def run_attempt(calls: AttemptCalls, request: AttemptRequest, deadline: float,
-                      clock: Callable[[], float]) -> AsyncGenerator[BackendEvent, None]:
-    """Place and serve ``request`` once; see the module docstring for how it ends."""
-    started = clock()
-    placement = await calls.place(request, deadline)
-    decode_address = placement.decode.address
-    prefill_call = prefill_pb2_grpc.PrefillStub(calls.channel(placement.prefill.address)).Prefill(
-        _prefill_request(request, placement), timeout=max(deadline - clock(), 0.001)
-    )
-    stream_call = None
-    first_seen = handed_off = done = False
-    stage = f"prefill at {placement.prefill.address}"
-    why = "failed"
-    try:
-        first = await prefill_call.read()
-        if first is grpc.aio.EOF or first.WhichOneof("event") != "first_token":
-            raise AttemptFailed(stage, "ended without a first token", before_first_token=True)
-        first_seen = True
-        token = first.first_token
-        done = token.finished
-        calls.report_outcome(request, ttft_s=clock() - started, cached_tokens=token.cached_tokens,
-                             released=token.finished)
-        yield FirstToken(
-            token_id=token.token_id,
-            prompt_tokens=token.prompt_tokens,
-            cached_tokens=token.cached_tokens,
-            finish_reason=finish_reason(token.finish_reason) if token.finished else None,
-            logprob=token_logprob(token.logprob) if token.HasField("logprob") else None,
-        )
-        if done:
+class Attempt:
+    """One placement serving a request's ``n`` choices (``sampling.n``; 0 or 1: one).
+
+    ``events`` yields (choice index, event) pairs: the n first tokens in index order, then
+    decode's events as they come (``TokenEvent.index``); it ends once every choice finished. A
+    choice whose reader stopped early is ``drop``ped: decode ends it alone, the others go on.
+    """
+
+    def __init__(self, calls: AttemptCalls, request: AttemptRequest, deadline: float,
+                 clock: Callable[[], float]) -> None:
+        self.request = request
+        self.n = max(request.sampling.n, 1)
+        self._calls = calls
+        self._deadline = deadline
+        self._clock = clock
+        self._finished: set[int] = set()   # ended by the engines
+        self._dropped: set[int] = set()    # ended by their reader
+        self._decode_address: str | None = None  # known once decode holds the request
+        self._over = False                 # the attempt ended: its own cleanup covered every choice
+
+    def _running(self) -> bool:
+        return len(self._finished | self._dropped) < self.n
+
+    def drop(self, index: int) -> None:
+        """Choice ``index``'s reader stopped while others read on: end it in decode, now or once
+        decode holds the request. No awaits (it may run in a cancelled task)."""
+        if self._over or index in self._finished or index in self._dropped:
             return
-        handed = await prefill_call.read()
-        if handed is grpc.aio.EOF or handed.WhichOneof("event") != "handed_off":
-            raise AttemptFailed(stage, "ended without handing the request off", before_first_token=False)
-        handed_off = True
-        decode_address = handed.handed_off.decode_address or decode_address
-        stage = f"decode at {decode_address}"
-        stream_call = decode_pb2_grpc.DecodeStub(calls.channel(decode_address)).StreamTokens(
-            decode_pb2.StreamRequest(request_id=request.attempt_id), timeout=max(deadline - clock(), 0.001)
+        self._dropped.add(index)
+        if self._decode_address is not None:
+            self._calls.abort_in_decode(self._decode_address, self.request.attempt_id, "cancelled", index=index)
+
+    async def events(self) -> AsyncGenerator[tuple[int, BackendEvent], None]:
+        """Place and serve the request once; see the module docstring for how it ends."""
+        calls, request, clock, n = self._calls, self.request, self._clock, self.n
+        started = clock()
+        placement = await calls.place(request, self._deadline)
+        decode_address = placement.decode.address
+        prefill_call = prefill_pb2_grpc.PrefillStub(calls.channel(placement.prefill.address)).Prefill(
+            _prefill_request(request, placement), timeout=max(self._deadline - clock(), 0.001)
         )
-        async for event in stream_call:
-            done = event.finished
-            yield MoreTokens(
-                token_ids=tuple(event.token_ids),
-                finish_reason=finish_reason(event.finish_reason) if event.finished else None,
-                logprobs=tuple(token_logprob(lp) for lp in event.logprobs),
-            )
+        stream_call = None
+        first_tokens = 0
+        handed_off = done = False
+        stage = f"prefill at {placement.prefill.address}"
+        why = "failed"
+        try:
+            for index in range(n):
+                first = await prefill_call.read()
+                if first is grpc.aio.EOF or first.WhichOneof("event") != "first_token":
+                    missing = "a first token" if n == 1 else f"choice {index}'s first token"
+                    raise AttemptFailed(stage, f"ended without {missing}", before_first_token=index == 0)
+                token = first.first_token
+                if token.index != index:
+                    raise InternalError(f"prefill sent choice {token.index}'s first token where {index}'s belongs")
+                first_tokens += 1
+                if token.finished:
+                    self._finished.add(index)
+                if index == n - 1:
+                    done = len(self._finished) == n  # then prefill hands nothing off
+                    calls.report_outcome(request, ttft_s=clock() - started, cached_tokens=token.cached_tokens,
+                                         released=done)
+                yield index, FirstToken(
+                    token_id=token.token_id,
+                    prompt_tokens=token.prompt_tokens,
+                    cached_tokens=token.cached_tokens,
+                    finish_reason=finish_reason(token.finish_reason) if token.finished else None,
+                    logprob=token_logprob(token.logprob) if token.HasField("logprob") else None,
+                )
             if done:
                 return
-        raise AttemptFailed(stage, "ended the stream before the request finished", before_first_token=False)
-    except grpc.aio.AioRpcError as exc:
-        raise _failure(exc, stage, before_first_token=not first_seen) from exc
-    except (asyncio.CancelledError, GeneratorExit):
-        why = "cancelled"  # the client went away, or a stop string ended it
-        raise
-    finally:
-        # No awaits here: this runs inside a cancelled task when the client went away.
-        if done and stream_call is None:
-            calls.let_prefill_finish(prefill_call)  # ended at its first token: prefill still stores the prompt
-        else:
-            prefill_call.cancel()
-        if stream_call is not None:
-            stream_call.cancel()
-        if not done:
-            calls.abort_in_decode(decode_address, request.attempt_id, why)
-            if not handed_off:
-                calls.report_outcome(request, released=True)
+            handed = await prefill_call.read()
+            if handed is grpc.aio.EOF or handed.WhichOneof("event") != "handed_off":
+                raise AttemptFailed(stage, "ended without handing the request off", before_first_token=False)
+            handed_off = True
+            decode_address = self._decode_address = handed.handed_off.decode_address or decode_address
+            for index in sorted(self._dropped - self._finished):  # readers that stopped before decode had it
+                calls.abort_in_decode(decode_address, request.attempt_id, "cancelled", index=index)
+            stage = f"decode at {decode_address}"
+            stream_call = decode_pb2_grpc.DecodeStub(calls.channel(decode_address)).StreamTokens(
+                decode_pb2.StreamRequest(request_id=request.attempt_id), timeout=max(self._deadline - clock(), 0.001)
+            )
+            async for event in stream_call:
+                index = event.index
+                if index in self._dropped:
+                    continue  # sent before decode had the Abort
+                if not 0 <= index < n or index in self._finished:
+                    raise InternalError(f"decode sent tokens for choice {index}, which is not running")
+                if event.finished:
+                    self._finished.add(index)
+                done = not self._running()
+                yield index, MoreTokens(
+                    token_ids=tuple(event.token_ids),
+                    finish_reason=finish_reason(event.finish_reason) if event.finished else None,
+                    logprobs=tuple(token_logprob(lp) for lp in event.logprobs),
+                )
+                if done:
+                    return
+            if not self._running():  # the last running choices were dropped: decode ended them
+                done = True
+                return
+            raise AttemptFailed(stage, "ended the stream before every choice finished", before_first_token=False)
+        except grpc.aio.AioRpcError as exc:
+            raise _failure(exc, stage, before_first_token=first_tokens == 0) from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            why = "cancelled"  # the client went away, or a stop string ended it
+            raise
+        finally:
+            # No awaits here: this runs inside a cancelled task when the client went away.
+            self._over = True
+            if done and stream_call is None:
+                calls.let_prefill_finish(prefill_call)  # ended at its first tokens: prefill still stores the prompt
+            else:
+                prefill_call.cancel()
+            if stream_call is not None:
+                stream_call.cancel()
+            if not done:
+                calls.abort_in_decode(decode_address, request.attempt_id, why)
+                if not handed_off:
+                    calls.report_outcome(request, released=True)
+
+
+async def run_attempt(calls: AttemptCalls, request: AttemptRequest, deadline: float,
+                      clock: Callable[[], float]) -> AsyncGenerator[BackendEvent, None]:
+    """Place and serve ``request`` (one choice) once; see the module docstring for how it ends."""
+    assert request.sampling.n <= 1, "n > 1 is served by choice_group"
+    async with aclosing(Attempt(calls, request, deadline, clock).events()) as events:
+        async for _, event in events:
+            yield event

@@ -166,7 +166,7 @@ class GrpcBackend:
             scheduler_pb2.PlaceRequest(
                 request_id=request.attempt_id, model_id=request.model_id, block_keys=keys,
                 prompt_tokens=len(request.token_ids), max_tokens=request.sampling.max_tokens,
-                block_size=block_size,
+                block_size=block_size, n=request.sampling.n,
             ),
             timeout=timeout,
         )
@@ -185,18 +185,21 @@ class GrpcBackend:
         except grpc.aio.AioRpcError as exc:
             log.debug("could not report the outcome of %s: %s", outcome.request_id, exc.code().name)
 
-    def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str) -> None:
-        self._in_background(self._abort(address, attempt_id, reason))
+    def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str, *,
+                        index: int | None = None) -> None:
+        """``index``: end only that choice of the request; None: the whole request."""
+        request = decode_pb2.AbortRequest(request_id=attempt_id, reason=reason, one_choice=index is not None,
+                                          index=index or 0)
+        self._in_background(self._abort(address, request))
 
-    async def _abort(self, address: str, attempt_id: RequestId, reason: str) -> None:
+    async def _abort(self, address: str, request: decode_pb2.AbortRequest) -> None:
+        what = f"choice {request.index} of {request.request_id}" if request.one_choice else request.request_id
         try:
-            reply = await decode_pb2_grpc.DecodeStub(self.channel(address)).Abort(
-                decode_pb2.AbortRequest(request_id=attempt_id, reason=reason), timeout=_CALL_TIMEOUT_S
-            )
+            reply = await decode_pb2_grpc.DecodeStub(self.channel(address)).Abort(request, timeout=_CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            log.info("could not abort %s in decode at %s: %s", attempt_id, address, exc.code().name)
+            log.info("could not abort %s in decode at %s: %s", what, address, exc.code().name)
             return
-        log.info("aborted %s in decode at %s (%s; %s)", attempt_id, address, reason,
+        log.info("aborted %s in decode at %s (%s; %s)", what, address, request.reason,
                  "it held the request" if reply.found else "not there yet: a late handoff will be refused")
 
     def let_prefill_finish(self, call: grpc.aio.UnaryStreamCall) -> None:

@@ -52,8 +52,9 @@ def migrations_counter() -> Counter:
     return counter
 
 
-def attempt_request(request: GenerationRequest, generated: list[int], attempt: int) -> AttemptRequest:
-    """The request to place for ``attempt`` (0: the original) once ``generated`` tokens were streamed."""
+def attempt_request(request: GenerationRequest, generated: list[int], attempt: int, n: int = 1) -> AttemptRequest:
+    """The request to place for ``attempt`` (0: the original) once ``generated`` tokens were streamed;
+    ``n``: the choices one placement serves (``choice_group``)."""
     s = request.sampling
     attempt_id = request.request_id if attempt == 0 else RequestId(f"{request.request_id}-m{attempt}")
     return AttemptRequest(
@@ -69,6 +70,7 @@ def attempt_request(request: GenerationRequest, generated: list[int], attempt: i
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
             constraint=s.constraint, logprobs=s.logprobs is not None, top_logprobs=s.logprobs or 0,
+            n=n if n > 1 else 0,
         ),
     )
 
