@@ -18,6 +18,11 @@ With ``sampling.logprobs`` every token carries ``fake_logprob`` of its place in 
 migrated stream's entries continue where the client is too.
 Like the real decode, StreamTokens for a request not handed off (yet) answers NOT_FOUND, and
 ``Abort`` drops a request (cancelling its stream) or leaves a tombstone that refuses its handoff.
+``sampling.n`` > 1 works as in the real engines: prefill sends a first token per choice (choice
+i scripted with seed ``choice_seed(seed, i)``) and hands off once; decode streams the choices'
+events in rounds (one event per running choice, tagged by index: ``#delay`` and ``#fail_after``
+count rounds), ends the stream when every choice has finished, and ``Abort`` with ``one_choice``
+ends one choice alone.
 
 Prefill reports cached tokens like a real prefix cache: full blocks whose salted chained keys
 it has seen before. The control API (JSON over HTTP) arms scheduler rejections, sets how many
@@ -51,6 +56,7 @@ from crescent.protos import (
 )
 from crescent.services.common.admin_http import AdminServer
 from crescent.services.common.block_keys import prefix_block_keys
+from crescent.services.common.choices import choice_seed
 from fastapi import FastAPI
 
 from .fake_tokenizer import IM_END, IM_START, MODEL_ID, FakeTokenizer
@@ -144,19 +150,20 @@ class State:
     prefills: list[dict[str, Any]] = field(default_factory=list)
     decode_events: list[dict[str, Any]] = field(default_factory=list)
     seen_keys: set[bytes] = field(default_factory=set)
-    jobs: dict[str, Job] = field(default_factory=dict)
+    jobs: dict[str, dict[int, Job]] = field(default_factory=dict)  # handed off, not streaming yet: by choice
     streams: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # StreamTokens handlers
+    streaming: dict[str, dict[int, Job]] = field(default_factory=dict)  # the running choices of each stream
     tombstones: set[str] = field(default_factory=set)
     aborts: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[dict[str, Any]] = field(default_factory=list)
     prefill_attempts: dict[str, int] = field(default_factory=dict)  # by the request's last user message
     models: set[str] = field(default_factory=lambda: {MODEL_ID})  # served by the instances it lists
 
-    def hand_off(self, request_id: str, job: Job) -> None:
+    def hand_off(self, request_id: str, jobs: dict[int, Job]) -> None:
         if request_id in self.tombstones:
             self.decode_event(request_id, "refused")  # aborted before its handoff arrived
             return
-        self.jobs[request_id] = job
+        self.jobs[request_id] = jobs
 
     def decode_event(self, request_id: str, event: str) -> None:
         self.decode_events.append({"request_id": request_id, "event": event, "t": time.monotonic()})
@@ -174,7 +181,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             "request_id": request.request_id, "model_id": request.model_id,
             "block_keys": [k.hex() for k in request.block_keys],
             "prompt_tokens": request.prompt_tokens, "max_tokens": request.max_tokens,
-            "block_size": request.block_size,
+            "block_size": request.block_size, "n": request.n,
         })
         s.models.add(request.model_id)  # a gateway serving another tokenizer's model: list instances of it too
         if request.block_size != s.block_size:  # like the real scheduler: one block size per model
@@ -233,12 +240,14 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             "prefix_source_address": request.prefix_source_address, "token_ids": list(request.token_ids),
             "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
             "repetition_penalty": s.repetition_penalty, "logit_bias": {str(k): v for k, v in s.logit_bias.items()},
-            "min_tokens": s.min_tokens, "logprobs": s.logprobs, "top_logprobs": s.top_logprobs,
+            "min_tokens": s.min_tokens, "logprobs": s.logprobs, "top_logprobs": s.top_logprobs, "n": s.n,
             "constraint": json_format.MessageToDict(s.constraint) if s.HasField("constraint") else None,
             "outcome": "running", "started_t": time.monotonic(),
         }
         self.state.prefills.append(record)
-        script = parse_script(list(request.token_ids), s.seed if s.has_seed else None)
+        seed = s.seed if s.has_seed else None
+        scripts = [parse_script(list(request.token_ids), choice_seed(seed, i)) for i in range(max(s.n, 1))]
+        script = scripts[0]  # the directives are the same for every choice
         message = scripted_message(list(request.token_ids))
         tries = self.state.prefill_attempts[message] = self.state.prefill_attempts.get(message, 0) + 1
         try:
@@ -249,31 +258,34 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill instance lost")
             cached = record["cached_tokens"] = self._cached_tokens(request)
             step = s.first_step  # a migrated request: the client has the reply up to here
-            first = script.token(step)
-            finished = first == IM_END or s.max_tokens == 1
-            reason = "stop" if first == IM_END else "length"
             top = s.top_logprobs if s.logprobs else None
             record["first_token_t"] = time.monotonic()  # as it is sent
-            yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
-                token_id=first, prompt_tokens=len(request.token_ids), cached_tokens=cached,
-                finished=finished, finish_reason=reason if finished else "",
-                logprob=fake_logprob(step, first, top) if top is not None else None,
-            ))
-            if not finished:
+            jobs: dict[int, Job] = {}  # the choices decode continues
+            for index, choice in enumerate(scripts):
+                first = choice.token(step)
+                finished = first == IM_END or s.max_tokens == 1
+                reason = "stop" if first == IM_END else "length"
+                if not finished:
+                    jobs[index] = Job(choice, next_index=step + 1, remaining=s.max_tokens - 1, top_logprobs=top)
+                yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
+                    token_id=first, prompt_tokens=len(request.token_ids), cached_tokens=cached,
+                    finished=finished, finish_reason=reason if finished else "", index=index,
+                    logprob=fake_logprob(step, first, top) if top is not None else None,
+                ))
+            if jobs:
                 if tries <= script.prefill_fail + script.handoff_fail:
                     record["outcome"] = "failed"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill instance lost before the handoff")
-                self.state.hand_off(request.request_id, Job(script, next_index=step + 1, remaining=s.max_tokens - 1,
-                                                            top_logprobs=top))
+                self.state.hand_off(request.request_id, jobs)
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
             record["outcome"] = "done"
         except (asyncio.CancelledError, GeneratorExit):
             record["outcome"] = "cancelled"
             if script.late_handoff_s is not None:
                 # The handoff was already on its way: decode gets the request after the cancel.
-                job = Job(script, next_index=s.first_step + 1, remaining=s.max_tokens - 1)
+                jobs = {i: Job(c, next_index=s.first_step + 1, remaining=s.max_tokens - 1) for i, c in enumerate(scripts)}
                 asyncio.get_running_loop().call_later(script.late_handoff_s, self.state.hand_off,
-                                                      request.request_id, job)
+                                                      request.request_id, jobs)
             raise
 
 
@@ -283,45 +295,62 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     async def StreamTokens(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):  # noqa: ANN201
         rid = request.request_id
-        job = self.state.jobs.pop(rid, None)
-        if job is None:  # like the real decode: a request not handed off (yet) is unknown
+        jobs = self.state.jobs.pop(rid, None)
+        if jobs is None:  # like the real decode: a request not handed off (yet) is unknown
             self.state.decode_event(rid, "not_found")
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {rid}")
         self.state.decode_event(rid, "opened")
         self.state.streams[rid] = asyncio.current_task()  # type: ignore[assignment]
+        self.state.streaming[rid] = jobs
         try:
             await context.send_initial_metadata(())
-            sent_events = 0
-            while True:
-                await asyncio.sleep(job.script.delay_s)
-                if job.script.fail_after is not None and sent_events >= job.script.fail_after:
+            rounds = 0
+            script = next(iter(jobs.values())).script if jobs else None
+            while jobs and script is not None:
+                await asyncio.sleep(script.delay_s)
+                if script.fail_after is not None and rounds >= script.fail_after:
                     self.state.decode_event(rid, "failed")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode instance lost")
-                ids, logprobs, reason = [], [], ""
-                while len(ids) < job.script.batch and not reason:
-                    token = job.script.token(job.next_index)
-                    ids.append(token)
-                    if job.top_logprobs is not None:
-                        logprobs.append(fake_logprob(job.next_index, token, job.top_logprobs))
-                    job.next_index += 1
-                    job.remaining -= 1
-                    reason = "stop" if token == IM_END else "length" if job.remaining <= 0 else ""
-                sent_events += 1
-                yield decode_pb2.TokenEvent(token_ids=ids, finished=bool(reason), finish_reason=reason,
-                                            logprobs=logprobs)
-                if reason:
-                    self.state.decode_event(rid, "completed")
-                    return
+                for index in sorted(jobs):
+                    if index in jobs:  # not aborted while an earlier choice's event was sent
+                        yield self._next_event(index, jobs)
+                rounds += 1
+            self.state.decode_event(rid, "completed")
         except (asyncio.CancelledError, GeneratorExit):
             # A cancelled call surfaces as CancelledError at an await, or GeneratorExit at a `yield`.
             self.state.decode_event(rid, "cancelled")
             raise
         finally:
             self.state.streams.pop(rid, None)
+            self.state.streaming.pop(rid, None)
+
+    @staticmethod
+    def _next_event(index: int, jobs: dict[int, Job]) -> decode_pb2.TokenEvent:
+        """Choice ``index``'s next event; a finished choice leaves ``jobs``."""
+        job = jobs[index]
+        ids, logprobs, reason = [], [], ""
+        while len(ids) < job.script.batch and not reason:
+            token = job.script.token(job.next_index)
+            ids.append(token)
+            if job.top_logprobs is not None:
+                logprobs.append(fake_logprob(job.next_index, token, job.top_logprobs))
+            job.next_index += 1
+            job.remaining -= 1
+            reason = "stop" if token == IM_END else "length" if job.remaining <= 0 else ""
+        if reason:
+            del jobs[index]
+        return decode_pb2.TokenEvent(token_ids=ids, finished=bool(reason), finish_reason=reason, index=index,
+                                     logprobs=logprobs)
 
     async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decode_pb2.AbortReply:
         rid = request.request_id
-        self.state.aborts.append({"request_id": rid, "reason": request.reason, "t": time.monotonic()})
+        self.state.aborts.append({"request_id": rid, "reason": request.reason, "t": time.monotonic(),
+                                  "one_choice": request.one_choice, "index": request.index})
+        if request.one_choice:  # the choice stops; the stream goes on with the others
+            jobs = self.state.streaming.get(rid, self.state.jobs.get(rid, {}))
+            found = jobs.pop(request.index, None) is not None
+            self.state.decode_event(rid, f"aborted choice {request.index}" if found else "choice not found")
+            return decode_pb2.AbortReply(found=found)
         found = self.state.jobs.pop(rid, None) is not None
         stream = self.state.streams.get(rid)
         if stream is not None:
