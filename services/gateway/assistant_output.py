@@ -21,6 +21,7 @@ from crescent.services.gateway.generation import Finished, GenerationEvent, Text
 from crescent.services.gateway.json_tool_calls import JsonToolCallParser, JsonToolCallTags
 from crescent.services.gateway.logprobs import TokenLogprobs
 from crescent.services.gateway.output_format import OutputFormat
+from crescent.services.gateway.owning import Owning
 from crescent.services.gateway.reasoning import Piece, ReasoningParser
 from crescent.services.gateway.tool_calls import (
     ContentText,
@@ -109,10 +110,16 @@ def final_finish_reason(reason: ReplyFinishReason, completed_tool_calls: int) ->
     return "tool_calls" if reason == "stop" and completed_tool_calls else reason
 
 
-async def parse_output(
+def parse_output(
     events: AsyncGenerator[GenerationEvent, None], fmt: OutputFormat, *, parallel_tool_calls: bool = True
 ) -> AsyncGenerator[OutputEvent, None]:
-    """Re-emit ``events`` split into reasoning, content and tool calls; closing this closes ``events``."""
+    """Re-emit ``events`` split into reasoning, content and tool calls; closing this closes
+    ``events``, read or not (``owning``)."""
+    return Owning(_parse_output(events, fmt, parallel_tool_calls), events.aclose)
+
+
+async def _parse_output(events: AsyncGenerator[GenerationEvent, None], fmt: OutputFormat,
+                        parallel_tool_calls: bool) -> AsyncGenerator[OutputEvent, None]:
     parser = AssistantOutputParser(fmt, parallel_tool_calls=parallel_tool_calls)
     async with aclosing(events):
         async for event in events:

@@ -89,6 +89,11 @@ class Backend(Protocol):
         """Place, prefill and decode one request; see the module docstring."""
         ...
 
+    def generate_choices(self, request: GenerationRequest, n: int) -> list[AsyncGenerator[BackendEvent, None]]:
+        """The events of each of ``n`` choices of ``request`` (``choices``), as ``generate`` gives one's.
+        Every one must be closed, read or not: they may share one placement."""
+        ...
+
     async def health(self) -> BackendHealth:
         """Instances registered with the scheduler; raises ServiceUnavailableError when it is unreachable."""
         ...

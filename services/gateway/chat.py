@@ -3,7 +3,7 @@
 Errors that happen before the first token (bad request, rejection, backend down) are plain
 HTTP errors even for streaming requests: the stream starts only once there is something to
 send. A non-streaming request whose client goes away is cancelled like a stream would be.
-With ``n > 1`` every choice is a generation of its own (``choices``); the response waits for
+With ``n > 1`` the backend gives each choice's events (``choices``); the response waits for
 choice 0's first token, and a client that goes away cancels every choice.
 """
 
@@ -29,9 +29,9 @@ from crescent.services.gateway.api_models import (
     ToolCallOut,
 )
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
-from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
+from crescent.services.gateway.backend import Backend, BackendEvent, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.choice_stream import ChoiceStream
-from crescent.services.gateway.choices import choice_requests, collect_choices, leaders_first, resumed
+from crescent.services.gateway.choices import collect_choices, leaders_first, resumed
 from crescent.services.gateway.client_gone import answered, unless_disconnected
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
@@ -109,12 +109,13 @@ class ChatCompletions:
             ),
         )
 
-    def reply_events(self, body: ChatCompletionRequest, generation: GenerationRequest, record: RequestRecord,
+    def reply_events(self, body: ChatCompletionRequest, generation: GenerationRequest,
+                     events: AsyncGenerator[BackendEvent, None], record: RequestRecord,
                      index: int = 0) -> AsyncGenerator[OutputEvent, None]:
-        """One choice's reply as the client sees it: text cut at stop strings, reasoning, tool calls
-        (``responses`` uses it too)."""
+        """One choice's reply from its backend ``events``, as the client sees it: text cut at stop
+        strings, reasoning, tool calls (``responses`` uses it too)."""
         fmt = self._model.output_format if body.offers_tools() else self._model.output_format.without_tools()
-        text = generate_text(self._backend, self._model.tokenizer, generation, body.stop_strings(), record, index)
+        text = generate_text(events, self._model.tokenizer, generation, body.stop_strings(), record, index)
         return parse_output(text, fmt, parallel_tool_calls=body.parallel_tool_calls is not False)
 
     async def handle(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -128,8 +129,9 @@ class ChatCompletions:
                        record: RequestRecord) -> Response:
         body = self.checked(body)  # the card first: a locked n is refused before n is read
         n = body.n
-        requests = choice_requests(await self._generation_request(body, request_id), n)
-        events = [self.reply_events(body, r, record, i) for i, r in enumerate(requests)]
+        generation = await self._generation_request(body, request_id)
+        events = [self.reply_events(body, generation, choice, record, i)
+                  for i, choice in enumerate(self._backend.generate_choices(generation, n))]
         header = ChunkHeader(
             request_id=request_id,
             created=int(time.time()),

@@ -1,16 +1,18 @@
-"""``n`` choices of one prompt, as a fan-out of ordinary generations (docs/api.md, "n > 1").
+"""``n`` choices of one prompt (docs/api.md, "n > 1"): their requests, and reading them together.
 
-Each choice is a ``GenerationRequest`` of its own (request id ``<id>-c<i>``), so admission,
-placement, migration, ``Abort`` and the stop rule work per choice exactly as for ``n = 1``.
-
-Prefill once: a prompt's choice 0 (its *leader*) starts first; the others start when it has its
-first token. By then prefill holds the prompt's full blocks and is writing them to the kvstore,
-so the cache-aware scheduler places the others where those blocks are, and each recomputes only
-the prompt's last partial block. (Decode still holds each choice's own copy of the prompt's KV.)
+A backend gives the choices' event streams (``Backend.generate_choices``). The gRPC backend
+serves them with one placement (``choice_group``): prefill computes the prompt once and samples
+the n first tokens from the same logits; decode shares the prompt's full KV blocks among the
+choices and copies its last partial block per choice. A choice that stops early (stop string)
+is aborted alone in decode; if the placement fails, each unfinished choice migrates on its own
+as the request ``<id>-c<i>`` (``choice_requests``), the prompt plus its own tokens. A backend
+without a shared placement serves each choice as that request from the start (``fan_out``).
 
 Seeds: choice 0 samples with the request's ``seed`` itself (so ``n = 1`` and choice 0 of ``n``
-agree); choice i > 0 with ``choice_seed(seed, i)``, a fixed function of both. Without a seed
-every choice is an independent draw.
+agree); choice i > 0 with ``choice_seed(seed, i)``, a fixed function of both, in the gateway and
+the engines alike. Without a seed every choice is an independent draw.
+
+The handlers read a prompt's choice 0 (its *leader*) first, then every choice concurrently.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from dataclasses import replace
 from typing import TypeVar
 
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
-from crescent.services.gateway.backend import GenerationRequest, RequestId
+from crescent.services.gateway.backend import Backend, BackendEvent, GenerationRequest, RequestId
 
-__all__ = ["MAX_CHOICES", "choice_seed", "choice_requests", "all_or_none", "collect_choices", "leaders_first", "resumed"]
+__all__ = ["MAX_CHOICES", "choice_seed", "choice_requests", "fan_out", "all_or_none", "collect_choices",
+           "leaders_first", "resumed"]
 
 T = TypeVar("T")
 E = TypeVar("E")
@@ -38,6 +41,11 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
                 sampling=replace(request.sampling, seed=choice_seed(request.sampling.seed, i)))
         for i in range(n)
     ]
+
+
+def fan_out(backend: Backend, request: GenerationRequest, n: int) -> list[AsyncGenerator[BackendEvent, None]]:
+    """``n`` choices as ``n`` separate generations (``generate_choices`` of a backend without groups)."""
+    return [backend.generate(r) for r in choice_requests(request, n)]
 
 
 async def all_or_none(work: Sequence[Awaitable[T]]) -> list[T]:
@@ -67,7 +75,7 @@ async def resumed(first: E | None, events: AsyncGenerator[E, None]) -> AsyncGene
 
 
 async def close_all(events: Sequence[AsyncGenerator[E, None]]) -> None:
-    """Close every choice's generation (a choice never started has no backend call to undo)."""
+    """Close every choice's generation, started or not (``owning``)."""
     for e in events:
         await e.aclose()
 

@@ -1,10 +1,10 @@
 """``POST /v1/completions``: validate, tokenize the prompts, generate every choice, answer or stream.
 
 Each prompt of the request has ``n`` choices (index = prompt index * n + i, as OpenAI numbers
-them), each a backend request of its own: ``<response id>-<prompt index>``, with ``-c<i>`` added
-when n > 1 (``choices``: a prompt's choice 0 starts first, the others once it has its first
-token, so the prompt is prefilled once). Each prompt is one request in the gateway's metrics
-(TTFT, TBT and tokens), as vLLM counts them; its n choices count as one. As in chat, errors
+them); each prompt is a backend request ``<response id>-<prompt index>`` whose choices the
+backend serves together (``choices``: the prompt is prefilled once). Each prompt is one request
+in the gateway's metrics (TTFT, TBT and tokens), as vLLM counts them; its n choices count as
+one. As in chat, errors
 before the first token are plain HTTP errors even for streaming requests: the stream starts once
 every prompt's choice 0 has its first event, and a failure of any choice before then cancels
 the others. A client that goes away, streaming or not, cancels every choice.
@@ -25,7 +25,7 @@ from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts, response_usage
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.choice_stream import ChoiceStream, status_of
-from crescent.services.gateway.choices import choice_requests, collect_choices, leaders_first, resumed
+from crescent.services.gateway.choices import collect_choices, leaders_first, resumed
 from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
 from crescent.services.gateway.completion_prompt import CompletionPrompt, build_completion_prompts
 from crescent.services.gateway.completions_api import (
@@ -132,20 +132,21 @@ class Completions:
             prompts = await self._prompts(body)
             stops = body.stop_strings()
             n = body.n
-            requests = [choice for p, prompt in enumerate(prompts) for choice in choice_requests(
-                self._generation_request(body, RequestId(f"{response_id}-{p}"), prompt), n)]
-            leaders = range(0, len(requests), n)  # each prompt's choice 0
-            choice_records = [records[k // n] for k in range(len(requests))]
+            requests = [self._generation_request(body, RequestId(f"{response_id}-{p}"), prompt)
+                        for p, prompt in enumerate(prompts)]
+            sources = [choice for r in requests for choice in self._backend.generate_choices(r, n)]
+            leaders = range(0, len(sources), n)  # each prompt's choice 0
+            choice_records = [records[k // n] for k in range(len(sources))]
             header = ChunkHeader(
                 request_id=response_id,
                 created=int(time.time()),
                 model=self.served_name,
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
             )
-            echoes = [prompts[k // n].text if body.echo else "" for k in range(len(requests))]
-            # A choice not started yet has no backend call to undo; the others are closed however it ends.
-            events = [generate_text(self._backend, self._model.tokenizer, r, stops, choice_records[k], choice=k % n)
-                      for k, r in enumerate(requests)]
+            echoes = [prompts[k // n].text if body.echo else "" for k in range(len(sources))]
+            # Every choice is closed however the response ends, read or not (``owning``).
+            events = [generate_text(s, self._model.tokenizer, requests[k // n], stops, choice_records[k], choice=k % n)
+                      for k, s in enumerate(sources)]
             if not body.stream:
                 collected = await unless_disconnected(request, self._drain.race(
                     collect_choices(events, leaders, _collect)))

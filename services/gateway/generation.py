@@ -1,4 +1,5 @@
-"""One request's generation as the client sees it: text deltas, then a finish with usage.
+"""One generation (of a request, or of one of its choices) as the client sees it: text deltas,
+then a finish with usage.
 
 The gateway owns detokenization, so stop strings are applied here: when the generated text
 contains one, the text before it is the last delta, the finish reason is "stop", and the
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from crescent.services.gateway.accounting import RequestRecord, UsageCounts
-from crescent.services.gateway.backend import Backend, FinishReason, FirstToken, GenerationRequest
+from crescent.services.gateway.backend import BackendEvent, FinishReason, FirstToken, GenerationRequest
 from crescent.services.gateway.errors import InternalError
 from crescent.services.gateway.logprobs import LogprobTracker, TokenLogprobs
+from crescent.services.gateway.owning import Owning
 from crescent.services.gateway.prompt import ChatTokenizer
 from crescent.services.gateway.stop_strings import StopStringMatcher
 
@@ -40,17 +42,29 @@ class Finished:
 GenerationEvent = TextDelta | TokenLogprobs | Finished
 
 
-async def generate_text(
-    backend: Backend,
+def generate_text(
+    events: AsyncGenerator[BackendEvent, None],
     tokenizer: ChatTokenizer,
     request: GenerationRequest,
     stop_strings: Sequence[str],
     record: RequestRecord,
     choice: int = 0,
 ) -> AsyncGenerator[GenerationEvent, None]:
-    """Drive the backend and yield non-empty ``TextDelta``s (and ``TokenLogprobs`` when asked),
-    then exactly one ``Finished`` (with this generation's usage); ``choice``: which of the
-    request's choices this is, for ``record``."""
+    """Read ``events`` (the backend's for ``request``, or for one of its choices) and yield
+    non-empty ``TextDelta``s (and ``TokenLogprobs`` when asked), then exactly one ``Finished``
+    (with this generation's usage); ``choice``: which of the request's choices this is, for
+    ``record``. Closing it closes ``events``, read or not."""
+    return Owning(_generate_text(events, tokenizer, request, stop_strings, record, choice), events.aclose)
+
+
+async def _generate_text(
+    events: AsyncGenerator[BackendEvent, None],
+    tokenizer: ChatTokenizer,
+    request: GenerationRequest,
+    stop_strings: Sequence[str],
+    record: RequestRecord,
+    choice: int,
+) -> AsyncGenerator[GenerationEvent, None]:
     detokenizer = tokenizer.new_detokenizer()
     tracker = None
     if request.sampling.logprobs is not None:
@@ -66,7 +80,7 @@ async def generate_text(
         record.set_usage(counts, choice)
         return counts
 
-    async with aclosing(backend.generate(request)) as events:
+    async with aclosing(events):
         async for event in events:
             if isinstance(event, FirstToken):
                 prompt_tokens = event.prompt_tokens or prompt_tokens

@@ -1,4 +1,5 @@
-"""The gRPC backend: placement attempts (``attempt``) chained by request migration (``migration``).
+"""The gRPC backend: placement attempts (``attempt``) chained by request migration (``migration``);
+the ``n`` choices of a prompt share one placement (``choice_group``).
 
 This module owns what outlives one request: a channel per instance, the model's block size as
 the scheduler's instances report it (one source of truth: the gateway's own ``block_size``
@@ -18,6 +19,7 @@ from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE, prefix_block
 from crescent.services.common.grpc_service import GRPC_OPTIONS
 from crescent.services.gateway.attempt import AttemptRequest, PlaceFailed, run_attempt
 from crescent.services.gateway.backend import BackendEvent, BackendHealth, GenerationRequest, RequestId
+from crescent.services.gateway.choice_group import choice_streams
 from crescent.services.gateway.errors import (
     ApiError,
     GatewayTimeoutError,
@@ -229,6 +231,13 @@ class GrpcBackend:
             request, lambda attempt: run_attempt(self, attempt, deadline, loop.time),
             deadline=deadline, clock=loop.time, policy=self._migration,
         )
+
+    def generate_choices(self, request: GenerationRequest, n: int) -> list[AsyncGenerator[BackendEvent, None]]:
+        if n == 1:
+            return [self.generate(request)]
+        loop = asyncio.get_running_loop()
+        return choice_streams(self, request, n, deadline=loop.time() + self._request_timeout_s, clock=loop.time,
+                              policy=self._migration)
 
     async def close(self) -> None:
         if self._background:

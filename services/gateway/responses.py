@@ -80,7 +80,8 @@ class Responses:
             raise responses_error(exc) from None
         sampling = generation_request.sampling
         draft = replace(draft, temperature=sampling.temperature, top_p=sampling.top_p)
-        events = self._chat.reply_events(chat_body, generation_request, record)
+        events = self._chat.reply_events(chat_body, generation_request, self._backend.generate(generation_request),
+                                         record)
         stored = [item.model_dump(exclude_none=True, by_alias=True) for item in conversation]
 
         async def on_done(response: ResponseObject, builder: OutputBuilder) -> None:

@@ -1,10 +1,10 @@
 """``n > 1`` on ``/v1/chat/completions`` and ``/v1/completions``, through the real ``openai`` client.
 
-Every choice is a backend request of its own (``<id>-c<i>``). The fake backend stands for
-sampling with ``#draw``: a request seeded with s gets the first ``1 + s % W`` of the message's W
-words, so choices with different seeds differ as sampled ones would. The fake tokenizer makes a
-token of every two ASCII characters; the fake prefill reports cached tokens like a prefix cache
-(full blocks of 4 tokens whose salted keys it has seen), and when it started and sent the first token.
+A prompt's choices are one backend request (one placement with ``n``, one prefill that samples
+every choice's first token, one decode stream; ``test_choice_group`` covers its failures). The
+fake backend stands for sampling with ``#draw``: choice i of a request seeded with s gets the first
+``1 + choice_seed(s, i) % W`` of the message's W words, so choices differ as sampled ones would.
+The fake tokenizer makes a token of every two ASCII characters.
 """
 
 from __future__ import annotations
@@ -51,18 +51,20 @@ def expected(words: int, max_tokens: int) -> tuple[str, str, int]:
     return TOKENIZER.decode(tokens[:max_tokens]), "length", max_tokens
 
 
-def prefills_of(backend: FakeBackend, request_id: str) -> list[dict[str, Any]]:
-    """What prefill received for each choice of a request, in choice order (``<id>-c<i>``)."""
-    found = [p for p in backend.get("/prefills") if p["request_id"].startswith(f"{request_id}-c")]
-    return sorted(found, key=lambda p: int(p["request_id"].rsplit("-c", 1)[1]))
+def prefill_of(backend: FakeBackend, request_id: str) -> dict[str, Any]:
+    """What prefill received for a request, all its choices together; it had no other prefill."""
+    [found] = [p for p in backend.get("/prefills") if p["request_id"].startswith(request_id)]
+    assert found["request_id"] == request_id
+    return found
 
 
 def wait_until_freed(backend: FakeBackend, request_id: str, timeout_s: float = 2.0) -> None:
-    """Decode let the request go: an Abort came, and its stream was cancelled (or it was dropped before one opened)."""
+    """Decode let the request go: an Abort of all of it came, and its stream was cancelled (or it was
+    dropped before one opened)."""
     deadline = time.monotonic() + timeout_s
     while True:
         events = [e["event"] for e in backend.get("/decode-events") if e["request_id"] == request_id]
-        aborted = any(a["request_id"] == request_id for a in backend.get("/aborts"))
+        aborted = any(a["request_id"] == request_id and not a["one_choice"] for a in backend.get("/aborts"))
         if {"cancelled", "aborted"} & set(events) and aborted:
             assert request_id not in backend.get("/jobs")
             return
@@ -79,7 +81,7 @@ def test_chat_choices_are_separate_draws_with_their_own_finish(client: openai.Op
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert [(c.message.content, c.finish_reason) for c in reply.choices] == [(t, f) for t, f, _ in want]
     assert {f for _, f, _ in want} == {"stop", "length"}, "the seed was picked so that finishes differ"
-    prompt_tokens = prefills_of(backend, reply.id)[0]["prompt_tokens"]
+    prompt_tokens = prefill_of(backend, reply.id)["prompt_tokens"]
     assert reply.usage.prompt_tokens == prompt_tokens, "the prompt counts once"
     assert reply.usage.completion_tokens == sum(c for _, _, c in want)
     assert reply.usage.total_tokens == prompt_tokens + sum(c for _, _, c in want)
@@ -89,27 +91,27 @@ def test_choice_seeds_are_derived_and_choice_0_equals_n_1(client: openai.OpenAI,
                                                           backend: FakeBackend) -> None:
     seed = a_seed(lambda counts: len(set(counts)) == 3)
     reply = client.chat.completions.create(model=model, messages=user(DRAW), n=3, seed=seed)
-    seeds = [p["seed"] for p in prefills_of(backend, reply.id)]
-    assert seeds == [seed, choice_seed(seed, 1), choice_seed(seed, 2)] and len(set(seeds)) == 3
+    sent = prefill_of(backend, reply.id)  # prefill derives choice i's seed (choice_seed) itself
+    assert (sent["seed"], sent["n"]) == (seed, 3)
     again = client.chat.completions.create(model=model, messages=user(DRAW), n=3, seed=seed)
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
     single = client.chat.completions.create(model=model, messages=user(DRAW), seed=seed)
     assert single.choices[0].message.content == reply.choices[0].message.content
 
     unseeded = client.chat.completions.create(model=model, messages=user(DRAW), n=2)
-    assert [p["seed"] for p in prefills_of(backend, unseeded.id)] == [None, None]
+    assert (prefill_of(backend, unseeded.id)["seed"], prefill_of(backend, unseeded.id)["n"]) == (None, 2)
 
 
-def test_later_choices_reuse_the_prompt_prefilled_for_choice_0(client: openai.OpenAI, model: str,
-                                                               backend: FakeBackend) -> None:
-    reply = client.chat.completions.create(model=model, messages=user("#prefill_delay=0.2 reuse me " * 3), n=3,
+def test_the_prompt_is_placed_prefilled_and_decoded_once(client: openai.OpenAI, model: str,
+                                                         backend: FakeBackend) -> None:
+    reply = client.chat.completions.create(model=model, messages=user("share me " * 3), n=3,
                                            extra_body={"cache_salt": uuid.uuid4().hex})
-    first, *others = prefills_of(backend, reply.id)
-    full_blocks = first["prompt_tokens"] // BLOCK_SIZE * BLOCK_SIZE
-    assert first["cached_tokens"] == 0 and reply.usage.prompt_tokens_details.cached_tokens == 0
-    for other in others:
-        assert other["started_t"] >= first["first_token_t"], "a later choice started before choice 0's first token"
-        assert other["cached_tokens"] >= full_blocks > 0
+    places = [p for p in backend.get("/places") if p["request_id"].startswith(reply.id)]
+    assert [(p["request_id"], p["n"]) for p in places] == [(reply.id, 3)]
+    assert prefill_of(backend, reply.id)["cached_tokens"] == reply.usage.prompt_tokens_details.cached_tokens == 0
+    opened = [e["request_id"] for e in backend.get("/decode-events") if e["event"] == "opened"]
+    assert [rid for rid in opened if rid.startswith(reply.id)] == [reply.id]
+    assert reply.usage.prompt_tokens == prefill_of(backend, reply.id)["prompt_tokens"] > BLOCK_SIZE
     assert len({c.message.content for c in reply.choices}) == 1  # the fake's echo: no sampling without #draw
 
 
@@ -170,7 +172,8 @@ def test_completions_number_choices_per_prompt(client: openai.OpenAI, model: str
     completions = sum(expected(drawn_words(seed, i), 50)[2] for i in range(3)) + 3 * (len(TOKENIZER.encode("plain text")) + 1)
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (sum(prompts), completions)
     for p in (0, 1):
-        assert [x["seed"] for x in prefills_of(backend, f"{reply.id}-{p}")] == [choice_seed(seed, i) for i in range(3)]
+        sent = prefill_of(backend, f"{reply.id}-{p}")
+        assert (sent["seed"], sent["n"]) == (seed, 3)
 
     stream = client.completions.create(model=model, prompt=["#batch=2 one", "#batch=2 two"], n=2, stream=True,
                                        stream_options={"include_usage": True})
@@ -202,8 +205,7 @@ def test_a_client_that_goes_away_aborts_every_choice(gateway: Gateway, backend: 
                 seen |= {c["index"] for c in chunk["choices"] if c["delta"].get("content")}
             if seen == {0, 1, 2}:
                 break
-    for i in range(3):
-        wait_until_freed(backend, f"{request_id}-c{i}")
+    wait_until_freed(backend, request_id)  # the choices' one request
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
@@ -248,7 +250,7 @@ def no_retries(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_a_choice_that_fails_mid_stream_ends_every_choice_with_an_error(no_retries: Gateway) -> None:
-    # Every choice's decode dies after 3 events; choice 0 started first, so it fails first.
+    # The choices' decode dies after 3 events, and this gateway places no choice again.
     body = {"model": MODEL_ID, "messages": user("#loop #delay=0.05 #fail_after=3 abcd"), "n": 3, "stream": True}
     with httpx.stream("POST", f"{no_retries.url}/v1/chat/completions", json=body, timeout=20) as reply:
         assert reply.status_code == 200
