@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 from crescent.services.gateway.backend import BackendEvent, FirstToken, GenerationRequest, RequestId, Sampling
-from crescent.services.gateway.choices import choice_seed
+from crescent.services.gateway.choices import choice_seed, fan_out
 from crescent.services.gateway.grpc_backend import GrpcBackend
 
 from .fake_tokenizer import IM_END, MODEL_ID, FakeTokenizer
@@ -185,3 +185,19 @@ def test_a_refused_group_is_every_choice_s_answer(gateway: Gateway, backend: Fak
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=10)
     assert reply.status_code == 429 and reply.headers["retry-after"] == "3"
     assert "ttft_slo" in reply.json()["error"]["message"]
+
+
+def test_fan_out_serves_each_choice_as_its_own_request() -> None:
+    """A backend without groups (``choices.fan_out``): choice i is ``<id>-c<i>`` with its own seed."""
+    sent: list[GenerationRequest] = []
+
+    class Recording:
+        def generate(self, request: GenerationRequest) -> Any:
+            sent.append(request)
+            return request
+
+    request = generation("hello", 5, max_tokens=4)
+    assert fan_out(Recording(), request, 3) == sent  # type: ignore[arg-type]
+    assert [(r.request_id, r.sampling.seed) for r in sent] == [
+        (f"{request.request_id}-c{i}", choice_seed(5, i)) for i in range(3)]
+    assert sent[0].sampling.seed == 5 and fan_out(Recording(), request, 1) == [request]  # type: ignore[arg-type]
