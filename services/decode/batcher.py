@@ -177,17 +177,22 @@ class Batcher:
 
     def abort_choice(self, request_id: str, index: int, why: str) -> bool:
         """End one choice of a request and free its own KV now (the gateway found a stop string
-        in it); the last open choice ends the request. False when the request is not here."""
+        in it); ending the last open choice ends the stream like a finish (nothing more is sent
+        for the choice). False when the request is not here."""
         request = self.requests.get(request_id)
         if request is None:
             return False
         choice = request.choice(index)
         if choice is None or choice.finished or request.finished:
             return True
-        if len(request.open_choices) == 1:
-            return self.abort(request_id, why)
         log.info("ending choice %d of %s: %s", index, request_id, why)
-        self._end_choice(request, choice)
+        if len(request.open_choices) == 1:  # the others finished: the stream ends, as after a finish
+            choice.finished = True
+            request.queue.put_nowait(TokenUpdate((), None, index=index, last=True))
+            self.metrics.requests.labels("decode", "aborted").inc()
+            self._finish(request)
+        else:
+            self._end_choice(request, choice)
         self._update_gauges()
         return True
 

@@ -81,7 +81,7 @@ def test_one_choice_aborted_alone_frees_its_pages_and_the_others_finish() -> Non
     assert decode.cache.pages.free_pages == decode.cache.pages.num_pages
 
 
-def test_aborting_the_last_open_choice_ends_the_request() -> None:
+def test_aborting_the_last_open_choice_ends_the_stream_and_frees_everything() -> None:
     prefill, decode = tiny_engine(64 * PAGE), tiny_engine(64 * PAGE)
 
     async def scenario():
@@ -90,10 +90,14 @@ def test_aborting_the_last_open_choice_ends_the_request() -> None:
             batcher.accept(request)
             batcher.abort_choice("last", 0, "stop string")
             batcher.abort_choice("last", 1, "stop string")
-            ended = await read_choices(request)
+            updates = []
+            while not (updates and updates[-1].ends_request):
+                updates.append(await request.queue.get())
             await asyncio.sleep(0.05)
-            return ended, batcher.holds("last"), batcher.free_kv_tokens
+            return updates, request.finished, batcher.free_kv_tokens
 
-    ended, held, free_after = asyncio.run(scenario())
-    assert any(reason == "aborted" for _, reason in ended.values())
-    assert not held and free_after == decode.cache.capacity_tokens
+    updates, finished, free_after = asyncio.run(scenario())
+    assert finished
+    assert updates[-1].last and updates[-1].finish_reason is None and not updates[-1].token_ids
+    assert all(u.finish_reason is None for u in updates), "an aborted choice sends no finish of its own"
+    assert free_after == decode.cache.capacity_tokens
