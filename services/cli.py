@@ -18,6 +18,7 @@ from rich.text import Text
 
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
+from crescent.services.keys_cli import keys_app
 from crescent.services.model.model_source import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Crescent: LLM serving built around the KV cache.")
 console = Console(stderr=True)
 log = logging.getLogger(__name__)
+app.add_typer(keys_app, name="keys")
 
 
 class Service(str, Enum):

@@ -7,7 +7,9 @@ import time
 
 from crescent.services.common.admin_http import metrics_response
 from crescent.services.common.metrics import gateway_metrics
+from crescent.services.gateway.admin_api import admin_router
 from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCard, ModelList
+from crescent.services.gateway.auth import Authenticator
 from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.completions import Completions
@@ -20,7 +22,7 @@ from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.response_store import ResponseStore
 from crescent.services.gateway.responses import Responses
 from crescent.services.gateway.responses_api import ResponseRequest
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -28,8 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, drain: Drain) -> FastAPI:
-    """The FastAPI app; ``backend``, ``model`` and ``drain`` are owned by the caller (``server``)."""
+def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, drain: Drain,
+              auth: Authenticator) -> FastAPI:
+    """The FastAPI app; ``backend``, ``model``, ``drain`` and ``auth`` are owned by the caller (``server``)."""
     metrics = gateway_metrics()
     chat = ChatCompletions(settings, backend, model, metrics, drain)
     completions = Completions(backend, model, metrics, drain, chat.served_name)
@@ -53,35 +56,44 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
         )
     app.add_middleware(HttpGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def authenticate(request: Request) -> None:
+        """Every /v1 route: the request's tenant (``auth.principal_of``), or 401 before the body is read."""
+        request.state.principal = await auth.principal(request.headers.get("authorization"))
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)], responses={401: ERROR_RESPONSES[401]})
+
+    @v1.post("/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.handle(body, request)
 
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    @v1.post("/completions", responses=ERROR_RESPONSES)
     async def text_completions(body: CompletionRequest, request: Request) -> Response:
         return await completions.handle(body, request)
 
-    @app.post("/v1/responses", responses=ERROR_RESPONSES)
+    @v1.post("/responses", responses=ERROR_RESPONSES)
     async def create_response(body: ResponseRequest, request: Request) -> Response:
         return await responses.create(body, request)
 
-    @app.get("/v1/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
+    @v1.get("/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
     async def get_response(response_id: str) -> Response:
         return await responses.retrieve(response_id)
 
-    @app.delete("/v1/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
+    @v1.delete("/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
     async def delete_response(response_id: str) -> Response:
         return await responses.delete(response_id)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def list_models() -> ModelList:
         return ModelList(data=[card])
 
-    @app.get("/v1/models/{model_id:path}", responses={404: ERROR_RESPONSES[404]})
+    @v1.get("/models/{model_id:path}", responses={404: ERROR_RESPONSES[404]})
     async def get_model(model_id: str) -> ModelCard:
         if model_id != card.id:
             raise ModelNotFoundError(f"the model {model_id!r} does not exist", param="model")
         return card
+
+    app.include_router(v1)
+    app.include_router(admin_router(auth))
 
     @app.get("/health")
     async def health() -> JSONResponse:

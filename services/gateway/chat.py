@@ -29,6 +29,7 @@ from crescent.services.gateway.api_models import (
     ToolCallOut,
 )
 from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
+from crescent.services.gateway.auth import Principal, principal_of
 from crescent.services.gateway.backend import Backend, BackendEvent, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.choice_stream import ChoiceStream
 from crescent.services.gateway.choices import collect_choices, leaders_first, resumed
@@ -42,6 +43,7 @@ from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, cha
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatChunks, ChunkHeader, SseResponse, usage_model
 from crescent.services.gateway.structured_output import constraint_of
+from crescent.services.tenancy import cache_salt
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -62,9 +64,10 @@ class ChatCompletions:
         self._metrics = metrics
         self.served_name = settings.served_model_name or model.model_id
 
-    async def generation_request(self, body: ChatCompletionRequest, request_id: RequestId) -> GenerationRequest:
+    async def generation_request(self, body: ChatCompletionRequest, request_id: RequestId,
+                                 principal: Principal) -> GenerationRequest:
         """The backend request for ``body``: checks, prompt, constraint, sampling (``responses`` reuses it)."""
-        return await self._generation_request(self.checked(body), request_id)
+        return await self._generation_request(self.checked(body), request_id, principal)
 
     def checked(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
         """``body`` under the model card (defaults filled in), or the 400 for what cannot be served."""
@@ -79,10 +82,11 @@ class ChatCompletions:
             raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
         return body
 
-    async def _generation_request(self, body: ChatCompletionRequest, request_id: RequestId) -> GenerationRequest:
+    async def _generation_request(self, body: ChatCompletionRequest, request_id: RequestId,
+                                  principal: Principal) -> GenerationRequest:
         # Templating and tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         prompt = await asyncio.to_thread(build_prompt, body, self._model, self._settings.default_max_tokens)
-        salt = (body.cache_salt or "").encode()
+        salt = cache_salt(principal.salt, body.cache_salt)  # the tenant's, narrowed by the client's
         constraint = constraint_of(body, self._model.output_format)
         # The one stop rule: engines apply the same function with their own EOS ids.
         stops = stop_token_ids(body.stop_token_ids or (), self._model.tokenizer.eos_token_ids, body.ignore_eos)
@@ -129,7 +133,7 @@ class ChatCompletions:
                        record: RequestRecord) -> Response:
         body = self.checked(body)  # the card first: a locked n is refused before n is read
         n = body.n
-        generation = await self._generation_request(body, request_id)
+        generation = await self._generation_request(body, request_id, principal_of(request))
         events = [self.reply_events(body, generation, choice, record, i)
                   for i, choice in enumerate(self._backend.generate_choices(generation, n))]
         header = ChunkHeader(

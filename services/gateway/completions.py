@@ -23,6 +23,7 @@ from functools import partial
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts, response_usage
+from crescent.services.gateway.auth import Principal, principal_of
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.choice_stream import ChoiceStream, status_of
 from crescent.services.gateway.choices import collect_choices, leaders_first, resumed
@@ -47,6 +48,7 @@ from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.sse import ChunkHeader, SseResponse, usage_model
+from crescent.services.tenancy import cache_salt
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -96,14 +98,14 @@ class Completions:
         return await asyncio.to_thread(build_completion_prompts, body, self._model)
 
     def _generation_request(self, body: CompletionRequest, request_id: RequestId,
-                            prompt: CompletionPrompt) -> GenerationRequest:
+                            prompt: CompletionPrompt, principal: Principal) -> GenerationRequest:
         # The one stop rule: engines apply the same function with their own EOS ids.
         stops = stop_token_ids((), self._model.tokenizer.eos_token_ids, body.ignore_eos)
         return GenerationRequest(
             request_id=request_id,
             model_id=self._model.model_id,
             prompt_token_ids=prompt.token_ids,
-            cache_salt=(body.cache_salt or "").encode(),
+            cache_salt=cache_salt(principal.salt, body.cache_salt),  # the tenant's, narrowed by the client's
             sampling=Sampling(
                 temperature=body.temperature,
                 top_p=body.top_p,
@@ -132,7 +134,8 @@ class Completions:
             prompts = await self._prompts(body)
             stops = body.stop_strings()
             n = body.n
-            requests = [self._generation_request(body, RequestId(f"{response_id}-{p}"), prompt)
+            principal = principal_of(request)
+            requests = [self._generation_request(body, RequestId(f"{response_id}-{p}"), prompt, principal)
                         for p, prompt in enumerate(prompts)]
             sources = [choice for r in requests for choice in self._backend.generate_choices(r, n)]
             leaders = range(0, len(sources), n)  # each prompt's choice 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from crescent.services.common.settings import StrictModel, load_settings
 from crescent.services.gateway.model_policy import ModelPolicy
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 ENV_PREFIX = "CRESCENT_GATEWAY"
 DEFAULT_GATEWAY_PORT = 8000
@@ -18,6 +18,35 @@ class GatewayListenSettings(StrictModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=1, le=65535)
+
+
+class AuthSettings(StrictModel):
+    """API keys and tenants (docs/security.md). Off: every request is the ``default`` tenant's."""
+
+    enabled: bool = Field(
+        default=False,
+        description="require Authorization: Bearer <key> on every /v1 endpoint; off (crescent up's default) "
+                    "serves everyone as the one default tenant and logs that auth is off",
+    )
+    database_url: str = Field(
+        default="sqlite:///~/.cache/crescent/gateway.sqlite3", min_length=1,
+        description="tenants, keys and the cache-salt secret: a SQLite file, or postgresql://… shared by "
+                    "several gateways (the schema is migrated at start-up)",
+    )
+    admin_key: SecretStr | None = Field(
+        default=None,
+        description="the key of the /admin API (tenants, keys); unset: the admin API answers 403",
+    )
+    cache_salt_secret: SecretStr | None = Field(
+        default=None,
+        description="secret the per-tenant prefix-cache salt is derived from; unset: one generated at "
+                    "random in the database on first start (every gateway on that database uses it)",
+    )
+    key_cache_s: float = Field(
+        default=5.0, ge=0, le=60,
+        description="how long a checked key's answer is reused in memory; a revoked key stops working "
+                    "within this time",
+    )
 
 
 class GatewaySettings(StrictModel):
@@ -71,6 +100,7 @@ class GatewaySettings(StrictModel):
         description="the served model's card: reasoning controls, sampling defaults and locked parameters "
                     "(docs/model-policy.md); default: the model family's (Kimi's for Kimi models, none otherwise)",
     )
+    auth: AuthSettings = AuthSettings()
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 
     @model_validator(mode="after")

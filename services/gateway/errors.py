@@ -68,6 +68,23 @@ class PayloadTooLargeError(InvalidRequestError):
     code = "payload_too_large"
 
 
+class AuthenticationError(ApiError):
+    """No API key (``missing_api_key``) or one that is unknown, revoked or expired (``invalid_api_key``)."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class PermissionDeniedError(ApiError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class ModelNotFoundError(ApiError):
     status = 404
     type = "invalid_request_error"
@@ -170,6 +187,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": description}
     for status, description in {
         400: "invalid request: the message names the field (param) and why",
+        401: "no API key (missing_api_key), or an unknown, revoked or expired one (invalid_api_key)",
         404: "unknown model",
         408: "the request body did not arrive in time",
         413: "the request body is larger than the gateway's limit",

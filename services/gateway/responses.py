@@ -18,6 +18,7 @@ from dataclasses import replace
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.gateway.accounting import RequestRecord
 from crescent.services.gateway.assistant_output import OutputEvent
+from crescent.services.gateway.auth import principal_of
 from crescent.services.gateway.backend import Backend, RequestId
 from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.client_gone import answered, unless_disconnected
@@ -75,7 +76,8 @@ class Responses:
         conversation = await self._history(body.previous_response_id) + body.input_items()
         chat_body = chat_request(body, conversation)
         try:
-            generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id))
+            generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id),
+                                                                     principal_of(request))
         except ApiError as exc:
             raise responses_error(exc) from None
         sampling = generation_request.sampling

@@ -23,6 +23,7 @@ from types import FrameType
 import uvicorn
 from crescent.services.common.logs import configure_logging
 from crescent.services.gateway.app import build_app
+from crescent.services.gateway.auth import Authenticator
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.grpc_backend import GrpcBackend
@@ -80,7 +81,14 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
         migration=MigrationPolicy(max_retries=settings.migration_retries),
     )
     drain = Drain()
-    app = build_app(settings, backend, model, drain)
+    auth = await asyncio.to_thread(Authenticator.open, settings.auth)
+    if auth.enabled:
+        log.info("auth on: every /v1 request needs an API key (tenants and keys in %s)",
+                 _safe_url(settings.auth.database_url))
+    else:
+        log.warning("auth is OFF: any caller is served as the one 'default' tenant (local use only; "
+                    "set auth.enabled, CRESCENT_GATEWAY__AUTH__ENABLED=true, to require API keys)")
+    app = build_app(settings, backend, model, drain, auth)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 
@@ -112,9 +120,16 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
             task.cancel()
         await asyncio.gather(*stopping, return_exceptions=True)
         await backend.close()
+        auth.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         log.info("gateway stopped")
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def main(config_path: Path | None = None, *, model_loader: ModelLoader | None = None) -> None:

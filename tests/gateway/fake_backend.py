@@ -233,7 +233,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         s = request.sampling
         record = {
             "request_id": request.request_id, "model_id": request.model_id, "prompt_tokens": len(request.token_ids),
-            "cache_salt": request.cache_salt.decode(), "decode_address": request.decode_address,
+            "cache_salt": request.cache_salt.hex(), "decode_address": request.decode_address,
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "seed": s.seed if s.has_seed else None, "max_tokens": s.max_tokens,
             "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos, "first_step": s.first_step,

@@ -16,6 +16,14 @@ from tests.ports import free_port  # noqa: F401  (re-exported for the tests here
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 4  # small, so short test prompts have full blocks
+SALT_SECRET = "gateway-tests-cache-salt-secret"
+
+
+def served_salt(client_salt: str | None = None, tenant_id: str = "default") -> bytes:
+    """The cache salt a test gateway derives for ``tenant_id``'s request with ``client_salt``."""
+    from crescent.services.tenancy import cache_salt, tenant_salt
+
+    return cache_salt(tenant_salt(SALT_SECRET.encode(), tenant_id), client_salt)
 
 
 class Process:
@@ -112,6 +120,10 @@ class Gateway(Process):
             "responses_db": ":memory:",  # stored responses never outlive the test's gateway
             **settings,
         }
+        # Tenants, keys and the salt secret: the test's own database, never the user's ~/.cache one.
+        # A known salt secret, so tests can compute the block keys the gateway sends.
+        config["auth"] = {"database_url": f"sqlite:///{config_dir}/tenancy-{self.port}.sqlite3",
+                          "cache_salt_secret": SALT_SECRET, **settings.get("auth", {})}
         path = config_dir / f"gateway-{self.port}.yaml"
         path.write_text(yaml.safe_dump(config))
         super().__init__("gateway", *entry, str(path))

@@ -11,7 +11,7 @@ import pytest
 from crescent.services.common.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID
-from .support import BLOCK_SIZE, FakeBackend, Gateway
+from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt
 
 
 @pytest.fixture
@@ -52,4 +52,4 @@ def test_the_gateway_follows_a_new_block_size(own_backend: FakeBackend, tmp_path
     assert refused["request_id"] == accepted["request_id"] == reply.json()["id"]
     assert (refused["block_size"], accepted["block_size"]) == (BLOCK_SIZE, 8)
     prompt = own_backend.get("/prefills")[-1]["token_ids"]
-    assert accepted["block_keys"] == [k.hex() for k in prefix_block_keys(prompt, 8, MODEL_ID)]
+    assert accepted["block_keys"] == [k.hex() for k in prefix_block_keys(prompt, 8, MODEL_ID, served_salt())]

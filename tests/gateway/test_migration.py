@@ -19,7 +19,7 @@ import pytest
 from crescent.services.common.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
-from .support import BLOCK_SIZE, FakeBackend, Gateway
+from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt
 from .test_health_metrics import metric
 
 TOKENIZER = FakeTokenizer()
@@ -84,7 +84,7 @@ def test_decode_failures_mid_stream_lose_and_repeat_no_token(
         assert attempt["token_ids"] == prompt + [reply[i % len(reply)] for i in range(step)]
         assert attempt["max_tokens"] == 30 - step
         place = places[attempt["request_id"]]
-        assert place["block_keys"] == [k.hex() for k in prefix_block_keys(attempt["token_ids"], BLOCK_SIZE, MODEL_ID)]
+        assert place["block_keys"] == [k.hex() for k in prefix_block_keys(attempt["token_ids"], BLOCK_SIZE, MODEL_ID, served_salt())]
         assert place["block_size"] == BLOCK_SIZE
 
 

@@ -9,7 +9,7 @@ import pytest
 from crescent.services.common.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
-from .support import BLOCK_SIZE, FakeBackend
+from .support import BLOCK_SIZE, FakeBackend, served_salt
 
 TOKENIZER = FakeTokenizer()
 
@@ -143,7 +143,8 @@ def test_cached_tokens_and_cache_salt(client: openai.OpenAI, model: str, backend
 
     # The scheduler got the salted keys of the prompt's full blocks, as prefill computes them.
     place = next(p for p in backend.get("/places") if p["request_id"] == salted.id)
-    expected = prefix_block_keys(ids, BLOCK_SIZE, MODEL_ID, b"tenant-a")
+    # The salt is the tenant's (derived on the server) narrowed by the client's, never the client's text.
+    expected = prefix_block_keys(ids, BLOCK_SIZE, MODEL_ID, served_salt("tenant-a"))
     assert place["block_keys"] == [k.hex() for k in expected]
     assert place["prompt_tokens"] == len(ids) and place["max_tokens"] == 2
 

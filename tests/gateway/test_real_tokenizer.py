@@ -14,7 +14,7 @@ from crescent.services.common.block_keys import prefix_block_keys
 from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 
-from .support import BLOCK_SIZE, PRODUCTION_ENTRY, FakeBackend, Gateway
+from .support import BLOCK_SIZE, PRODUCTION_ENTRY, FakeBackend, Gateway, served_salt
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_sends_the_templated_prompt_and_its_block_keys(real_gateway: Gateway, ba
     ids = real_tokenizer.encode(real_tokenizer.apply_chat_template(messages))
     assert ids[0] == real_tokenizer.encode("<|im_start|>")[0]  # ChatML, no extra BOS
     assert place["prompt_tokens"] == len(ids)
-    assert place["block_keys"] == [k.hex() for k in prefix_block_keys(ids, BLOCK_SIZE, DEFAULT_MODEL)]
+    assert place["block_keys"] == [k.hex() for k in prefix_block_keys(ids, BLOCK_SIZE, DEFAULT_MODEL, served_salt())]
     assert place["model_id"] == DEFAULT_MODEL
 
 

@@ -1,0 +1,140 @@
+"""Who is asking: the tenant behind ``Authorization: Bearer <key>``, and its prefix-cache salt.
+
+With auth on, every /v1 request needs a key: none is 401 ``missing_api_key``; an unknown, revoked
+or expired one is 401 ``invalid_api_key`` with one message for all three, so an answer never says
+whether a key ever existed. With auth off (``crescent up``'s default) every request is the
+``default`` tenant's and any Authorization header is ignored.
+
+A key's check (a database read in a worker thread) is reused for ``key_cache_s`` (5 s by
+default), refusals too, so unknown and revoked keys take the same path; a revocation therefore
+takes effect on a gateway within ``key_cache_s``. The cache holds at most ``_CACHE_ENTRIES``
+answers (oldest dropped first), so a flood of made-up keys cannot grow it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from fastapi import Request
+
+from crescent.services.gateway.config import AuthSettings
+from crescent.services.gateway.errors import AuthenticationError, PermissionDeniedError
+from crescent.services.tenancy import DEFAULT_TENANT, KeyCheck, KeyStore, connect_database, hash_key, tenant_salt
+from crescent.services.tenancy.database import server_secret
+
+log = logging.getLogger(__name__)
+
+_CACHE_ENTRIES = 10_000
+_MISSING = ("You didn't provide an API key. Send it in an Authorization header: "
+            "'Authorization: Bearer crs-…' (keys come from `crescent keys create` or the /admin/keys API).")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The tenant a request belongs to, the key it came with (None with auth off) and the tenant's salt."""
+
+    tenant_id: str
+    key_id: str | None
+    salt: bytes
+
+
+def _masked(key: str) -> str:
+    return f"{key[:8]}…{key[-4:]}" if len(key) > 16 else "…"
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header, or None when there is none."""
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+class Authenticator:
+    def __init__(self, settings: AuthSettings, store: KeyStore, secret: bytes) -> None:
+        self.enabled = settings.enabled
+        self.store = store
+        self._secret = secret
+        self._cache_s = settings.key_cache_s
+        admin = settings.admin_key.get_secret_value() if settings.admin_key is not None else ""
+        self._admin_hash = hashlib.sha256(admin.encode()).digest() if admin else None
+        self._checked: OrderedDict[str, tuple[float, KeyCheck]] = OrderedDict()
+        self._default = Principal(DEFAULT_TENANT, None, tenant_salt(secret, DEFAULT_TENANT))
+
+    @classmethod
+    def open(cls, settings: AuthSettings) -> Authenticator:
+        """Connect to the database (migrating it), make the default tenant, read or create the
+        salt secret. Blocks: call it before serving or from a worker thread."""
+        store = KeyStore(connect_database(settings.database_url))
+        store.ensure_tenant(DEFAULT_TENANT)
+        if settings.cache_salt_secret is not None:
+            secret = settings.cache_salt_secret.get_secret_value().encode()
+        else:
+            secret = server_secret(store.engine, "cache_salt")
+        return cls(settings, store, secret)
+
+    def close(self) -> None:
+        self.store.engine.dispose()
+
+    @property
+    def admin_enabled(self) -> bool:
+        return self._admin_hash is not None
+
+    def salt_of(self, tenant_id: str) -> bytes:
+        return tenant_salt(self._secret, tenant_id)
+
+    async def principal(self, authorization: str | None) -> Principal:
+        """The tenant of a request with this Authorization header, or the 401 to answer."""
+        if not self.enabled:
+            return self._default
+        key = bearer_key(authorization)
+        if key is None:
+            raise AuthenticationError(_MISSING, code="missing_api_key")
+        check = await self._check(key)
+        if check.tenant_id is None:
+            log.info("refused an API key (%s%s)", check.refusal, f": {check.key_id}" if check.key_id else "")
+            raise AuthenticationError(f"Incorrect API key provided: {_masked(key)}.", code="invalid_api_key")
+        return Principal(check.tenant_id, check.key_id, self.salt_of(check.tenant_id))
+
+    async def _check(self, key: str) -> KeyCheck:
+        digest = hash_key(key)
+        now = time.monotonic()
+        cached = self._checked.get(digest)
+        if cached is not None and now - cached[0] < self._cache_s:
+            check = cached[1]
+            if check.expires_at is None or check.expires_at > datetime.now(UTC):
+                return check
+        check = await asyncio.to_thread(self.store.check, key)
+        self._checked[digest] = (now, check)
+        self._checked.move_to_end(digest)
+        while len(self._checked) > _CACHE_ENTRIES:
+            self._checked.popitem(last=False)
+        return check
+
+    def forget_key(self, key_id: str) -> None:
+        """Drop cached answers about ``key_id`` (it was just revoked here)."""
+        for digest in [d for d, (_, check) in self._checked.items() if check.key_id == key_id]:
+            del self._checked[digest]
+
+    def check_admin(self, authorization: str | None) -> None:
+        """Raise unless the header carries the admin key (403 when no admin key is configured)."""
+        if self._admin_hash is None:
+            raise PermissionDeniedError("the admin API is off: set the gateway's auth.admin_key to use it")
+        key = bearer_key(authorization)
+        if key is None:
+            raise AuthenticationError(_MISSING, code="missing_api_key")
+        if not hmac.compare_digest(hashlib.sha256(key.encode()).digest(), self._admin_hash):
+            raise AuthenticationError(f"Incorrect admin key provided: {_masked(key)}.", code="invalid_api_key")
+
+
+def principal_of(request: Request) -> Principal:
+    """The principal ``authenticate`` put on the request (every /v1 route depends on it)."""
+    return request.state.principal

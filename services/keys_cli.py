@@ -1,0 +1,133 @@
+"""``crescent keys``: tenants and API keys in the gateway's database (docs/security.md).
+
+The database is the gateway's: ``--database-url``, else the gateway settings' ``auth.database_url``
+(``--config FILE`` or ``CRESCENT_GATEWAY__AUTH__DATABASE_URL``). ``create`` prints the new key
+alone on stdout, once; it is stored only as a hash.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+keys_app = typer.Typer(add_completion=False, no_args_is_help=True, help="API keys and tenants (gateway auth).")
+console = Console(stderr=True)
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+DatabaseOption = Annotated[str | None, typer.Option(
+    "--database-url", help="SQLAlchemy URL; default: the gateway settings' auth.database_url")]
+ConfigOption = Annotated[Path | None, typer.Option(help="gateway YAML settings to read auth.database_url from")]
+
+
+def _store(database_url: str | None, config: Path | None):  # noqa: ANN202 - a KeyStore
+    from crescent.services.gateway.config import load_gateway_settings
+    from crescent.services.tenancy import KeyStore, connect_database
+
+    url = database_url or load_gateway_settings(config).auth.database_url
+    return KeyStore(connect_database(url))
+
+
+def parse_duration(text: str) -> timedelta:
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise typer.BadParameter("a number and a unit: 45s, 30m, 12h, 90d")
+    return timedelta(seconds=float(match.group(1)) * _UNIT_S[match.group(2)])
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if moment is not None else "-"
+
+
+def _print_rows(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """A table on a terminal; tab-separated lines (header first) when piped, for scripts."""
+    if not sys.stdout.isatty():
+        for row in (columns, *rows):
+            sys.stdout.write("\t".join(row) + "\n")
+        return
+    table = Table()
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[red]error:[/red] {exc}", highlight=False)
+    raise typer.Exit(1)
+
+
+@keys_app.command()
+def create(
+    tenant: Annotated[str, typer.Argument(help="tenant name (or id); made if it does not exist")],
+    name: Annotated[str, typer.Option(help="a label for the key, e.g. who holds it")] = "",
+    expires_in: Annotated[str | None, typer.Option(help="lifetime: 45s, 30m, 12h, 90d; default: until revoked")] = None,
+    database_url: DatabaseOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Create an API key for TENANT and print it once (only its hash is kept)."""
+    from crescent.services.tenancy import TenancyError
+
+    lifetime = parse_duration(expires_in) if expires_in is not None else None
+    store = _store(database_url, config)
+    try:
+        created = store.create_key(tenant, name, expires_in=lifetime, create_tenant=True)
+    except TenancyError as exc:
+        _fail(exc)
+    record = created.record
+    console.print(f"created key {record.id} for tenant {record.tenant_id} ({tenant}), expires: {_when(record.expires_at)}"
+                  "\nthe key is shown this once; store it now:", highlight=False)
+    sys.stdout.write(created.key + "\n")
+
+
+@keys_app.command("list")
+def list_keys(
+    tenant: Annotated[str | None, typer.Option(help="only this tenant's keys (name or id)")] = None,
+    database_url: DatabaseOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """List keys (ids, prefixes, status; never the keys)."""
+    from crescent.services.tenancy import TenancyError
+
+    store = _store(database_url, config)
+    try:
+        records = store.list_keys(tenant)
+    except TenancyError as exc:
+        _fail(exc)
+    names = {t.id: t.name for t in store.list_tenants()}
+    now = datetime.now(UTC)
+    _print_rows(("id", "tenant", "name", "prefix", "status", "created", "expires", "revoked"), [
+        (r.id, names.get(r.tenant_id, r.tenant_id), r.name, r.key_prefix + "…", r.status(now),
+         _when(r.created_at), _when(r.expires_at), _when(r.revoked_at)) for r in records])
+
+
+@keys_app.command()
+def revoke(
+    key_id: Annotated[str, typer.Argument(help="the key's id (key_…), as `crescent keys list` shows it")],
+    database_url: DatabaseOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Revoke a key: gateways refuse it within their key cache time (auth.key_cache_s, 5 s by default)."""
+    from crescent.services.tenancy import TenancyError
+
+    try:
+        record = _store(database_url, config).revoke_key(key_id)
+    except TenancyError as exc:
+        _fail(exc)
+    console.print(f"revoked {record.id} (tenant {record.tenant_id}) at {_when(record.revoked_at)}", highlight=False)
+
+
+@keys_app.command()
+def tenants(database_url: DatabaseOption = None, config: ConfigOption = None) -> None:
+    """List tenants."""
+    _print_rows(("id", "name", "created"),
+                [(t.id, t.name, _when(t.created_at)) for t in _store(database_url, config).list_tenants()])
