@@ -38,6 +38,7 @@ class Sequence:
     num_cached: int = 0                  # of the prompt, tokens reused rather than computed
     num_registered: int = 0              # leading full blocks entered in the prefix map
     reserved_pages: int = 0              # pages promised to it and not drawn yet (decode)
+    keeps_blocks: bool = True            # its computed full blocks may be cached (see min_cached_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +54,12 @@ class Engine:
         kv_capacity_tokens: int,
         page_size: int,
         prefill_chunk_tokens: int = 2048,
+        min_cached_prompt_tokens: int = 0,
     ) -> None:
+        """``min_cached_prompt_tokens``: a prompt of at most this many tokens leaves no blocks in the
+        prefix cache (nor, through prefill, in the kvstore or the scheduler's index), so whether a
+        short, guessable prompt was sent before never shows in ``cached_tokens`` or timing; it may
+        still reuse blocks a longer prompt left. Kimi's API rule is 256 (EngineSettings' default)."""
         if kv_capacity_tokens < page_size:
             raise ValueError(f"kv_capacity_tokens ({kv_capacity_tokens}) must hold at least one page ({page_size})")
         cfg = model.config
@@ -61,6 +67,7 @@ class Engine:
         self.config: LlamaConfig = cfg
         self.model_id = model_id
         self.page_size = page_size
+        self.min_cached_prompt_tokens = min_cached_prompt_tokens
         self.prefill_chunk_tokens = max(page_size, prefill_chunk_tokens - prefill_chunk_tokens % page_size)
         num_pages = kv_capacity_tokens // page_size
         make_cache = getattr(model, "make_cache", None)  # models with their own page layout (kimi_k3)
@@ -82,7 +89,7 @@ class Engine:
         if len(token_ids) > self.config.max_position_embeddings:
             raise ValueError(f"{len(token_ids)} tokens exceed the context window ({self.config.max_position_embeddings})")
         keys = self.block_keys(token_ids, salt)
-        seq = Sequence(seq_id, list(token_ids), keys)
+        seq = Sequence(seq_id, list(token_ids), keys, keeps_blocks=len(token_ids) > self.min_cached_prompt_tokens)
         if use_cache:
             usable = keys[: (len(token_ids) - 1) // self.page_size]
             blocks = [token_ids[i * self.page_size : (i + 1) * self.page_size] for i in range(len(usable))]
@@ -212,6 +219,8 @@ class Engine:
         return logits
 
     def _register_full_blocks(self, seq: Sequence) -> None:
+        if not seq.keeps_blocks:
+            return
         full = min(len(seq.block_keys), seq.num_computed // self.page_size)
         for i in range(seq.num_registered // self.page_size, full):
             parent = seq.block_keys[i - 1] if i else None

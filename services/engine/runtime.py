@@ -45,6 +45,7 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         kv_capacity_tokens=settings.kv_capacity_tokens,
         page_size=settings.block_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        min_cached_prompt_tokens=settings.min_cached_prompt_tokens,
     )
     log.info(
         "engine ready: model %s, %d KV pages of %d tokens (%.2f GB)",

@@ -14,6 +14,12 @@ class EngineSettings(StrictModel):
     kv_capacity_tokens: int = Field(default=32768, ge=1, description="token slots in the paged KV cache")
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=4096, description="tokens per KV block/page")
     prefill_chunk_tokens: int = Field(default=2048, ge=1, description="prompt tokens per prefill forward pass")
+    min_cached_prompt_tokens: int = Field(
+        default=256, ge=0,
+        description="a prompt of at most this many tokens leaves nothing in the prefix cache (Kimi's API "
+                    "rule: a hit needs the earlier prompt to be longer than 256 tokens), so short guessable "
+                    "prompts cannot be probed through cached_tokens or timing; 0: every prompt's blocks are kept",
+    )
     threads: int = Field(default=2, ge=1, description="torch intra-op threads")
     max_batch_size: int = Field(
         default=16, ge=1, description="decode: sequences per step (more are accepted: they wait for a slot)"

@@ -271,8 +271,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return added
 
     async def _export_new_blocks(self, seq: Sequence, already_cached: int) -> list[KvBlock]:
-        """Copies of the prompt's full blocks that came from neither cache, for the kvstore."""
-        if self.kvstore is None:
+        """Copies of the prompt's full blocks that came from neither cache, for the kvstore (none
+        for a prompt too short to be cached: ``Engine.min_cached_prompt_tokens``)."""
+        if self.kvstore is None or not seq.keeps_blocks:
             return []
         page = self.engine.page_size
         first = already_cached // page

@@ -55,6 +55,11 @@ class Stack:
         return total
 
 
+# These tests check the cache's mechanics with short prompts, so they keep every prompt's blocks;
+# test_tenant_isolation runs with the served default (Kimi's rule: only prompts over 256 tokens).
+CACHE_SHORT_PROMPTS = {"CRESCENT_PREFILL__ENGINE__MIN_CACHED_PROMPT_TOKENS": "0"}
+
+
 def start_stack(run_dir: Path, *extra_args: str, timeout_s: float = 300, env: dict[str, str] | None = None) -> Stack:
     """``crescent up`` on a free port; ``env`` adds settings overrides (CRESCENT_<SERVICE>__...)."""
     port = free_port()
@@ -62,7 +67,7 @@ def start_stack(run_dir: Path, *extra_args: str, timeout_s: float = 300, env: di
     proc = subprocess.Popen(
         [sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port), "--run-dir", str(run_dir), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env={**os.environ, "CRESCENT_LOG_LEVEL": "INFO", **(env or {})},
+        env={**os.environ, "CRESCENT_LOG_LEVEL": "INFO", **CACHE_SHORT_PROMPTS, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 CRESCENT = Path(sys.executable).with_name("crescent")
 KV_USED = "crescent_engine_kv_used_tokens"
 # Two engines per role share two cores: one torch thread each keeps them from fighting.
-ONE_THREAD = {"CRESCENT_PREFILL__ENGINE__THREADS": "1", "CRESCENT_DECODE__ENGINE__THREADS": "1"}
+ONE_THREAD = {"CRESCENT_PREFILL__ENGINE__THREADS": "1", "CRESCENT_DECODE__ENGINE__THREADS": "1",
+              # The scenarios' prompts include short ones whose prefix hits they count: keep every prompt's blocks.
+              "CRESCENT_PREFILL__ENGINE__MIN_CACHED_PROMPT_TOKENS": "0"}
 
 
 class StackError(RuntimeError):
