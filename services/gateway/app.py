@@ -9,7 +9,7 @@ from crescent.services.common.admin_http import metrics_response
 from crescent.services.common.metrics import gateway_metrics
 from crescent.services.gateway.admin_api import admin_router
 from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCard, ModelList
-from crescent.services.gateway.auth import Authenticator
+from crescent.services.gateway.auth import Authenticator, principal_of
 from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.completions import Completions
@@ -75,12 +75,12 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
         return await responses.create(body, request)
 
     @v1.get("/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
-    async def get_response(response_id: str) -> Response:
-        return await responses.retrieve(response_id)
+    async def get_response(response_id: str, request: Request) -> Response:
+        return await responses.retrieve(principal_of(request).tenant_id, response_id)
 
     @v1.delete("/responses/{response_id}", responses={404: ERROR_RESPONSES[404]})
-    async def delete_response(response_id: str) -> Response:
-        return await responses.delete(response_id)
+    async def delete_response(response_id: str, request: Request) -> Response:
+        return await responses.delete(principal_of(request).tenant_id, response_id)
 
     @v1.get("/models")
     async def list_models() -> ModelList:

@@ -6,6 +6,10 @@ follow-up reads one row, so deleting a response never breaks the chains built on
 
 sqlite3 calls block, so every method here runs in a worker thread (``asyncio.to_thread``); one
 connection, opened on first use, is shared under a lock (``:memory:`` lives as long as it).
+
+Responses belong to the tenant that made them: another tenant neither reads, continues nor
+deletes them, even knowing the id. A row's id is ``<tenant id>/<response id>``, except for the
+``default`` tenant (auth off), whose rows keep the bare response id they had before tenants.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from crescent.services.tenancy import DEFAULT_TENANT
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -32,6 +38,10 @@ CREATE TABLE IF NOT EXISTS responses (
 class StoredResponse:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
+
+
+def _row_id(tenant_id: str, response_id: str) -> str:
+    return response_id if tenant_id == DEFAULT_TENANT else f"{tenant_id}/{response_id}"
 
 
 class ResponseStore:
@@ -51,32 +61,35 @@ class ResponseStore:
             self._db = db
         return self._db
 
-    def _put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def _put(self, tenant_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         with self._lock:
             self._connection().execute(
                 "INSERT OR REPLACE INTO responses (id, created_at, response, conversation) VALUES (?, ?, ?, ?)",
-                (response["id"], response["created_at"], json.dumps(response), json.dumps(conversation)),
+                (_row_id(tenant_id, response["id"]), response["created_at"], json.dumps(response),
+                 json.dumps(conversation)),
             )
 
-    def _get(self, response_id: str) -> StoredResponse | None:
+    def _get(self, tenant_id: str, response_id: str) -> StoredResponse | None:
         with self._lock:
             row = self._connection().execute(
-                "SELECT response, conversation FROM responses WHERE id = ?", (response_id,)).fetchone()
+                "SELECT response, conversation FROM responses WHERE id = ?", (_row_id(tenant_id, response_id),)).fetchone()
         return None if row is None else StoredResponse(json.loads(row[0]), json.loads(row[1]))
 
-    def _delete(self, response_id: str) -> bool:
+    def _delete(self, tenant_id: str, response_id: str) -> bool:
         with self._lock:
-            return self._connection().execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+            return self._connection().execute(
+                "DELETE FROM responses WHERE id = ?", (_row_id(tenant_id, response_id),)).rowcount > 0
 
-    async def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        await asyncio.to_thread(self._put, response, conversation)
+    async def put(self, tenant_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self._put, tenant_id, response, conversation)
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await asyncio.to_thread(self._get, response_id)
+    async def get(self, tenant_id: str, response_id: str) -> StoredResponse | None:
+        """``tenant_id``'s stored response (None: no such response, or another tenant's)."""
+        return await asyncio.to_thread(self._get, tenant_id, response_id)
 
-    async def delete(self, response_id: str) -> bool:
-        """True if there was such a response."""
-        return await asyncio.to_thread(self._delete, response_id)
+    async def delete(self, tenant_id: str, response_id: str) -> bool:
+        """True if ``tenant_id`` had such a response."""
+        return await asyncio.to_thread(self._delete, tenant_id, response_id)
 
     def close(self) -> None:
         with self._lock:

@@ -52,11 +52,11 @@ class Responses:
         self._drain = drain
         self._store = store
 
-    async def _history(self, previous_response_id: str | None) -> list[Item]:
+    async def _history(self, tenant_id: str, previous_response_id: str | None) -> list[Item]:
         """The stored conversation this request continues (empty without ``previous_response_id``)."""
         if previous_response_id is None:
             return []
-        stored = await self._store.get(previous_response_id)
+        stored = await self._store.get(tenant_id, previous_response_id)
         if stored is None:
             raise _not_found(previous_response_id, param="previous_response_id")
         return list(INPUT_ITEMS.validate_python(stored.conversation))
@@ -73,11 +73,11 @@ class Responses:
         if unsupported:
             param, why = unsupported[0]
             raise UnsupportedParameterError(f"unsupported value for {param}: {why}", param=param)
-        conversation = await self._history(body.previous_response_id) + body.input_items()
+        principal = principal_of(request)
+        conversation = await self._history(principal.tenant_id, body.previous_response_id) + body.input_items()
         chat_body = chat_request(body, conversation)
         try:
-            generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id),
-                                                                     principal_of(request))
+            generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id), principal)
         except ApiError as exc:
             raise responses_error(exc) from None
         sampling = generation_request.sampling
@@ -88,7 +88,8 @@ class Responses:
 
         async def on_done(response: ResponseObject, builder: OutputBuilder) -> None:
             if body.store:
-                await self._store.put(response.model_dump(), stored + [i.model_dump() for i in builder.items])
+                await self._store.put(principal.tenant_id, response.model_dump(),
+                                      stored + [i.model_dump() for i in builder.items])
 
         if not body.stream:
             response = await unless_disconnected(request, self._drain.race(self._collect(draft, events, on_done)))
@@ -115,13 +116,13 @@ class Responses:
                 builder.push(event)
         raise AssertionError("generate_text always ends with Finished or an error")
 
-    async def retrieve(self, response_id: str) -> JSONResponse:
-        stored = await self._store.get(response_id)
+    async def retrieve(self, tenant_id: str, response_id: str) -> JSONResponse:
+        stored = await self._store.get(tenant_id, response_id)
         if stored is None:
             raise _not_found(response_id)
         return JSONResponse(stored.response)
 
-    async def delete(self, response_id: str) -> JSONResponse:
-        if not await self._store.delete(response_id):
+    async def delete(self, tenant_id: str, response_id: str) -> JSONResponse:
+        if not await self._store.delete(tenant_id, response_id):
             raise _not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

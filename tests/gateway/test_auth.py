@@ -196,3 +196,21 @@ def test_open_mode_serves_everyone_as_the_default_tenant(gateway: Gateway, backe
     salts = {p["cache_salt"] for p in backend.get("/prefills") if p["request_id"] in (anyone.json()["id"],
                                                                                        nobody.json()["id"])}
     assert salts == {served_salt().hex()}
+
+
+def test_stored_responses_belong_to_their_tenant(secured: Gateway, model: str) -> None:
+    """Another tenant can neither read, continue nor delete a stored response, even knowing its id."""
+    owner, other = new_key(secured, "tenant-a")["key"], new_key(secured, "tenant-b")["key"]
+    with (openai.OpenAI(base_url=f"{secured.url}/v1", api_key=owner, max_retries=0, timeout=10) as mine,
+          openai.OpenAI(base_url=f"{secured.url}/v1", api_key=other, max_retries=0, timeout=10) as theirs):
+        first = mine.responses.create(model=model, input="my name is Ada", max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.create(model=model, previous_response_id=first.id, input="what is my name")
+        with pytest.raises(openai.NotFoundError):
+            theirs.responses.delete(first.id)
+        assert mine.responses.retrieve(first.id).id == first.id
+        assert mine.responses.create(model=model, previous_response_id=first.id, input="and?").previous_response_id \
+            == first.id
+        mine.responses.delete(first.id)
