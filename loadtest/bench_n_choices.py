@@ -52,8 +52,14 @@ def metric_total(run_dir: Path, role: str, metric: str, labels: str = "") -> flo
     return total
 
 
+WORDS = ("time year people way day man thing woman life child world school state family student group "
+         "country problem hand part place case week company system program question work government number "
+         "night point home water room mother area money story fact month lot right study book eye job word").split()
+
+
 def prompt(tokens: int) -> list[dict]:
-    words = " ".join(f"w{i % 97}" for i in range(int(tokens / 1.6)))
+    """A prompt nobody sent before of about ``tokens`` tokens (common words are one token each)."""
+    words = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(tokens))
     return [{"role": "user", "content": f"{uuid.uuid4().hex} {words}\nSummarise."}]
 
 
@@ -121,8 +127,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--start", action="store_true", help="start `crescent up` on a free port and stop it after")
     parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     proc, url, run_dir = None, args.url, args.run_dir

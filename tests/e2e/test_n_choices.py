@@ -74,3 +74,16 @@ def test_streamed_n_choices_interleave_and_each_finishes(stack) -> None:
     reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, n=3, seed=7, temperature=0.8,
                                            max_tokens=10)
     assert [c.message.content for c in reply.choices] == [texts[i] for i in range(3)]
+
+
+def test_completions_with_several_prompts_place_each_prompt_s_choices_together(stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [f"Once upon a time ({uuid.uuid4().hex[:8]})", f"The recipe begins ({uuid.uuid4().hex[:8]})"]
+    sampling = {"temperature": 0.8, "max_tokens": 8, "seed": 42}
+    reply = client.completions.create(model=DEFAULT_MODEL, prompt=prompts, n=2, **sampling)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]  # prompt p's choice i is p * n + i
+    for c in reply.choices:
+        p, i = divmod(c.index, 2)
+        single = client.completions.create(model=DEFAULT_MODEL, prompt=prompts[p],
+                                           **{**sampling, "seed": choice_seed(42, i)})
+        assert single.choices[0].text == c.text, f"prompt {p}, choice {i}"
