@@ -2,9 +2,12 @@
 through shared memory, next to a plain memcpy of the same bytes (the limit on this machine).
 
     .venv/bin/python loadtest/bench_kvstore.py [--sizes-mib 1 4 16 64] [--total-mib 256] [--tiers host disk s3]
+                                               [--tls off|on|both]
 
 Starts its own node (and a moto S3 server for the s3 tier) on 127.0.0.1; prints one line per
-case and a JSON line at the end.
+case and a JSON line at the end. ``--tls both`` runs every gRPC case plaintext and with mutual
+TLS (a node and a client certificate from a throwaway CA, as ``crescent up`` makes them) and
+prints what mTLS costs as a share of plaintext throughput.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import yaml
 from dataclasses import dataclass
 
 from crescent.services.common.block_keys import prefix_block_keys
+from crescent.services.common.certs import make_pki
+from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 from crescent.services.common.kv_block import KvBlock
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
@@ -179,11 +184,12 @@ class CaseResult:
 
 
 async def run_case(
-    address: str, size: int, count: int, shared_memory: bool, tier: str, chunk: int, per_call: int, rounds: int
+    address: str, size: int, count: int, shared_memory: bool, tier: str, chunk: int, per_call: int, rounds: int,
+    tls: PeerTls | None = None,
 ) -> CaseResult:
     """Medians over ``rounds`` rounds, each moving ``count`` new blocks and timing a memcpy of
     the same bytes between the put and the get."""
-    client = KvStoreClient(address, shared_memory=shared_memory, timeout_s=300, max_chunk_bytes=chunk)
+    client = KvStoreClient(address, shared_memory=shared_memory, timeout_s=300, max_chunk_bytes=chunk, tls=tls)
     memcpy = Memcpy(size, count)
     puts, gets, copies = [], [], []
     try:
@@ -278,11 +284,17 @@ def main() -> None:
                         help="bytes per put/get call (a prefix of blocks, as prefill reads and writes them); "
                              "0: one block per call")
     parser.add_argument("--tiers", nargs="+", default=["host", "disk", "s3"], choices=["host", "disk", "s3"])
+    parser.add_argument("--tls", choices=["off", "on", "both"], default="off",
+                        help="gRPC cases plaintext, with mutual TLS, or both (and the cost of mTLS)")
     args = parser.parse_args()
     keep_large_buffers_warm()  # as the client process of a real deployment should
     results = []
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        issued = make_pki(workdir / "tls", [("kvstore", "bench-node"), ("prefill", "bench-client")])
+        node_tls = issued[("kvstore", "bench-node")].settings()
+        client_tls = load_tls(TlsSettings(**issued[("prefill", "bench-client")].settings()))
         s3_proc, s3_endpoint = None, None
         if "s3" in args.tiers:
             port = free_port()
@@ -294,32 +306,35 @@ def main() -> None:
             S3_ENDPOINT = s3_endpoint
         try:
             for tier in args.tiers:
-                for size_mib in args.sizes_mib:
+                for size_mib, mtls in [(size, mtls) for size in args.sizes_mib for mtls in modes]:
                     size = size_mib * MIB
                     count = max(2, args.total_mib // size_mib)
                     port, admin = free_port(), free_port()
                     config = tier_config(tier, workdir, s3_endpoint, (count + 2) * size * 2, args.chunk_mib * MIB)
                     config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin}
+                    if mtls:
+                        config["tls"] = node_tls
                     path = workdir / f"{tier}.yaml"
                     path.write_text(yaml.safe_dump(config))
                     node = start([sys.executable, "-m", "crescent.services.kvstore.server", "--config", str(path)],
                                  workdir / f"{tier}.log")
                     try:
                         wait_http(f"http://127.0.0.1:{admin}/health")
-                        paths = [False, True] if tier == "host" else [False]
+                        paths = [False, True] if tier == "host" and not mtls else [False]
                         for shm in paths:
                             per_call = max(1, args.batch_mib // size_mib)
                             case = asyncio.run(
                                 run_case(f"127.0.0.1:{port}", size, count, shm, tier, args.chunk_mib * MIB, per_call,
-                                         1 if tier == "s3" else args.rounds)
+                                         1 if tier == "s3" else args.rounds, client_tls if mtls else None)
                             )
                             put, get = case.put_gbps, case.get_gbps
-                            row = {"tier": tier, "path": "shm" if shm else "grpc", "block_mib": size_mib,
+                            row = {"tier": tier, "path": "shm" if shm else ("grpc+mtls" if mtls else "grpc"),
+                                   "block_mib": size_mib,
                                    "blocks_per_call": per_call, "put_gbps": round(put, 3), "get_gbps": round(get, 3),
                                    "memcpy_gbps": round(case.memcpy_gbps, 3),
                                    "put_pct_memcpy": round(case.put_pct, 1), "get_pct_memcpy": round(case.get_pct, 1)}
                             raw = ""
-                            if tier != "host":
+                            if tier != "host" and not mtls:
                                 raw_put, raw_get = raw_tier_gbps(tier, size, count, workdir)
                                 own_put, own_get = asyncio.run(tier_alone_gbps(tier, size, count, workdir))
                                 row |= {"raw_put_gbps": round(raw_put, 3), "raw_get_gbps": round(raw_get, 3),
@@ -327,7 +342,7 @@ def main() -> None:
                                 raw = (f"\n{'':24s}tier code alone: put {own_put:5.2f} get {own_get:5.2f} GB/s; "
                                        f"raw {'files' if tier == 'disk' else 'boto3'}: put {raw_put:5.2f} get {raw_get:5.2f} GB/s")
                             results.append(row)
-                            print(f"{tier:5s} {row['path']:4s} {size_mib:3d} MiB x{per_call:<3d} put {put:6.2f} GB/s  "
+                            print(f"{tier:5s} {row['path']:9s} {size_mib:3d} MiB x{per_call:<3d} put {put:6.2f} GB/s  "
                                   f"get {get:6.2f} GB/s  memcpy {case.memcpy_gbps:6.2f} GB/s  "
                                   f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%){raw}", flush=True)
                     finally:
@@ -346,10 +361,28 @@ def main() -> None:
         print(f"loopback without the kvstore ({args.chunk_mib} MiB messages): "
               f"TCP {ceiling['tcp_loopback_gbps']:.2f} GB/s ({100 * ceiling['tcp_loopback_gbps'] / reference:.0f}% of memcpy), "
               f"grpcio raw bytes {ceiling['grpcio_raw_gbps']:.2f} GB/s ({100 * ceiling['grpcio_raw_gbps'] / reference:.0f}%)")
+    tls_cost = mtls_cost(results)
+    for row in tls_cost:
+        print(f"mTLS cost {row['tier']} {row['block_mib']:3d} MiB: put {row['put_pct_of_plaintext']:.1f}% "
+              f"get {row['get_pct_of_plaintext']:.1f}% of plaintext gRPC throughput")
     rates = policy_hit_rates()
     print("eviction policies, block hit rate on a conversation + scan trace:",
           ", ".join(f"{k} {v:.1%}" for k, v in rates.items()))
-    print(json.dumps({"bench": "kvstore", "results": results, "transport_ceiling": ceiling, "policy_hit_rates": rates}))
+    print(json.dumps({"bench": "kvstore", "results": results, "transport_ceiling": ceiling, "policy_hit_rates": rates,
+                      "mtls_cost": tls_cost}))
+
+
+def mtls_cost(results: list[dict]) -> list[dict]:
+    """Throughput with mutual TLS as a share of plaintext gRPC, per tier and block size."""
+    plain = {(r["tier"], r["block_mib"]): r for r in results if r["path"] == "grpc"}
+    rows = []
+    for r in results:
+        base = plain.get((r["tier"], r["block_mib"]))
+        if r["path"] == "grpc+mtls" and base is not None:
+            rows.append({"tier": r["tier"], "block_mib": r["block_mib"],
+                         "put_pct_of_plaintext": round(100 * r["put_gbps"] / base["put_gbps"], 1),
+                         "get_pct_of_plaintext": round(100 * r["get_gbps"] / base["get_gbps"], 1)})
+    return rows
 
 
 if __name__ == "__main__":

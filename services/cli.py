@@ -85,6 +85,7 @@ def up(
     drain_grace: Annotated[float, typer.Option(min=0.0, help="seconds in-flight requests may finish on Ctrl-C")] = 30.0,
     run_dir: Annotated[Path | None, typer.Option(help="configs, logs and services.json; default: a temp dir")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds to wait for every service")] = 600.0,
+    tls: Annotated[bool, typer.Option(help="mutual TLS between the services (--no-tls: plaintext, loopback only)")] = True,
 ) -> None:
     """Start all five services as separate processes and keep them running (a crashed one is
     restarted with backoff); drain and stop them all on Ctrl-C or SIGTERM (twice: at once)."""
@@ -92,7 +93,7 @@ def up(
 
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
     plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9), block_size,
-                        ttft_slo, drain_grace)
+                        ttft_slo, drain_grace, tls)
     platform = Platform(plan, run_dir)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -136,6 +137,28 @@ def up(
     say("All services stopped.")
     if failed:
         raise typer.Exit(1)
+
+
+@app.command()
+def certs(
+    directory: Annotated[Path, typer.Argument(help="holds ca.pem and ca-key.pem (made here if absent) and the new files")],
+    role: Annotated[str, typer.Argument(help="gateway, scheduler, prefill, decode, kvstore or admin")],
+    name: Annotated[str, typer.Option(help="instance id the holder registers as (empty: any of its role)")] = "",
+    host: Annotated[list[str] | None, typer.Option(help="DNS name or IP servers are dialled by (repeat; default: loopback)")] = None,
+    days: Annotated[int, typer.Option(min=1, help="validity of the certificate (and of a new CA)")] = 365,
+) -> None:
+    """Issue a mutual-TLS certificate for one role (docs/security.md), from the CA in DIRECTORY."""
+    from crescent.services.common.certs import LOCAL_HOSTS, ROLES, CertificateAuthority, make_pki
+
+    if role not in ROLES:
+        say((f"unknown role {role!r};", "red"), f" roles are {', '.join(ROLES)}")
+        raise typer.Exit(2)
+    ca = None
+    if (directory / "ca-key.pem").exists():
+        ca = CertificateAuthority.load(directory / "ca.pem", directory / "ca-key.pem")
+    issued = make_pki(directory, [(role, name)], hosts=host or LOCAL_HOSTS, ca=ca, days=days)[(role, name)]
+    say(f"{'issued by the CA in' if ca else 'new CA and certificate in'} {directory}:")
+    sys.stdout.write(f"tls:\n  ca: {issued.ca}\n  cert: {issued.cert}\n  key: {issued.key}\n")
 
 
 @app.command()

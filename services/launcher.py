@@ -7,6 +7,10 @@ config (so on the same ports) after an exponential backoff, and the others keep 
 or SIGTERM drains them: the request path first (gateway, prefill, decode get SIGTERM and their
 drain grace), then the scheduler and the kvstore; SIGKILL for whatever outlives its grace.
 Children get SIGTERM if this process dies, so a killed launcher leaves no orphans.
+
+Internal gRPC is mutual TLS (docs/security.md): the launcher makes a throwaway CA and one
+certificate per process in ``<run dir>/tls`` (keys 0600), plus ``admin.pem`` for operators'
+debug tools (``admin_tls``), and points every service at its files.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import yaml
+
+from crescent.services.common.certs import LOCAL_HOSTS, make_pki
+from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,7 @@ class ServiceSpec:
     grpc_address: str | None
     health_url: str
     metrics_url: str
+    env: dict[str, str] = field(default_factory=dict)  # added to the process's environment
 
 
 def _drain_setting(service: str, grace_s: float) -> dict[str, Any]:
@@ -82,6 +90,7 @@ class PlatformPlan:
     block_size: int
     ttft_slo_s: float | None = None
     drain_grace_s: float = 30.0
+    tls: bool = True  # mutual TLS between the services (off: plaintext, loopback only)
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -132,6 +141,42 @@ class PlatformPlan:
             **_drain_setting("gateway", self.drain_grace_s),
         }, None, f"{gateway}/health", f"{gateway}/metrics"))
         return specs
+
+
+TLS_DIR = "tls"
+ADMIN = "admin"
+GATEWAY_TLS_ENV = "CRESCENT_GATEWAY_TLS"  # the gateway's settings take TLS from the environment
+
+
+def _identity(spec: ServiceSpec) -> str:
+    """The name in a process's certificate: the id it registers with, where it has one."""
+    return str(spec.config.get("instance_id") or spec.config.get("node_id") or spec.name)
+
+
+def with_tls(specs: list[ServiceSpec], directory: Path, host: str) -> list[ServiceSpec]:
+    """``specs`` configured for mutual TLS with a new CA and a certificate per process in
+    ``directory`` (and one for the ``admin`` role)."""
+    holders = [(spec.service, _identity(spec)) for spec in specs] + [(ADMIN, ADMIN)]
+    issued = make_pki(directory, holders, hosts=(*LOCAL_HOSTS, host))
+    secured = []
+    for spec in specs:
+        files = issued[(spec.service, _identity(spec))].settings()
+        if spec.service == "gateway":
+            env = {f"{GATEWAY_TLS_ENV}__{key.upper()}": value for key, value in files.items()}
+            secured.append(replace(spec, env={**spec.env, **env}))
+        else:
+            secured.append(replace(spec, config={**spec.config, "tls": files}))
+    return secured
+
+
+def admin_tls(run_dir: Path) -> PeerTls | None:
+    """The ``admin`` key pair of a ``crescent up`` run (None if it runs plaintext), for debug
+    tools: ``open_channel(address, admin_tls(run_dir))``."""
+    directory = run_dir / TLS_DIR
+    if not (directory / "ca.pem").exists():
+        return None
+    return load_tls(TlsSettings(ca=str(directory / "ca.pem"), cert=str(directory / f"{ADMIN}.pem"),
+                                key=str(directory / f"{ADMIN}-key.pem")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +247,8 @@ class Platform:
 
     def __post_init__(self) -> None:
         self.specs = self.plan.services()
+        if self.plan.tls:
+            self.specs = with_tls(self.specs, self.run_dir / TLS_DIR, self.plan.host)
         self.children = {spec.name: _Child(spec) for spec in self.specs}
 
     @property
@@ -231,7 +278,8 @@ class Platform:
     def _spawn(self, child: _Child) -> None:
         """Start (or restart) one service from its config, rewritten, so on the same ports."""
         spec = child.spec
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+                   **spec.env)
         config_path = self.run_dir / f"{spec.name}.yaml"
         config_path.write_text(yaml.safe_dump(spec.config, sort_keys=False))
         with open(self.log_path(spec.name), "ab") as log_file:  # a restart keeps the log of the crash

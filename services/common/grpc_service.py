@@ -10,8 +10,10 @@ from typing import Any
 
 import grpc
 
+from crescent.services.common.access import interceptors
 from crescent.services.common.admin_http import AdminServer, build_admin_app
 from crescent.services.common.settings import ListenSettings
+from crescent.services.common.tls import PeerTls, TlsSettings, check_listen, load_tls
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +36,15 @@ GRPC_OPTIONS = [
 ]
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A client channel with Crescent's message limits."""
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def open_channel(address: str, tls: PeerTls | None, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+    """The one way to open a client channel: mutual TLS when ``tls`` is given (the process's
+    key pair), plaintext otherwise; Crescent's message limits unless ``options`` replaces them."""
+    opts = list(GRPC_OPTIONS if options is None else options)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=opts)
+    if tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
 
 
 class GrpcService:
@@ -59,7 +67,9 @@ class GrpcService:
         ready: Callable[[], bool] = lambda: True,
         details: Callable[[], dict[str, Any]] | None = None,
         on_started: Callable[[GrpcService], Awaitable[None]] | None = None,
+        tls: TlsSettings = TlsSettings(),
     ) -> None:
+        check_listen(name, listen.host, tls)  # before anything starts: plaintext only on loopback
         self.name = name
         self.listen = listen
         self._setup = setup
@@ -68,7 +78,9 @@ class GrpcService:
         self._on_started = on_started
         self._started = False
         self.draining = False
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        # This process's key pair: the server's credentials and its owner's client channels.
+        self.tls = load_tls(tls)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors(self.tls is not None))
         self.admin = AdminServer(
             build_admin_app(name, lambda: self._started and not self.draining and self._ready(), details),
             listen.host, listen.admin_port,
@@ -78,14 +90,19 @@ class GrpcService:
 
     async def start(self) -> None:
         await self._setup(self.server)
-        bound = self.server.add_insecure_port(f"{self.listen.host}:{self.listen.port}")
+        address = f"{self.listen.host}:{self.listen.port}"
+        if self.tls is None:
+            bound = self.server.add_insecure_port(address)
+        else:
+            bound = self.server.add_secure_port(address, self.tls.server_credentials())
         if bound == 0:
             raise RuntimeError(f"{self.name}: cannot listen on {self.listen.host}:{self.listen.port} (listen.port)")
         self.port = bound
         await self.server.start()
         self.admin_port = await self.admin.start()
         self._started = True
-        log.info("%s serving gRPC on %s:%d, admin HTTP on :%d", self.name, self.listen.host, self.port, self.admin_port)
+        log.info("%s serving gRPC (%s) on %s:%d, admin HTTP on :%d", self.name,
+                 "mutual TLS" if self.tls else "plaintext, unauthenticated", self.listen.host, self.port, self.admin_port)
         if self._on_started is not None:
             await self._on_started(self)
 

@@ -17,8 +17,9 @@ from collections.abc import Callable
 import grpc
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.common.grpc_service import GRPC_OPTIONS
+from crescent.services.common.grpc_service import GRPC_OPTIONS, open_channel
 from crescent.services.common.tasks import cancel_and_wait
+from crescent.services.common.tls import PeerTls
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,14 @@ class SchedulerAgent:
         load: Callable[[], scheduler_pb2.InstanceLoad],
         events: BlockEvents | None = None,
         snapshot: BlockEvents | None = None,
+        tls: PeerTls | None = None,
     ) -> None:
         self._address = scheduler_address
         self._info = info
         self._load = load
         self._events = events
         self._snapshot = snapshot
-        self._channel = grpc.aio.insecure_channel(scheduler_address, options=GRPC_OPTIONS + _RECONNECT)
+        self._channel = open_channel(scheduler_address, tls, GRPC_OPTIONS + _RECONNECT)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self._nudged = asyncio.Event()

@@ -74,5 +74,5 @@ def main(config_path: Path | None = None) -> None:
     configure_logging("decode")
     settings = load_settings(DecodeSettings, config_path, env_prefix=ENV_PREFIX)
     instance = EngineInstance("decode", settings.listen, settings.engine, settings.scheduler_address,
-                              settings.instance_id, settings.advertise_address)
+                              settings.instance_id, settings.advertise_address, settings.tls)
     run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

@@ -28,6 +28,7 @@ from crescent.protos import common_pb2, scheduler_pb2
 from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.scheduler_agent import SchedulerAgent
 from crescent.services.common.settings import ListenSettings
+from crescent.services.common.tls import PeerTls, TlsSettings
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kv_cache import PageEventKind
 from crescent.services.engine.runtime import EngineWorker, FatalServiceError, ShutdownSignals, build_engine
@@ -99,8 +100,10 @@ class EngineInstance:
     """One prefill or decode process: engine + worker + gRPC service + scheduler agent."""
 
     def __init__(self, role: str, listen: ListenSettings, engine_settings: EngineSettings, scheduler_address: str,
-                 instance_id: str, advertise_address: str) -> None:
+                 instance_id: str, advertise_address: str, tls: TlsSettings = TlsSettings()) -> None:
         self.role_name = role
+        self.tls_settings = tls
+        self.tls: PeerTls | None = None  # this process's key pair, once the gRPC service has read it
         self.listen = listen
         self.engine_settings = engine_settings
         self.scheduler_address = scheduler_address
@@ -135,14 +138,16 @@ class EngineInstance:
                 self.scheduler_address, self._info(service.port), self._load_message,
                 events=(lambda: block_events(self.engine)) if self.role_name == "prefill" else None,
                 snapshot=(lambda: block_snapshot(self.engine)) if self.role_name == "prefill" else None,
+                tls=self.tls,
             )
             self.agent.start()
 
         service = GrpcService(
             self.role_name, self.listen, setup, cleanup,
             ready=lambda: self.agent is not None and self.agent.registered.is_set(),
-            details=self._details, on_started=register,
+            details=self._details, on_started=register, tls=self.tls_settings,
         )
+        self.tls = service.tls  # before start: ``attach`` opens its clients with it
         await service.start()
         try:
             refused = await self._until_stop_or_refused(signals)

@@ -16,7 +16,9 @@ from collections.abc import AsyncGenerator
 import grpc
 from crescent.protos import decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE, prefix_block_keys
-from crescent.services.common.grpc_service import GRPC_OPTIONS
+from crescent.services.common.grpc_service import GRPC_OPTIONS, open_channel
+from crescent.services.common.settings import load_settings
+from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 from crescent.services.gateway.attempt import AttemptRequest, PlaceFailed, run_attempt
 from crescent.services.gateway.backend import BackendEvent, BackendHealth, GenerationRequest, RequestId
 from crescent.services.gateway.choice_group import choice_streams
@@ -45,6 +47,14 @@ _CLOSE_WAIT_S = 1.0       # how long close() lets those calls finish (the drain'
 # on its address) would stay unreachable from here that long. Retry connections every second.
 _CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+# The gateway's certificate for its gRPC channels (docs/security.md), from
+# CRESCENT_GATEWAY_TLS__CA / __CERT / __KEY (__SERVER_NAME): unset, the channels are plaintext.
+TLS_ENV_PREFIX = "CRESCENT_GATEWAY_TLS"
+
+
+def gateway_tls() -> PeerTls | None:
+    """The gateway's key pair for mutual TLS to the other services, from the environment."""
+    return load_tls(load_settings(TlsSettings, env_prefix=TLS_ENV_PREFIX))
 
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
@@ -68,7 +78,8 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
 class GrpcBackend:
     def __init__(self, scheduler_address: str, *, request_timeout_s: float, place_timeout_s: float,
                  health_timeout_s: float, block_size: int | None = None, model_id: str | None = None,
-                 migration: MigrationPolicy = MigrationPolicy()) -> None:
+                 migration: MigrationPolicy = MigrationPolicy(), tls: PeerTls | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[None]] = set()  # Abort, ReportOutcome, finishing prefills
         self._configured_block_size = block_size
@@ -85,7 +96,7 @@ class GrpcBackend:
         # One channel per instance for the life of the gateway: HTTP/2 multiplexes the requests.
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = self._channels[address] = open_channel(address, self._tls, _CHANNEL_OPTIONS)
         return channel
 
     # -- the scheduler's view: health and the model's block size ---------------------------------

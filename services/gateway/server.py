@@ -26,7 +26,7 @@ from crescent.services.gateway.app import build_app
 from crescent.services.gateway.auth import Authenticator
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
 from crescent.services.gateway.drain import Drain
-from crescent.services.gateway.grpc_backend import GrpcBackend
+from crescent.services.gateway.grpc_backend import GrpcBackend, gateway_tls
 from crescent.services.gateway.migration import MigrationPolicy
 from crescent.services.gateway.prompt import ServedModel
 
@@ -79,6 +79,7 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
         block_size=settings.block_size,
         model_id=model.model_id,
         migration=MigrationPolicy(max_retries=settings.migration_retries),
+        tls=gateway_tls(),
     )
     drain = Drain()
     auth = await asyncio.to_thread(Authenticator.open, settings.auth)

@@ -32,7 +32,8 @@ import grpc
 from crescent.protos import kvstore_pb2, kvstore_pb2_grpc
 from crescent.services.common import chunk_wire
 from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.grpc_service import open_channel
+from crescent.services.common.tls import PeerTls
 from crescent.services.common.kv_block import (
     DEFAULT_MAX_CHUNK_BYTES,
     BlockAssembler,
@@ -67,13 +68,15 @@ class KvStoreClient:
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         shared_memory: bool = False,
         copy_threads: int | None = None,
+        tls: PeerTls | None = None,
     ) -> None:
-        """``copy_threads``: threads that copy shared-memory payloads (default: up to 2)."""
+        """``copy_threads``: threads that copy shared-memory payloads (default: up to 2); ``tls``:
+        this process's key pair (None: plaintext)."""
         self.address = address
         self.timeout_s = timeout_s
         self.max_chunk_bytes = max_chunk_bytes
         self.errors: collections.Counter[str] = collections.Counter()  # by operation and "integrity"
-        self._channel = insecure_channel(address)
+        self._channel = open_channel(address, tls)
         self._stub = kvstore_pb2_grpc.KvStoreStub(self._channel)
         self._put_stream = self._channel.stream_unary(
             "/crescent.v1.KvStore/Put", request_serializer=chunk_wire.encode_chunk,

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
+from crescent.services.common.tls import TlsSettings
 
 ENV_PREFIX = "CRESCENT_KVSTORE"
 GIB = 1024**3
@@ -107,6 +108,7 @@ class EventSettings(StrictModel):
 
 class KvStoreSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
+    tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
     node_id: str = Field(default="kvstore-0", min_length=1)
     tiers: TiersSettings = TiersSettings()
     eviction_policy: str = Field(default="lru", description="lru or s3fifo")

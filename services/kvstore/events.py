@@ -15,6 +15,7 @@ import logging
 from crescent.protos import common_pb2, scheduler_pb2
 from crescent.services.common.scheduler_agent import SchedulerAgent
 from crescent.services.common.tasks import cancel_and_wait
+from crescent.services.common.tls import PeerTls
 from crescent.services.kvstore.config import EventSettings
 from crescent.services.kvstore.store import TieredStore
 
@@ -23,13 +24,13 @@ log = logging.getLogger(__name__)
 
 class SchedulerLink:
     def __init__(self, scheduler_address: str, node_id: str, address: str, store: TieredStore,
-                 settings: EventSettings) -> None:
+                 settings: EventSettings, tls: PeerTls | None = None) -> None:
         self._settings = settings
         self._pending: list[common_pb2.BlockEvent] = []
         self._wake = asyncio.Event()
         info = scheduler_pb2.InstanceInfo(instance_id=node_id, role=scheduler_pb2.INSTANCE_ROLE_KVSTORE, address=address)
         self.agent = SchedulerAgent(scheduler_address, info, lambda: scheduler_pb2.InstanceLoad(instance_id=node_id),
-                                    events=self._drain, snapshot=store.snapshot_events)
+                                    events=self._drain, snapshot=store.snapshot_events, tls=tls)
         store.subscribe(self.publish)
         self._task: asyncio.Task[None] | None = None
 

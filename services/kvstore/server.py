@@ -65,7 +65,7 @@ class KvStoreNode:
         self.scheduler_link: SchedulerLink | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.service = GrpcService("kvstore", settings.listen, self._setup, self._cleanup, details=self._details,
-                                   on_started=self._link_scheduler)
+                                   on_started=self._link_scheduler, tls=settings.tls)
 
     def _details(self) -> dict[str, Any]:
         return {"node_id": self.settings.node_id, "tiers": [t.label for t in self.tiers]}
@@ -82,7 +82,7 @@ class KvStoreNode:
         for index, tier in enumerate(self.tiers):
             if isinstance(tier, S3Tier):  # its index arrives when S3 answers
                 self._tasks.append(asyncio.create_task(self._adopt_when_indexed(index, tier), name="s3-adopt"))
-        self.servicer = KvStoreServicer(self.store, self.settings)
+        self.servicer = KvStoreServicer(self.store, self.settings, self.service.tls)
         add_to_server(self.servicer, server)
 
     async def _link_scheduler(self, service: GrpcService) -> None:
@@ -93,7 +93,7 @@ class KvStoreNode:
         assert self.store is not None
         address = settings.advertise_address or f"{settings.listen.host}:{service.port}"
         self.scheduler_link = SchedulerLink(settings.scheduler_address, settings.node_id, address, self.store,
-                                            settings.events)
+                                            settings.events, self.service.tls)
         self.scheduler_link.start()
 
     async def _adopt_when_indexed(self, index: int, tier: S3Tier) -> None:

@@ -16,6 +16,7 @@ from crescent.services.common import chunk_wire
 from crescent.services.common.block_keys import BlockKey
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.common.tasks import cancel_and_wait
+from crescent.services.common.tls import PeerTls
 from crescent.services.kvstore.client import REASON_CORRUPT, REASON_METADATA, KvStoreClient
 from crescent.services.kvstore.config import KvStoreSettings
 from crescent.services.kvstore.shm import AttachedSegments, ShmError, ShmSegment
@@ -30,15 +31,16 @@ DEFAULT_LIST_LIMIT = 1000
 class PeerSet:
     """The other kvstore nodes: asked on a local miss, targets of ``Replicate``."""
 
-    def __init__(self, peers: dict[str, str], timeout_s: float) -> None:
+    def __init__(self, peers: dict[str, str], timeout_s: float, tls: PeerTls | None = None) -> None:
         self.addresses = dict(peers)
+        self._tls = tls
         self._timeout_s = timeout_s
         self._clients: dict[str, KvStoreClient] = {}
 
     def client(self, target: str) -> KvStoreClient:
         address = self.addresses.get(target, target)
         if address not in self._clients:
-            self._clients[address] = KvStoreClient(address, timeout_s=self._timeout_s)
+            self._clients[address] = KvStoreClient(address, timeout_s=self._timeout_s, tls=self._tls)
         return self._clients[address]
 
     async def fetch(self, keys: list[BlockKey], model_id: str) -> dict[BlockKey, KvBlock]:
@@ -104,10 +106,10 @@ class PendingReservations:
 
 
 class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
-    def __init__(self, store: TieredStore, settings: KvStoreSettings) -> None:
+    def __init__(self, store: TieredStore, settings: KvStoreSettings, tls: PeerTls | None = None) -> None:
         self.store = store
         self.settings = settings
-        self.peers = PeerSet(settings.peers, settings.peer_timeout_s)
+        self.peers = PeerSet(settings.peers, settings.peer_timeout_s, tls)
         self.segments = AttachedSegments()
         self.reservations = PendingReservations(store, settings.shm_reservation_ms)
         self._bytes_in = store.metrics.transferred_bytes.labels("in")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from crescent.services.common.settings import ListenSettings, StrictModel
+from crescent.services.common.tls import TlsSettings
 from crescent.services.engine.settings import EngineSettings
 
 ENV_PREFIX = "CRESCENT_PREFILL"
@@ -12,6 +13,7 @@ ENV_PREFIX = "CRESCENT_PREFILL"
 
 class PrefillSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
+    tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
     instance_id: str = Field(default="", description="unique id; empty: prefill-<host>-<port>")
     advertise_address: str = Field(default="", description="host:port others dial; empty: listen host:port")
     scheduler_address: str = Field(description="host:port of the scheduler")

@@ -23,7 +23,8 @@ import torch
 
 from crescent.protos import common_pb2, prefill_pb2, prefill_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.grpc_service import open_channel
+from crescent.services.common.tls import PeerTls
 from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, BlockIntegrityError, KvBlock, block_to_chunks
 from crescent.services.common.metrics import EngineMetrics
 from crescent.services.engine.engine import Engine, Sequence
@@ -40,8 +41,8 @@ DIRECTORY_REFRESH_S = 1.0    # ask the scheduler for peers' addresses at most th
 class PeerDirectory:
     """Instance id → gRPC address of registered prefill instances, from the scheduler."""
 
-    def __init__(self, scheduler_address: str) -> None:
-        self._channel = insecure_channel(scheduler_address)
+    def __init__(self, scheduler_address: str, tls: PeerTls | None = None) -> None:
+        self._channel = open_channel(scheduler_address, tls)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._addresses: dict[str, str] = {}
         self._refreshed_at = -float("inf")
@@ -120,8 +121,10 @@ async def serve_prefix(engine: Engine, worker: EngineWorker, metrics: EngineMetr
 class PrefixPuller:
     """Pulls a placement's prefix blocks from a peer prefill instance into this engine."""
 
-    def __init__(self, engine: Engine, worker: EngineWorker, metrics: EngineMetrics, directory: PeerDirectory) -> None:
+    def __init__(self, engine: Engine, worker: EngineWorker, metrics: EngineMetrics, directory: PeerDirectory,
+                 tls: PeerTls | None = None) -> None:
         self.engine = engine
+        self._tls = tls
         self.worker = worker
         self.metrics = metrics
         self.directory = directory
@@ -135,7 +138,7 @@ class PrefixPuller:
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._channels:
-            self._channels[address] = insecure_channel(address)
+            self._channels[address] = open_channel(address, self._tls)
         return prefill_pb2_grpc.PrefillStub(self._channels[address])
 
     async def pull(self, seq: Sequence, source_id: str, source_blocks: int, address: str = "") -> int:

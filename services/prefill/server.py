@@ -51,7 +51,7 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
     async def attach(server: grpc.aio.Server) -> PrefillRole:
         assert instance.engine is not None
         kvstore = (
-            KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory)
+            KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory, tls=instance.tls)
             if settings.kvstore_address else None
         )
 
@@ -63,7 +63,8 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
         servicer = PrefillServicer(engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon,
                                    scheduler_address=settings.scheduler_address,
                                    constraints=Constraints.for_model(settings.engine.model, engine.config.vocab_size,
-                                                                     engine.config.eos_token_ids))
+                                                                     engine.config.eos_token_ids),
+                                   tls=instance.tls)
         servicer.load.on_change = instance.nudge
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
         return PrefillRole(servicer, kvstore)
@@ -76,5 +77,5 @@ def main(config_path: Path | None = None) -> None:
     keep_large_buffers_warm()  # KV blocks arrive as multi-MB buffers: reuse them, do not fault them in
     settings = load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)
     instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
-                              settings.instance_id, settings.advertise_address)
+                              settings.instance_id, settings.advertise_address, settings.tls)
     run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

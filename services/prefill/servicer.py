@@ -23,7 +23,8 @@ import grpc
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
-from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.grpc_service import open_channel
+from crescent.services.common.tls import PeerTls
 from crescent.services.common.kv_block import KvBlock, chunks_of
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
@@ -82,8 +83,10 @@ class _PageHold:
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
-                 on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None) -> None:
+                 on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None,
+                 tls: PeerTls | None = None) -> None:
         self.engine = engine
+        self._tls = tls  # this process's key pair for its channels (None: plaintext)
         self.constraints = constraints
         self.worker = worker
         self.kvstore = kvstore
@@ -95,7 +98,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.running = 0  # Prefill calls open
         self.draining = False
         self.load = PrefillLoad()
-        self.puller = (PrefixPuller(engine, worker, self.metrics, PeerDirectory(scheduler_address))
+        self.puller = (PrefixPuller(engine, worker, self.metrics, PeerDirectory(scheduler_address, tls), tls)
                        if scheduler_address else None)
 
     def busy(self) -> bool:
@@ -122,7 +125,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
         if address not in self._decode_channels:
-            self._decode_channels[address] = insecure_channel(address)
+            self._decode_channels[address] = open_channel(address, self._tls)
         return decode_pb2_grpc.DecodeStub(self._decode_channels[address])
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):

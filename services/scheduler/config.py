@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
+from crescent.services.common.tls import TlsSettings
 from crescent.services.scheduler.discovery import DiscoverySettings
 from crescent.services.scheduler.policies import POLICIES
 
@@ -88,6 +89,7 @@ class IndexSettings(StrictModel):
 
 class SchedulerSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
+    tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     heartbeat_timeout_s: float = Field(default=3.0, gt=0, description="drop an instance after this long without a heartbeat")
     policy: PolicySettings = PolicySettings()

@@ -34,7 +34,8 @@ class SchedulerService:
         self.membership: DiscoveredMembership | None = None
         if settings.discovery.enabled:
             self.membership = DiscoveredMembership(self.conductor, settings.discovery)
-        self.grpc = GrpcService("scheduler", settings.listen, self._setup, self._cleanup, details=self._details)
+        self.grpc = GrpcService("scheduler", settings.listen, self._setup, self._cleanup, details=self._details,
+                                tls=settings.tls)
 
     async def _setup(self, server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)

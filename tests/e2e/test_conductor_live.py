@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
 import httpx
 import openai
 import pytest
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.model.model_source import DEFAULT_MODEL
+from tests.admin_channel import admin_channel
 from tests.e2e.stack import Stack, start_stack, stop_stack
 from tests.e2e.test_request_path import LONG_CONTEXT, ask, client, reference_reply
 
@@ -41,7 +41,7 @@ def conductor_stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
 
 
 def instances(stack: Stack) -> dict[str, scheduler_pb2.InstanceStatus]:
-    with grpc.insecure_channel(stack.service("scheduler")["grpc"]) as channel:
+    with admin_channel(stack.run_dir, stack.service("scheduler")["grpc"]) as channel:
         reply = scheduler_pb2_grpc.SchedulerStub(channel).ListInstances(scheduler_pb2.ListInstancesRequest(), timeout=5)
     return {s.info.instance_id: s for s in reply.instances}
 

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.model.model_source import DEFAULT_MODEL
+from tests.admin_channel import admin_channel
 from tests.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ class FaultStack:
     def scheduler_free_kv(self) -> dict[str, int]:
         """free_kv_tokens of each decode instance as the scheduler sees it (ListInstances)."""
         address = self.service("scheduler")["grpc"]
-        with grpc.insecure_channel(address) as channel:
+        with admin_channel(self.run_dir, address) as channel:
             reply = scheduler_pb2_grpc.SchedulerStub(channel).ListInstances(
                 scheduler_pb2.ListInstancesRequest(), timeout=2)
         return {s.info.instance_id: s.load.free_kv_tokens for s in reply.instances

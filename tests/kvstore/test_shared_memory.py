@@ -12,7 +12,7 @@ import pytest
 
 from crescent.protos import common_pb2, kvstore_pb2
 from crescent.services.common import chunk_wire
-from crescent.services.common.grpc_service import insecure_channel
+from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.kv_block import meta_of
 from crescent.services.kvstore.client import KvStoreClient
 
@@ -122,7 +122,7 @@ async def test_a_block_corrupted_in_the_pool_is_a_miss_then_dropped_and_stored_a
 async def test_a_put_stream_cut_inside_a_block_gives_its_room_back(kvstore_node) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 8 * MIB, "high_watermark": 1.0, "low_watermark": 1.0}}})
     client = KvStoreClient(node.address)
-    channel = insecure_channel(node.address)
+    channel = open_channel(node.address, None)
     put = channel.stream_unary("/crescent.v1.KvStore/Put", request_serializer=chunk_wire.encode_chunk,
                                response_deserializer=kvstore_pb2.PutReply.FromString)
     try:
@@ -145,7 +145,7 @@ async def test_a_put_stream_cut_inside_a_block_gives_its_room_back(kvstore_node)
 
 async def test_malformed_chunk_bytes_are_refused_and_the_node_keeps_serving(kvstore_node) -> None:
     node = kvstore_node()
-    channel = insecure_channel(node.address)
+    channel = open_channel(node.address, None)
     raw_put = channel.stream_unary("/crescent.v1.KvStore/Put", request_serializer=lambda b: b,
                                    response_deserializer=kvstore_pb2.PutReply.FromString)
     client = KvStoreClient(node.address)

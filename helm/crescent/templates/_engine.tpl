@@ -264,6 +264,7 @@ instance id and advertised address are per pod, so they come from env vars in th
 {{- if and (eq .role "prefill") $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}
+{{- include "crescent.plaintextOverride" (dict "root" $root "cfg" $cfg) }}
 {{- $cfg = mustMergeOverwrite $cfg (deepCopy $v.settings) }}
 apiVersion: v1
 kind: ConfigMap
