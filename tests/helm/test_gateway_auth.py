@@ -1,0 +1,48 @@
+"""The chart turns API keys on by default and takes the gateway's auth secrets from a Secret."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from crescent.services.gateway.config import GatewaySettings
+from tests.helm.tools import by_kind, helm_template, render
+
+GATEWAY = "crescent-gateway"
+
+
+def gateway_settings(docs: list[dict[str, Any]]) -> GatewaySettings:
+    config = yaml.safe_load(by_kind(docs, "ConfigMap")[GATEWAY]["data"]["config.yaml"])
+    return GatewaySettings.model_validate(config)
+
+
+def gateway_env(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = by_kind(docs, "Deployment")[GATEWAY]["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_auth_is_on_by_default() -> None:
+    docs = render()
+    assert gateway_settings(docs).auth.enabled
+    assert not any(name.startswith("CRESCENT_GATEWAY__AUTH__") for name in gateway_env(docs))
+
+
+def test_auth_can_be_turned_off() -> None:
+    assert not gateway_settings(render("--set", "gateway.auth.enabled=false")).auth.enabled
+
+
+def test_secrets_come_from_the_named_secret_never_inline() -> None:
+    docs = render("--set", "gateway.auth.existingSecret=gateway-auth")
+    env = gateway_env(docs)
+    for setting, key in (("DATABASE_URL", "database-url"), ("ADMIN_KEY", "admin-key"),
+                         ("CACHE_SALT_SECRET", "cache-salt-secret")):
+        ref = env[f"CRESCENT_GATEWAY__AUTH__{setting}"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "gateway-auth", "key": key, "optional": True}
+    config = by_kind(docs, "ConfigMap")[GATEWAY]["data"]["config.yaml"]
+    assert "database_url" not in config and "admin_key" not in config
+
+
+def test_a_misspelt_auth_key_is_refused() -> None:
+    result = helm_template("--set", "gateway.auth.enable=true")
+    assert result.returncode != 0 and "enable" in result.stderr
