@@ -18,7 +18,7 @@ from rich.text import Text
 
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
-from crescent.services.keys_cli import keys_app
+from crescent.services.keys_cli import auth_status, keys_app
 from crescent.services.model.model_source import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ def up(
             f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
             "Press Ctrl-C to stop."
         )
+        say(*auth_status())
         while not platform.stop_requested:
             for event in platform.supervise():
                 report(event)

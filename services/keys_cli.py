@@ -36,6 +36,21 @@ def _store(database_url: str | None, config: Path | None):  # noqa: ANN202 - a K
     return KeyStore(connect_database(url))
 
 
+def auth_status() -> tuple[str | tuple[str, str], ...]:
+    """The line ``crescent up`` prints about API keys (the gateway's settings as its environment sets them)."""
+    from crescent.services.common.settings import SettingsError
+    from crescent.services.gateway.config import load_gateway_settings
+
+    try:
+        enabled = load_gateway_settings(None).auth.enabled
+    except SettingsError:
+        return ("API keys: see the gateway's log",)
+    if enabled:
+        return (("API keys: on", "bold"), " — create one with `crescent keys create TENANT` (docs/security.md)")
+    return (("API keys: off", "bold yellow"), " — every caller is the one 'default' tenant (local use; "
+            "CRESCENT_GATEWAY__AUTH__ENABLED=true turns them on, docs/security.md)")
+
+
 def parse_duration(text: str) -> timedelta:
     match = _DURATION.match(text.strip())
     if match is None:

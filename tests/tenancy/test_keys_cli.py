@@ -93,3 +93,12 @@ def test_salts() -> None:
     assert a != b and tenant_salt(b"t" * 32, "ten_a") != a
     assert cache_salt(a, None) == a
     assert len({cache_salt(a, None), cache_salt(a, ""), cache_salt(a, "x"), cache_salt(b, "x")}) == 4
+
+
+def test_crescent_up_says_whether_keys_are_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    from crescent.services.keys_cli import auth_status
+
+    monkeypatch.delenv("CRESCENT_GATEWAY__AUTH__ENABLED", raising=False)
+    assert "API keys: off" in str(auth_status()) and "'default' tenant" in str(auth_status())
+    monkeypatch.setenv("CRESCENT_GATEWAY__AUTH__ENABLED", "true")
+    assert "API keys: on" in str(auth_status())
