@@ -6,8 +6,10 @@ through shared memory, next to a plain memcpy of the same bytes (the limit on th
 
 Starts its own node (and a moto S3 server for the s3 tier) on 127.0.0.1; prints one line per
 case and a JSON line at the end. ``--tls both`` runs every gRPC case plaintext and with mutual
-TLS (a node and a client certificate from a throwaway CA, as ``crescent up`` makes them) and
-prints what mTLS costs as a share of plaintext throughput.
+TLS (a node and a client certificate from a throwaway CA, as ``crescent up`` makes them) and,
+for the host tier, what mTLS costs as a share of plaintext throughput: two nodes alike but for
+TLS, their rounds alternated and compared pair by pair (``paired_mtls``), so the VM's drifting
+speed cancels out of the ratio.
 """
 
 from __future__ import annotations
@@ -264,6 +266,91 @@ def policy_hit_rates(capacity_blocks: int = 512, requests: int = 20000, seed: in
     return rates
 
 
+async def _round_gbps(client: KvStoreClient, size: int, count: int, per_call: int, salt: bytes) -> tuple[float, float]:
+    """Put then get ``count`` new blocks of ``size`` bytes; GB/s of each."""
+    blocks = make_blocks(size, count, salt)
+    batches = [blocks[i : i + per_call] for i in range(0, count, per_call)]
+    start = time.perf_counter()
+    for batch in batches:
+        result = await client.put(batch)
+        assert result.stored == len(batch), result
+    put_s = time.perf_counter() - start
+    start = time.perf_counter()
+    got = 0
+    for batch in batches:
+        got += len(await client.get([b.key for b in batch], "bench"))
+    get_s = time.perf_counter() - start
+    assert got == count, f"only {got}/{count} blocks came back"
+    await client.remove([b.key for b in blocks])
+    return size * count / put_s / 1e9, size * count / get_s / 1e9
+
+
+async def paired_mtls(plain: str, secure: str, tls: PeerTls, size: int, count: int, chunk: int, per_call: int,
+                      rounds: int) -> dict:
+    """Plaintext and mutual-TLS rounds alternated (AB, BA, AB, ...) against two host-tier nodes
+    alike but for TLS; the mTLS/plaintext ratio is taken per pair of adjacent rounds."""
+    clients = {False: KvStoreClient(plain, timeout_s=300, max_chunk_bytes=chunk),
+               True: KvStoreClient(secure, timeout_s=300, max_chunk_bytes=chunk, tls=tls)}
+    gbps: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    put_ratios, get_ratios = [], []
+    try:
+        for mtls, client in clients.items():  # warm the channels (and the TLS handshake)
+            await _round_gbps(client, size, 1, 1, f"warm-{mtls}".encode())
+        for r in range(rounds):
+            pair = {}
+            for mtls in ((False, True) if r % 2 == 0 else (True, False)):
+                pair[mtls] = await _round_gbps(clients[mtls], size, count, per_call, f"pair-{size}-{mtls}-{r}".encode())
+                gbps[mtls].append(pair[mtls])
+            put_ratios.append(pair[True][0] / pair[False][0])
+            get_ratios.append(pair[True][1] / pair[False][1])
+    finally:
+        for client in clients.values():
+            await client.close()
+    median = statistics.median
+    return {"block_mib": size // MIB, "rounds": rounds,
+            "plain_put_gbps": round(median(g[0] for g in gbps[False]), 3),
+            "plain_get_gbps": round(median(g[1] for g in gbps[False]), 3),
+            "mtls_put_gbps": round(median(g[0] for g in gbps[True]), 3),
+            "mtls_get_gbps": round(median(g[1] for g in gbps[True]), 3),
+            "put_pct_of_plaintext": round(100 * median(put_ratios), 1),
+            "get_pct_of_plaintext": round(100 * median(get_ratios), 1),
+            "put_pct_range": [round(100 * min(put_ratios), 1), round(100 * max(put_ratios), 1)],
+            "get_pct_range": [round(100 * min(get_ratios), 1), round(100 * max(get_ratios), 1)]}
+
+
+def start_node(config: dict, workdir: Path, name: str) -> tuple[subprocess.Popen, str]:
+    port, admin = free_port(), free_port()
+    config = {**config, "listen": {"host": "127.0.0.1", "port": port, "admin_port": admin}}
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    node = start([sys.executable, "-m", "crescent.services.kvstore.server", "--config", str(path)], workdir / f"{name}.log")
+    wait_http(f"http://127.0.0.1:{admin}/health")
+    return node, f"127.0.0.1:{port}"
+
+
+def measure_mtls_cost(args: argparse.Namespace, workdir: Path, node_tls: dict, client_tls: PeerTls) -> list[dict]:
+    rows = []
+    for size_mib in args.sizes_mib:
+        size, count = size_mib * MIB, max(2, args.total_mib // size_mib)
+        config = tier_config("host", workdir, None, (count + 2) * size * 2, args.chunk_mib * MIB)
+        plain, plain_address = start_node(config, workdir, "plain")
+        try:
+            secure, secure_address = start_node({**config, "tls": node_tls}, workdir, "mtls")
+            try:
+                row = asyncio.run(paired_mtls(plain_address, secure_address, client_tls, size, count,
+                                              args.chunk_mib * MIB, max(1, args.batch_mib // size_mib), args.rounds))
+            finally:
+                stop(secure)
+        finally:
+            stop(plain)
+        rows.append(row)
+        print(f"mTLS vs plaintext gRPC, host {size_mib:3d} MiB: put {row['mtls_put_gbps']:.2f} vs "
+              f"{row['plain_put_gbps']:.2f} GB/s = {row['put_pct_of_plaintext']}% {row['put_pct_range']}, get "
+              f"{row['mtls_get_gbps']:.2f} vs {row['plain_get_gbps']:.2f} GB/s = {row['get_pct_of_plaintext']}% "
+              f"{row['get_pct_range']} (median and range over {row['rounds']} paired rounds)", flush=True)
+    return rows
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -289,7 +376,7 @@ def main() -> None:
     args = parser.parse_args()
     keep_large_buffers_warm()  # as the client process of a real deployment should
     results = []
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
+    modes = {"off": [False], "on": [True], "both": [False]}[args.tls]  # both: plaintext, then paired_mtls
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         issued = make_pki(workdir / "tls", [("kvstore", "bench-node"), ("prefill", "bench-client")])
@@ -352,6 +439,8 @@ def main() -> None:
         finally:
             if s3_proc is not None:
                 stop(s3_proc)
+        tls_cost = (measure_mtls_cost(args, workdir, node_tls, client_tls)
+                    if args.tls == "both" and "host" in args.tiers else [])
     ceiling: dict[str, float] = {}
     if "host" in args.tiers:  # the gRPC path's yardstick: what loopback itself moves here
         ceiling = transport_ceiling.ceilings(args.chunk_mib * MIB, 512 * MIB)
@@ -361,28 +450,11 @@ def main() -> None:
         print(f"loopback without the kvstore ({args.chunk_mib} MiB messages): "
               f"TCP {ceiling['tcp_loopback_gbps']:.2f} GB/s ({100 * ceiling['tcp_loopback_gbps'] / reference:.0f}% of memcpy), "
               f"grpcio raw bytes {ceiling['grpcio_raw_gbps']:.2f} GB/s ({100 * ceiling['grpcio_raw_gbps'] / reference:.0f}%)")
-    tls_cost = mtls_cost(results)
-    for row in tls_cost:
-        print(f"mTLS cost {row['tier']} {row['block_mib']:3d} MiB: put {row['put_pct_of_plaintext']:.1f}% "
-              f"get {row['get_pct_of_plaintext']:.1f}% of plaintext gRPC throughput")
     rates = policy_hit_rates()
     print("eviction policies, block hit rate on a conversation + scan trace:",
           ", ".join(f"{k} {v:.1%}" for k, v in rates.items()))
     print(json.dumps({"bench": "kvstore", "results": results, "transport_ceiling": ceiling, "policy_hit_rates": rates,
                       "mtls_cost": tls_cost}))
-
-
-def mtls_cost(results: list[dict]) -> list[dict]:
-    """Throughput with mutual TLS as a share of plaintext gRPC, per tier and block size."""
-    plain = {(r["tier"], r["block_mib"]): r for r in results if r["path"] == "grpc"}
-    rows = []
-    for r in results:
-        base = plain.get((r["tier"], r["block_mib"]))
-        if r["path"] == "grpc+mtls" and base is not None:
-            rows.append({"tier": r["tier"], "block_mib": r["block_mib"],
-                         "put_pct_of_plaintext": round(100 * r["put_gbps"] / base["put_gbps"], 1),
-                         "get_pct_of_plaintext": round(100 * r["get_gbps"] / base["get_gbps"], 1)})
-    return rows
 
 
 if __name__ == "__main__":
