@@ -53,6 +53,11 @@ class GrpcService:
     ``setup`` registers servicers on the server and may start background work; ``cleanup``
     stops that work. ``ready`` tells ``/health`` whether to answer 200.
 
+    Security: with ``tls`` configured the server requires mutual TLS and every call passes the
+    role check of ``access.py`` first; ``self.tls`` is the process's key pair for the owner's own
+    client channels (``open_channel``). Without TLS it serves plaintext, on loopback only unless
+    ``tls.allow_plaintext_non_loopback`` (``tls.check_listen``).
+
     Draining: ``draining = True`` turns ``/health`` to 503 at once while the gRPC server keeps
     serving what is in flight; the owner calls ``stop`` (whose grace is short) only once its
     drain is over (see engine/instance.py).
