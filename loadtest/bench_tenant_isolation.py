@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Tenant isolation of the prefix cache, measured: two tenants send the same long prompt.
 
-Each try sends a fresh ~1,500-token prompt (a random nonce first, so tries share nothing):
-tenant A cold, tenant A again (a cache hit), then tenant B (must be as slow as cold, with
-``cached_tokens`` 0). Prints the three TTFT distributions (one-token replies, seconds) and the
-cached tokens, as one JSON line, plus a human summary on stderr.
+Each try sends a fresh ~1,500-token prompt (a random nonce first, so tries share nothing): one
+tenant cold, the same tenant again (a cache hit), then the other tenant (must be as slow as
+cold, with ``cached_tokens`` 0). The tenants swap roles every try, and each request waits
+``--settle`` seconds first, so the previous request's background writes to the kvstore do not
+land on the next one's figure. Prints the three TTFT distributions (one-token replies, seconds)
+and the cached tokens, as one JSON line, plus a human summary on stderr.
 
   python loadtest/bench_tenant_isolation.py --start            # its own `crescent up`, auth on
   python loadtest/bench_tenant_isolation.py --url http://127.0.0.1:8000 --admin-key KEY
@@ -74,15 +76,18 @@ def summary(values: list[float]) -> dict[str, float]:
             "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3), "max": round(ordered[-1], 3)}
 
 
-def measure(url: str, model: str, admin_key: str, tries: int, words: int) -> dict:
+def measure(url: str, model: str, admin_key: str, tries: int, words: int, settle_s: float) -> dict:
     a, b = key_for(url, admin_key, "bench-tenant-a"), key_for(url, admin_key, "bench-tenant-b")
     timed(url, model, a, "warm-up")
-    runs: dict[str, list[float]] = {"a_cold": [], "a_repeat": [], "b_first": []}
+    timed(url, model, b, "warm-up")
+    runs: dict[str, list[float]] = {"cold": [], "same_tenant_repeat": [], "other_tenant_first": []}
     cached: dict[str, list[int]] = {name: [] for name in runs}
     tokens = 0
     for i in range(tries):
         prompt = document(uuid.uuid4().hex, words)
-        for name, key in (("a_cold", a), ("a_repeat", a), ("b_first", b)):
+        first, other = (a, b) if i % 2 == 0 else (b, a)
+        for name, key in (("cold", first), ("same_tenant_repeat", first), ("other_tenant_first", other)):
+            time.sleep(settle_s)
             seconds, tokens, hit = timed(url, model, key, prompt)
             runs[name].append(seconds)
             cached[name].append(hit)
@@ -101,6 +106,7 @@ def main() -> None:
     parser.add_argument("--start", action="store_true", help="start `crescent up` with auth on, stop it after")
     parser.add_argument("--tries", type=int, default=20)
     parser.add_argument("--words", type=int, default=820, help="prompt size (820 words ≈ 1,500 tokens)")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds of quiet before each request")
     args = parser.parse_args()
     proc, url, admin_key = None, args.url, args.admin_key
     if args.start:
@@ -109,14 +115,15 @@ def main() -> None:
     if not admin_key:
         raise SystemExit("--admin-key is needed (or --start)")
     try:
-        figures = measure(url, args.model, admin_key, args.tries, args.words)
+        figures = measure(url, args.model, admin_key, args.tries, args.words, args.settle)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=120)
     t = figures["ttft_s"]
-    print(f"TTFT medians: tenant A cold {t['a_cold']['median']} s, tenant A repeat {t['a_repeat']['median']} s, "
-          f"tenant B first {t['b_first']['median']} s; cached tokens {figures['cached_tokens']}", file=sys.stderr)
+    print(f"TTFT medians: cold {t['cold']['median']} s, same tenant repeat {t['same_tenant_repeat']['median']} s, "
+          f"other tenant first {t['other_tenant_first']['median']} s; cached tokens {figures['cached_tokens']}",
+          file=sys.stderr)
     figures.update(machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cores=os.cpu_count(),
                    date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     print(json.dumps(figures))
