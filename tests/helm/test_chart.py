@@ -15,7 +15,7 @@ VALUES_FILES = {
     "four-supernodes": [EXAMPLES / "four-supernodes.yaml"],
 }
 # Kinds the Kubernetes schemas cannot know: custom resources of the Prometheus Operator and KEDA.
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer"}  # + cert-manager's
 # Everything optional switched on, so validation sees every template.
 ALL_ON = [
     "--set", "gateway.ingress.enabled=true",
@@ -26,6 +26,8 @@ ALL_ON = [
     "--set", "decode.autoscaling.keda.enabled=true",
     "--set", "model.weights.source=pvc",
     "--set", "model.weights.pvc.create=true",
+    "--set", "internalTls.certManager.enabled=true",
+    "--set", "internalTls.certManager.adminCertificate=true",
 ]
 
 

@@ -114,6 +114,7 @@ spec:
             - {name: tmp, mountPath: /tmp}
             - {name: dshm, mountPath: /dev/shm}
             {{- with include "crescent.weightsVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
+            {{- with include "crescent.tlsVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
             {{- with $v.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -128,6 +129,7 @@ spec:
             medium: Memory
             sizeLimit: {{ $v.sharedMemorySize }}
         {{- with include "crescent.weightsVolume" $root }}{{ . | trim | nindent 8 }}{{ end }}
+        {{- with include "crescent.tlsVolume" $component }}{{ . | trim | nindent 8 }}{{ end }}
         {{- with $v.extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -264,7 +266,7 @@ instance id and advertised address are per pod, so they come from env vars in th
 {{- if and (eq .role "prefill") $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}
-{{- include "crescent.plaintextOverride" (dict "root" $root "cfg" $cfg) }}
+{{- include "crescent.internalTlsSettings" (dict "root" $root "cfg" $cfg) }}
 {{- $cfg = mustMergeOverwrite $cfg (deepCopy $v.settings) }}
 apiVersion: v1
 kind: ConfigMap

@@ -204,11 +204,3 @@ lifecycle:
       command: [sleep, {{ .preStopSleepSeconds | quote }}]
 {{- end }}
 {{- end }}
-
-{{/* The gRPC services listen on 0.0.0.0; without mutual TLS they refuse to unless told the
-network is trusted (docs/security.md). internalTls.allowPlaintext says so for the pod network. */}}
-{{- define "crescent.plaintextOverride" -}}
-{{- if .root.Values.internalTls.allowPlaintext }}
-{{- $_ := set .cfg "tls" (dict "allow_plaintext_non_loopback" true) }}
-{{- end }}
-{{- end }}
