@@ -4,7 +4,6 @@ salted block keys as a real prefix cache does)."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
