@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from crescent.services.engine.engine import Engine
-from crescent.services.engine.llama import ForwardBatch, SeqChunk
+from crescent.services.engine.llama import ForwardBatch
 from crescent.services.engine.runtime import build_engine
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 from crescent.services.engine.settings import EngineSettings
@@ -39,7 +39,6 @@ def prefilled(engine: Engine, batch: int, context: int) -> list:
 def timed_steps(engine: Engine, seqs: list, steps: int) -> dict[str, float]:
     cfgs = [SamplingConfig(temperature=0.8, seed=i) for i in range(len(seqs))]
     build = forward = sample = 0.0
-    model_forward = engine.model.forward
     build_batch = ForwardBatch.build
 
     def timed_build(*args, **kwargs):
@@ -65,7 +64,6 @@ def timed_steps(engine: Engine, seqs: list, steps: int) -> dict[str, float]:
         total = time.perf_counter() - start
     finally:
         ForwardBatch.build = staticmethod(build_batch)  # type: ignore[method-assign]
-    del model_forward
     return {"tok_s": round(steps * len(seqs) / total, 1), "step_ms": round(1000 * total / steps, 2),
             "forward_share": round((forward - build) / total, 3), "build_share": round(build / total, 3),
             "sample_share": round(sample / total, 3)}
