@@ -34,6 +34,7 @@ import yaml
 
 from crescent.services.common.certs import LOCAL_HOSTS, make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
+from crescent.services.cpu_share import available_cores, share_cores
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class PlatformPlan:
     ttft_slo_s: float | None = None
     drain_grace_s: float = 30.0
     tls: bool = True  # mutual TLS between the services (off: plaintext, loopback only)
+    cores: int | None = None  # cores the engines share (None: this process's affinity mask)
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -123,17 +125,18 @@ class PlatformPlan:
             "listen": kv_listen, "node_id": "kvstore-0", "scheduler_address": scheduler,
             "tiers": {"host": {"capacity_bytes": self.kvstore_capacity_bytes}},
         }, kvstore, f"{kv_admin}/health", f"{kv_admin}/metrics"))
-        engine = {"model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size,
-                  "threads": 2}
+        engine = {"model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size}
+        threads = share_cores(self.cores or available_cores(), self.prefill, self.decode)
         for role, count in (("prefill", self.prefill), ("decode", self.decode)):
             for i in range(count):
                 inst_listen, address, admin = listen()
                 drain = _drain_setting(role, self.drain_grace_s)
                 config = {"listen": inst_listen, "instance_id": f"{role}-{i}", "scheduler_address": scheduler,
-                          **drain, "engine": {**engine, **drain.get("engine", {})}}
+                          **drain, "engine": {**engine, "threads": threads.threads(role), **drain.get("engine", {})}}
                 if role == "prefill":
                     config["kvstore_address"] = kvstore
-                specs.append(ServiceSpec(f"{role}-{i}", role, config, address, f"{admin}/health", f"{admin}/metrics"))
+                specs.append(ServiceSpec(f"{role}-{i}", role, config, address, f"{admin}/health", f"{admin}/metrics",
+                                         env=threads.env(role)))
         gateway = f"http://{host}:{self.port}"
         specs.append(ServiceSpec("gateway", "gateway", {
             # No block size: the gateway learns it from the engines through the scheduler.

@@ -83,7 +83,7 @@ def test_crescent_up_gives_every_process_its_own_certificate(tmp_path: Path) -> 
 
 def test_crescent_up_without_tls_runs_plaintext(tmp_path: Path) -> None:
     platform = Platform(PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16, tls=False), tmp_path)
-    assert all("tls" not in spec.config and not spec.env for spec in platform.specs)
+    assert all("tls" not in spec.config and not any(GATEWAY_TLS_ENV in k for k in spec.env) for spec in platform.specs)
     assert admin_tls(tmp_path) is None
 
 
