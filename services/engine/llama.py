@@ -127,7 +127,10 @@ class LlamaModel:
             start = 0
             for chunk, table in zip(batch.chunks, page_tables):
                 end = start + chunk.num_new
-                attn[start:end] = paged_attention(q[start:end], layer_pool[table], chunk.context_len, self.scale)
+                # index_select, not layer_pool[table]: the same copy at half the cost (decode's
+                # largest non-GEMM op at batch 8; docs/benchmarks.md, decode step profile).
+                kv_pages = torch.index_select(layer_pool, 0, table)
+                attn[start:end] = paged_attention(q[start:end], kv_pages, chunk.context_len, self.scale)
                 start = end
             h = h + layer.o(attn.view(n, -1))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
