@@ -200,7 +200,32 @@ class Engine:
             assert seq.num_computed == seq.num_tokens - 1, f"{seq.seq_id}: decode needs exactly one new token"
         return self._run([(seq, seq.num_tokens) for seq in seqs], want_logits=True)
 
-    def _run(self, work: list[tuple[Sequence, int]], want_logits: bool) -> torch.Tensor:
+    def mixed_step(self, chunks: Seq[tuple[Sequence, int]], decoding: Seq[Sequence]
+                   ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+        """One forward of prompt chunks and decode tokens together (chunked prefill, several
+        prompts at once). ``chunks``: (sequence, compute up to this token) pairs of prompts being
+        prefilled, one per sequence; ``decoding``: sequences each computing their one new token.
+        Returns each chunk's last-token logits (vocab,) when it completes its prompt, else None,
+        and the decoding sequences' logits (len(decoding), vocab). Every row is what it would be
+        alone: the linear layers are batch-invariant and attention runs per sequence."""
+        for seq in decoding:
+            assert seq.num_computed == seq.num_tokens - 1, f"{seq.seq_id}: decode needs exactly one new token"
+        for seq, end in chunks:
+            assert seq.num_computed < end <= seq.num_tokens, f"{seq.seq_id}: chunk to {end}"
+        completes = [end == seq.num_tokens for seq, end in chunks]
+        work = [*chunks, *((seq, seq.num_tokens) for seq in decoding)]
+        wanted = [i for i, done in enumerate(completes) if done] + list(range(len(chunks), len(work)))
+        logits = self._run(work, logits_for=wanted)
+        prompt_logits: list[torch.Tensor | None] = [None] * len(chunks)
+        for row, i in enumerate(i for i, done in enumerate(completes) if done):
+            prompt_logits[i] = logits[row]
+            self._register_full_blocks(chunks[i][0])
+        return prompt_logits, logits[sum(completes):]
+
+    def _run(self, work: list[tuple[Sequence, int]], want_logits: bool = False,
+             logits_for: list[int] | None = None) -> torch.Tensor:
+        """Compute each sequence up to its end; logits of every one (``want_logits``) or of
+        those at ``logits_for`` indices, in that order."""
         chunks = []
         for seq, end in work:
             needed = self.pages_for(end) - len(seq.pages)
@@ -213,7 +238,9 @@ class Engine:
             chunks.append((SeqChunk(tuple(seq.pages), end, end - seq.num_computed), seq.token_ids[seq.num_computed : end]))
         batch = ForwardBatch.build(chunks, self.page_size)
         with torch.inference_mode():
-            logits = self.model.forward(batch, self.cache, list(range(len(work))) if want_logits else [])
+            if logits_for is None:
+                logits_for = list(range(len(work))) if want_logits else []
+            logits = self.model.forward(batch, self.cache, logits_for)
         for seq, end in work:
             seq.num_computed = end
         return logits
