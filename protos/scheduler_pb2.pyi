@@ -14,10 +14,12 @@ class InstanceRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_ROLE_PREFILL: _ClassVar[InstanceRole]
     INSTANCE_ROLE_DECODE: _ClassVar[InstanceRole]
     INSTANCE_ROLE_KVSTORE: _ClassVar[InstanceRole]
+    INSTANCE_ROLE_AGGREGATED: _ClassVar[InstanceRole]
 INSTANCE_ROLE_UNSPECIFIED: InstanceRole
 INSTANCE_ROLE_PREFILL: InstanceRole
 INSTANCE_ROLE_DECODE: InstanceRole
 INSTANCE_ROLE_KVSTORE: InstanceRole
+INSTANCE_ROLE_AGGREGATED: InstanceRole
 
 class InstanceInfo(_message.Message):
     __slots__ = ("instance_id", "role", "address", "model_id", "block_size", "kv_capacity_tokens", "max_batch_size", "kv_format", "kv_dtype")
@@ -50,7 +52,7 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., want_full_snapshot: _Optional[bool] = ...) -> None: ...
 
 class InstanceLoad(_message.Message):
-    __slots__ = ("instance_id", "queued_requests", "queued_tokens", "running_requests", "free_kv_tokens", "active_request_ids", "finished_request_ids", "draining")
+    __slots__ = ("instance_id", "queued_requests", "queued_tokens", "running_requests", "free_kv_tokens", "active_request_ids", "finished_request_ids", "draining", "prefill_queued_requests", "prefill_queued_tokens", "prefill_running_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,9 @@ class InstanceLoad(_message.Message):
     ACTIVE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     queued_requests: int
     queued_tokens: int
@@ -67,7 +72,10 @@ class InstanceLoad(_message.Message):
     active_request_ids: _containers.RepeatedScalarFieldContainer[str]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     draining: bool
-    def __init__(self, instance_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., active_request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    prefill_queued_requests: int
+    prefill_queued_tokens: int
+    prefill_running_requests: int
+    def __init__(self, instance_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., active_request_ids: _Optional[_Iterable[str]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., prefill_queued_requests: _Optional[int] = ..., prefill_queued_tokens: _Optional[int] = ..., prefill_running_requests: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)

@@ -29,7 +29,9 @@ from crescent.services.common.certs import SPIFFE_PREFIX
 log = logging.getLogger(__name__)
 
 GATEWAY, SCHEDULER, PREFILL, DECODE, KVSTORE, ADMIN = "gateway", "scheduler", "prefill", "decode", "kvstore", "admin"
-ENGINES = frozenset({PREFILL, DECODE})
+AGGREGATED = "aggregated"  # an engine that prefills and decodes: what either may do
+ENGINES = frozenset({PREFILL, DECODE, AGGREGATED})
+PREFILLERS = frozenset({PREFILL, AGGREGATED})  # what prefills, so hands off and pulls prefixes
 REGISTRANTS = ENGINES | {KVSTORE}  # what registers with the scheduler and publishes block events
 
 
@@ -56,7 +58,7 @@ def rule(*roles: str, claim: Claim | None = None) -> Rule:
 
 
 _ROLE_OF_INSTANCE = {scheduler_pb2.INSTANCE_ROLE_PREFILL: PREFILL, scheduler_pb2.INSTANCE_ROLE_DECODE: DECODE,
-                     scheduler_pb2.INSTANCE_ROLE_KVSTORE: KVSTORE}
+                     scheduler_pb2.INSTANCE_ROLE_KVSTORE: KVSTORE, scheduler_pb2.INSTANCE_ROLE_AGGREGATED: AGGREGATED}
 
 
 def _registers(info: scheduler_pb2.InstanceInfo) -> tuple[str | None, str | None]:
@@ -77,7 +79,7 @@ SCHEDULER_RULES = {
     "Place": rule(GATEWAY),
     "ReportOutcome": rule(GATEWAY),
     # Addresses, ids and load (no prompts): the gateway's /health, prefill's peer directory.
-    "ListInstances": rule(GATEWAY, PREFILL, ADMIN),
+    "ListInstances": rule(GATEWAY, *PREFILLERS, ADMIN),
 }
 KVSTORE_RULES = {
     # Engines write blocks; a kvstore node writes to a peer when it replicates.
@@ -96,10 +98,10 @@ KVSTORE_RULES = {
 }
 PREFILL_RULES = {
     "Prefill": rule(GATEWAY),
-    "FetchPrefix": rule(PREFILL),  # a peer pulling a hot prefix
+    "FetchPrefix": rule(*PREFILLERS),  # a peer pulling a hot prefix
 }
 DECODE_RULES = {
-    "Handoff": rule(PREFILL),
+    "Handoff": rule(*PREFILLERS),
     "StreamTokens": rule(GATEWAY),
     "Abort": rule(GATEWAY),
 }

@@ -203,7 +203,8 @@ class Conductor:
         for r in self.registry.placeable(Role.PREFILL):
             if model_id and r.spec.model_id != model_id:
                 continue
-            queued = r.load.queued_requests + r.load.running_requests + sum(1 for _ in r.reservations.pending())
+            queued_requests, _, running = r.load.prefill_queue(r.spec.role)
+            queued = queued_requests + running + sum(1 for _ in r.prefill_reservations.pending())
             prefill.append(PrefillCandidate(r.spec.instance_id, self._prefill_queue_s(r), queued, r.spec.address))
         for r in self.registry.placeable(Role.DECODE):
             if model_id and r.spec.model_id != model_id:
@@ -223,10 +224,12 @@ class Conductor:
         scheduler does not know (placed before it restarted) as equal shares of the rest.
         """
         cost = self.costs.prefill
-        held = r.reservations.held_in_order()
-        pending = sum(cost.seconds(e.tokens, e.prompt_tokens - e.tokens) for e in r.reservations.pending())
-        reported_requests = r.load.queued_requests + r.load.running_requests
-        reported_tokens = r.load.queued_tokens or reported_requests * self.settings.assumed_prompt_tokens
+        book = r.prefill_reservations
+        held = book.held_in_order()
+        pending = sum(cost.seconds(e.tokens, e.prompt_tokens - e.tokens) for e in book.pending())
+        queued, queued_tokens, running = r.load.prefill_queue(r.spec.role)
+        reported_requests = queued + running
+        reported_tokens = queued_tokens or reported_requests * self.settings.assumed_prompt_tokens
         held_tokens = sum(e.tokens for e in held)
         queue_s = pending
         for i, e in enumerate(held):
@@ -301,7 +304,7 @@ class Conductor:
         prefill = self.registry.get(decision.prefill)
         decode = self.registry.get(decision.decode)
         assert prefill is not None and decode is not None  # the view came from the registry just now
-        prefill.reservations.add(Reservation(request.request_id, prompt - cached, prompt, max_tokens, now, 0.0))
+        prefill.prefill_reservations.add(Reservation(request.request_id, prompt - cached, prompt, max_tokens, now, 0.0))
         decode.reservations.add(
             Reservation(request.request_id, request.decode_kv_tokens, prompt, max_tokens, now, decision.predicted_ttft_s,
                         sequences=request.sequences)
@@ -317,7 +320,8 @@ class Conductor:
             for instance_id in (placed.prefill, placed.decode):
                 record = self.registry.get(instance_id)
                 if record is not None:
-                    record.reservations.release(request_id)
+                    for book in record.books():
+                        book.release(request_id)
 
     def outcome(self, request_id: str, ttft_s: float, released: bool) -> float | None:
         """The gateway's report on a placed request; returns its predicted TTFT, once.
@@ -332,7 +336,7 @@ class Conductor:
         if ttft_s > 0:
             record = self.registry.get(placed.prefill)
             if record is not None:
-                record.reservations.release(request_id)
+                record.prefill_reservations.release(request_id)
         if released:
             self.release(request_id)
         return predicted

@@ -20,6 +20,11 @@ class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     KVSTORE = "kvstore"  # a shared source of prefix blocks; never placed on
+    AGGREGATED = "aggregated"  # prefills and decodes in one process: a candidate for either role
+
+    def serves(self, role: Role) -> bool:
+        """Whether an instance of this role takes work of ``role`` (prefill or decode)."""
+        return self is role or (self is Role.AGGREGATED and role in (Role.PREFILL, Role.DECODE))
 
 
 class Tier(enum.IntEnum):

@@ -108,8 +108,10 @@ class Policy(ABC):
         estimates = [self.estimate_decode(d, request, prefill.ttft_s) for d in view.decode]
         now = [e for e in estimates if e.fits_now]
         later = [e for e in estimates if not e.fits_now and math.isfinite(e.kv_wait_s)]
-        # Nothing fits now: decode queues the request, so wait where KV frees first.
-        decode = self.choose_decode(now) if now else min(later, key=_soonest, default=None)
+        # An aggregated prefill instance decodes the request itself when it fits there now: no
+        # KV moves. Otherwise, if nothing fits now, decode queues it where KV frees first.
+        same = next((e for e in now if e.candidate.instance_id == prefill.candidate.instance_id), None)
+        decode = same or (self.choose_decode(now) if now else min(later, key=_soonest, default=None))
         if self.slo.reject_early:
             rejection = self._check_slo(prefill, decode)
             if rejection is not None:

@@ -41,6 +41,16 @@ class LoadReport:
     active_request_ids: tuple[str, ...] = ()    # requests the instance holds now
     finished_request_ids: tuple[str, ...] = ()  # requests it let go of since its last report
     draining: bool = False
+    # An aggregated instance's prompts (the fields above are then its decoding sequences').
+    prefill_queued_requests: int = 0
+    prefill_queued_tokens: int = 0
+    prefill_running_requests: int = 0
+
+    def prefill_queue(self, role: Role) -> tuple[int, int, int]:
+        """(queued requests, queued prompt tokens, running requests) of the instance's prefill work."""
+        if role is Role.AGGREGATED:
+            return self.prefill_queued_requests, self.prefill_queued_tokens, self.prefill_running_requests
+        return self.queued_requests, self.queued_tokens, self.running_requests
 
 
 @dataclass(slots=True)
@@ -53,6 +63,15 @@ class InstanceRecord:
     reports_request_ids: bool = False  # False so far: maybe an older instance that lists no requests
     registered_at: float = field(default=0.0)
     assumed: bool = False  # discovered, not registered by itself: its details are guesses
+    # An aggregated instance's prefill placements, apart from its decode ones (same request ids).
+    prefill_book: ReservationBook | None = None
+
+    @property
+    def prefill_reservations(self) -> ReservationBook:
+        return self.prefill_book if self.prefill_book is not None else self.reservations
+
+    def books(self) -> tuple[ReservationBook, ...]:
+        return (self.reservations,) if self.prefill_book is None else (self.reservations, self.prefill_book)
 
     @property
     def placeable(self) -> bool:
@@ -76,8 +95,9 @@ class InstanceRegistry:
             log.info("instance %s re-registered with new details", spec.instance_id)
         load = LoadReport(free_kv_tokens=spec.kv_capacity_tokens)
         book = ReservationBook(keep_held=spec.role is not Role.KVSTORE)
+        prefill_book = ReservationBook(keep_held=True) if spec.role is Role.AGGREGATED else None
         self._records[spec.instance_id] = InstanceRecord(spec, load, last_seen=now, reservations=book, registered_at=now,
-                                                         assumed=assumed)
+                                                         assumed=assumed, prefill_book=prefill_book)
         log.info("registered %s instance %s at %s", spec.role.value, spec.instance_id, spec.address)
 
     def heartbeat(self, instance_id: InstanceId, load: LoadReport) -> None:
@@ -89,13 +109,15 @@ class InstanceRegistry:
         if load.active_request_ids or load.finished_request_ids:
             record.reports_request_ids = True
         if record.reports_request_ids:
-            record.reservations.apply_report(load.active_request_ids, load.finished_request_ids, now)
-            if record.spec.role is Role.DECODE:
+            for book in record.books():
+                book.apply_report(load.active_request_ids, load.finished_request_ids, now)
+            if record.spec.role.serves(Role.DECODE):
                 record.reservations.mark_running(load.running_requests, now)
         elif load.running_requests or load.queued_requests:
             # Busy without listing a request: an older instance, whose totals cover all it got.
             # (An idle one without ids is still waiting for what was placed on it.)
-            record.reservations.clear_pending()
+            for book in record.books():
+                book.clear_pending()
 
     def touch(self, instance_id: InstanceId) -> None:
         """Alive without a load report (e.g. its Kubernetes endpoint is ready); the last load stays."""
@@ -109,7 +131,7 @@ class InstanceRegistry:
 
     def live(self, role: Role) -> list[InstanceRecord]:
         deadline = self._clock() - self.heartbeat_timeout_s
-        return [r for r in self._records.values() if r.spec.role is role and r.last_seen >= deadline]
+        return [r for r in self._records.values() if r.spec.role.serves(role) and r.last_seen >= deadline]
 
     def placeable(self, role: Role) -> list[InstanceRecord]:
         """Live and taking new work (not draining)."""
@@ -118,7 +140,7 @@ class InstanceRegistry:
     def expire_reservations(self, timeout_s: float) -> int:
         """Drop reservations no report covered within ``timeout_s`` (a lost report, a lost request)."""
         deadline = self._clock() - timeout_s
-        return sum(r.reservations.expire(deadline) for r in self._records.values())
+        return sum(book.expire(deadline) for r in self._records.values() for book in r.books())
 
     def expire(self) -> list[InstanceId]:
         """Forget instances silent for longer than the timeout; return their ids."""

@@ -27,6 +27,7 @@ _ROLES = {
     scheduler_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL,
     scheduler_pb2.INSTANCE_ROLE_DECODE: Role.DECODE,
     scheduler_pb2.INSTANCE_ROLE_KVSTORE: Role.KVSTORE,
+    scheduler_pb2.INSTANCE_ROLE_AGGREGATED: Role.AGGREGATED,
 }
 _ROLE_PB = {v: k for k, v in _ROLES.items()}
 _STORED = {common_pb2.BLOCK_EVENT_STORED, common_pb2.BLOCK_EVENT_TIER_CHANGED}
@@ -43,7 +44,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not request.instance_id:
             problems.append("instance_id is empty")
         if role is None:
-            problems.append("role must be INSTANCE_ROLE_PREFILL, INSTANCE_ROLE_DECODE or INSTANCE_ROLE_KVSTORE")
+            problems.append("role must be INSTANCE_ROLE_PREFILL, INSTANCE_ROLE_DECODE, INSTANCE_ROLE_AGGREGATED "
+                            "or INSTANCE_ROLE_KVSTORE")
         if not request.address:
             problems.append("address is empty")
         if request.block_size < 0 or (request.block_size == 0 and role is not Role.KVSTORE):
@@ -80,6 +82,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             active_request_ids=tuple(request.active_request_ids),
             finished_request_ids=tuple(request.finished_request_ids),
             draining=request.draining,
+            prefill_queued_requests=max(request.prefill_queued_requests, 0),
+            prefill_queued_tokens=max(request.prefill_queued_tokens, 0),
+            prefill_running_requests=max(request.prefill_running_requests, 0),
         )
         return scheduler_pb2.HeartbeatReply(known=self.conductor.heartbeat(InstanceId(request.instance_id), load))
 

@@ -23,7 +23,7 @@ from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 SERVICES = [(scheduler_pb2, "Scheduler"), (kvstore_pb2, "KvStore"), (prefill_pb2, "Prefill"), (decode_pb2, "Decode")]
 # The name each role's certificate carries (engines and kvstores register under it).
 NAMES = {"gateway": "gateway", "scheduler": "scheduler", "prefill": "prefill-0", "decode": "decode-0",
-         "kvstore": "kvstore-0", "admin": "admin"}
+         "aggregated": "aggregated-0", "kvstore": "kvstore-0", "admin": "admin"}
 
 
 def all_methods() -> list[MethodDescriptor]:
@@ -43,7 +43,7 @@ def request_as(method: MethodDescriptor, peer: Peer):
     """A request to ``method`` in which ``peer`` claims to be itself (what an honest caller sends)."""
     request = message(method.input_type)()
     roles = {"prefill": scheduler_pb2.INSTANCE_ROLE_PREFILL, "decode": scheduler_pb2.INSTANCE_ROLE_DECODE,
-             "kvstore": scheduler_pb2.INSTANCE_ROLE_KVSTORE}
+             "kvstore": scheduler_pb2.INSTANCE_ROLE_KVSTORE, "aggregated": scheduler_pb2.INSTANCE_ROLE_AGGREGATED}
     if method.name == "Register":
         request.instance_id = peer.name
         request.role = roles.get(peer.role, scheduler_pb2.INSTANCE_ROLE_UNSPECIFIED)

@@ -101,6 +101,8 @@ async def test_a_trusted_certificate_without_a_role_is_unauthenticated(server: s
     ("prefill", "decode", "prefill-0"),    # an engine registers only as its own role
     ("decode", "prefill", "decode-0"),
     ("kvstore", "prefill", "kvstore-0"),
+    ("aggregated", "decode", "aggregated-0"),
+    ("prefill", "aggregated", "prefill-0"),
     ("prefill", "prefill", "prefill-1"),   # ... and only under the name in its certificate
 ])
 async def test_register_only_as_itself(server: str, pki, role: str, claims: str, instance_id: str) -> None:
