@@ -19,6 +19,7 @@ from rich.text import Text
 from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
 from crescent.services.keys_cli import auth_status, keys_app
+from crescent.services.usage_cli import usage_command
 from crescent.services.model.model_source import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Crescent: LL
 console = Console(stderr=True)
 log = logging.getLogger(__name__)
 app.add_typer(keys_app, name="keys")
+app.command("usage")(usage_command)
 
 
 class Service(str, Enum):

@@ -181,3 +181,33 @@ def kvstore_metrics() -> KvStoreMetrics:
         dropped_writes=Counter("crescent_kvstore_dropped_writes", "Writes given up", tier),
         leased_blocks=Gauge("crescent_kvstore_leased_blocks", "Blocks pinned by a lease"),
     )
+
+
+@dataclass(frozen=True)
+class UsageMetrics:
+    """The gateway's usage ledger (docs/usage.md). ``tenant`` is a tenant id (bounded by the
+    tenants table), ``model`` the served model name: one per gateway."""
+
+    spend_usd: Counter         # by tenant, model: what requests cost at the price table's prices
+    cache_savings_usd: Counter # by tenant, model: what cache hits saved against computing those tokens
+    ledger_pending: Gauge      # rows finished but not yet committed to the database
+    ledger_commit: Histogram   # time to commit one batch of rows
+    ledger_errors: Counter     # batches that failed to commit (retried)
+
+
+@cache
+def usage_metrics() -> UsageMetrics:
+    spender = ["tenant", "model"]
+    return UsageMetrics(
+        spend_usd=Counter("crescent_gateway_spend_usd", "Price of finished requests, US dollars", spender),
+        cache_savings_usd=Counter(
+            "crescent_gateway_cache_savings_usd", "Saved by prompt cache hits against cache-miss prices, US dollars",
+            spender,
+        ),
+        ledger_pending=Gauge("crescent_gateway_ledger_pending_rows", "Usage rows waiting to be committed"),
+        ledger_commit=Histogram(
+            "crescent_gateway_ledger_commit_seconds", "Time to commit one batch of usage rows",
+            buckets=(1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3),
+        ),
+        ledger_errors=Counter("crescent_gateway_ledger_errors", "Usage batches that failed to commit (retried)"),
+    )

@@ -7,6 +7,11 @@ inter-token intervals are what a streaming client sees (tokens that arrive toget
 A request with ``n`` choices (docs/api.md, "n > 1") is one request here: TTFT is its first token
 (choice 0's), intervals are measured within each choice, and its usage is what the client is
 told (``choices_usage``): the prompt once, every choice's completion tokens.
+
+A request with an ``account`` (``ledger.Account``) is priced and written to the usage ledger
+when it finishes; ``committed`` waits for its row (handlers await it before a response's last
+bytes). Reasoning tokens are the completion tokens generated up to the end of the reasoning
+(``mark_reasoning``, told by the output parser), counted across choices.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from crescent.services.common.metrics import GatewayMetrics
 
@@ -64,12 +69,24 @@ def tbt_seconds(intervals: Sequence[float]) -> float | None:
     return sum(longest) / len(longest)
 
 
+class UsageSink(Protocol):
+    """Where a finished request's usage goes (``ledger.Account``)."""
+
+    def settle(self, status: RequestStatus, usage: UsageCounts | None, reasoning_tokens: int,
+               ttft_s: float | None) -> None: ...
+
+    async def committed(self) -> None: ...
+
+
 class RequestRecord:
     """Timing and outcome of one request, all its choices together; ``finish`` reports it once."""
 
-    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic, *,
+                 account: UsageSink | None = None) -> None:
         self._metrics = metrics
         self._clock = clock
+        self._account = account
+        self._reasoning: dict[int, int] = {}  # by choice: completion tokens up to the end of its reasoning
         self._started = clock()
         self._first_token: float | None = None
         self._last_token: dict[int, float] = {}  # by choice
@@ -87,6 +104,15 @@ class RequestRecord:
 
     def set_usage(self, usage: UsageCounts, choice: int = 0) -> None:
         self._usage[choice] = usage
+
+    def mark_reasoning(self, choice: int = 0) -> None:
+        """The choice's tokens so far are reasoning (its output parser is still in, or just left, it)."""
+        usage = self._usage.get(choice)
+        self._reasoning[choice] = usage.completion_tokens if usage is not None else 0
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(self._reasoning.values())
 
     def tokens_arrived(self, count: int, choice: int = 0) -> None:
         if count <= 0:
@@ -128,6 +154,14 @@ class RequestRecord:
             tbt = tbt_seconds(self._intervals)
             if tbt is not None:
                 m.tbt.observe(tbt)
+        if self._account is not None:
+            ttft_s = None if self._first_token is None else self._first_token - self._started
+            self._account.settle(status, usage, self.reasoning_tokens, ttft_s)
+
+    async def committed(self) -> None:
+        """Return once the request's usage row is committed (at once without a durable ledger)."""
+        if self._account is not None:
+            await self._account.committed()
 
     @property
     def finished(self) -> bool:

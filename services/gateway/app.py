@@ -18,10 +18,12 @@ from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain, DrainGuard
 from crescent.services.gateway.errors import ERROR_RESPONSES, ApiError, ModelNotFoundError, install_error_handlers
 from crescent.services.gateway.http_guard import HttpGuard
+from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.response_store import ResponseStore
 from crescent.services.gateway.responses import Responses
 from crescent.services.gateway.responses_api import ResponseRequest
+from crescent.services.gateway.usage_api import DOCUMENTED_RESPONSES, UsageApi, usage_admin_router
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -31,11 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, drain: Drain,
-              auth: Authenticator) -> FastAPI:
-    """The FastAPI app; ``backend``, ``model``, ``drain`` and ``auth`` are owned by the caller (``server``)."""
+              auth: Authenticator, ledger: UsageLedger | None = None) -> FastAPI:
+    """The FastAPI app; ``backend``, ``model``, ``drain``, ``auth`` and ``ledger`` (the usage
+    ledger; None: requests are not priced) are owned by the caller (``server``)."""
     metrics = gateway_metrics()
-    chat = ChatCompletions(settings, backend, model, metrics, drain)
-    completions = Completions(backend, model, metrics, drain, chat.served_name)
+    chat = ChatCompletions(settings, backend, model, metrics, drain, ledger)
+    completions = Completions(backend, model, metrics, drain, chat.served_name, ledger)
+    usage = UsageApi(ledger.store if ledger is not None else None, auth)
     responses = Responses(chat, backend, model, metrics, drain, ResponseStore(settings.responses_db))
     created = int(time.time())
     card = ModelCard(id=chat.served_name, created=created, max_model_len=model.context_window,
@@ -92,8 +96,15 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
             raise ModelNotFoundError(f"the model {model_id!r} does not exist", param="model")
         return card
 
+    @v1.get("/usage", responses=DOCUMENTED_RESPONSES | {s: ERROR_RESPONSES[s] for s in (400, 404)})
+    async def get_usage(request: Request, start: str | None = None, end: str | None = None,
+                        group_by: str | None = None, format: str | None = None) -> Response:  # noqa: A002
+        """The caller's tenant's usage: totals by group (JSON) or rows (CSV); docs/usage.md."""
+        return await usage.answer(request, principal_of(request).tenant_id, admin=False)
+
     app.include_router(v1)
     app.include_router(admin_router(auth))
+    app.include_router(usage_admin_router(usage, auth))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -12,7 +12,7 @@ their tokens, which a parser may hold back a while).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -66,6 +66,10 @@ class AssistantOutputParser:
         self._max_calls = None if parallel_tool_calls else 1
 
     @property
+    def in_reasoning(self) -> bool:
+        return self._reasoning is not None and self._reasoning.in_reasoning
+
+    @property
     def completed_tool_calls(self) -> int:
         done = self._tools.completed_calls if self._tools is not None else 0
         return done if self._max_calls is None else min(done, self._max_calls)
@@ -111,20 +115,27 @@ def final_finish_reason(reason: ReplyFinishReason, completed_tool_calls: int) ->
 
 
 def parse_output(
-    events: AsyncGenerator[GenerationEvent, None], fmt: OutputFormat, *, parallel_tool_calls: bool = True
+    events: AsyncGenerator[GenerationEvent, None], fmt: OutputFormat, *, parallel_tool_calls: bool = True,
+    on_reasoning: Callable[[], None] | None = None,
 ) -> AsyncGenerator[OutputEvent, None]:
     """Re-emit ``events`` split into reasoning, content and tool calls; closing this closes
-    ``events``, read or not (``owning``)."""
-    return Owning(_parse_output(events, fmt, parallel_tool_calls), events.aclose)
+    ``events``, read or not (``owning``). ``on_reasoning`` is called after each text delta that
+    was (or ended) reasoning: the tokens generated so far are reasoning tokens."""
+    return Owning(_parse_output(events, fmt, parallel_tool_calls, on_reasoning), events.aclose)
 
 
 async def _parse_output(events: AsyncGenerator[GenerationEvent, None], fmt: OutputFormat,
-                        parallel_tool_calls: bool) -> AsyncGenerator[OutputEvent, None]:
+                        parallel_tool_calls: bool,
+                        on_reasoning: Callable[[], None] | None) -> AsyncGenerator[OutputEvent, None]:
     parser = AssistantOutputParser(fmt, parallel_tool_calls=parallel_tool_calls)
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextDelta):
-                for out in parser.push(event.text):
+                was_reasoning = parser.in_reasoning
+                pushed = parser.push(event.text)
+                if on_reasoning is not None and (was_reasoning or parser.in_reasoning):
+                    on_reasoning()  # this delta's tokens were reasoning, or ended it
+                for out in pushed:
                     yield out
                 continue
             if isinstance(event, TokenLogprobs):  # passed on as they come: the stream attaches them

@@ -38,6 +38,7 @@ from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ModelNotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
+from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
 from crescent.services.gateway.prompt import ServedModel, build_prompt
@@ -55,9 +56,11 @@ def new_request_id() -> RequestId:
 
 class ChatCompletions:
     def __init__(
-        self, settings: GatewaySettings, backend: Backend, model: ServedModel, metrics: GatewayMetrics, drain: Drain
+        self, settings: GatewaySettings, backend: Backend, model: ServedModel, metrics: GatewayMetrics, drain: Drain,
+        ledger: UsageLedger | None = None,
     ) -> None:
         self._settings = settings
+        self._ledger = ledger
         self._drain = drain
         self._backend = backend
         self._model = model
@@ -120,13 +123,20 @@ class ChatCompletions:
         strings, reasoning, tool calls (``responses`` uses it too)."""
         fmt = self._model.output_format if body.offers_tools() else self._model.output_format.without_tools()
         text = generate_text(events, self._model.tokenizer, generation, body.stop_strings(), record, index)
-        return parse_output(text, fmt, parallel_tool_calls=body.parallel_tool_calls is not False)
+        return parse_output(text, fmt, parallel_tool_calls=body.parallel_tool_calls is not False,
+                            on_reasoning=partial(record.mark_reasoning, index))
+
+    def new_record(self, request_id: str, request: Request) -> RequestRecord:
+        """The record of a request whose client sees ``request_id``: priced into the ledger when there is one."""
+        account = None if self._ledger is None else self._ledger.account(request_id, principal_of(request),
+                                                                          self.served_name)
+        return RequestRecord(self._metrics, account=account)
 
     async def handle(self, body: ChatCompletionRequest, request: Request) -> Response:
         request_id = new_request_id()
         # Log records keep the HTTP request id (X-Request-Id) the client sees; link the two once.
         log.info("completion %s", request_id)
-        record = RequestRecord(self._metrics)
+        record = self.new_record(request_id, request)
         return await answered(self._respond(body, request, request_id, record), record, before="the first token")
 
     async def _respond(self, body: ChatCompletionRequest, request: Request, request_id: RequestId,
@@ -146,6 +156,7 @@ class ChatCompletions:
             collected = await unless_disconnected(request, self._drain.race(
                 collect_choices(events, [0], partial(_collect, logprobs=body.logprobs))))
             record.finish("ok")
+            await record.committed()  # a client that has its answer is in the usage ledger
             completion = ChatCompletion(
                 id=header.request_id, created=header.created, model=header.model,
                 choices=[choice.model_copy(update={"index": i}) for i, (choice, _) in enumerate(collected)],

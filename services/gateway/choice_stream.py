@@ -141,6 +141,8 @@ class ChoiceStream(Generic[Event]):
             yield self._error(ready)
             yield DONE
             return
+        for record in dict.fromkeys(self._records):  # choices of one prompt share their record
+            await record.committed()  # a client that has the whole stream is in the usage ledger
         if (usage := self._fmt.usage(self._total([self._usage[i] for i in sorted(self._usage)]))) is not None:
             yield usage
         yield DONE

@@ -44,6 +44,7 @@ from crescent.services.gateway.errors import (
     UnsupportedParameterError,
 )
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
+from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs
 from crescent.services.gateway.prompt import ServedModel
@@ -73,8 +74,9 @@ async def _collect(events: Events, first: GenerationEvent | None) -> tuple[str, 
 
 class Completions:
     def __init__(self, backend: Backend, model: ServedModel, metrics: GatewayMetrics, drain: Drain,
-                 served_name: str) -> None:
+                 served_name: str, ledger: UsageLedger | None = None) -> None:
         self._backend = backend
+        self._ledger = ledger
         self._model = model
         self._metrics = metrics
         self._drain = drain
@@ -121,10 +123,18 @@ class Completions:
             ),
         )
 
+    def _record(self, ledger_id: str, request: Request) -> RequestRecord:
+        """A prompt's record, priced into the ledger as ``ledger_id`` (the response id; with several
+        prompts, ``<response id>:<prompt index>``) when there is a ledger."""
+        account = None if self._ledger is None else self._ledger.account(ledger_id, principal_of(request),
+                                                                          self.served_name)
+        return RequestRecord(self._metrics, account=account)
+
     async def handle(self, body: CompletionRequest, request: Request) -> Response:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         log.info("completion %s", response_id)  # links the HTTP request id in log records to this one
-        records = [RequestRecord(self._metrics) for _ in body.prompts()]
+        count = len(body.prompts())
+        records = [self._record(response_id if count == 1 else f"{response_id}:{p}", request) for p in range(count)]
 
         def finish_all(status: RequestStatus) -> None:
             for record in records:
@@ -154,6 +164,8 @@ class Completions:
                 collected = await unless_disconnected(request, self._drain.race(
                     collect_choices(events, leaders, _collect)))
                 finish_all("ok")
+                for record in records:
+                    await record.committed()  # a client that has its answer is in the usage ledger
                 completion = _completion(header, echoes, collected, n, logprobs=body.logprobs is not None)
                 return JSONResponse(completion.model_dump())
             firsts = await unless_disconnected(request, self._drain.race(leaders_first(events, leaders)))

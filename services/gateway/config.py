@@ -6,6 +6,7 @@ from pathlib import Path
 
 from crescent.services.common.settings import StrictModel, load_settings
 from crescent.services.gateway.model_policy import ModelPolicy
+from crescent.services.tenancy.pricing import PriceTable
 from pydantic import Field, SecretStr, model_validator
 
 ENV_PREFIX = "CRESCENT_GATEWAY"
@@ -47,6 +48,28 @@ class AuthSettings(StrictModel):
         description="how long a checked key's answer is reused in memory; a revoked key stops working "
                     "within this time",
     )
+
+
+class LedgerSettings(StrictModel):
+    """The usage ledger (docs/usage.md): one priced row per request in ``auth.database_url``."""
+
+    enabled: bool = Field(
+        default=True,
+        description="write a row per request to the database (off: requests are still priced into the "
+                    "spend metrics, /v1/usage answers 404)",
+    )
+    durable: bool = Field(
+        default=True,
+        description="hold each response's last bytes until its row is committed (group commit, about a "
+                    "commit's time), so every response a client received whole is in the ledger even "
+                    "after a kill -9; off: rows are written shortly after, and a crash loses the last ones",
+    )
+    commit_wait_s: float = Field(
+        default=5.0, gt=0,
+        description="how long a response waits for its row while the database does not answer; then it "
+                    "is sent anyway and the row stays queued (retried) in memory",
+    )
+    batch_rows: int = Field(default=500, ge=1, le=10_000, description="most rows committed in one transaction")
 
 
 class GatewaySettings(StrictModel):
@@ -101,6 +124,12 @@ class GatewaySettings(StrictModel):
                     "(docs/model-policy.md); default: the model family's (Kimi's for Kimi models, none otherwise)",
     )
     auth: AuthSettings = AuthSettings()
+    prices: PriceTable = Field(
+        default_factory=PriceTable,
+        description="US dollars per million tokens by served model name (\"*\": the rest): cache_hit_input, "
+                    "cache_miss_input, output; default: Kimi K3's 0.30, 3.00 and 15.00 for every model",
+    )
+    ledger: LedgerSettings = LedgerSettings()
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 
     @model_validator(mode="after")

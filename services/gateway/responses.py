@@ -64,7 +64,7 @@ class Responses:
     async def create(self, body: ResponseRequest, request: Request) -> Response:
         draft = ResponseDraft(body, self._chat.served_name)
         log.info("response %s", draft.id)  # links the HTTP request id in log records to this one
-        record = RequestRecord(self._metrics)
+        record = self._chat.new_record(draft.id, request)
         return await answered(self._respond(body, request, draft, record), record, before="the response was ready")
 
     async def _respond(self, body: ResponseRequest, request: Request, draft: ResponseDraft,
@@ -94,6 +94,7 @@ class Responses:
         if not body.stream:
             response = await unless_disconnected(request, self._drain.race(self._collect(draft, events, on_done)))
             record.finish("ok")
+            await record.committed()  # a client that has its answer is in the usage ledger
             return JSONResponse(response.model_dump())
         try:
             first = await unless_disconnected(request, self._drain.race(anext(events)))

@@ -86,8 +86,9 @@ class ResponseStream:
                     for line in self._failed(InternalError("the response could not be stored")):
                         yield line
                     return
-                yield self._lifecycle("response.incomplete" if cut else "response.completed", response)
                 self._record.finish("ok")
+                await self._record.committed()  # a client that has the final event is in the usage ledger
+                yield self._lifecycle("response.incomplete" if cut else "response.completed", response)
                 return
             for built in self._builder.push(event):
                 yield self._sse(built)

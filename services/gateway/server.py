@@ -27,8 +27,10 @@ from crescent.services.gateway.auth import Authenticator
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.grpc_backend import GrpcBackend, gateway_tls
+from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.migration import MigrationPolicy
 from crescent.services.gateway.prompt import ServedModel
+from crescent.services.tenancy.usage import UsageStore
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,10 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
     else:
         log.warning("auth is OFF: any caller is served as the one 'default' tenant (local use only; "
                     "set auth.enabled, CRESCENT_GATEWAY__AUTH__ENABLED=true, to require API keys)")
-    app = build_app(settings, backend, model, drain, auth)
+    ledger = UsageLedger(UsageStore(auth.store.engine) if settings.ledger.enabled else None, settings.prices,
+                         settings.ledger)
+    ledger.start()
+    app = build_app(settings, backend, model, drain, auth, ledger)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 
@@ -121,6 +126,7 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
             task.cancel()
         await asyncio.gather(*stopping, return_exceptions=True)
         await backend.close()
+        await ledger.close()  # every request has ended: commit the last rows
         auth.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

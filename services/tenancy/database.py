@@ -43,6 +43,8 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - a DBAP
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")  # another gateway writing: wait, do not fail
+    # Readers (usage queries, key checks) never wait for the ledger's writer; a commit is one fsync.
+    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
 
 
