@@ -1,4 +1,5 @@
-"""Cache: prefix-cache hit ratio, kvstore tier usage, KV transfers, evictions and errors."""
+"""Cache: prefix-cache hit ratio, what cache hits save per tenant, kvstore tier usage, KV transfers,
+evictions and errors."""
 
 from __future__ import annotations
 
@@ -128,6 +129,33 @@ def build() -> db.Dashboard:
                     (f"sum by (tier) (rate(crescent_kvstore_dropped_writes_total{{{NS}}}[{RATE}]))", "dropped writes {{tier}}"),
                 ],
                 width=24,
+            )
+        )
+        .with_row(db.Row("Spend"))
+        .with_panel(
+            series(
+                "Spend and cache savings per tenant",
+                "currencyUSD",
+                [
+                    (f"sum by (tenant) (rate(crescent_gateway_spend_usd_total{{{NS}}}[{RATE}])) * 3600",
+                     "spend/h: {{tenant}}"),
+                    (f"sum by (tenant) (rate(crescent_gateway_cache_savings_usd_total{{{NS}}}[{RATE}])) * 3600",
+                     "saved/h: {{tenant}}"),
+                ],
+                "US dollars per hour at the gateway's price table (settings.prices): what requests cost, and "
+                "what their cache hits saved against the cache-miss input price. Tenants are ids "
+                "(crescent keys tenants names them); the usage ledger (GET /admin/usage) has the exact sums.",
+                width=18,
+            )
+        )
+        .with_panel(
+            single(
+                "Saved by cache hits",
+                "percentunit",
+                f"sum(rate(crescent_gateway_cache_savings_usd_total{{{NS}}}[{RATE}]))"
+                f" / (sum(rate(crescent_gateway_spend_usd_total{{{NS}}}[{RATE}]))"
+                f" + sum(rate(crescent_gateway_cache_savings_usd_total{{{NS}}}[{RATE}])))",
+                "Share of what requests would have cost had every prompt token been computed.",
             )
         )
     )

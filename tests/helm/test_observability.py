@@ -109,7 +109,8 @@ def test_dashboards_cover_what_operators_look_for() -> None:
         assert needle in overview
     cache = " ".join(dashboard_queries(titles["Crescent / KV cache"]))
     for needle in ("crescent_gateway_cached_tokens_total", "crescent_kvstore_bytes", "crescent_kvstore_evictions_total",
-                   "crescent_engine_kv_transfer_bytes_total"):
+                   "crescent_engine_kv_transfer_bytes_total", "crescent_gateway_spend_usd_total",
+                   "crescent_gateway_cache_savings_usd_total"):
         assert needle in cache
     pools = " ".join(dashboard_queries(titles["Crescent / Pools"]))
     for needle in ("crescent_engine_queue_depth", "crescent_engine_batch_size_bucket", "crescent_engine_kv_used_tokens"):
