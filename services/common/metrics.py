@@ -192,6 +192,7 @@ class UsageMetrics:
     cache_savings_usd: Counter # by tenant, model: what cache hits saved against computing those tokens
     ledger_pending: Gauge      # rows finished but not yet committed to the database
     ledger_commit: Histogram   # time to commit one batch of rows
+    ledger_wait: Histogram     # time a response waited for its row's commit (ledger.durable): the latency it adds
     ledger_errors: Counter     # batches that failed to commit (retried)
 
 
@@ -207,6 +208,10 @@ def usage_metrics() -> UsageMetrics:
         ledger_pending=Gauge("crescent_gateway_ledger_pending_rows", "Usage rows waiting to be committed"),
         ledger_commit=Histogram(
             "crescent_gateway_ledger_commit_seconds", "Time to commit one batch of usage rows",
+            buckets=(1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3),
+        ),
+        ledger_wait=Histogram(
+            "crescent_gateway_ledger_wait_seconds", "Time a response waited for its usage row to be committed",
             buckets=(1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3),
         ),
         ledger_errors=Counter("crescent_gateway_ledger_errors", "Usage batches that failed to commit (retried)"),

@@ -110,7 +110,9 @@ class UsageLedger:
         return written
 
     async def wait(self, written: asyncio.Future[None], request_id: str) -> None:
+        started = asyncio.get_running_loop().time()
         done, _ = await asyncio.wait({written}, timeout=self._settings.commit_wait_s)
+        self.metrics.ledger_wait.observe(asyncio.get_running_loop().time() - started)
         if not done:
             log.error("usage row of %s not committed after %.1f s (database away?); answering anyway, the row "
                       "stays queued", request_id, self._settings.commit_wait_s)

@@ -35,6 +35,7 @@ def fresh_metrics() -> UsageMetrics:
         cache_savings_usd=Counter("cache_savings_usd", "", spender, registry=registry),
         ledger_pending=Gauge("pending", "", registry=registry),
         ledger_commit=Histogram("commit_seconds", "", registry=registry),
+        ledger_wait=Histogram("wait_seconds", "", registry=registry),
         ledger_errors=Counter("errors", "", registry=registry),
     )
 
