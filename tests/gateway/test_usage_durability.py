@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from .support import FakeBackend, Gateway
-from .usage_load import Outcome, send_all
+from .usage_load import send_all
 
 log = logging.getLogger(__name__)
 
