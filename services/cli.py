@@ -37,6 +37,7 @@ class Service(str, Enum):
     scheduler = "scheduler"
     prefill = "prefill"
     decode = "decode"
+    aggregated = "aggregated"
     kvstore = "kvstore"
 
 
@@ -78,6 +79,8 @@ def up(
     model: Annotated[str, typer.Option(help="preset name, .gguf file or Hugging Face directory")] = DEFAULT_MODEL,
     prefill: Annotated[int, typer.Option(min=1, help="prefill instances")] = 1,
     decode: Annotated[int, typer.Option(min=1, help="decode instances")] = 1,
+    aggregated: Annotated[int, typer.Option(
+        min=0, help="aggregated instances (prefill and decode in one process) instead of the two pools")] = 0,
     port: Annotated[int, typer.Option(min=1, max=65535, help="gateway HTTP port")] = 8000,
     host: Annotated[str, typer.Option(help="address every service listens on")] = "127.0.0.1",
     kv_capacity_tokens: Annotated[int, typer.Option(min=64, help="paged KV cache per engine instance")] = 32768,
@@ -95,7 +98,7 @@ def up(
 
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
     plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9), block_size,
-                        ttft_slo, drain_grace, tls)
+                        ttft_slo, drain_grace, tls, aggregated=aggregated)
     platform = Platform(plan, run_dir)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -103,7 +106,8 @@ def up(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    say(f"Starting Crescent ({model}: {prefill} prefill, {decode} decode); logs in {run_dir}")
+    engines = f"{aggregated} aggregated" if aggregated else f"{prefill} prefill, {decode} decode"
+    say(f"Starting Crescent ({model}: {engines}); logs in {run_dir}")
     failed = False
     try:
         platform.start()

@@ -30,14 +30,14 @@ class EngineThreads:
 
     def env(self, role: str) -> dict[str, str]:
         """What the role's process environment gets (OpenMP reads it at start)."""
-        threads = self.prefill if role == "prefill" else self.decode
-        env = {"OMP_NUM_THREADS": str(threads)}
-        if role == "prefill" and self.prefill_passive:
+        env = {"OMP_NUM_THREADS": str(self.threads(role))}
+        if role != "decode" and self.prefill_passive:
             env["OMP_WAIT_POLICY"] = "PASSIVE"
         return env
 
     def threads(self, role: str) -> int:
-        return self.prefill if role == "prefill" else self.decode
+        """Per process of ``role``: "prefill", "decode", or "aggregated" (counted as prefill)."""
+        return self.decode if role == "decode" else self.prefill
 
 
 def available_cores() -> int:
@@ -48,8 +48,9 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def share_cores(cores: int, prefill: int, decode: int) -> EngineThreads:
-    """Threads per engine for ``prefill`` + ``decode`` engine processes on ``cores`` cores."""
+def share_cores(cores: int, prefill: int, decode: int = 0) -> EngineThreads:
+    """Threads per engine for ``prefill`` + ``decode`` engine processes on ``cores`` cores
+    (aggregated engines count as prefill ones: bursty prompts, and decode steps of their own)."""
     if cores >= MAX_THREADS * (prefill + decode):  # room for every engine's full team: nothing contends
         return EngineThreads(prefill=MAX_THREADS, decode=MAX_THREADS, prefill_passive=False)
     # Prefill is bursty and decode steady: prefill keeps a full team, which with passive waiting

@@ -39,7 +39,7 @@ from crescent.services.cpu_share import available_cores, share_cores
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-REQUEST_PATH = ("gateway", "prefill", "decode")  # drained first: they finish in-flight streams
+REQUEST_PATH = ("gateway", "prefill", "decode", "aggregated")  # drained first: they finish in-flight streams
 BACKEND_GRACE_S = 10.0  # scheduler and kvstore: nothing in flight to finish
 KILL_MARGIN_S = 5.0  # past a service's own drain grace before SIGKILL
 
@@ -61,6 +61,12 @@ class ServiceSpec:
     health_url: str
     metrics_url: str
     env: dict[str, str] = field(default_factory=dict)  # added to the process's environment
+
+
+def child_env(spec: ServiceSpec) -> dict[str, str]:
+    """A service process's environment: this one's, then the launcher's defaults, then the spec's."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            **spec.env}
 
 
 def _drain_setting(service: str, grace_s: float) -> dict[str, Any]:
@@ -93,6 +99,7 @@ class PlatformPlan:
     drain_grace_s: float = 30.0
     tls: bool = True  # mutual TLS between the services (off: plaintext, loopback only)
     cores: int | None = None  # cores the engines share (None: this process's affinity mask)
+    aggregated: int = 0  # > 0: this many aggregated engines (prefill and decode in one) instead of the two pools
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -126,14 +133,15 @@ class PlatformPlan:
             "tiers": {"host": {"capacity_bytes": self.kvstore_capacity_bytes}},
         }, kvstore, f"{kv_admin}/health", f"{kv_admin}/metrics"))
         engine = {"model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size}
-        threads = share_cores(self.cores or available_cores(), self.prefill, self.decode)
-        for role, count in (("prefill", self.prefill), ("decode", self.decode)):
+        pools = (("aggregated", self.aggregated),) if self.aggregated else (("prefill", self.prefill), ("decode", self.decode))
+        threads = share_cores(self.cores or available_cores(), *(count for _, count in pools))
+        for role, count in pools:
             for i in range(count):
                 inst_listen, address, admin = listen()
                 drain = _drain_setting(role, self.drain_grace_s)
                 config = {"listen": inst_listen, "instance_id": f"{role}-{i}", "scheduler_address": scheduler,
                           **drain, "engine": {**engine, "threads": threads.threads(role), **drain.get("engine", {})}}
-                if role == "prefill":
+                if role in ("prefill", "aggregated"):
                     config["kvstore_address"] = kvstore
                 specs.append(ServiceSpec(f"{role}-{i}", role, config, address, f"{admin}/health", f"{admin}/metrics",
                                          env=threads.env(role)))
@@ -281,8 +289,7 @@ class Platform:
     def _spawn(self, child: _Child) -> None:
         """Start (or restart) one service from its config, rewritten, so on the same ports."""
         spec = child.spec
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-                   **spec.env)
+        env = child_env(spec)
         config_path = self.run_dir / f"{spec.name}.yaml"
         config_path.write_text(yaml.safe_dump(spec.config, sort_keys=False))
         with open(self.log_path(spec.name), "ab") as log_file:  # a restart keeps the log of the crash

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from crescent.services.cpu_share import EngineThreads, share_cores
-from crescent.services.launcher import Platform, PlatformPlan
+from crescent.services.launcher import Platform, PlatformPlan, child_env
 from tests.ports import free_port
 
 
@@ -38,3 +38,19 @@ def test_crescent_up_configures_each_engine_with_its_share(tmp_path) -> None:
     for name in ("decode-0", "decode-1"):
         assert engines[name].config["engine"]["threads"] == 1
         assert engines[name].env == {"OMP_NUM_THREADS": "1"}
+
+
+def test_each_engine_process_starts_with_its_share_in_its_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # the operator's own setting loses to the split
+    plan = PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16, tls=False, cores=2)
+    envs = {spec.name: child_env(spec) for spec in Platform(plan, tmp_path).specs}
+    assert envs["decode-0"]["OMP_NUM_THREADS"] == "1" and "OMP_WAIT_POLICY" not in envs["decode-0"]
+    assert envs["prefill-0"]["OMP_NUM_THREADS"] == "2" and envs["prefill-0"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert envs["gateway"]["OMP_NUM_THREADS"] == "8"
+
+
+def test_one_aggregated_engine_gets_every_core_spinning(tmp_path) -> None:
+    plan = PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16, tls=False, cores=2, aggregated=1)
+    engines = [spec for spec in Platform(plan, tmp_path).specs if spec.service in ("prefill", "decode", "aggregated")]
+    assert [spec.name for spec in engines] == ["aggregated-0"]
+    assert engines[0].config["engine"]["threads"] == 2 and "OMP_WAIT_POLICY" not in child_env(engines[0])

@@ -112,8 +112,14 @@ class EngineMetrics:
     requests: Counter          # finished requests by outcome: ok, aborted, error
 
 
-@cache
 def engine_metrics(role: str) -> EngineMetrics:
+    """The engine's metrics; every series carries its role as a label (``.labels(role)``), so the
+    roles of one process (an aggregated instance's prefill and decode) share them."""
+    return _engine_metrics()
+
+
+@cache
+def _engine_metrics() -> EngineMetrics:
     labels = ["role"]
 
     def gauge(name: str, doc: str) -> Gauge:

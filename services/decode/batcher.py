@@ -83,7 +83,12 @@ def forward_and_sample(engine: Engine, seqs: list[Sequence], cfgs: list[Sampling
                        ) -> list[Sampled | Exception]:
     """One decode step (engine thread): a token per sequence, or the exception its sampling raised.
     ``masks`` (constrained rows) are computed on other threads while the forward runs."""
-    logits = engine.decode_step(seqs)
+    return sample_rows(engine.decode_step(seqs), seqs, cfgs, steps, masks)
+
+
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence], cfgs: list[SamplingConfig], steps: list[int],
+                masks: Future[list[torch.Tensor | None]] | None = None) -> list[Sampled | Exception]:
+    """A token for each sequence's row of ``logits``, or the exception its sampling raised."""
     histories = [seq.token_ids for seq in seqs]
     allowed = masks.result() if masks is not None else None
     try:
@@ -347,12 +352,16 @@ class Batcher:
             self._end_choice(request, choice)
 
     async def _run(self, batch: list[tuple[DecodeRequest, Choice]]) -> list[Sampled | Exception]:
-        seqs = [c.seq for _, c in batch]
-        cfgs = [c.sampling for _, c in batch]
-        steps = [r.first_step + c.generated for r, c in batch]
+        return await self.worker.run(forward_and_sample, self.engine, *self._step_inputs(batch))
+
+    @staticmethod
+    def _step_inputs(batch: list[tuple[DecodeRequest, Choice]]) -> tuple[list[Sequence], list[SamplingConfig],
+                                                                       list[int], Future | None]:
+        """The batch's sequences, sampling configs, seeded steps and (constrained rows) masks."""
         constraints = [c.constraint for _, c in batch]
-        masks = submit_masks(constraints) if any(constraints) else None
-        return await self.worker.run(forward_and_sample, self.engine, seqs, cfgs, steps, masks)
+        return ([c.seq for _, c in batch], [c.sampling for _, c in batch],
+                [r.first_step + c.generated for r, c in batch],
+                submit_masks(constraints) if any(constraints) else None)
 
     # ---- endings ---------------------------------------------------------------------------
 

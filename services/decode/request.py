@@ -67,6 +67,10 @@ class DecodeRequest:
     claimed: bool = False
     received_at: float = field(default_factory=time.monotonic)
     finished: bool = False
+    # Aggregated instances: the prompt's KV is this sequence's, prefilled here (no payloads);
+    # the choices fork it, and ``adopted`` is set once they hold their pages.
+    local_prompt: Sequence | None = None
+    adopted: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def prompt_tokens(self) -> int:

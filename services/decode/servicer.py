@@ -26,6 +26,7 @@ from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
+from crescent.services.engine.engine import Sequence
 from crescent.services.engine.wire import KV_DTYPE, block_tensor, logprob_message, sampling_config
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         problem = self._check(header, payloads)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await self.accept(header, payloads, context)
+        metrics = self.batcher.metrics
+        metrics.transfer_bytes.labels("decode", "handoff_in").inc(received)
+        metrics.transfer_seconds.labels("decode", "handoff_in").observe(time.perf_counter() - start)
+        return decode_pb2.HandoffReply(accepted=True)
+
+    async def accept(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor] | None,
+                     context: grpc.aio.ServicerContext, local_prompt: Sequence | None = None) -> DecodeRequest:
+        """Hand a checked request to the batcher: its KV in ``payloads`` (a handoff), or in
+        ``local_prompt``, a sequence this process prefilled (an aggregated instance)."""
         first_step = max(header.sampling.first_step, 0)
         stops = stop_token_ids(header.sampling.stop_token_ids, self.engine.config.eos_token_ids,
                                header.sampling.ignore_eos)
@@ -135,15 +146,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             constraint = await self._constraint(header.sampling, token_ids[len(token_ids) - first_step - 1:], context)
             choices.append(Choice(index, token_ids, replace(sampling, seed=choice_seed(sampling.seed, index)),
                                   constraint))
-        await self._refuse_early(header, context)  # again: the stream took a while
-        self.batcher.accept(DecodeRequest(
+        if local_prompt is None:
+            await self._refuse_early(header, context)  # again: the stream took a while
+        elif self.batcher.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this instance takes no new requests")
+        request = DecodeRequest(
             request_id=header.request_id, choices=choices, payloads=payloads, max_tokens=_max_tokens(header),
             stop_token_ids=stops, reserve_tokens=self._reserve_tokens(header), first_step=first_step,
-        ))
-        metrics = self.batcher.metrics
-        metrics.transfer_bytes.labels("decode", "handoff_in").inc(received)
-        metrics.transfer_seconds.labels("decode", "handoff_in").observe(time.perf_counter() - start)
-        return decode_pb2.HandoffReply(accepted=True)
+            local_prompt=local_prompt,
+        )
+        self.batcher.accept(request)
+        return request
 
     async def _constraint(self, sampling: common_pb2.SamplingParams, generated: list[int],
                           context: grpc.aio.ServicerContext) -> TokenConstraint | None:

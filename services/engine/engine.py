@@ -156,7 +156,8 @@ class Engine:
         ``reserve_tokens``: as for ``adopt_sequence``; the shared pages are not counted again.
         Raises ``CacheFullError`` when its own pages are not there; nothing is held then."""
         prompt = seq.num_computed
-        assert prompt == seq.num_tokens - 1, f"{seq.seq_id}: fork before decoding"
+        # Before ``seq`` decodes: its prompt computed, with or without its own first token appended.
+        assert prompt in (seq.num_tokens - 1, seq.num_tokens), f"{seq.seq_id}: fork before decoding"
         full = prompt // self.page_size
         own = max(self.pages_for(reserve_tokens) - full, self.pages_for(prompt) - full)
         self.cache.pages.reserve(own)

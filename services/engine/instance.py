@@ -37,7 +37,9 @@ from crescent.services.engine.wire import KV_DTYPE
 
 log = logging.getLogger(__name__)
 
-ROLES = {"prefill": scheduler_pb2.INSTANCE_ROLE_PREFILL, "decode": scheduler_pb2.INSTANCE_ROLE_DECODE}
+ROLES = {"prefill": scheduler_pb2.INSTANCE_ROLE_PREFILL, "decode": scheduler_pb2.INSTANCE_ROLE_DECODE,
+         "aggregated": scheduler_pb2.INSTANCE_ROLE_AGGREGATED}
+PREFILLING = ("prefill", "aggregated")  # roles whose cache keeps prompts' blocks (published to the scheduler)
 DRAIN_POLL_S = 0.05
 STOP_GRACE_S = 2.0  # after the drain: time for the calls just ended to send their status
 
@@ -75,6 +77,10 @@ class EngineLoad:
     active_request_ids: Sequence[str] = ()    # every request held now
     finished_request_ids: Sequence[str] = ()  # requests that left since the last report
     free_kv_tokens: int | None = None         # None: the cache's pages nobody was promised
+    # An aggregated instance's prompts (the fields above are then its decoding sequences').
+    prefill_queued_requests: int = 0
+    prefill_queued_tokens: int = 0
+    prefill_running_requests: int = 0
 
 
 class EngineRole(Protocol):
@@ -114,6 +120,7 @@ class EngineInstance:
         self.agent: SchedulerAgent | None = None
         self.role: EngineRole | None = None
         self.draining = False
+        self.address = ""  # host:port the scheduler knows it by, once serving
 
     def nudge(self) -> None:
         """Report load now (a request arrived or left), so the scheduler's view stays fresh."""
@@ -134,10 +141,12 @@ class EngineInstance:
                 await self.role.close()
 
         async def register(service: GrpcService) -> None:
+            info = self._info(service.port)
+            self.address = info.address
             self.agent = SchedulerAgent(
-                self.scheduler_address, self._info(service.port), self._load_message,
-                events=(lambda: block_events(self.engine)) if self.role_name == "prefill" else None,
-                snapshot=(lambda: block_snapshot(self.engine)) if self.role_name == "prefill" else None,
+                self.scheduler_address, info, self._load_message,
+                events=(lambda: block_events(self.engine)) if self.role_name in PREFILLING else None,
+                snapshot=(lambda: block_snapshot(self.engine)) if self.role_name in PREFILLING else None,
                 tls=self.tls,
             )
             self.agent.start()
@@ -214,7 +223,8 @@ class EngineInstance:
             instance_id=self.agent.instance_id, queued_requests=load.queued_requests,
             queued_tokens=load.queued_tokens, running_requests=load.running_requests, free_kv_tokens=free,
             active_request_ids=list(load.active_request_ids), finished_request_ids=list(load.finished_request_ids),
-            draining=self.draining,
+            draining=self.draining, prefill_queued_requests=load.prefill_queued_requests,
+            prefill_queued_tokens=load.prefill_queued_tokens, prefill_running_requests=load.prefill_running_requests,
         )
 
     def _details(self) -> dict[str, object]:

@@ -39,7 +39,7 @@ _UNAVAILABLE_REASONS = {"no_prefill_instance", "no_decode_instance"}
 # Rejections no retry can fix: the request is larger than any instance can ever hold.
 _NEVER_FITS_REASONS = {"exceeds_kv_capacity"}
 _ENGINE_ROLES = (scheduler_pb2.INSTANCE_ROLE_PREFILL, scheduler_pb2.INSTANCE_ROLE_DECODE,
-                 scheduler_pb2.INSTANCE_ROLE_KVSTORE)
+                 scheduler_pb2.INSTANCE_ROLE_AGGREGATED, scheduler_pb2.INSTANCE_ROLE_KVSTORE)
 _RETRY_AFTER_S = 1.0
 _CALL_TIMEOUT_S = 2.0     # Abort and ReportOutcome: best effort
 _CLOSE_WAIT_S = 1.0       # how long close() lets those calls finish (the drain's exit margin is 5 s)
@@ -131,9 +131,10 @@ class GrpcBackend:
         reply = await self._list_instances()
         roles = [status.info.role for status in reply.instances
                  if self._model_id is None or status.info.model_id in (self._model_id, "")]
+        both = roles.count(scheduler_pb2.INSTANCE_ROLE_AGGREGATED)  # an aggregated instance is either
         return BackendHealth(
-            prefill_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_PREFILL),
-            decode_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_DECODE),
+            prefill_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_PREFILL) + both,
+            decode_instances=roles.count(scheduler_pb2.INSTANCE_ROLE_DECODE) + both,
         )
 
     async def _block_size(self, model_id: str) -> int:

@@ -65,7 +65,8 @@ class PeerDirectory:
             log.warning("cannot list instances at the scheduler: %s", exc.code().name)
             return
         self._addresses = {
-            s.info.instance_id: s.info.address for s in reply.instances if s.info.role == scheduler_pb2.INSTANCE_ROLE_PREFILL
+            s.info.instance_id: s.info.address for s in reply.instances
+            if s.info.role in (scheduler_pb2.INSTANCE_ROLE_PREFILL, scheduler_pb2.INSTANCE_ROLE_AGGREGATED)
         }
 
     async def close(self) -> None:

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 import grpc
+import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
@@ -158,6 +159,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         seq: Sequence | None = None
         hold: _PageHold | None = None
         try:
+            await self._admit_prompt(request, context)
             seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt,
                                         orphan=self.engine.release)
             hold = _PageHold(self.worker, self.engine.release, seq, self._on_blocks_stored)
@@ -175,12 +177,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.load.computing(request.request_id)
             mask = submit_masks([constraint]) if constraint is not None else None  # computed while the forward runs
 
-            def forward_and_sample() -> tuple[list[int], list[TokenLogprob | None]]:
-                logits = self.engine.prefill(seq)[None].repeat(n, 1)
-                firsts = sample_batch(logits, cfgs, [step] * n, [tokens] * n, mask.result() * n if mask else None)
-                return firsts, batch_logprobs(logits, firsts, [c.logprobs for c in cfgs])
+            logits = await self._prompt_logits(seq)
 
-            firsts, logprobs = await self.worker.run(forward_and_sample)
+            def sample_firsts() -> tuple[list[int], list[TokenLogprob | None]]:
+                rows = logits[None].repeat(n, 1)
+                firsts = sample_batch(rows, cfgs, [step] * n, [tokens] * n, mask.result() * n if mask else None)
+                return firsts, batch_logprobs(rows, firsts, [c.logprobs for c in cfgs])
+
+            firsts, logprobs = await self.worker.run(sample_firsts)
             self.load.done(request.request_id)
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
@@ -217,11 +221,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.requests.labels("prefill", "aborted").inc()
             raise
         finally:
+            self._prompt_left(request.request_id)
             self.running -= 1
             self.load.left(request.request_id)
             self.metrics.queue_depth.labels("prefill").set(self.worker.pending)
             if hold is not None:
                 hold.release()
+
+    # ---- what an aggregated instance changes (services/aggregated/servicer.py) -----------------
+
+    async def _admit_prompt(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
+        """Before the prompt takes pages: nothing here (a prefill instance's pages are its own)."""
+
+    def _prompt_left(self, request_id: str) -> None:
+        """The Prefill call ended (handed off or not)."""
+
+    async def _prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        """Compute the prompt; its last token's logits (vocab,)."""
+        return await self.worker.run(self.engine.prefill, seq)
 
     def _count(self, prompt: int, local_hit: int, remote_hit: int, peer_hit: int = 0) -> None:
         m = self.metrics
@@ -322,15 +339,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             ]
 
         blobs = await self.worker.run(payloads)
-        shape = list(self.engine.cache.block_shape)
 
         def parts():
-            yield decode_pb2.HandoffPart(header=decode_pb2.HandoffHeader(
-                request_id=request.request_id, model_id=self.engine.model_id, prompt_token_ids=request.token_ids,
-                first_token_id=firsts[0], sampling=request.sampling, kv_dtype=KV_DTYPE, kv_block_shape=shape,
-                num_blocks=num_blocks, first_token_ids=firsts if len(firsts) > 1 else [],
-                finished_choices=finished,
-            ))
+            yield decode_pb2.HandoffPart(header=self._handoff_header(request, firsts, finished))
             for i, blob in enumerate(blobs):
                 tokens = min(page, prompt_len - i * page)
                 block_shape = list(self.engine.cache.payload_shape(tokens))
@@ -342,6 +353,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self._decode_stub(request.decode_address).Handoff(parts(), timeout=60)
         self.metrics.transfer_bytes.labels("prefill", "handoff_out").inc(sum(len(b) for b in blobs))
         self.metrics.transfer_seconds.labels("prefill", "handoff_out").observe(time.perf_counter() - start)
+
+    def _handoff_header(self, request: prefill_pb2.PrefillRequest, firsts: list[int],
+                        finished: list[int]) -> decode_pb2.HandoffHeader:
+        return decode_pb2.HandoffHeader(
+            request_id=request.request_id, model_id=self.engine.model_id, prompt_token_ids=request.token_ids,
+            first_token_id=firsts[0], sampling=request.sampling, kv_dtype=KV_DTYPE,
+            kv_block_shape=list(self.engine.cache.block_shape), num_blocks=-(-len(request.token_ids) // self.engine.page_size),
+            first_token_ids=firsts if len(firsts) > 1 else [], finished_choices=finished,
+        )
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

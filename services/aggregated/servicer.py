@@ -1,0 +1,73 @@
+"""Prefill as an aggregated instance does it: the prompt reserves its request's KV first, is
+computed in chunks mixed into decode steps, and is handed over in-process when the placement
+decodes it here (``MixedBatcher``). Everything else is prefill's own: prefix cache, kvstore,
+peers, sampling of the first tokens, and a gRPC handoff when decode is elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from crescent.protos import prefill_pb2
+from crescent.services.aggregated.batcher import MixedBatcher
+from crescent.services.decode.servicer import DecodeServicer
+from crescent.services.engine.engine import Sequence
+from crescent.services.prefill.servicer import PrefillServicer
+
+
+class AggregatedPrefillServicer(PrefillServicer):
+    def __init__(self, *args, batcher: MixedBatcher, decode: DecodeServicer, own_address: Callable[[], str],
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batcher = batcher
+        self.decode = decode
+        self._own_address = own_address  # what the scheduler knows this instance by
+
+    async def _admit_prompt(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
+        if self.batcher.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this instance takes no new requests")
+        if self.batcher.holds(request.request_id):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already here")
+        prompt = len(request.token_ids)
+        max_tokens = max(request.sampling.max_tokens, 1)
+        reserve = min(prompt + max_tokens, self.engine.config.max_position_embeddings)
+        choices = max(request.sampling.n, 1)
+        pages = self.batcher.prompt_pages(prompt, reserve, choices)
+        if pages > self.batcher.ledger.num_pages:
+            each = f" for each of {choices} choices" if choices > 1 else ""
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request needs {reserve} KV tokens (prompt {prompt} + max_tokens {max_tokens}){each}, more than "
+                f"this instance's whole cache of {self.engine.cache.capacity_tokens} tokens",
+            )
+        await self.batcher.reserve_prompt(request.request_id, pages)
+
+    def _prompt_left(self, request_id: str) -> None:
+        self.batcher.release_prompt(request_id)
+
+    async def _prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        return await self.batcher.prefill(seq)
+
+    async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, firsts: list[int],
+                        finished: list[int]) -> None:
+        if request.decode_address != self._own_address():
+            await super()._hand_off(request, seq, firsts, finished)
+            return
+        header = self._handoff_header(request, firsts, finished)
+        accepted = await self.decode.accept(header, None, _LocalContext(), local_prompt=seq)
+        await accepted.adopted.wait()  # its choices hold the prompt's pages before this call lets go of them
+
+
+class _LocalContext:
+    """What ``DecodeServicer.accept`` aborts through when the handoff is in-process: the same
+    refusal a gRPC handoff gets, raised here, which ends the Prefill call as a failed handoff."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise LocalHandoffRefused(code, details)
+
+
+class LocalHandoffRefused(grpc.aio.AioRpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
