@@ -4,6 +4,7 @@
 #   kubernetes-validate, grafana-foundation-sdk  (into the venv)
 #   prometheus, promtool                 (Debian package; no service is started)
 #   postgresql                           (Debian package; tests/tenancy start their own server)
+#   redis-server                         (Debian package; the rate-limit tests start their own server)
 # Idempotent and quiet: a second run does nothing. Usage: scripts/install_tools.sh [VENV]
 set -euo pipefail
 
@@ -72,7 +73,18 @@ install_postgresql() {
     say "$(ls -d /usr/lib/postgresql/*/bin | head -1)"
 }
 
+install_redis() {
+    if command -v redis-server >/dev/null; then return; fi
+    apt_install redis-server
+    # The package may start its own server where an init system runs; tests start their own.
+    if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
+        systemctl disable --now redis-server >/dev/null 2>&1 || true
+    fi
+    say "$(redis-server --version | cut -d' ' -f1-3)"
+}
+
 install_helm_kubectl
 install_python_tools
 install_prometheus
 install_postgresql
+install_redis

@@ -26,6 +26,10 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 DatabaseOption = Annotated[str | None, typer.Option(
     "--database-url", help="SQLAlchemy URL; default: the gateway settings' auth.database_url")]
 ConfigOption = Annotated[Path | None, typer.Option(help="gateway YAML settings to read auth.database_url from")]
+RpmOption = Annotated[int | None, typer.Option("--rpm", min=1, help="requests per minute")]
+TpmOption = Annotated[int | None, typer.Option("--tpm", min=1, help="weighted tokens per minute")]
+ConcurrentOption = Annotated[int | None, typer.Option("--max-concurrent", min=1, help="requests in flight at once")]
+BudgetOption = Annotated[str | None, typer.Option("--budget-usd", help="US dollars per calendar month (UTC)")]
 
 
 def _store(database_url: str | None, config: Path | None):  # noqa: ANN202 - a KeyStore
@@ -86,16 +90,26 @@ def create(
     tenant: Annotated[str, typer.Argument(help="tenant name (or id); made if it does not exist")],
     name: Annotated[str, typer.Option(help="a label for the key, e.g. who holds it")] = "",
     expires_in: Annotated[str | None, typer.Option(help="lifetime: 45s, 30m, 12h, 90d; default: until revoked")] = None,
+    rpm: RpmOption = None,
+    tpm: TpmOption = None,
+    max_concurrent: ConcurrentOption = None,
+    budget_usd: BudgetOption = None,
     database_url: DatabaseOption = None,
     config: ConfigOption = None,
 ) -> None:
-    """Create an API key for TENANT and print it once (only its hash is kept)."""
+    """Create an API key for TENANT and print it once (only its hash is kept); limits left out are
+    the gateway's defaults (docs/limits.md)."""
     from crescent.services.tenancy import TenancyError
+    from crescent.services.tenancy.limits import Limits, Subject
 
     lifetime = parse_duration(expires_in) if expires_in is not None else None
+    changes = _limit_changes(rpm, tpm, max_concurrent, budget_usd)
     store = _store(database_url, config)
     try:
+        limits = Limits(**changes)  # checked before the key exists
         created = store.create_key(tenant, name, expires_in=lifetime, create_tenant=True)
+        if changes:
+            _limit_book(store).set(Subject("key", created.record.id), limits)
     except TenancyError as exc:
         _fail(exc)
     record = created.record
@@ -146,3 +160,52 @@ def tenants(database_url: DatabaseOption = None, config: ConfigOption = None) ->
     """List tenants."""
     _print_rows(("id", "name", "created"),
                 [(t.id, t.name, _when(t.created_at)) for t in _store(database_url, config).list_tenants()])
+
+
+def _limit_book(store):  # noqa: ANN001, ANN202 - a KeyStore, a LimitBook
+    from crescent.services.tenancy.limits import LimitBook
+
+    return LimitBook(store)
+
+
+def _limit_changes(rpm: int | None, tpm: int | None, max_concurrent: int | None, budget_usd: str | None) -> dict:
+    from decimal import Decimal, InvalidOperation
+
+    changes: dict = {"rpm": rpm, "tpm": tpm, "max_concurrent": max_concurrent}
+    if budget_usd is not None:
+        try:
+            changes["budget_usd"] = Decimal(budget_usd)
+        except InvalidOperation:
+            raise typer.BadParameter(f"--budget-usd: not a number of dollars: {budget_usd!r}") from None
+    return {name: value for name, value in changes.items() if value is not None}
+
+
+@keys_app.command()
+def limits(
+    key_id: Annotated[str | None, typer.Argument(help="the key's id (key_…); or --tenant")] = None,
+    tenant: Annotated[str | None, typer.Option(help="a tenant (name or id) instead of a key")] = None,
+    rpm: RpmOption = None,
+    tpm: TpmOption = None,
+    max_concurrent: ConcurrentOption = None,
+    budget_usd: BudgetOption = None,
+    clear: Annotated[list[str] | None, typer.Option(
+        help="set a limit back to the gateway's default: rpm, tpm, max_concurrent, budget_usd (repeatable)")] = None,
+    database_url: DatabaseOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Show a key's or tenant's rate limits and budget; with options, change them first.
+
+    Gateways apply a change within their key cache time (auth.key_cache_s, 5 s by default).
+    """
+    from crescent.services.tenancy import TenancyError
+
+    book = _limit_book(_store(database_url, config))
+    try:
+        subject = book.subject(key_id=key_id, tenant=tenant)
+        changes = _limit_changes(rpm, tpm, max_concurrent, budget_usd)
+        current = book.update(subject, tuple(clear or ()), **changes) if changes or clear else book.get(subject)
+    except TenancyError as exc:
+        _fail(exc)
+    _print_rows(("subject", "rpm", "tpm", "max_concurrent", "budget_usd"), [(
+        f"{subject.kind} {subject.id}",
+        *("default" if value is None else str(value) for value in current.as_dict().values()))])

@@ -18,8 +18,11 @@ from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain, DrainGuard
 from crescent.services.gateway.errors import ERROR_RESPONSES, ApiError, ModelNotFoundError, install_error_handlers
 from crescent.services.gateway.http_guard import HttpGuard
+from crescent.services.gateway.limit_http import RateLimitHeaders
+from crescent.services.gateway.limits_admin import limits_router
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.prompt import ServedModel
+from crescent.services.gateway.rate_limits import RateLimiter
 from crescent.services.gateway.response_store import ResponseStore
 from crescent.services.gateway.responses import Responses
 from crescent.services.gateway.responses_api import ResponseRequest
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, drain: Drain,
-              auth: Authenticator, ledger: UsageLedger | None = None) -> FastAPI:
+              auth: Authenticator, ledger: UsageLedger | None = None, limiter: RateLimiter | None = None) -> FastAPI:
     """The FastAPI app; ``backend``, ``model``, ``drain``, ``auth`` and ``ledger`` (the usage
     ledger; None: requests are not priced) are owned by the caller (``server``)."""
     metrics = gateway_metrics()
@@ -52,6 +55,8 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
 
     install_error_handlers(app, on_invalid_body=count_invalid_body)
     # Added last = outermost: HttpGuard sees every request first (ids, body limits, 500s).
+    if limiter is not None:  # innermost: headers on every /v1 answer, errors included (docs/limits.md)
+        app.add_middleware(RateLimitHeaders, limiter=limiter)
     app.add_middleware(DrainGuard, drain=drain)
     if settings.cors_allow_origins:
         app.add_middleware(
@@ -104,6 +109,8 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
 
     app.include_router(v1)
     app.include_router(admin_router(auth))
+    if limiter is not None:
+        app.include_router(limits_router(auth, limiter, settings.limits))
     app.include_router(usage_admin_router(usage, auth))
 
     @app.get("/health")

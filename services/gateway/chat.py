@@ -38,6 +38,7 @@ from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ModelNotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
+from crescent.services.gateway.limit_http import admit
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
@@ -144,6 +145,7 @@ class ChatCompletions:
         body = self.checked(body)  # the card first: a locked n is refused before n is read
         n = body.n
         generation = await self._generation_request(body, request_id, principal_of(request))
+        await admit(request, self.served_name, [generation], n, [record])  # the key's and tenant's limits
         events = [self.reply_events(body, generation, choice, record, i)
                   for i, choice in enumerate(self._backend.generate_choices(generation, n))]
         header = ChunkHeader(

@@ -44,6 +44,7 @@ from crescent.services.gateway.errors import (
     UnsupportedParameterError,
 )
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
+from crescent.services.gateway.limit_http import admit
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs
@@ -147,6 +148,7 @@ class Completions:
             principal = principal_of(request)
             requests = [self._generation_request(body, RequestId(f"{response_id}-{p}"), prompt, principal)
                         for p, prompt in enumerate(prompts)]
+            await admit(request, self.served_name, requests, n, records)  # the key's and tenant's limits
             sources = [choice for r in requests for choice in self._backend.generate_choices(r, n)]
             leaders = range(0, len(sources), n)  # each prompt's choice 0
             choice_records = [records[k // n] for k in range(len(sources))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from crescent.services.common.settings import StrictModel, load_settings
+from crescent.services.gateway.limit_settings import LimitSettings
 from crescent.services.gateway.model_policy import ModelPolicy
 from crescent.services.tenancy.pricing import PriceTable
 from pydantic import Field, SecretStr, model_validator
@@ -130,6 +131,8 @@ class GatewaySettings(StrictModel):
                     "cache_miss_input, output; default: Kimi K3's 0.30, 3.00 and 15.00 for every model",
     )
     ledger: LedgerSettings = LedgerSettings()
+    limits: LimitSettings = Field(default_factory=LimitSettings, description="rate limits and spend budgets "
+                                  "per key and tenant (docs/limits.md)")
     log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
 
     @model_validator(mode="after")

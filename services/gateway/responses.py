@@ -25,6 +25,7 @@ from crescent.services.gateway.client_gone import answered, unless_disconnected
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, NotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished
+from crescent.services.gateway.limit_http import admit
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.response_store import ResponseStore
 from crescent.services.gateway.responses_api import INPUT_ITEMS, ResponseRequest
@@ -80,6 +81,7 @@ class Responses:
             generation_request = await self._chat.generation_request(chat_body, RequestId(draft.id), principal)
         except ApiError as exc:
             raise responses_error(exc) from None
+        await admit(request, self._chat.served_name, [generation_request], 1, [record])  # the key's and tenant's limits
         sampling = generation_request.sampling
         draft = replace(draft, temperature=sampling.temperature, top_p=sampling.top_p)
         events = self._chat.reply_events(chat_body, generation_request, self._backend.generate(generation_request),

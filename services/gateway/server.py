@@ -29,7 +29,9 @@ from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.grpc_backend import GrpcBackend, gateway_tls
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.migration import MigrationPolicy
+from crescent.services.gateway.rate_limits import RateLimiter
 from crescent.services.gateway.prompt import ServedModel
+from crescent.services.tenancy.limits import LimitBook
 from crescent.services.tenancy.usage import UsageStore
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,10 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
     ledger = UsageLedger(UsageStore(auth.store.engine) if settings.ledger.enabled else None, settings.prices,
                          settings.ledger)
     ledger.start()
-    app = build_app(settings, backend, model, drain, auth, ledger)
+    limiter = RateLimiter.open(settings.limits, LimitBook(auth.store), settings.prices,
+                               cache_s=settings.auth.key_cache_s)
+    limiter.start()
+    app = build_app(settings, backend, model, drain, auth, ledger, limiter)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task[None]] = []
 
@@ -126,6 +131,7 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
             task.cancel()
         await asyncio.gather(*stopping, return_exceptions=True)
         await backend.close()
+        await limiter.close()
         await ledger.close()  # every request has ended: commit the last rows
         auth.close()
         for sig, handler in previous.items():

@@ -1,0 +1,198 @@
+"""The ``LimitStore`` every gateway of a deployment shares: Redis, one Lua script per call.
+
+Each call is one script (``EVALSHA``, one round trip), so a check-and-take is atomic across
+gateways, and times come from Redis's own clock (``TIME``), so gateways with skewed clocks
+still agree. The semantics are ``limit_store``'s; the scripts mirror ``MemoryLimitStore``
+line for line. Counters expire by themselves (a full bucket, a lease, a past month's spend),
+so Redis holds only what is in use.
+
+Any Redis failure (refused connection, timeout, script error) raises ``LimitStoreError``; the
+client does not retry, the limiter decides (``limits.on_store_error``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from crescent.services.gateway.limit_store import (
+    SLOT_RETRY_S,
+    Checks,
+    LimitStoreError,
+    RateCheck,
+    RateState,
+    Settlement,
+    Verdict,
+)
+
+_NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
+_STATE = """
+local function state(tat, limit, period)
+  local remaining = math.floor((now + period - tat + 1e-6) / (period / limit))
+  return math.max(0, math.min(limit, remaining)), string.format('%.6f', tat - now)
+end
+"""
+
+# KEYS: rate keys, slot keys, budget keys. ARGV: #rates, #slots, #budgets, period_s, lease_s,
+# lease id, then (limit, cost) per rate, limit per slot, (limit, period_left_s) per budget.
+ADMIT = _NOW + _STATE + f"""
+local nr, ns, nb = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local period, lease_s, lease = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local a = 7
+local refused, longest = 0, 0
+local limits, tats, news = {{}}, {{}}, {{}}
+for i = 1, nr do
+  local limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  a = a + 2
+  local v = redis.call('GET', KEYS[i])
+  local tat = math.max(v and tonumber(v) or now, now)
+  local new = tat + cost * period / limit
+  local wait = new - period - now
+  if wait > 1e-6 and wait > longest then refused, longest = i, wait end
+  limits[i], tats[i], news[i] = limit, tat, new
+end
+for j = 1, ns do
+  local key, limit = KEYS[nr + j], tonumber(ARGV[a])
+  a = a + 1
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  if redis.call('ZCARD', key) >= limit and {SLOT_RETRY_S} > longest then refused, longest = nr + j, {SLOT_RETRY_S} end
+end
+for k = 1, nb do
+  local key, limit, wait = KEYS[nr + ns + k], tonumber(ARGV[a]), math.max(tonumber(ARGV[a + 1]), 1e-6)
+  a = a + 2
+  local v = redis.call('GET', key)
+  if (v and tonumber(v) or 0) >= limit and wait > longest then refused, longest = nr + ns + k, wait end
+end
+if refused == 0 then
+  for i = 1, nr do
+    tats[i] = news[i]
+    redis.call('SET', KEYS[i], string.format('%.6f', news[i]), 'PX', math.ceil((news[i] - now) * 1000) + 1000)
+  end
+  for j = 1, ns do
+    redis.call('ZADD', KEYS[nr + j], now + lease_s, lease)
+    redis.call('PEXPIRE', KEYS[nr + j], math.ceil(lease_s * 1000) + 1000)
+  end
+end
+local out = {{refused, string.format('%.6f', longest)}}
+for i = 1, nr do
+  local remaining, reset = state(tats[i], limits[i], period)
+  out[#out + 1] = remaining
+  out[#out + 1] = reset
+end
+return out
+"""
+
+# KEYS: rate keys, slot keys, budget keys. ARGV: #rates, #slots, #budgets, period_s, lease id,
+# then (limit, delta) per rate, (nano-dollars, keep_s) per budget.
+SETTLE = _NOW + """
+local nr, ns, nb = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local period, lease = tonumber(ARGV[4]), ARGV[5]
+local a = 6
+for i = 1, nr do
+  local limit, delta = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  a = a + 2
+  local v = redis.call('GET', KEYS[i])
+  local tat = math.max(v and tonumber(v) or now, now) + delta * period / limit
+  if tat > now then
+    redis.call('SET', KEYS[i], string.format('%.6f', tat), 'PX', math.ceil((tat - now) * 1000) + 1000)
+  else
+    redis.call('DEL', KEYS[i])
+  end
+end
+for j = 1, ns do
+  redis.call('ZREM', KEYS[nr + j], lease)
+end
+for k = 1, nb do
+  local key = KEYS[nr + ns + k]
+  redis.call('INCRBY', key, ARGV[a])
+  redis.call('EXPIRE', key, math.ceil(tonumber(ARGV[a + 1])))
+  a = a + 2
+end
+return 1
+"""
+
+# KEYS: rate keys. ARGV: period_s, then the limit per rate.
+PEEK = _NOW + _STATE + """
+local period = tonumber(ARGV[1])
+local out = {}
+for i = 1, #KEYS do
+  local v = redis.call('GET', KEYS[i])
+  local remaining, reset = state(math.max(v and tonumber(v) or now, now), tonumber(ARGV[i + 1]), period)
+  out[#out + 1] = remaining
+  out[#out + 1] = reset
+end
+return out
+"""
+
+# KEYS: slot keys. ARGV: lease_s, then the lease id per key.
+RENEW = _NOW + """
+local lease_s = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  if redis.call('ZADD', KEYS[i], 'XX', 'CH', now + lease_s, ARGV[i + 1]) == 1 then
+    redis.call('PEXPIRE', KEYS[i], math.ceil(lease_s * 1000) + 1000)
+  end
+end
+return 1
+"""
+
+
+def _states(flat: Sequence[object]) -> tuple[RateState, ...]:
+    return tuple(RateState(int(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2))  # type: ignore[arg-type]
+
+
+class RedisLimitStore:
+    """``LimitStore`` on a Redis server at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+
+    def __init__(self, url: str, period_s: float, lease_s: float, timeout_s: float) -> None:
+        self.period_s = period_s
+        self.lease_s = lease_s
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        self._admit = self._redis.register_script(ADMIT)
+        self._settle = self._redis.register_script(SETTLE)
+        self._peek = self._redis.register_script(PEEK)
+        self._renew = self._redis.register_script(RENEW)
+
+    async def _call(self, script, keys: list[str], args: list[object]) -> object:  # noqa: ANN001 - an AsyncScript
+        try:
+            return await script(keys=keys, args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
+
+    async def admit(self, checks: Checks) -> Verdict:
+        keys = [r.key for r in checks.rates] + [s.key for s in checks.slots] + [b.key for b in checks.budgets]
+        args: list[object] = [len(checks.rates), len(checks.slots), len(checks.budgets), self.period_s, self.lease_s,
+                              checks.lease_id]
+        for rate in checks.rates:
+            args += [rate.limit, rate.cost]
+        args += [slot.limit for slot in checks.slots]
+        for budget in checks.budgets:
+            args += [budget.limit, budget.period_left_s]
+        reply = await self._call(self._admit, keys, args)
+        refused, longest, *flat = reply  # type: ignore[misc]
+        return Verdict(int(refused) - 1 if int(refused) else None, float(longest), _states(flat))
+
+    async def settle(self, settlement: Settlement) -> None:
+        keys = [k for k, _, _ in settlement.rates] + list(settlement.slots) + [k for k, _, _ in settlement.budgets]
+        args: list[object] = [len(settlement.rates), len(settlement.slots), len(settlement.budgets), self.period_s,
+                              settlement.lease_id]
+        for _, limit, delta in settlement.rates:
+            args += [limit, delta]
+        for _, nusd, keep_s in settlement.budgets:
+            args += [nusd, keep_s]
+        await self._call(self._settle, keys, args)
+
+    async def peek(self, rates: Sequence[RateCheck]) -> tuple[RateState, ...]:
+        reply = await self._call(self._peek, [r.key for r in rates], [self.period_s, *(r.limit for r in rates)])
+        return _states(reply)  # type: ignore[arg-type]
+
+    async def renew(self, leases: Sequence[tuple[str, str]]) -> None:
+        if leases:
+            await self._call(self._renew, [k for k, _ in leases], [self.lease_s, *(lease for _, lease in leases)])
+
+    async def close(self) -> None:
+        await self._redis.aclose()
