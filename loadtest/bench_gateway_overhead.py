@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""What auth, rate limits and the usage ledger add to a request's latency; prints one JSON line.
+
+Starts the test fake engines (instant replies, tests/gateway/fake_backend.py), a redis-server,
+and one real gateway process per configuration in turn, all on loopback:
+
+- ``baseline``: auth off, no limits, no ledger;
+- ``auth``: API keys on;
+- ``auth+limits``: and the key held to all four limits (rpm, tpm, concurrency, budget; set too
+  high to refuse anything) in Redis;
+- ``auth+limits+ledger``: and the usage ledger (when this checkout has one, ``ledger`` in the
+  gateway settings).
+
+Then ``limiter_alone``: the limiter's own admit + settle per request, at the same concurrency in
+one event loop, against the in-process store and against the redis-server: with requests that
+generate for ``--service-ms`` between the two, and back to back (a saturated loop).
+
+Each configuration answers ``--requests`` chat completions from ``--concurrency`` clients
+(after a warm-up), then ``--serial`` requests one at a time; reported are p50/p99 latencies and
+their difference to the baseline. One at a time shows the latency the steps themselves add; at
+50 concurrent requests on a machine with few cores the difference also holds their CPU time
+multiplied by the queue it joins, so the throughput is reported too: ``added_cost_ms`` is what
+a request costs the saturated machine beyond the baseline.
+
+  python loadtest/bench_gateway_overhead.py [--requests 2000] [--concurrency 50] [--serial 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from crescent.services.gateway.config import GatewaySettings  # noqa: E402
+from crescent.services.tenancy import KeyStore, connect_database  # noqa: E402
+from tests.gateway.support import FakeBackend, Gateway  # noqa: E402
+from tests.tenancy.redis_server import redis_server  # noqa: E402
+
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there, how are you"}], "max_tokens": 4}
+NEVER_REFUSE = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10_000, "budget_usd": "1000000"}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def drive(url: str, key: str | None, requests: int, concurrency: int) -> list[float]:
+    """Latencies (s) of ``requests`` chat completions sent by ``concurrency`` clients."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    latencies: list[float] = []
+    left = iter(range(requests))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=limits) as http:
+        async def client() -> None:
+            for _ in left:
+                started = time.perf_counter()
+                reply = await http.post("/v1/chat/completions", json=BODY)
+                latencies.append(time.perf_counter() - started)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"{reply.status_code}: {reply.text}")
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return latencies
+
+
+async def limiter_overhead(store_url: str, requests: int, concurrency: int, service_s: float) -> dict[str, float]:
+    """Latency of the limiter's own two calls per request (admit, then settle), ``concurrency``
+    requests at a time in one event loop, each generating for ``service_s`` in between (0: the
+    calls back to back, the loop saturated); all four limits checked for a key and its tenant."""
+    from crescent.services.gateway.accounting import UsageCounts
+    from crescent.services.gateway.auth import Principal
+    from crescent.services.gateway.limit_settings import LimitSettings
+    from crescent.services.gateway.rate_limits import RateLimiter
+    from crescent.services.tenancy.pricing import PriceTable
+
+    settings = LimitSettings(store=store_url, key=NEVER_REFUSE, tenant=NEVER_REFUSE)
+    limiter = RateLimiter.open(settings, None, PriceTable())
+    principal = Principal("ten_bench", "key_bench", b"")
+    latencies: list[float] = []
+    left = iter(range(requests))
+
+    async def client() -> None:
+        for _ in left:
+            started = time.perf_counter()
+            ticket = await limiter.admit(principal, "fake-model", 20, 4)
+            admitted = time.perf_counter()
+            if service_s:
+                await asyncio.sleep(service_s)
+            ending = time.perf_counter()
+            await limiter.settle(ticket, UsageCounts(20, 16, 4))
+            latencies.append(admitted - started + time.perf_counter() - ending)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await limiter.close()
+    return {"p50_ms": round(statistics.median(latencies) * 1000, 3),
+            "p99_ms": round(percentile(latencies, 0.99) * 1000, 3)}
+
+
+def configurations(redis_url: str) -> dict[str, dict[str, Any]]:
+    has_ledger = "ledger" in GatewaySettings.model_fields
+    ledger_off = {"ledger": {"enabled": False}} if has_ledger else {}
+    limits = {"limits": {"store": redis_url, "key": NEVER_REFUSE}}
+    configs = {
+        "baseline": {"auth": {"enabled": False}, **ledger_off},
+        "auth": {"auth": {"enabled": True}, **ledger_off},
+        "auth+limits": {"auth": {"enabled": True}, **limits, **ledger_off},
+    }
+    if has_ledger:
+        configs["auth+limits+ledger"] = {"auth": {"enabled": True}, **limits}
+    return configs
+
+
+def measure(name: str, settings: dict[str, Any], backend: FakeBackend, root: Path, args: argparse.Namespace) -> dict:
+    database = f"sqlite:///{root}/{name}.sqlite3"
+    key = None
+    if settings["auth"]["enabled"]:
+        key = KeyStore(connect_database(database)).create_key("bench", create_tenant=True).key
+    gw = Gateway(root, backend.address, **{**settings, "auth": {**settings["auth"], "database_url": database}})
+    gw.start_gateway()
+    print(f"bench_gateway_overhead: {name} on {gw.url}", file=sys.stderr)
+    try:
+        asyncio.run(drive(gw.url, key, args.warmup, args.concurrency))
+        started = time.perf_counter()
+        loaded = asyncio.run(drive(gw.url, key, args.requests, args.concurrency))
+        throughput = args.requests / (time.perf_counter() - started)
+        serial = asyncio.run(drive(gw.url, key, args.serial, 1))
+    finally:
+        gw.stop()
+    ms = 1000.0
+    return {"requests_per_s": round(throughput, 1), "p50_ms": round(statistics.median(loaded) * ms, 2),
+            "p99_ms": round(percentile(loaded, 0.99) * ms, 2),
+            "serial_p50_ms": round(statistics.median(serial) * ms, 3),
+            "serial_p99_ms": round(percentile(serial, 0.99) * ms, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=50)
+    parser.add_argument("--serial", type=int, default=300)
+    parser.add_argument("--service-ms", type=float, default=50.0,
+                        help="how long each request generates between admit and settle in limiter_alone")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="crescent-bench-") as tmp, redis_server() as redis:
+        backend = FakeBackend()
+        backend.start_backend()
+        try:
+            for name, settings in configurations(redis.url).items():
+                results[name] = measure(name, settings, backend, Path(tmp), args)
+        finally:
+            backend.stop()
+        limiter = {f"{store}, {service_ms} ms requests": asyncio.run(
+                       limiter_overhead(url, args.requests * 2, args.concurrency, service_ms / 1000))
+                   for store, url in (("memory", "memory"), ("redis", redis.url))
+                   for service_ms in (args.service_ms, 0)}
+    base = results["baseline"]
+    for name, figures in results.items():
+        # The machine saturated: what each request costs beyond the baseline, in time of the whole machine.
+        figures["added_cost_ms"] = round(1000 / figures["requests_per_s"] - 1000 / base["requests_per_s"], 3)
+        figures["added_p50_ms"] = round(figures["p50_ms"] - base["p50_ms"], 2)
+        figures["added_p99_ms"] = round(figures["p99_ms"] - base["p99_ms"], 2)
+        figures["serial_added_p50_ms"] = round(figures["serial_p50_ms"] - base["serial_p50_ms"], 3)
+        figures["serial_added_p99_ms"] = round(figures["serial_p99_ms"] - base["serial_p99_ms"], 3)
+    print(json.dumps({"bench": "gateway_overhead", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                      "machine": platform.processor() or platform.machine(), "requests": args.requests,
+                      "concurrency": args.concurrency, "limiter_alone": limiter, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
