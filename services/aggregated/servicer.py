@@ -12,6 +12,7 @@ import torch
 
 from crescent.protos import prefill_pb2
 from crescent.services.aggregated.batcher import MixedBatcher
+from crescent.services.decode.request import DecodeRequest
 from crescent.services.decode.servicer import DecodeServicer
 from crescent.services.engine.engine import Sequence
 from crescent.services.prefill.servicer import PrefillServicer
@@ -51,13 +52,23 @@ class AggregatedPrefillServicer(PrefillServicer):
         return await self.batcher.prefill(seq)
 
     async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, firsts: list[int],
-                        finished: list[int]) -> None:
+                        finished: list[int], hold) -> None:
         if request.decode_address != self._own_address():
-            await super()._hand_off(request, seq, firsts, finished)
+            await super()._hand_off(request, seq, firsts, finished, hold)
             return
         header = self._handoff_header(request, firsts, finished)
         accepted = await self.decode.accept(header, None, _LocalContext(), local_prompt=seq)
-        await accepted.adopted.wait()  # its choices hold the prompt's pages before this call lets go of them
+        # The prompt's pages stay until its choices hold them, even if this call is cancelled now.
+        hold.acquire()
+        self._spawn(_release_when_adopted(accepted, hold))
+        await accepted.adopted.wait()
+
+
+async def _release_when_adopted(request: DecodeRequest, hold) -> None:
+    try:
+        await request.adopted.wait()
+    finally:
+        hold.release()
 
 
 class _LocalContext:

@@ -56,6 +56,8 @@ from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, s
 
 log = logging.getLogger(__name__)
 
+EXPORT_BLOCKS_PER_CALL = 4  # KV blocks copied out for the kvstore per engine-thread call
+
 # How a failed handoff ends the Prefill call; anything else is UNAVAILABLE: place it again.
 _HANDOFF_FAILURES = {
     grpc.StatusCode.ABORTED: grpc.StatusCode.ABORTED,                        # the gateway aborted it
@@ -205,7 +207,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 )
             if len(finished) < n:
                 try:
-                    await self._hand_off(request, seq, firsts, finished)
+                    await self._hand_off(request, seq, firsts, finished, hold)
                 except grpc.aio.AioRpcError as exc:
                     self.metrics.requests.labels("prefill", "error").inc()
                     code = _HANDOFF_FAILURES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
@@ -296,16 +298,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.kvstore is None or not seq.keeps_blocks:
             return []
         page = self.engine.page_size
-        first = already_cached // page
 
-        def export() -> list[KvBlock]:
+        def export(blocks: range) -> list[KvBlock]:
             return [
                 page_block(self.engine, seq.pages[i], seq.block_keys[i], seq.block_keys[i - 1] if i else None,
                            seq.token_ids[i * page : (i + 1) * page])
-                for i in range(first, len(seq.block_keys))
+                for i in blocks
             ]
 
-        return await self.worker.run(export)
+        # A few blocks per engine-thread call: an aggregated instance's decode steps run in between.
+        out: list[KvBlock] = []
+        for start in range(already_cached // page, len(seq.block_keys), EXPORT_BLOCKS_PER_CALL):
+            out += await self.worker.run(export, range(start, min(start + EXPORT_BLOCKS_PER_CALL, len(seq.block_keys))))
+        return out
 
     async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold) -> None:
         try:
@@ -325,8 +330,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics.transfer_seconds.labels("prefill", "to_kvstore").observe(time.perf_counter() - start)
 
     async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, firsts: list[int],
-                        finished: list[int]) -> None:
-        """Push the request (every choice's first token) and the prompt's KV, once, to decode."""
+                        finished: list[int], hold: _PageHold) -> None:
+        """Push the request (every choice's first token) and the prompt's KV, once, to decode.
+        (``hold`` keeps the prompt's pages; an in-process handoff holds them longer.)"""
         start = time.perf_counter()
         prompt_len = len(request.token_ids)
         page = self.engine.page_size
