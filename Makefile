@@ -5,6 +5,9 @@ PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 PREFILL ?= 1
 DECODE ?= 1
+# Fewer than 4 cores: one aggregated engine (prefill and decode in one process) instead of the two
+# pools, which would contend for the cores (docs/aggregated.md has the measurements). AGGREGATED=0: pools.
+AGGREGATED ?= $(shell [ "$$(nproc)" -lt 4 ] && echo 1 || echo 0)
 PYTEST_ARGS ?=
 
 .PHONY: install tools up test protos bench clean
@@ -27,7 +30,7 @@ $(VENV)/.tools-installed: $(VENV)/.installed scripts/install_tools.sh
 	touch $@
 
 up: install
-	$(VENV)/bin/crescent up --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --port $(PORT)
+	$(VENV)/bin/crescent up --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --aggregated $(AGGREGATED) --port $(PORT)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the project.
 test: install tools

@@ -62,7 +62,9 @@ async def drive(url: str, key: str | None, requests: int, concurrency: int) -> l
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     latencies: list[float] = []
     left = iter(range(requests))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # Idle pooled connections expire before the server's 5 s keep-alive closes them (a reused, just-closed
+    # connection is an httpx.ReadError).
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=limits) as http:
         async def client() -> None:
             for _ in left:

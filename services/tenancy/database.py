@@ -43,8 +43,11 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - a DBAP
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")  # another gateway writing: wait, do not fail
-    # Readers (usage queries, key checks) never wait for the ledger's writer; a commit is one fsync.
+    # Readers (usage queries, key checks) never wait for the ledger's writer. In WAL mode a commit
+    # with synchronous=NORMAL is written to the log without an fsync: it survives the process
+    # being killed (the ledger's promise), not the machine losing power (PostgreSQL's job).
     cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
 
 
