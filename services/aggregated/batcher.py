@@ -127,19 +127,8 @@ class MixedBatcher(Batcher):
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    async def _next(self) -> None:
-        self._expire_unclaimed()
-        await self._admit_waiting()
-        batch = self.open_sequences()[: self.max_batch_size]
-        self._update_gauges()
-        if not batch and not self.prompts:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
-            return
-        await self._step(batch)
+    def _idle(self, batch: list[tuple[DecodeRequest, Choice]]) -> bool:
+        return not batch and not self.prompts
 
     async def _admit_waiting(self) -> None:
         await self._adopt_local()

@@ -1,29 +1,16 @@
-"""Settings of an aggregated instance (env prefix ``CRESCENT_AGGREGATED``): a prefill's and a
-decode's in one process, plus how many prompt tokens each step mixes in."""
+"""Settings of an aggregated instance (env prefix ``CRESCENT_AGGREGATED``): a prefill's (its
+kvstore included), plus decode's stream timeout and how many prompt tokens each step mixes in."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from crescent.services.common.settings import ListenSettings, StrictModel
-from crescent.services.common.tls import TlsSettings
-from crescent.services.engine.settings import EngineSettings
+from crescent.services.prefill.config import PrefillSettings
 
 ENV_PREFIX = "CRESCENT_AGGREGATED"
 
 
-class AggregatedSettings(StrictModel):
-    listen: ListenSettings = ListenSettings()
-    tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
-    instance_id: str = Field(default="", description="unique id; empty: aggregated-<host>-<port>")
-    advertise_address: str = Field(default="", description="host:port others dial; empty: listen host:port")
-    scheduler_address: str = Field(description="host:port of the scheduler")
-    kvstore_address: str = Field(default="", description="host:port of this node's kvstore; empty: no kvstore")
-    kvstore_lease_ms: int = Field(default=30_000, ge=0, description="how long fetched blocks stay pinned")
-    kvstore_shared_memory: bool = Field(
-        default=True,
-        description="move blocks through shared memory when the kvstore is on this host (gRPC otherwise, found by itself)",
-    )
+class AggregatedSettings(PrefillSettings):
     unclaimed_timeout_s: float = Field(
         default=10.0, gt=0, description="abort a request whose stream nobody opens within this time"
     )
@@ -32,4 +19,3 @@ class AggregatedSettings(StrictModel):
         description="prompt tokens mixed into one decode step (chunked prefill; rounded down to whole KV blocks): "
                     "larger prefills faster, smaller keeps the gaps between decoded tokens short",
     )
-    engine: EngineSettings = EngineSettings()

@@ -9,7 +9,6 @@ this is one thread team on all the cores instead of two processes contending for
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -25,9 +24,8 @@ from crescent.services.decode.servicer import DecodeServicer
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
-from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
-from crescent.services.prefill.server import PrefillRole
+from crescent.services.prefill.server import PrefillRole, block_publisher, kvstore_client
 
 
 class AggregatedRole:
@@ -73,17 +71,9 @@ async def serve(settings: AggregatedSettings, instance: EngineInstance, signals:
         batcher.start()
         constraints = Constraints.for_model(settings.engine.model, engine.config.vocab_size, engine.config.eos_token_ids)
         decode = DecodeServicer(batcher, constraints)
-        kvstore = (
-            KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory, tls=instance.tls)
-            if settings.kvstore_address else None
-        )
-
-        def publish_soon() -> None:
-            if instance.agent is not None:
-                asyncio.get_running_loop().create_task(instance.agent.publish_now())
-
+        kvstore = kvstore_client(settings, instance)
         prefill = AggregatedPrefillServicer(
-            engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon,
+            engine, instance.worker, kvstore, settings.kvstore_lease_ms, block_publisher(instance),
             scheduler_address=settings.scheduler_address, constraints=constraints, tls=instance.tls,
             batcher=batcher, decode=decode, own_address=lambda: instance.address,
         )

@@ -245,7 +245,7 @@ class Batcher:
         await self._admit_waiting()
         batch = self.open_sequences()[: self.max_batch_size]
         self._update_gauges()
-        if not batch:
+        if self._idle(batch):
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=1.0)
@@ -253,6 +253,10 @@ class Batcher:
                 pass
             return
         await self._step(batch)
+
+    def _idle(self, batch: list[tuple[DecodeRequest, Choice]]) -> bool:
+        """Nothing for the next step to run."""
+        return not batch
 
     async def _admit_waiting(self) -> None:
         """Move waiting requests, oldest first, into the cache while their reservations fit."""

@@ -150,6 +150,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await self._refuse_early(header, context)  # again: the stream took a while
         elif self.batcher.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this instance takes no new requests")
+        elif header.request_id in self.tombstones:  # the gateway aborted it while it was prefilled here
+            await context.abort(grpc.StatusCode.ABORTED, f"request {header.request_id} was aborted")
         request = DecodeRequest(
             request_id=header.request_id, choices=choices, payloads=payloads, max_tokens=_max_tokens(header),
             stop_token_ids=stops, reserve_tokens=self._reserve_tokens(header), first_step=first_step,

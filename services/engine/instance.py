@@ -1,4 +1,4 @@
-"""The process shell shared by prefill and decode instances.
+"""The process shell shared by prefill, decode and aggregated instances.
 
 Loads the engine, starts the gRPC service, registers with the scheduler and heartbeats its load.
 The role-specific part (servicer, batcher) comes in through ``attach`` as an ``EngineRole``.

@@ -14,7 +14,7 @@ ENV_PREFIX = "CRESCENT_PREFILL"
 class PrefillSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
     tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
-    instance_id: str = Field(default="", description="unique id; empty: prefill-<host>-<port>")
+    instance_id: str = Field(default="", description="unique id; empty: <role>-<host>-<port>")
     advertise_address: str = Field(default="", description="host:port others dial; empty: listen host:port")
     scheduler_address: str = Field(description="host:port of the scheduler")
     kvstore_address: str = Field(default="", description="host:port of this node's kvstore; empty: no kvstore")

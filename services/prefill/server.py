@@ -47,20 +47,28 @@ class PrefillRole:
             await self.kvstore.close()
 
 
+def kvstore_client(settings: PrefillSettings, instance: EngineInstance) -> KvStoreClient | None:
+    """The node's kvstore, if the settings name one."""
+    if not settings.kvstore_address:
+        return None
+    return KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory, tls=instance.tls)
+
+
+def block_publisher(instance: EngineInstance):
+    """What prefill calls when new blocks are cached: publish them to the scheduler now."""
+    def publish_soon() -> None:
+        if instance.agent is not None:
+            asyncio.get_running_loop().create_task(instance.agent.publish_now())
+
+    return publish_soon
+
+
 async def serve(settings: PrefillSettings, instance: EngineInstance, signals: ShutdownSignals) -> None:
     async def attach(server: grpc.aio.Server) -> PrefillRole:
         assert instance.engine is not None
-        kvstore = (
-            KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory, tls=instance.tls)
-            if settings.kvstore_address else None
-        )
-
-        def publish_soon() -> None:
-            if instance.agent is not None:
-                asyncio.get_running_loop().create_task(instance.agent.publish_now())
-
+        kvstore = kvstore_client(settings, instance)
         engine = instance.engine
-        servicer = PrefillServicer(engine, instance.worker, kvstore, settings.kvstore_lease_ms, publish_soon,
+        servicer = PrefillServicer(engine, instance.worker, kvstore, settings.kvstore_lease_ms, block_publisher(instance),
                                    scheduler_address=settings.scheduler_address,
                                    constraints=Constraints.for_model(settings.engine.model, engine.config.vocab_size,
                                                                      engine.config.eos_token_ids),
