@@ -86,4 +86,6 @@ def test_every_role_the_access_table_names_has_a_certificate_in_the_chart() -> N
     docs = render(*CERT_MANAGER)
     issued = {uri.rsplit("/", 1)[-1] for c in by_kind(docs, "Certificate").values() for uri in c["spec"].get("uris", [])}
     needed = {role for rules in ACCESS.values() for rule in rules.values() for role in rule.roles}
-    assert needed <= issued
+    # The chart deploys the prefill and decode pools; aggregated engines are `crescent up`'s for
+    # now (docs/aggregated.md, "Not done yet"), so the chart issues no certificate for that role.
+    assert needed - {"aggregated"} <= issued
