@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -94,13 +95,17 @@ async def limiter_overhead(store_url: str, requests: int, concurrency: int, serv
     latencies: list[float] = []
     left = iter(range(requests))
 
+    jitter = random.Random(0)
+
     async def client() -> None:
+        if service_s:  # in steady state requests start and end at different moments, not in bursts
+            await asyncio.sleep(jitter.uniform(0, service_s))
         for _ in left:
             started = time.perf_counter()
             ticket = await limiter.admit(principal, "fake-model", 20, 4)
             admitted = time.perf_counter()
             if service_s:
-                await asyncio.sleep(service_s)
+                await asyncio.sleep(service_s * jitter.uniform(0.5, 1.5))
             ending = time.perf_counter()
             await limiter.settle(ticket, UsageCounts(20, 16, 4))
             latencies.append(admitted - started + time.perf_counter() - ending)
