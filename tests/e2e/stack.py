@@ -57,7 +57,8 @@ class Stack:
 
 # These tests check the cache's mechanics with short prompts, so they keep every prompt's blocks;
 # test_tenant_isolation runs with the served default (Kimi's rule: only prompts over 256 tokens).
-CACHE_SHORT_PROMPTS = {"CRESCENT_PREFILL__ENGINE__MIN_CACHED_PROMPT_TOKENS": "0"}
+CACHE_SHORT_PROMPTS = {"CRESCENT_PREFILL__ENGINE__MIN_CACHED_PROMPT_TOKENS": "0",
+                       "CRESCENT_AGGREGATED__ENGINE__MIN_CACHED_PROMPT_TOKENS": "0"}
 
 
 def start_stack(run_dir: Path, *extra_args: str, timeout_s: float = 300, env: dict[str, str] | None = None) -> Stack:

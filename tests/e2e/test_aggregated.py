@@ -22,8 +22,7 @@ CHUNK = 64  # small, so every prompt takes several steps, mixed with the others'
 
 @pytest.fixture(scope="module")
 def aggregated(tmp_path_factory: pytest.TempPathFactory):
-    env = {"CRESCENT_AGGREGATED__CHUNK_TOKENS": str(CHUNK), "CRESCENT_AGGREGATED__ENGINE__THREADS": "1",
-           "CRESCENT_AGGREGATED__ENGINE__MIN_CACHED_PROMPT_TOKENS": "0"}
+    env = {"CRESCENT_AGGREGATED__CHUNK_TOKENS": str(CHUNK), "CRESCENT_AGGREGATED__ENGINE__THREADS": "1"}
     running = start_stack(tmp_path_factory.mktemp("aggregated"), "--aggregated", "1", "--kv-capacity-tokens", "4096",
                           env=env)
     yield running
