@@ -13,7 +13,7 @@ import torch
 from crescent.protos import prefill_pb2
 from crescent.services.aggregated.batcher import MixedBatcher
 from crescent.services.decode.request import DecodeRequest
-from crescent.services.decode.servicer import DecodeServicer
+from crescent.services.decode.servicer import DecodeServicer, never_fits_message, reserve_tokens
 from crescent.services.engine.engine import Sequence
 from crescent.services.prefill.servicer import PrefillServicer
 
@@ -33,16 +33,12 @@ class AggregatedPrefillServicer(PrefillServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already here")
         prompt = len(request.token_ids)
         max_tokens = max(request.sampling.max_tokens, 1)
-        reserve = min(prompt + max_tokens, self.engine.config.max_position_embeddings)
+        reserve = reserve_tokens(prompt, max_tokens, self.engine.config.max_position_embeddings)
         choices = max(request.sampling.n, 1)
         pages = self.batcher.prompt_pages(prompt, reserve, choices)
         if pages > self.batcher.ledger.num_pages:
-            each = f" for each of {choices} choices" if choices > 1 else ""
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request needs {reserve} KV tokens (prompt {prompt} + max_tokens {max_tokens}){each}, more than "
-                f"this instance's whole cache of {self.engine.cache.capacity_tokens} tokens",
-            )
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, never_fits_message(
+                prompt, max_tokens, reserve, choices, self.engine.cache.capacity_tokens, where="this instance"))
         await self.batcher.reserve_prompt(request.request_id, pages)
 
     def _prompt_left(self, request_id: str) -> None:

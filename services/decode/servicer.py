@@ -41,6 +41,19 @@ _ENDINGS = {
 }
 
 
+def reserve_tokens(prompt_tokens: int, max_tokens: int, context_window: int) -> int:
+    """KV tokens a request may ever hold: prompt + max_tokens, within the context window."""
+    return min(prompt_tokens + max_tokens, context_window)
+
+
+def never_fits_message(prompt_tokens: int, max_tokens: int, reserve: int, choices: int, capacity: int,
+                       where: str = "this decode instance") -> str:
+    """Why a request whose reservation exceeds the whole cache is refused (RESOURCE_EXHAUSTED)."""
+    each = f" for each of {choices} choices" if choices > 1 else ""
+    return (f"request needs {reserve} KV tokens (prompt {prompt_tokens} + max_tokens {max_tokens}){each}, "
+            f"more than {where}'s whole cache of {capacity} tokens")
+
+
 def _max_tokens(header: decode_pb2.HandoffHeader) -> int:
     """Tokens to generate, prefill's first one included."""
     return max(header.sampling.max_tokens, 1)
@@ -170,8 +183,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         raise AssertionError("abort raises")
 
     def _reserve_tokens(self, header: decode_pb2.HandoffHeader) -> int:
-        """KV tokens the request may ever hold: prompt + max_tokens, within the context window."""
-        return min(len(header.prompt_token_ids) + _max_tokens(header), self.engine.config.max_position_embeddings)
+        return reserve_tokens(len(header.prompt_token_ids), _max_tokens(header),
+                              self.engine.config.max_position_embeddings)
 
     async def _refuse_early(self, header: decode_pb2.HandoffHeader, context: grpc.aio.ServicerContext) -> None:
         """Refusals the header alone decides."""
@@ -185,13 +198,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         reserve = self._reserve_tokens(header)
         choices = _open_choices(header)
         if self.batcher.never_fits(len(header.prompt_token_ids), reserve, choices):
-            each = f" for each of {choices} choices" if choices > 1 else ""
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request needs {reserve} KV tokens (prompt {len(header.prompt_token_ids)} + max_tokens "
-                f"{_max_tokens(header)}){each}, more than this decode instance's whole cache of "
-                f"{self.engine.cache.capacity_tokens} tokens",
-            )
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, never_fits_message(
+                len(header.prompt_token_ids), _max_tokens(header), reserve, choices,
+                self.engine.cache.capacity_tokens))
 
     def _check(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
         cfg = self.engine.config

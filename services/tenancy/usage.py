@@ -44,8 +44,24 @@ def utc(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
+class _Priced:
+    """Cost and savings in dollars, from the exact nano-dollar fields of the class."""
+
+    __slots__ = ()
+    cost_nusd: int
+    savings_nusd: int
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return from_nano(self.cost_nusd)
+
+    @property
+    def savings_usd(self) -> Decimal:
+        return from_nano(self.savings_nusd)
+
+
 @dataclass(frozen=True, slots=True)
-class UsageRow:
+class UsageRow(_Priced):
     """One request in the ledger."""
 
     request_id: str
@@ -62,17 +78,9 @@ class UsageRow:
     cost_nusd: int
     savings_nusd: int
 
-    @property
-    def cost_usd(self) -> Decimal:
-        return from_nano(self.cost_nusd)
-
-    @property
-    def savings_usd(self) -> Decimal:
-        return from_nano(self.savings_nusd)
-
 
 @dataclass(frozen=True, slots=True)
-class UsageTotals:
+class UsageTotals(_Priced):
     """Sums over the requests of one group (``group`` maps each grouping to its value)."""
 
     group: dict[str, str | None]
@@ -83,14 +91,6 @@ class UsageTotals:
     reasoning_tokens: int
     cost_nusd: int
     savings_nusd: int
-
-    @property
-    def cost_usd(self) -> Decimal:
-        return from_nano(self.cost_nusd)
-
-    @property
-    def savings_usd(self) -> Decimal:
-        return from_nano(self.savings_nusd)
 
 
 @dataclass(frozen=True, slots=True)
