@@ -33,10 +33,10 @@ import numpy as np
 import yaml
 from dataclasses import dataclass
 
-from crescent.services.common.block_keys import prefix_block_keys
+from crescent.services.kvwire.block_keys import prefix_block_keys
 from crescent.services.common.certs import make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
-from crescent.services.common.kv_block import KvBlock
+from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 

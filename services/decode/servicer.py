@@ -20,7 +20,7 @@ import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
-from crescent.services.common.kv_block import BlockAssembler, BlockFormatError
+from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import Batcher

@@ -25,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from crescent.services.common.block_keys import BlockKey
+from crescent.services.kvwire.block_keys import BlockKey
 
 
 class CacheFullError(RuntimeError):

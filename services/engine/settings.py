@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
 from crescent.services.model.model_source import DEFAULT_MODEL
 

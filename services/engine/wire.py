@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from crescent.protos import common_pb2
-from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.kv_block import KvBlock
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from crescent.services.engine.sampler import SamplingConfig

@@ -7,7 +7,7 @@ import struct
 from typing import BinaryIO
 
 from crescent.protos import common_pb2
-from crescent.services.common.kv_block import BlockFormatError, KvBlock, meta_of
+from crescent.services.kvwire.kv_block import BlockFormatError, KvBlock, meta_of
 
 MAGIC = b"CKVB"
 _PREFIX = struct.Struct("<4sI")

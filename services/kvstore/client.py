@@ -30,18 +30,18 @@ from dataclasses import dataclass
 import grpc
 
 from crescent.protos import kvstore_pb2, kvstore_pb2_grpc
-from crescent.services.common import chunk_wire
-from crescent.services.common.block_keys import BlockKey
+from crescent.services.kvwire import chunk_wire
+from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.tls import PeerTls
-from crescent.services.common.kv_block import (
+from crescent.services.kvwire.kv_block import (
     DEFAULT_MAX_CHUNK_BYTES,
     BlockAssembler,
     BlockFormatError,
     BlockIntegrityError,
     KvBlock,
 )
-from crescent.services.common.fused_copy import ParallelCopier, empty_buffer
+from crescent.services.kvwire.fused_copy import ParallelCopier, empty_buffer
 from crescent.services.kvstore import shm
 
 log = logging.getLogger(__name__)

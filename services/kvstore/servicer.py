@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 
 from crescent.protos import common_pb2, kvstore_pb2, kvstore_pb2_grpc
-from crescent.services.common import chunk_wire
-from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
+from crescent.services.kvwire import chunk_wire
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvstore.client import REASON_CORRUPT, REASON_METADATA, KvStoreClient

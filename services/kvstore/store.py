@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from crescent.protos import common_pb2
-from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.kv_block import BlockFormatError, BlockIntegrityError, KvBlock
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.kv_block import BlockFormatError, BlockIntegrityError, KvBlock
 from crescent.services.common.metrics import KvStoreMetrics
 from crescent.services.kvstore.eviction import EvictionPolicy, make_policy
 from crescent.services.kvstore.tier import BlockInfo, HostTier, Reservation, Tier

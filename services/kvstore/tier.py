@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from crescent.protos import common_pb2
-from crescent.services.common.block_keys import BlockKey
-from crescent.services.common.kv_block import KvBlock, meta_of
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.kv_block import KvBlock, meta_of
 from crescent.services.kvstore.config import HostTierSettings, TierSettings
 from crescent.services.kvstore.host_pool import HostPool
 

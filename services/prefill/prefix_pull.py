@@ -22,10 +22,10 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, prefill_pb2, prefill_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.common.block_keys import BlockKey
+from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.tls import PeerTls
-from crescent.services.common.kv_block import BlockAssembler, BlockFormatError, BlockIntegrityError, KvBlock, block_to_chunks
+from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, BlockIntegrityError, KvBlock, block_to_chunks
 from crescent.services.common.metrics import EngineMetrics
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.runtime import EngineWorker

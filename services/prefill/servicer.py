@@ -26,7 +26,7 @@ from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.tls import PeerTls
-from crescent.services.common.kv_block import KvBlock, chunks_of
+from crescent.services.kvwire.kv_block import KvBlock, chunks_of
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.stop_rule import stop_token_ids

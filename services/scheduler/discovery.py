@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from crescent.services.common.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
 from crescent.services.scheduler.datatypes import InstanceId, Role
 from crescent.services.scheduler.registry import InstanceSpec

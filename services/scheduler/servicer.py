@@ -8,7 +8,7 @@ import time
 import grpc
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.common.block_keys import BlockKey
+from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.common.choices import MAX_CHOICES
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import scheduler_metrics

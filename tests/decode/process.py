@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.common.kv_block import chunks_of
+from crescent.services.kvwire.kv_block import chunks_of
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from crescent.protos import common_pb2
-from crescent.services.common.kv_block import BlockAssembler, KvBlock, block_to_chunks
+from crescent.services.kvwire.kv_block import BlockAssembler, KvBlock, block_to_chunks
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import seeded_weights
 from crescent.services.engine.kimi_k3.model import K3Model

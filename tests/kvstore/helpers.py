@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from crescent.services.common.block_keys import BlockKey, prefix_block_keys
-from crescent.services.common.kv_block import KvBlock
+from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.kvwire.kv_block import KvBlock
 
 MODEL = "test-model"
 BLOCK_TOKENS = 4

@@ -4,7 +4,7 @@ dropped and announced as gone, and the block stored again by the next put."""
 from __future__ import annotations
 
 from crescent.protos import common_pb2
-from crescent.services.common.kv_block import KvBlock
+from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.common.metrics import kvstore_metrics
 from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from crescent.protos import common_pb2
-from crescent.services.common.block_keys import prefix_block_keys
-from crescent.services.common.kv_block import (
+from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.kvwire.kv_block import (
     KV_FORMAT_VERSION,
     BlockAssembler,
     BlockFormatError,
@@ -102,7 +102,7 @@ def test_assembler_rejects_malformed_streams() -> None:
 def test_checksum_is_zlib_crc32() -> None:
     import zlib
 
-    from crescent.services.common.kv_block import payload_checksum
+    from crescent.services.kvwire.kv_block import payload_checksum
 
     data = os.urandom(100_003)
     assert payload_checksum(data) == zlib.crc32(data)

@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from crescent.protos import common_pb2, kvstore_pb2
-from crescent.services.common import chunk_wire
+from crescent.services.kvwire import chunk_wire
 from crescent.services.common.grpc_service import open_channel
-from crescent.services.common.kv_block import meta_of
+from crescent.services.kvwire.kv_block import meta_of
 from crescent.services.kvstore.client import KvStoreClient
 
 from .helpers import MODEL, make_chain

@@ -8,9 +8,9 @@ import zlib
 import pytest
 
 from crescent.protos import common_pb2
-from crescent.services.common import chunk_wire
-from crescent.services.common.fused_copy import ParallelCopier, copy_with_checksum, empty_buffer
-from crescent.services.common.kv_block import BlockAssembler, meta_of
+from crescent.services.kvwire import chunk_wire
+from crescent.services.kvwire.fused_copy import ParallelCopier, copy_with_checksum, empty_buffer
+from crescent.services.kvwire.kv_block import BlockAssembler, meta_of
 
 from .helpers import make_chain
 
