@@ -2,7 +2,7 @@
 
     x       [M, K]            activations, float32/float16/bfloat16
     blocks  [N, K/32, 16]     uint8, two E2M1 codes per byte (low nibble first)
-    scales  [N, K/32]         uint8 E8M0 exponents (2^(s - 127))
+    scales  [N, K/32]         uint8 E8M0 exponents (2^(s - 127); 0xFF = NaN)
     ->      [M, N]            x W^T in x's dtype, fp32 accumulation
 
 :func:`mxfp4_matmul` runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``; packing and
@@ -20,7 +20,9 @@ from crescent.kernels.mxfp4.matmul import mxfp4_matmul_kernel
 from crescent.kernels.mxfp4.reference import (
     BLOCK,
     E2M1_VALUES,
+    E8M0_NAN,
     dequantize_mxfp4,
+    e8m0_to_float,
     mxfp4_matmul_reference,
     quantize_mxfp4,
 )
@@ -28,6 +30,8 @@ from crescent.kernels.mxfp4.reference import (
 __all__ = [
     "BLOCK",
     "E2M1_VALUES",
+    "E8M0_NAN",
+    "e8m0_to_float",
     "quantize_mxfp4",
     "dequantize_mxfp4",
     "mxfp4_matmul",

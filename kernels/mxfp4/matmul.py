@@ -2,7 +2,8 @@
 
 Each K step covers one 32-element block: 16 bytes per output row are unpacked into two nibbles,
 decoded arithmetically (sign, 2-bit exponent, 1-bit mantissa), scaled by 2^(scale - 127) and
-fed to tl.dot, so W never exists in full precision in memory.
+fed to tl.dot, so W never exists in full precision in memory. A scale byte of 0xFF is NaN
+(OCP MX spec), so a block carrying it poisons the outputs it touches rather than reading as inf.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def mxfp4_matmul_kernel(
         man = (codes & 1).to(tl.float32)
         mag = tl.where(e == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((e - 1).to(tl.float32)))
         s = tl.load(scales + cols.to(tl.int64) * nb + i_b, mask=m_c, other=127).to(tl.float32)
-        w = sign * mag * tl.exp2(s - 127.0)[:, None]
+        # E8M0 0xFF = NaN; the clamp keeps the untaken branch finite (2^128 would overflow)
+        factor = tl.where(s == 255.0, float("nan"), tl.exp2(tl.minimum(s, 254.0) - 127.0))
+        w = sign * mag * factor[:, None]
         a = tl.load(x + rows[:, None] * KD + i_b * 32 + o_k[None, :], mask=m_r[:, None], other=0.0)
         acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision=PRECISION)
     tl.store(out + rows[:, None] * N + cols[None, :], acc.to(out.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])

@@ -4,7 +4,7 @@ Checkpoint layout (as in gpt-oss-style ``*_blocks`` / ``*_scales`` tensors), for
 ``W [..., N, K]`` with K a multiple of 32:
 
     blocks  uint8 [..., N, K/32, 16]   two E2M1 codes per byte, low nibble = even element
-    scales  uint8 [..., N, K/32]       E8M0: the block's factor is 2^(scale - 127)
+    scales  uint8 [..., N, K/32]       E8M0: the block's factor is 2^(scale - 127); 0xFF is NaN
 
 E2M1 code (4 bits): sign | exponent (2 bits, bias 1) | mantissa (1 bit), giving magnitudes
 0, 0.5, 1, 1.5, 2, 3, 4, 6. Quantisation follows the OCP MX spec: shared exponent
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 32
+E8M0_NAN = 0xFF  # the OCP MX spec's only special E8M0 value: the whole block decodes to NaN
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 )
@@ -41,12 +42,18 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exp + 127).to(torch.uint8)
 
 
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> fp32 factors 2^(s - 127); the byte 0xFF is NaN (2^128 would be +inf)."""
+    factor = torch.exp2(scales.float() - 127)
+    return torch.where(scales == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(blocks ``[..., nb, 16]``, scales ``[..., nb]``) -> fp32 ``[..., nb * 32]``."""
     lo = (blocks & 0x0F).long()
     hi = (blocks >> 4).long()
     codes = torch.stack([lo, hi], dim=-1).reshape(*blocks.shape[:-1], BLOCK)
-    vals = E2M1_VALUES[codes] * torch.exp2(scales.float() - 127)[..., None]
+    vals = E2M1_VALUES[codes] * e8m0_to_float(scales)[..., None]
     return vals.reshape(*blocks.shape[:-2], -1)
 
 

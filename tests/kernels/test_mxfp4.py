@@ -7,7 +7,9 @@ import torch
 
 from crescent.kernels.mxfp4 import (
     E2M1_VALUES,
+    E8M0_NAN,
     dequantize_mxfp4,
+    e8m0_to_float,
     mxfp4_matmul,
     mxfp4_matmul_reference,
     quantize_mxfp4,
@@ -63,6 +65,21 @@ def test_kernel_matches_reference(m, n, k, device, nan_outputs):
     out = mxfp4_matmul(x.to(device), blocks.to(device), scales.to(device))
     assert torch.isfinite(out).all()
     assert rel_rms(out, mxfp4_matmul_reference(x, blocks, scales)) < 1e-5
+
+
+def test_e8m0_byte_ff_is_nan_not_inf(device, nan_outputs):
+    # OCP MX spec v1.0, E8M0: 0xFF encodes NaN; 0x00..0xFE are 2^-127..2^127 (no inf, no zero)
+    factors = e8m0_to_float(torch.tensor([0x00, 0x7F, 0xFE, 0xFF], dtype=torch.uint8))
+    assert factors[:3].tolist() == [2.0**-127, 1.0, 2.0**127] and factors[3].isnan()
+    blocks, scales = quantize_mxfp4(torch.ones(2, 64))
+    scales[1, 0] = E8M0_NAN
+    w = dequantize_mxfp4(blocks, scales)
+    assert w[1, :32].isnan().all()
+    assert torch.equal(w[1, 32:], torch.ones(32))  # the other block of that row is untouched
+    assert torch.equal(w[0], torch.ones(64))
+    out = mxfp4_matmul(torch.ones(2, 64, device=device), blocks.to(device), scales.to(device)).cpu()
+    assert out[:, 1].isnan().all()  # the kernel decodes the byte the same way
+    assert torch.equal(out[:, 0], torch.full((2,), 64.0))
 
 
 def test_bad_inputs_raise_value_error():
