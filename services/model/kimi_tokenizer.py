@@ -15,9 +15,12 @@ The chat format (``KIMI_CHAT_TEMPLATE``) follows Kimi K2's published one:
 - ``<|im_system|>tool_declare<|im_middle|>[tools as compact JSON]<|im_end|>`` first, when tools are given;
 - ``<|im_system|>system<|im_middle|>...<|im_end|>`` (a default system prompt if there is none),
   ``<|im_user|>user<|im_middle|>...<|im_end|>``, ``<|im_assistant|>assistant<|im_middle|>...<|im_end|>``;
-- an assistant turn is ``<think>reasoning</think>`` + content + tool calls, where the reasoning
-  is kept only for turns after the last user message (the current agentic loop); older turns
-  carry an empty ``<think></think>``, as Kimi K2 Thinking renders them;
+- an assistant turn is ``<think>reasoning</think>`` + content + tool calls. Which turns keep
+  their reasoning is the model family's *thinking history* (``THINKING_HISTORY``): ``"all"``
+  (K3, trained with preserved thinking) keeps every turn's; ``"current_turn"`` (K2-style) keeps
+  it only for turns after the last user message (the current agentic loop), older turns carry an
+  empty ``<think></think>`` as Kimi K2 Thinking renders them. The template variable
+  ``preserve_thinking`` (a request's ``chat_template_kwargs``) overrides the family's choice;
 - tool calls: ``<|tool_calls_section_begin|>`` then per call
   ``<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`` then
   ``<|tool_calls_section_end|>``; ids have the native form ``functions.NAME:INDEX``;
@@ -38,7 +41,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tiktoken
 from crescent.services.model.chat_template import ChatTemplate
@@ -70,6 +73,16 @@ PAT_STR = "|".join([
 _MAX_RUN = 25_000  # longest run of (non-)whitespace handed to the regex in one piece
 _RUNS = re.compile(r"\s+|\S+")
 
+# Which earlier assistant turns keep their reasoning in the prompt, by config.json model_type.
+ThinkingHistory = Literal["all", "current_turn"]
+THINKING_HISTORY: dict[str, ThinkingHistory] = {
+    "kimi_k3": "all",  # preserved thinking: K3 was trained with it and is unstable without it
+    "kimi_linear": "current_turn",
+    "kimi_k2": "current_turn",
+    "deepseek_v3": "current_turn",  # Kimi K2 checkpoints declare DeepSeek-V3's architecture
+}
+DEFAULT_THINKING_HISTORY: ThinkingHistory = "current_turn"  # Kimi K2 Thinking's published behaviour
+
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 END_OF_TURN = "<|im_end|>"
 END_OF_TEXT = "[EOS]"
@@ -94,7 +107,7 @@ KIMI_CHAT_TEMPLATE = (
     "{%- set role = m['role'] -%}"
     "{%- if role == 'user' -%}<|im_user|>user<|im_middle|>{{ text(m['content']) }}"
     "{%- elif role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
+    "{%- if (preserve_thinking or loop.index0 > ns.last_user) and m.get('reasoning_content') -%}"
     "<think>{{ m['reasoning_content'] }}</think>"
     "{%- else -%}<think></think>{%- endif -%}"
     "{{ text(m.get('content')) }}"
@@ -138,11 +151,15 @@ class KimiDetokenizer:
 class KimiTokenizer:
     """Encode/decode, stop tokens and chat format of a Kimi model (see the module docstring)."""
 
-    __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template", "_control")
+    __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template", "_control", "thinking_history")
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: Mapping[str, int], *,
-                 skip_ids: frozenset[int]) -> None:
-        """``skip_ids``: the special tokens ``decode(skip_special_tokens=True)`` and the detokenizer drop."""
+                 skip_ids: frozenset[int], thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY) -> None:
+        """``skip_ids``: the special tokens ``decode(skip_special_tokens=True)`` and the detokenizer drop;
+        ``thinking_history``: which earlier assistant turns keep their reasoning (module docstring)."""
+        if thinking_history not in ("all", "current_turn"):
+            raise TokenizerError(f"thinking_history must be 'all' or 'current_turn', got {thinking_history!r}")
+        self.thinking_history = thinking_history
         for name in ("[BOS]", "[EOS]", END_OF_TURN, "<|im_middle|>"):
             if name not in special_tokens:
                 raise TokenizerError(f"Kimi special token {name} is missing from {CONFIG_FILE}")
@@ -157,7 +174,8 @@ class KimiTokenizer:
     # --- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> KimiTokenizer:
+    def from_dir(cls, path: str | Path, *,
+                 thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY) -> KimiTokenizer:
         """Load ``tiktoken.model`` and ``tokenizer_config.json`` from a directory."""
         path = Path(path)
         ranks = _read_ranks(path / VOCAB_FILE)
@@ -183,8 +201,8 @@ class KimiTokenizer:
                 f"{path / CONFIG_FILE}: special token ids {sorted(named)} lie outside [{first}, "
                 f"{first + NUM_RESERVED_SPECIAL})"
             )
-        tok = cls(ranks, specials, skip_ids=frozenset(skip))
-        logger.info("Kimi tokenizer from %s: %d tokens", path, tok.vocab_size)
+        tok = cls(ranks, specials, skip_ids=frozenset(skip), thinking_history=thinking_history)
+        logger.info("Kimi tokenizer from %s: %d tokens, thinking history %s", path, tok.vocab_size, thinking_history)
         return tok
 
     # --- use ------------------------------------------------------------------------------
@@ -249,7 +267,9 @@ class KimiTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **template_vars: Any) -> str:
         """Render a conversation; ``tools`` are OpenAI tool definitions (``{"type": "function", ...}``);
-        ``template_vars`` go to the template (``thinking=False`` opens the reply with an empty think block)."""
+        ``template_vars`` go to the template (``thinking=False`` opens the reply with an empty think block;
+        ``preserve_thinking`` overrides the family's thinking history for this conversation)."""
+        template_vars.setdefault("preserve_thinking", self.thinking_history == "all")
         return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
                                      **template_vars)
 
@@ -315,25 +335,44 @@ def default_tokenizer_dir() -> Path:
     return Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
 
 
-def load_kimi_tokenizer(model_dir: Path | None = None) -> KimiTokenizer:
+def thinking_history_for(model_type: str | None) -> ThinkingHistory:
+    """The thinking history of a model family (``THINKING_HISTORY``), K2-style for families not listed."""
+    return THINKING_HISTORY.get(model_type or "", DEFAULT_THINKING_HISTORY)
+
+
+def _model_type(source: ModelSource) -> str | None:
+    """config.json's ``model_type``; a seeded preset has no files, its kind is its family."""
+    if source.random_seed is not None:
+        return source.kind
+    try:
+        raw = json.loads((source.path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None
+
+
+def load_kimi_tokenizer(model_dir: Path | None = None, *,
+                        thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY) -> KimiTokenizer:
     """The Kimi tokenizer of ``model_dir`` if it ships one, else the one in ``default_tokenizer_dir()``."""
     if model_dir is not None and (model_dir / VOCAB_FILE).is_file():
-        return KimiTokenizer.from_dir(model_dir)
+        return KimiTokenizer.from_dir(model_dir, thinking_history=thinking_history)
     fallback = default_tokenizer_dir()
     if not (fallback / VOCAB_FILE).is_file():
         raise TokenizerError(
             f"the Kimi vocabulary ({VOCAB_FILE} + {CONFIG_FILE}) is not in "
             f"{model_dir or 'the model directory'} nor in {fallback}; set {TOKENIZER_DIR_ENV} to its directory"
         )
-    return KimiTokenizer.from_dir(fallback)
+    return KimiTokenizer.from_dir(fallback, thinking_history=thinking_history)
 
 
 def tokenizer_for(source: ModelSource) -> Tokenizer | KimiTokenizer:
     """The tokenizer of a resolved model: Kimi's where the source says so (``tokenizer="kimi"``) or
-    where its directory ships ``tiktoken.model`` without ``tokenizer.json``; else ``Tokenizer.for_model``."""
+    where its directory ships ``tiktoken.model`` without ``tokenizer.json``; else ``Tokenizer.for_model``.
+    A Kimi tokenizer keeps the thinking history of the model's family (``thinking_history_for``)."""
     model_dir = source.path if source.kind != "gguf" and source.random_seed is None and source.path.is_dir() else None
+    history = thinking_history_for(_model_type(source)) if source.kind != "gguf" else DEFAULT_THINKING_HISTORY
     if source.tokenizer == "kimi":
-        return load_kimi_tokenizer(model_dir)
+        return load_kimi_tokenizer(model_dir, thinking_history=history)
     if model_dir is not None and (model_dir / VOCAB_FILE).is_file() and not (model_dir / "tokenizer.json").is_file():
-        return KimiTokenizer.from_dir(model_dir)
+        return KimiTokenizer.from_dir(model_dir, thinking_history=history)
     return Tokenizer.for_model(source)

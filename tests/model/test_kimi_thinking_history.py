@@ -1,0 +1,137 @@
+"""Thinking history: K3 keeps the reasoning of every earlier assistant turn in the prompt, K2-style
+Kimi models keep only the current turn's. Rendered with the real Kimi tokenizer (../shared/)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from crescent.services.gateway.api_models import ChatCompletionRequest
+from crescent.services.gateway.output_format import KIMI_OUTPUT
+from crescent.services.gateway.prompt import ServedModel, build_prompt
+from crescent.services.model.kimi_tokenizer import (
+    DEFAULT_SYSTEM_PROMPT,
+    TOKENIZER_DIR_ENV,
+    KimiTokenizer,
+    tokenizer_for,
+)
+from crescent.services.model.model_source import ModelSource, resolve_model
+from crescent.services.model.tokenizer import TokenizerError
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
+pytestmark = pytest.mark.skipif(
+    not (SHARED / "tiktoken.model").is_file(),
+    reason=f"the Kimi vocabulary is not at {SHARED} (it is read from ../shared/, never committed)",
+)
+
+SYSTEM = f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM_PROMPT}<|im_end|>"
+# Two finished turns with reasoning, then a third question.
+CONVERSATION = [
+    {"role": "user", "content": "What is 17 * 3?"},
+    {"role": "assistant", "content": "51.", "reasoning_content": "17 * 3 = 51."},
+    {"role": "user", "content": "And plus 9?"},
+    {"role": "assistant", "content": "60.", "reasoning_content": "51 + 9 = 60."},
+    {"role": "user", "content": "Thanks!"},
+]
+
+
+def _family_dir(tmp_path: Path, model_type: str) -> ModelSource:
+    """A model directory of the given family that ships the Kimi vocabulary."""
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        os.symlink(SHARED / name, tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return ModelSource(kind="hf", path=tmp_path, model_id=model_type)
+
+
+@pytest.fixture
+def k3(monkeypatch: pytest.MonkeyPatch) -> KimiTokenizer:
+    monkeypatch.setenv(TOKENIZER_DIR_ENV, str(SHARED))
+    tok = tokenizer_for(resolve_model("kimi-k3-nano"))
+    assert isinstance(tok, KimiTokenizer)
+    return tok
+
+
+@pytest.fixture
+def k2(tmp_path: Path) -> KimiTokenizer:
+    tok = tokenizer_for(_family_dir(tmp_path, "kimi_linear"))
+    assert isinstance(tok, KimiTokenizer)
+    return tok
+
+
+def test_k3_keeps_the_reasoning_of_every_earlier_turn(k3: KimiTokenizer) -> None:
+    assert k3.thinking_history == "all"
+    assert k3.apply_chat_template(CONVERSATION) == (
+        SYSTEM
+        + "<|im_user|>user<|im_middle|>What is 17 * 3?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>17 * 3 = 51.</think>51.<|im_end|>"
+        "<|im_user|>user<|im_middle|>And plus 9?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>51 + 9 = 60.</think>60.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Thanks!<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+
+
+def test_k2_style_models_drop_reasoning_before_the_last_user_message(k2: KimiTokenizer) -> None:
+    assert k2.thinking_history == "current_turn"
+    assert k2.apply_chat_template(CONVERSATION) == (
+        SYSTEM
+        + "<|im_user|>user<|im_middle|>What is 17 * 3?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>51.<|im_end|>"
+        "<|im_user|>user<|im_middle|>And plus 9?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>60.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Thanks!<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+    # the current agentic loop (after the last user message) keeps its reasoning in both families
+    loop = CONVERSATION[:3] + [{"role": "assistant", "content": "Let me check.", "reasoning_content": "use a tool"}]
+    assert "<think>use a tool</think>Let me check." in k2.apply_chat_template(loop)
+
+
+@pytest.mark.parametrize("model_type,history", [("kimi_k3", "all"), ("kimi_linear", "current_turn"),
+                                                 ("kimi_k2", "current_turn"), ("deepseek_v3", "current_turn"),
+                                                 ("something_new", "current_turn")])
+def test_the_family_comes_from_config_model_type(tmp_path: Path, model_type: str, history: str) -> None:
+    tok = tokenizer_for(_family_dir(tmp_path, model_type))
+    assert isinstance(tok, KimiTokenizer) and tok.thinking_history == history
+
+
+def _reply_ids(tok: KimiTokenizer, reasoning: str, answer: str) -> list[int]:
+    """The tokens a thinking model generates for one turn, up to its end-of-turn token."""
+    return tok.encode(f"<think>{reasoning}</think>{answer}<|im_end|>")
+
+
+def test_each_k3_prompt_extends_the_previous_turn_so_the_prefix_cache_hits(
+        k3: KimiTokenizer, k2: KimiTokenizer) -> None:
+    # What a prefix cache sees: turn 1's prompt plus the tokens the model generated, then turn 2's prompt.
+    turn1 = CONVERSATION[:1]
+    turn2 = CONVERSATION[:3]
+    for tok, extends in ((k3, True), (k2, False)):
+        cached = tok.encode(tok.apply_chat_template(turn1)) + _reply_ids(tok, "17 * 3 = 51.", "51.")
+        prompt2 = tok.encode(tok.apply_chat_template(turn2))
+        assert (prompt2[:len(cached)] == cached) is extends
+    # K2-style: the cached tokens stop matching right after "<think>" of the first reply
+    cached = k2.encode(k2.apply_chat_template(turn1))
+    think = k2.token_to_id("<think>")
+    prompt2 = k2.encode(k2.apply_chat_template(turn2))
+    assert prompt2[len(cached)] == think and prompt2[len(cached) + 1] == k2.token_to_id("</think>")
+
+
+def test_a_request_may_override_the_family_through_chat_template_kwargs(
+        k3: KimiTokenizer, k2: KimiTokenizer) -> None:
+    # like Kimi's API `thinking.keep: "all"` for K2.6, as a template variable
+    model = ServedModel(tokenizer=k2, model_id="k2", context_window=4096, output_format=KIMI_OUTPUT)
+    request = ChatCompletionRequest.model_validate({
+        "model": "k2", "messages": CONVERSATION, "chat_template_kwargs": {"preserve_thinking": True}})
+    text = k2.decode(list(build_prompt(request, model, 16).token_ids), skip_special_tokens=False)
+    assert "<think>17 * 3 = 51.</think>" in text and "<think>51 + 9 = 60.</think>" in text
+    assert "17 * 3 = 51." not in k3.apply_chat_template(CONVERSATION, preserve_thinking=False)
+    # without the override the gateway renders each family's own way
+    plain = ChatCompletionRequest.model_validate({"model": "k2", "messages": CONVERSATION})
+    assert "51 + 9" not in k2.decode(list(build_prompt(plain, model, 16).token_ids))
+
+
+def test_an_unknown_thinking_history_is_refused() -> None:
+    with pytest.raises(TokenizerError, match="thinking_history must be"):
+        KimiTokenizer.from_dir(SHARED, thinking_history="some")  # type: ignore[arg-type]
