@@ -38,6 +38,16 @@ def kda_gate(
     return lower_bound * torch.sigmoid(a_log.float().reshape(hv, 1).exp() * x)
 
 
+def kda_softplus_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Kimi-Linear's unbounded per-channel log decay: g = -exp(A_log) * softplus(f + dt_bias).
+
+    Shapes as :func:`kda_gate` (``a_log`` ``[HV]``). Returns fp32 g < 0.
+    """
+    hv, k = f.shape[-2:]
+    x = f.float() + dt_bias.float().reshape(hv, k)
+    return -a_log.float().reshape(hv, 1).exp() * F.softplus(x)
+
+
 def _prepare(q, k, v, g, beta, scale):
     hv, h = v.shape[2], q.shape[2]
     if scale is None:

@@ -1,10 +1,13 @@
 """The shape of a Kimi K3-class hybrid model: which layers are KDA and which gated MLA, the
-dense first layer(s), the latent MoE, Block Attention Residuals, SiTU-GLU constants.
+dense first layer(s), the latent MoE, Block Attention Residuals, the activation — and every
+numerical choice the public checkpoints differ in (NoPE or RoPE MLA, the KDA decay-gate form,
+a full-rank or low-rank KDA output gate, AttnRes on or off, SiLU or SiTU, the latent norm...).
 
-One frozen dataclass, read from (and written to) a Hugging Face ``config.json`` with
-``model_type: "kimi_k3"``. ``K3_FULL`` is the published K3 shape (sizes the issue lists; the
-KDA head layout and the MLA/KDA interleave are assumptions, see docs/k3.md); ``NANO`` is the
-tiny test model behind the ``kimi-k3-nano`` preset.
+One frozen dataclass. Crescent's own flat ``config.json`` (``model_type: "kimi_k3"``, no
+``text_config``) maps onto it field by field (``from_hf_dict``/``to_hf_dict``); the real Moonshot
+formats (``kimi_linear`` and the nested ``kimi_k3``) are translated by ``hf_formats.py``.
+``K3_FULL`` is the published K3 shape in Crescent's format (sizes the issue lists; see
+docs/k3.md); ``NANO`` is the tiny test model behind the ``kimi-k3-nano`` preset.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class K3Config:
     kda_v_head_dim: int           # V
     kda_gate_rank: int            # rank of the low-rank gate projections f (decay) and output gate
     kda_conv_width: int
-    kda_lower_bound: float
+    kda_lower_bound: float | None  # K3's decay lb·sigmoid(...); None: Kimi-Linear's -exp(A_log)·softplus(...)
     # gated MLA
     mla_num_heads: int
     q_lora_rank: int              # 0: a direct q projection
@@ -54,12 +57,26 @@ class K3Config:
     # Block Attention Residuals: the 2 * layers sublayers form this many blocks (the last may be short)
     attn_res_blocks: int
     situ_beta_gate: float
-    situ_beta_up: float
+    situ_beta_up: float | None    # None: SiTU leaves the up projection unbounded
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # ---- numerics the checkpoint's config chooses (the defaults are Crescent's own format) ----
+    hidden_act: str = "situ"                # "situ" (SiTU-GLU) or "silu" (SwiGLU), every MLP
+    mla_rope: bool = True                   # False: NoPE, the "rope" part of q and k stays unrotated
+    mla_output_gate: bool = True            # sigmoid(g_proj(x)) on the head outputs
+    mla_norm_eps: float | None = None       # q_a/kv_a latent norms; None: rms_norm_eps
+    kda_full_rank_output_gate: bool = False  # one g_proj [V, D] instead of g_a_proj/g_b_proj
+    attn_res: bool = True                   # False: a plain residual stream (Kimi-Linear)
+    attn_res_block_layers: int = 0          # > 0: AttnRes blocks of this many layers (the real configs)
+    moe_latent_norm: bool = False           # RMSNorm on the routed latent before latent_up
+    moe_scoring: str = "sigmoid"            # router scores: "sigmoid" or "softmax"
+    moe_renormalize: bool = True            # chosen scores renormalised to sum 1 (before the scale)
+    moe_num_groups: int = 1                 # grouped top-k (DeepSeek-V3 noaux_tc): expert groups
+    moe_topk_groups: int = 1                # ... of which each token may use this many
+    moe_layer_freq: int = 1                 # MoE on layers i >= first_dense_layers with i % freq == 0
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in ("kda", "mla")]
@@ -69,12 +86,26 @@ class K3Config:
             raise ModelConfigError(f"kda_num_v_heads ({self.kda_num_v_heads}) must be a multiple of kda_num_heads")
         if not 1 <= self.attn_res_blocks <= 2 * self.num_layers:
             raise ModelConfigError(f"attn_res_blocks must be in [1, {2 * self.num_layers}] (the sublayers)")
+        if self.attn_res_block_layers < 0:
+            raise ModelConfigError("attn_res_block_layers must be >= 0")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok must be in [1, {self.num_experts}]")
         if not 0 <= self.first_dense_layers <= self.num_layers:
             raise ModelConfigError(f"first_dense_layers must be in [0, {self.num_layers}]")
-        if self.qk_rope_head_dim % 2:
+        if self.mla_rope and self.qk_rope_head_dim % 2:
             raise ModelConfigError("qk_rope_head_dim must be even for RoPE")
+        if self.hidden_act not in ("situ", "silu"):
+            raise ModelConfigError(f"hidden_act must be 'situ' or 'silu', got {self.hidden_act!r}")
+        if self.moe_scoring not in ("sigmoid", "softmax"):
+            raise ModelConfigError(f"moe_scoring must be 'sigmoid' or 'softmax', got {self.moe_scoring!r}")
+        if self.moe_num_groups < 1 or self.num_experts % self.moe_num_groups:
+            raise ModelConfigError(f"moe_num_groups ({self.moe_num_groups}) must divide num_experts ({self.num_experts})")
+        if not 1 <= self.moe_topk_groups <= self.moe_num_groups:
+            raise ModelConfigError(f"moe_topk_groups must be in [1, {self.moe_num_groups}]")
+        if self.moe_layer_freq < 1:
+            raise ModelConfigError("moe_layer_freq must be >= 1")
+        if self.moe_latent_norm and not self.moe_latent_size:
+            raise ModelConfigError("moe_latent_norm needs a latent MoE (moe_latent_size > 0)")
 
     # ---- derived shape ------------------------------------------------------------------------
 
@@ -92,7 +123,18 @@ class K3Config:
 
     @property
     def sublayers_per_block(self) -> int:
+        if self.attn_res_block_layers:
+            return 2 * self.attn_res_block_layers
         return -(-2 * self.num_layers // self.attn_res_blocks)
+
+    @property
+    def mla_latent_norm_eps(self) -> float:
+        return self.rms_norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
+
+    @property
+    def expert_input_size(self) -> int:
+        """Width the routed experts work in: the latent, or the hidden size without one."""
+        return self.moe_latent_size or self.hidden_size
 
     @property
     def kda_qk_dim(self) -> int:
@@ -113,7 +155,7 @@ class K3Config:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_dense_layers
+        return i >= self.first_dense_layers and i % self.moe_layer_freq == 0
 
     # ---- Hugging Face config.json -------------------------------------------------------------
 

@@ -1,9 +1,12 @@
 """A Kimi Delta Attention layer over the K3 cache's per-block state snapshots.
 
 Per token: q, k, v projections, each through a causal depthwise short convolution (width W,
-SiLU); the K3 lower-bounded per-channel decay ``g = lb·sigmoid(exp(A_log)·(f(x) + dt_bias))``
-with f low-rank; ``beta = sigmoid(b(x))``; the delta rule (``crescent.kernels.kda``); an output
-RMSNorm gated by sigmoid of a low-rank gate projection; the output projection.
+SiLU); a per-channel decay from the low-rank f(x) — K3's lower-bounded
+``g = lb·sigmoid(exp(A_log)·(f(x) + dt_bias))`` when the config has a ``kda_lower_bound``,
+Kimi-Linear's ``g = -exp(A_log)·softplus(f(x) + dt_bias)`` when it has none;
+``beta = sigmoid(b(x))``; the delta rule (``crescent.kernels.kda``); an output RMSNorm gated by
+sigmoid of the output gate (one full-rank ``g_proj`` in K3, ``g_b(g_a(x))`` in Kimi-Linear and
+Crescent's own presets); the output projection.
 
 A sequence's new tokens are cut at block boundaries into segments. Each segment starts from the
 state stored in the page of the token before it and leaves its final state (and conv tail) in
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from crescent.kernels.kda.reference import gated_rms_norm_reference, kda_gate, short_conv_reference
+from crescent.kernels.kda.reference import gated_rms_norm_reference, kda_gate, kda_softplus_gate, short_conv_reference
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise
@@ -34,8 +37,9 @@ class KdaWeights:
     a_log: torch.Tensor
     dt_bias: torch.Tensor
     b: torch.Tensor
-    g_a: torch.Tensor
-    g_b: torch.Tensor
+    g: torch.Tensor | None    # full-rank output gate [HV·V, D], or None with the low-rank pair
+    g_a: torch.Tensor | None
+    g_b: torch.Tensor | None
     o_norm: torch.Tensor
     o: torch.Tensor
 
@@ -45,8 +49,9 @@ class KdaWeights:
             qkv=torch.cat([w[p + f"{n}_proj.weight"] for n in "qkv"]).contiguous(),
             conv=torch.cat([w[p + f"{n}_conv1d.weight"] for n in "qkv"]).contiguous(),
             f_a=w[p + "f_a_proj.weight"], f_b=w[p + "f_b_proj.weight"], a_log=w[p + "A_log"],
-            dt_bias=w[p + "dt_bias"], b=w[p + "b_proj.weight"], g_a=w[p + "g_a_proj.weight"],
-            g_b=w[p + "g_b_proj.weight"], o_norm=w[p + "o_norm.weight"], o=w[p + "o_proj.weight"],
+            dt_bias=w[p + "dt_bias"], b=w[p + "b_proj.weight"], g=w.get(p + "g_proj.weight"),
+            g_a=w.get(p + "g_a_proj.weight"), g_b=w.get(p + "g_b_proj.weight"),
+            o_norm=w[p + "o_norm.weight"], o=w[p + "o_proj.weight"],
         )
 
 
@@ -66,7 +71,11 @@ class KdaLayer:
         n = x.shape[0]
         hv, dk, dv = cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
         mixed = linear(x, w.qkv)
-        g = kda_gate(linear(linear(x, w.f_a), w.f_b).view(n, hv, dk), w.a_log, w.dt_bias, cfg.kda_lower_bound)
+        f = linear(linear(x, w.f_a), w.f_b).view(n, hv, dk)
+        if cfg.kda_lower_bound is None:
+            g = kda_softplus_gate(f, w.a_log, w.dt_bias)
+        else:
+            g = kda_gate(f, w.a_log, w.dt_bias, cfg.kda_lower_bound)
         beta = pointwise(torch.sigmoid, linear(x, w.b))
         out = x.new_empty((n, hv, dv))
         singles, start = [], 0
@@ -80,7 +89,7 @@ class KdaLayer:
             start += chunk.num_new
         if singles:
             self._decode(singles, mixed, g, beta, out, cache)
-        gate = linear(linear(x, w.g_a), w.g_b).view(n, hv, dv)
+        gate = (linear(x, w.g) if w.g is not None else linear(linear(x, w.g_a), w.g_b)).view(n, hv, dv)
         o = gated_rms_norm_reference(out, gate, w.o_norm, cfg.rms_norm_eps)
         return linear(o.reshape(n, hv * dv), w.o)
 

@@ -1,9 +1,11 @@
 """A gated Multi-head Latent Attention layer over the K3 cache's paged latents.
 
 Per token the cache keeps only the normalised latent c_kv (``kv_lora_rank``) and the decoupled
-RoPE key (``qk_rope_head_dim``); attention runs in absorbed form (``crescent.kernels.mla``):
+key (``qk_rope_head_dim``); attention runs in absorbed form (``crescent.kernels.mla``):
 queries are mapped into the latent space per head, and head outputs are expanded back by W_uv,
-then gated by ``sigmoid(g_proj(x))`` per element before the output projection.
+then (``mla_output_gate``) gated by ``sigmoid(g_proj(x))`` per element before the output
+projection. With ``mla_rope`` off (NoPE: both real Kimi formats) the decoupled query and key
+parts take part in the scores unrotated, as in Moonshot's modeling code.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class MlaWeights:
     kv_a_norm: torch.Tensor
     w_uk: torch.Tensor          # [H, Dc, Dn]: per head, the linear weight that absorbs q_nope
     w_uv_t: torch.Tensor        # [H, Dv, Dc]: per head, the linear weight that expands o_lat
-    gate: torch.Tensor
+    gate: torch.Tensor | None  # None: no output gate
     o: torch.Tensor
 
     @staticmethod
@@ -52,7 +54,7 @@ class MlaWeights:
             q_b=w[p + "q_b_proj.weight"] if low_rank else None,
             kv_a=w[p + "kv_a_proj_with_mqa.weight"], kv_a_norm=w[p + "kv_a_layernorm.weight"],
             w_uk=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv_t=kv_b[:, dn:, :].contiguous(),
-            gate=w[p + "g_proj.weight"], o=w[p + "o_proj.weight"],
+            gate=w.get(p + "g_proj.weight"), o=w[p + "o_proj.weight"],
         )
 
 
@@ -64,16 +66,18 @@ class MlaLayer:
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: K3Cache) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         n, h, dn, dc = x.shape[0], cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        cos, sin = (t.to(x.device) for t in rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta))
+        eps = cfg.mla_latent_norm_eps
         if w.q is not None:
             q = linear(x, w.q)
         else:
-            q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+            q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
         q = q.view(n, h, dn + cfg.qk_rope_head_dim)
-        q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin)
         kv = linear(x, w.kv_a)
-        c_kv = rms_norm(kv[:, :dc], w.kv_a_norm, cfg.rms_norm_eps)
-        k_rope = apply_rope(kv[:, None, dc:], cos, sin)[:, 0]
+        c_kv = rms_norm(kv[:, :dc], w.kv_a_norm, eps)
+        q_nope, q_rope, k_rope = q[..., :dn], q[..., dn:], kv[:, dc:]
+        if cfg.mla_rope:
+            cos, sin = (t.to(x.device) for t in rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta))
+            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None], cos, sin)[:, 0]
         layer_cache = cache.latent[self.slot]
         layer_cache[batch.slot_pages, batch.slot_offsets] = torch.cat([c_kv, k_rope], dim=-1)
 
@@ -88,5 +92,6 @@ class MlaLayer:
         o_lat = self.ops.mla_attention(q_lat.contiguous(), q_rope.contiguous(), layer_cache, table.to(x.device),
                                        seq_lens.to(x.device), cu_q.to(x.device), self.scale)
         o = torch.stack([linear(o_lat[:, i], w.w_uv_t[i]) for i in range(h)], dim=1)
-        o = o * pointwise(torch.sigmoid, linear(x, w.gate)).view(n, h, cfg.v_head_dim)
+        if w.gate is not None:
+            o = o * pointwise(torch.sigmoid, linear(x, w.gate)).view(n, h, cfg.v_head_dim)
         return linear(o.reshape(n, -1), w.o)

@@ -4,7 +4,9 @@ Each layer has two sublayers (attention, then FFN), each pre-normed. Block Atten
 replace the residual sum: a sublayer's input is a softmax mix, with its own learned
 pseudo-query, over the block representations so far — the embedding, each completed block's
 sum of sublayer outputs and the current block's partial sum — and its output joins the partial
-sum. The logits read a last mix (``model.final_res``) through the final norm.
+sum. The logits read a last mix (``model.final_res``) through the final norm. With AttnRes off
+(``attn_res: false``, Kimi-Linear) a plain residual stream replaces the mixes: each sublayer
+reads the running sum of the embedding and every earlier sublayer output.
 
 Serves through ``Engine`` like ``LlamaModel``: ``forward(batch, cache, logits_for)`` over the
 engine's flat variable-length ``ForwardBatch``, with the cache from ``make_cache``.
@@ -58,8 +60,9 @@ class K3Model:
             moe = config.is_moe_layer(i)
             self.ffn.append(LatentMoe(config, MoeWeights.take(w, p + "mlp."), self.ops) if moe else DenseFfn(config, w, p + "mlp."))
             self.norms += [w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]]
-            self.mix += [(w[p + f"{s}.query"], w[p + f"{s}.norm.weight"]) for s in ("attn_res", "mlp_res")]
-        self.final_mix = (w["model.final_res.query"], w["model.final_res.norm.weight"])
+            if config.attn_res:
+                self.mix += [(w[p + f"{s}.query"], w[p + f"{s}.norm.weight"]) for s in ("attn_res", "mlp_res")]
+        self.final_mix = (w["model.final_res.query"], w["model.final_res.norm.weight"]) if config.attn_res else None
 
     # ---- what the engine asks of a model with its own cache layout ---------------------------
 
@@ -80,27 +83,43 @@ class K3Model:
         """Run the batch, writing latents and state snapshots into ``cache``; logits of the last
         token of each chunk listed in ``logits_for``, ``(len(logits_for), vocab)``."""
         cfg = self.config
-        eps = cfg.rms_norm_eps
-        per_block = cfg.sublayers_per_block
-        blocks = [self.embed[batch.token_ids.to(self.device)]]
+        x = self.embed[batch.token_ids.to(self.device)]
+        h = self._attn_res_stack(x, batch, cache) if cfg.attn_res else self._residual_stack(x, batch, cache)
+        if not logits_for:
+            return x.new_empty((0, cfg.vocab_size))
+        ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
+        rows = ends[torch.tensor(logits_for)].to(self.device)
+        last = h(rows)
+        return linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)
+
+    def _sublayer(self, index: int, h: torch.Tensor, batch: ForwardBatch, cache: K3Cache) -> torch.Tensor:
+        x = rms_norm(h, self.norms[index], self.config.rms_norm_eps)
+        layer = index // 2
+        return self.attn[layer].forward(x, batch, cache) if index % 2 == 0 else self.ffn[layer].forward(x)
+
+    def _residual_stack(self, x: torch.Tensor, batch: ForwardBatch, cache: K3Cache):
+        """Pre-norm residual stream; returns the final hidden rows as a function of row indices."""
+        h = x
+        for index in range(2 * self.config.num_layers):
+            h = h + self._sublayer(index, h, batch, cache)
+        return lambda rows: h[rows]
+
+    def _attn_res_stack(self, x: torch.Tensor, batch: ForwardBatch, cache: K3Cache):
+        """Block AttnRes; returns the final mix of the chosen rows as a function of row indices."""
+        eps = self.config.rms_norm_eps
+        per_block = self.config.sublayers_per_block
+        blocks = [x]
         partial: torch.Tensor | None = None
         done = 0
-        for index in range(2 * cfg.num_layers):
+        for index in range(2 * self.config.num_layers):
             sources = blocks if partial is None else [*blocks, partial]
             query, key_norm = self.mix[index]
-            h = self.ops.attn_res(torch.stack(sources), query, key_norm, eps)
-            x = rms_norm(h, self.norms[index], eps)
-            layer = index // 2
-            y = self.attn[layer].forward(x, batch, cache) if index % 2 == 0 else self.ffn[layer].forward(x)
+            y = self._sublayer(index, self.ops.attn_res(torch.stack(sources), query, key_norm, eps), batch, cache)
             partial = y if partial is None else partial + y
             done += 1
             if done == per_block:
                 blocks.append(partial)
                 partial, done = None, 0
-        if not logits_for:
-            return blocks[0].new_empty((0, cfg.vocab_size))
-        ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
-        rows = ends[torch.tensor(logits_for)].to(self.device)
-        final = torch.stack([s[rows] for s in (blocks if partial is None else [*blocks, partial])])
-        last = self.ops.attn_res(final, *self.final_mix, eps)
-        return linear(rms_norm(last, self.norm, eps), self.lm_head)
+        final = blocks if partial is None else [*blocks, partial]
+        assert self.final_mix is not None
+        return lambda rows: self.ops.attn_res(torch.stack([s[rows] for s in final]), *self.final_mix, eps)

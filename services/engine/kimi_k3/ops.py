@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +50,23 @@ def pointwise(fn: Act, x: torch.Tensor) -> torch.Tensor:
     return fn(flat)[:n].view(x.shape)
 
 
-def situ_glu(gate_up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
+def situ_glu(gate_up: torch.Tensor, beta_gate: float = 4.0, beta_up: float | None = 25.0) -> torch.Tensor:
     """SiTU-GLU over ``[..., 2F]`` = [gate | up] -> ``[..., F]``:
-    ``beta_g·tanh(G/beta_g)·sigmoid(G) · beta_u·tanh(U/beta_u)`` (Kimi K3 report, eq. 12)."""
+    ``beta_g·tanh(G/beta_g)·sigmoid(G) · beta_u·tanh(U/beta_u)`` (Kimi K3 report, eq. 12); with
+    ``beta_up`` None the up projection is not capped (``activation_situ_linear_beta`` unset)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return beta_gate * torch.tanh(gate / beta_gate) * torch.sigmoid(gate) * (beta_up * torch.tanh(up / beta_up))
+    if beta_up is not None:
+        up = beta_up * torch.tanh(up / beta_up)
+    return beta_gate * torch.tanh(gate / beta_gate) * torch.sigmoid(gate) * up
+
+
+def mlp_activation(hidden_act: str, beta_gate: float, beta_up: float | None) -> Act:
+    """The GLU every MLP of a model applies to ``[gate | up]``: SiTU-GLU or SwiGLU (``silu``)."""
+    if hidden_act == "silu":
+        from crescent.kernels.reference import silu_and_mul
+
+        return silu_and_mul
+    return partial(situ_glu, beta_gate=beta_gate, beta_up=beta_up)
 
 
 def kda_prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,13 @@
-"""Tensor names and shapes of a kimi_k3 checkpoint, and seeded random weights (the nano preset).
+"""Crescent's internal tensor names and shapes of a kimi_k3 model, and seeded random weights
+(the nano preset).
 
 Names follow Hugging Face conventions (``model.layers.{i}.self_attn.q_proj.weight``, linear
 weights stored ``[out, in]``). Fused expert tensors are ``[experts, out, in]``, as MXFP4
 checkpoints store them. Per layer, ``attn_res``/``mlp_res`` hold the Block AttnRes pseudo-query
 and key norm of the layer's two sublayers; ``mlp.gate.e_score_correction_bias`` holds the
-router's per-expert selection offsets.
+router's per-expert selection offsets. Which tensors exist follows the config (a full-rank or
+low-rank KDA output gate, the MLA gate, AttnRes, the latent projections and norm). Real
+Moonshot checkpoints use other names; ``real_checkpoint.py`` maps them onto these.
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ def weight_shapes(cfg: K3Config) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
-        for sub in ("attn_res", "mlp_res"):
+        for sub in ("attn_res", "mlp_res") if cfg.attn_res else ():
             shapes[p + f"{sub}.query"] = (d,)
             shapes[p + f"{sub}.norm.weight"] = (d,)
         shapes[p + "input_layernorm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         shapes.update(_kda_shapes(cfg, p + "self_attn.") if kind == "kda" else _mla_shapes(cfg, p + "self_attn."))
         shapes.update(_moe_shapes(cfg, p + "mlp.") if cfg.is_moe_layer(i) else _dense_shapes(cfg, p + "mlp."))
-    shapes["model.final_res.query"] = (d,)
-    shapes["model.final_res.norm.weight"] = (d,)
+    if cfg.attn_res:
+        shapes["model.final_res.query"] = (d,)
+        shapes["model.final_res.norm.weight"] = (d,)
     shapes["model.norm.weight"] = (d,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
@@ -38,14 +42,19 @@ def weight_shapes(cfg: K3Config) -> dict[str, tuple[int, ...]]:
 def _kda_shapes(cfg: K3Config, p: str) -> dict[str, tuple[int, ...]]:
     d, r, w = cfg.hidden_size, cfg.kda_gate_rank, cfg.kda_conv_width
     qk, v, hv = cfg.kda_qk_dim, cfg.kda_v_dim, cfg.kda_num_v_heads
-    return {
+    shapes = {
         p + "q_proj.weight": (qk, d), p + "k_proj.weight": (qk, d), p + "v_proj.weight": (v, d),
         p + "q_conv1d.weight": (qk, w), p + "k_conv1d.weight": (qk, w), p + "v_conv1d.weight": (v, w),
         p + "f_a_proj.weight": (r, d), p + "f_b_proj.weight": (hv * cfg.kda_head_dim, r),
         p + "A_log": (hv,), p + "dt_bias": (hv * cfg.kda_head_dim,), p + "b_proj.weight": (hv, d),
-        p + "g_a_proj.weight": (r, d), p + "g_b_proj.weight": (v, r),
         p + "o_norm.weight": (cfg.kda_v_head_dim,), p + "o_proj.weight": (d, v),
     }
+    if cfg.kda_full_rank_output_gate:
+        shapes[p + "g_proj.weight"] = (v, d)
+    else:
+        shapes[p + "g_a_proj.weight"] = (r, d)
+        shapes[p + "g_b_proj.weight"] = (v, r)
+    return shapes
 
 
 def _mla_shapes(cfg: K3Config, p: str) -> dict[str, tuple[int, ...]]:
@@ -61,7 +70,8 @@ def _mla_shapes(cfg: K3Config, p: str) -> dict[str, tuple[int, ...]]:
     shapes[p + "kv_a_proj_with_mqa.weight"] = (cfg.mla_latent_dim, d)
     shapes[p + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
     shapes[p + "kv_b_proj.weight"] = (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-    shapes[p + "g_proj.weight"] = (h * cfg.v_head_dim, d)
+    if cfg.mla_output_gate:
+        shapes[p + "g_proj.weight"] = (h * cfg.v_head_dim, d)
     shapes[p + "o_proj.weight"] = (d, h * cfg.v_head_dim)
     return shapes
 
@@ -72,13 +82,17 @@ def _dense_shapes(cfg: K3Config, p: str) -> dict[str, tuple[int, ...]]:
 
 
 def _moe_shapes(cfg: K3Config, p: str) -> dict[str, tuple[int, ...]]:
-    d, lat, e, f = cfg.hidden_size, cfg.moe_latent_size, cfg.num_experts, cfg.moe_intermediate_size
+    d, lat, e, f = cfg.hidden_size, cfg.expert_input_size, cfg.num_experts, cfg.moe_intermediate_size
     s, fs = cfg.num_shared_experts, cfg.shared_intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         p + "gate.weight": (e, d), p + "gate.e_score_correction_bias": (e,),
-        p + "latent_down.weight": (lat, d), p + "latent_up.weight": (d, lat),
         p + "experts.gate_up_proj": (e, 2 * f, lat), p + "experts.down_proj": (e, lat, f),
     }
+    if cfg.moe_latent_size:
+        shapes[p + "latent_down.weight"] = (lat, d)
+        shapes[p + "latent_up.weight"] = (d, lat)
+    if cfg.moe_latent_norm:
+        shapes[p + "latent_norm.weight"] = (lat,)
     if s:
         shapes[p + "shared_experts.gate_up_proj"] = (s, 2 * fs, d)
         shapes[p + "shared_experts.down_proj"] = (s, d, fs)
