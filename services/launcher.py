@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 REQUEST_PATH = ("gateway", "prefill", "decode", "aggregated")  # drained first: they finish in-flight streams
+# Decode drains only once prefill has: a draining decode refuses new handoffs, and a prompt that
+# prefill is still working on when the stop comes must find its decode instance open.
+DRAINS_AFTER_PREFILL = ("decode",)
 BACKEND_GRACE_S = 10.0  # scheduler and kvstore: nothing in flight to finish
 KILL_MARGIN_S = 5.0  # past a service's own drain grace before SIGKILL
 
@@ -428,15 +431,26 @@ class Platform:
         self._stop_group(back, BACKEND_GRACE_S if grace_s is None else grace_s)
 
     def _stop_group(self, children: list[_Child], grace_s: float) -> None:
-        procs = [c.proc for c in children if c.proc is not None]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        first = [c.proc for c in children if c.proc is not None and c.spec.service not in DRAINS_AFTER_PREFILL]
+        later = [c.proc for c in children if c.proc is not None and c.spec.service in DRAINS_AFTER_PREFILL]
+        prefills = [c.proc for c in children if c.proc is not None and c.spec.service == "prefill"]
         deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not self.force_stop:
-            time.sleep(0.05)
-        for proc in procs:
+        self._terminate(first)
+        self._wait_until_exited(prefills, deadline)
+        self._terminate(later)
+        self._wait_until_exited(first + later, deadline)
+        for proc in first + later:
             if proc.poll() is None:
                 log.warning("pid %d did not stop within %.0f s; killing it", proc.pid, grace_s)
                 proc.kill()
             proc.wait()
+
+    @staticmethod
+    def _terminate(procs: list[subprocess.Popen]) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def _wait_until_exited(self, procs: list[subprocess.Popen], deadline: float) -> None:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not self.force_stop:
+            time.sleep(0.05)

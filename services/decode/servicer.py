@@ -20,6 +20,8 @@ import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
+from crescent.services.kvwire.grpc_codecs import add_with_codecs
+from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
@@ -99,6 +101,12 @@ class Tombstones:
         return self._until.get(request_id, 0.0) > time.monotonic()
 
 
+def add_decode_to_server(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with Handoff's parts decoded by ``handoff_wire`` (the KV
+    payloads are slices of the received messages, not protobuf's copies)."""
+    add_with_codecs(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, server, requests={"Handoff": decode_part})
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, batcher: Batcher, constraints: Constraints | None = None) -> None:
         self.batcher = batcher
@@ -115,8 +123,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         payloads: list[torch.Tensor] = []
         received = 0
         try:
-            async for part in request_iterator:
-                if part.HasField("header"):
+            async for part in request_iterator:  # HandoffWirePart: decoded by handoff_wire
+                if part.error:
+                    raise BlockFormatError(part.error)
+                if part.header is not None:
                     if header is not None:
                         raise BlockFormatError("a second handoff header")
                     header = part.header
@@ -161,8 +171,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                   constraint))
         if local_prompt is None:
             await self._refuse_early(header, context)  # again: the stream took a while
-        elif self.batcher.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this instance takes no new requests")
+        # A local prompt was accepted here before any drain began: it is finished, not refused.
         elif header.request_id in self.tombstones:  # the gateway aborted it while it was prefilled here
             await context.abort(grpc.StatusCode.ABORTED, f"request {header.request_id} was aborted")
         request = DecodeRequest(

@@ -155,13 +155,24 @@ def test_killed_services_come_back_and_requests_succeed(tmp_path) -> None:
         stop_stack(stack)
 
 
-def test_ctrl_c_lets_an_open_stream_finish_then_stops_everything(tmp_path: Path) -> None:
+# A ~1,000-token prompt: its KV (~45 MB) is still crossing to decode, or being taken over by the
+# aggregated engine's decode side, when the first chunk reaches the client.
+LONG_PROMPT = "Here is a list of words to remember: " + " ".join(f"word{i}" for i in range(330)) + ". Count to twenty."
+
+
+@pytest.mark.parametrize("mode, prompt, press_at_line", [
+    ("pools", "Count from one to twenty in words.", 3),  # mid-stream
+    ("pools", LONG_PROMPT, 1),  # the prompt's KV still on its way to decode
+    ("aggregated", LONG_PROMPT, 1),
+], ids=["pools-mid-stream", "pools-during-handoff", "aggregated-during-handoff"])
+def test_ctrl_c_lets_an_open_stream_finish_then_stops_everything(tmp_path: Path, mode: str, prompt: str,
+                                                                 press_at_line: int) -> None:
     port = free_port()
     log = open(tmp_path / "up.log", "wb")
     # Its own session, like a shell's foreground job: Ctrl-C goes to the whole group.
     proc = subprocess.Popen(
         [sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port), "--run-dir", str(tmp_path),
-         *SMALL, "--drain-grace", "60"],
+         *SMALL, "--drain-grace", "60", "--aggregated", "1" if mode == "aggregated" else "0"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     try:
@@ -169,13 +180,13 @@ def test_ctrl_c_lets_an_open_stream_finish_then_stops_everything(tmp_path: Path)
         assert proc.poll() is None, (tmp_path / "up.log").read_text()
         pids = [s["pid"] for s in json.loads((tmp_path / "services.json").read_text())]
         body = {"model": "smollm2-135m-instruct", "max_tokens": 24, "temperature": 0, "stream": True,
-                "messages": [{"role": "user", "content": "Count from one to twenty in words."}]}
+                "messages": [{"role": "user", "content": prompt}]}
         lines: list[str] = []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 lines.append(line)
-                if len(lines) == 3:  # streaming: now the operator presses Ctrl-C
+                if len(lines) == press_at_line:  # now the operator presses Ctrl-C
                     os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=90) == 0
     finally:
