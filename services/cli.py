@@ -19,6 +19,7 @@ from rich.text import Text
 from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
 from crescent.services.keys_cli import auth_status, keys_app
+from crescent.services.plan.cli import plan_command
 from crescent.services.usage_cli import usage_command
 from crescent.services.model.model_source import DEFAULT_MODEL
 
@@ -30,6 +31,7 @@ console = Console(stderr=True)
 log = logging.getLogger(__name__)
 app.add_typer(keys_app, name="keys")
 app.command("usage")(usage_command)
+app.command("plan")(plan_command)
 
 
 class Service(str, Enum):

@@ -1,0 +1,1 @@
+"""``crescent plan``: weights, cache and concurrency of a hybrid model on a GPU shape (docs/k3.md)."""

@@ -1,0 +1,176 @@
+"""What a hybrid (K3-class) model needs on N GPUs of one shape: the numbers behind ``crescent plan``.
+
+Weights: the routed experts in their checkpoint format (MXFP4: 4 bits per weight plus one E8M0
+byte per 32, 4.25 bits), every other tensor (attention, dense and shared FFNs, router,
+embeddings, norms) in bf16. Layouts of one engine instance over its N GPUs:
+
+- ``TP{N}``: every matrix split N ways, experts included.
+- ``EP{N}, attn TP{t}×DP{N/t}``: whole experts spread over the N GPUs; the rest (attention,
+  dense FFNs, embeddings) split t ways inside each of N/t data-parallel groups, each group
+  running its own sequences (SGLang's "DP attention"; t = N is plain TP, t = 1 replicates it).
+
+MLA's latent is shared by all heads, so under attention TP every GPU of a group keeps the whole
+latent cache of the group's sequences; KDA states split by value head.
+
+Per sequence (docs/k3.md, ``memory.k3_footprint``): the MLA latents of every token (bf16), one
+live KDA state (fp32 states, bf16 conv tails) and a bounded snapshot budget — at most
+``snapshots`` KDA state snapshots of its cached prefix (every k-th block and turn ends).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from crescent.services.engine.kimi_k3.config import K3_FULL, NANO, K3Config
+from crescent.services.engine.kimi_k3.memory import k3_footprint
+from crescent.services.engine.kimi_k3.weights import weight_shapes
+from crescent.services.plan.gpus import GpuShape, PlanInputError
+
+# Bits per routed-expert weight: element bits plus one 8-bit shared scale per 32 elements.
+EXPERT_BITS = {"mxfp4": 4 + 8 / 32, "mxfp8": 8 + 8 / 32, "bf16": 16.0}
+OTHER_BYTES = 2  # bf16: attention, dense/shared FFNs, router, embeddings, norms
+LATENT_BYTES = 2  # MLA latents and KDA conv tails in the model's dtype (bf16)
+STATE_BYTES = 4  # KDA recurrent states in fp32, as the kernels keep them
+PLAN_PRESETS = {"kimi-k3": K3_FULL, "kimi-k3-nano": NANO}
+
+
+def resolve_plan_model(spec: str) -> tuple[str, K3Config]:
+    """A preset (``kimi-k3``: the published shape; ``kimi-k3-nano``) or a model directory / its
+    config.json, read by the K3 loader (Crescent's format, ``kimi_k3`` nested, ``kimi_linear``)."""
+    if spec.lower() in PLAN_PRESETS:
+        return spec.lower(), PLAN_PRESETS[spec.lower()]
+    path = Path(spec).expanduser()
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if not (path / "config.json").is_file():
+        raise PlanInputError(f"--model {spec!r}: not a preset ({', '.join(PLAN_PRESETS)}) "
+                             "nor a directory with a config.json")
+    from crescent.services.engine.kimi_k3.loading import read_config  # the loader owns the formats
+
+    try:
+        return path.resolve().name, read_config(path)
+    except ValueError as exc:  # ModelLoadError / ModelConfigError name the field
+        raise PlanInputError(f"--model {spec!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    routed_params: int   # routed expert weights (what EP spreads)
+    other_params: int    # everything else
+    routed_bytes: int
+    other_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.routed_bytes + self.other_bytes
+
+
+def weight_bytes(cfg: K3Config, expert_format: str = "mxfp4") -> WeightBytes:
+    if expert_format not in EXPERT_BITS:
+        raise PlanInputError(f"--experts {expert_format!r}: expected one of {', '.join(EXPERT_BITS)}")
+    total = sum(math.prod(shape) for shape in weight_shapes(cfg).values())
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    # gate and up [F, latent] and down [latent, F] of every routed expert
+    routed = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.expert_input_size
+    other = total - routed
+    return WeightBytes(routed, other, math.ceil(routed * EXPERT_BITS[expert_format] / 8), other * OTHER_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceBytes:
+    context_tokens: int
+    latent_bytes: int     # MLA latents of every token
+    state_bytes: int      # the one live KDA state (+ conv tails)
+    snapshot_bytes: int   # the bounded snapshot budget
+
+    @property
+    def total_bytes(self) -> int:
+        return self.latent_bytes + self.state_bytes + self.snapshot_bytes
+
+
+def sequence_bytes(cfg: K3Config, context_tokens: int, snapshots: int) -> SequenceBytes:
+    fp = k3_footprint(cfg, kv_dtype_bytes=LATENT_BYTES, state_dtype_bytes=STATE_BYTES)
+    return SequenceBytes(context_tokens, context_tokens * fp.kv_bytes_per_token, fp.state_bytes_per_sequence,
+                         snapshots * fp.state_bytes_per_sequence)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutPlan:
+    name: str
+    weights_per_gpu: int
+    cache_budget_per_gpu: int    # what memory_utilization leaves after the weights (may be < 0)
+    sequence_bytes_per_gpu: int  # one sequence's cache on each GPU that holds it
+    sequences: int               # full-context sequences the instance holds at once
+
+    @property
+    def fits(self) -> bool:
+        return self.sequences > 0
+
+
+def layout_plans(cfg: K3Config, weights: WeightBytes, seq: SequenceBytes, gpus: int, gpu: GpuShape,
+                 memory_utilization: float) -> list[LayoutPlan]:
+    """TP over all GPUs, then EP with attention TP t × DP n/t for every t dividing n (largest t first)."""
+    usable = int(gpu.memory_bytes * memory_utilization)
+    n = gpus
+    experts_per_gpu = math.ceil(cfg.num_experts / n)
+    ep_routed = math.ceil(weights.routed_bytes * experts_per_gpu / cfg.num_experts)
+    rows = [(f"TP{n}", math.ceil(weights.total_bytes / n), n)]
+    for t in (d for d in range(n, 0, -1) if n % d == 0):
+        attn = f"TP{t}" if t == n else f"DP{n}" if t == 1 else f"TP{t}×DP{n // t}"
+        rows.append((f"EP{n}, attn {attn}", ep_routed + math.ceil(weights.other_bytes / t), t))
+    plans = []
+    for name, w, t in rows:
+        # a sequence's latents sit on every GPU of its group; its KDA state is split by value head
+        head_share = math.ceil(cfg.kda_num_v_heads / t) / cfg.kda_num_v_heads
+        per_seq = seq.latent_bytes + math.ceil((seq.state_bytes + seq.snapshot_bytes) * head_share)
+        budget = usable - w
+        fit = max(0, budget) // per_seq * (n // t) if per_seq else 0
+        plans.append(LayoutPlan(name, w, budget, per_seq, fit))
+    return plans
+
+
+def min_gpus_to_fit(cfg: K3Config, weights: WeightBytes, seq: SequenceBytes, gpu: GpuShape,
+                    memory_utilization: float, limit: int = 1024) -> int | None:
+    """The fewest GPUs of this shape on which some layout holds one full-context sequence."""
+    for n in range(1, limit + 1):
+        if any(p.fits for p in layout_plans(cfg, weights, seq, n, gpu, memory_utilization)):
+            return n
+    return None
+
+
+def helm_values(model_id: str, gpus: int, gpu: GpuShape, best: LayoutPlan, context_tokens: int,
+                block_size: int) -> dict[str, Any]:
+    """prefill/decode values of the chart (helm/crescent/values.yaml) for one instance per pod."""
+    def pool(**engine_extra: int) -> dict[str, Any]:  # a fresh dict per pool: YAML without anchors
+        out: dict[str, Any] = {"gpus": gpus}
+        if gpu.product_label:
+            out["nodeSelector"] = {"nvidia.com/gpu.product": gpu.product_label}
+        out["settings"] = {"engine": {"kv_capacity_tokens": best.sequences * context_tokens,
+                                      "block_size": block_size, **engine_extra}}
+        return out
+
+    return {"model": {"id": model_id}, "prefill": pool(), "decode": pool(max_batch_size=best.sequences)}
+
+
+def as_dict(**parts: Any) -> dict[str, Any]:
+    """Dataclasses and plain values as JSON-ready dicts (``--json``)."""
+    out: dict[str, Any] = {}
+    for key, value in parts.items():
+        if isinstance(value, list):
+            out[key] = [_one(v) for v in value]
+        else:
+            out[key] = _one(value)
+    return out
+
+
+def _one(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        data = asdict(value)
+        for prop in ("total_bytes", "fits"):
+            if hasattr(value, prop):
+                data[prop] = getattr(value, prop)
+        return data
+    return value
