@@ -13,19 +13,19 @@ from pathlib import Path
 
 import grpc
 
-from crescent.protos import decode_pb2_grpc, prefill_pb2_grpc
 from crescent.services.aggregated.batcher import MixedBatcher
 from crescent.services.aggregated.config import ENV_PREFIX, AggregatedSettings
 from crescent.services.aggregated.servicer import AggregatedPrefillServicer
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
 from crescent.services.decode.server import DecodeRole
-from crescent.services.decode.servicer import DecodeServicer
+from crescent.services.decode.servicer import DecodeServicer, add_decode_to_server
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.server import PrefillRole, block_publisher, kvstore_client
+from crescent.services.prefill.servicer import add_prefill_to_server
 
 
 class AggregatedRole:
@@ -78,8 +78,8 @@ async def serve(settings: AggregatedSettings, instance: EngineInstance, signals:
             batcher=batcher, decode=decode, own_address=lambda: instance.address,
         )
         prefill.load.on_change = instance.nudge
-        prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
-        decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+        add_prefill_to_server(prefill, server)
+        add_decode_to_server(decode, server)
         return AggregatedRole(PrefillRole(prefill, kvstore), DecodeRole(batcher))
 
     await instance.run(attach, signals)

@@ -48,9 +48,9 @@ class AggregatedPrefillServicer(PrefillServicer):
         return await self.batcher.prefill(seq)
 
     async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, firsts: list[int],
-                        finished: list[int], hold) -> None:
+                        finished: list[int], hold, export) -> None:
         if request.decode_address != self._own_address():
-            await super()._hand_off(request, seq, firsts, finished, hold)
+            await super()._hand_off(request, seq, firsts, finished, hold, export)
             return
         header = self._handoff_header(request, firsts, finished)
         accepted = await self.decode.accept(header, None, _LocalContext(), local_prompt=seq)

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import grpc
 
-from crescent.protos import decode_pb2_grpc
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
 from crescent.services.decode.batcher import DRAINING, Batcher
 from crescent.services.decode.config import ENV_PREFIX, DecodeSettings
-from crescent.services.decode.servicer import DecodeServicer
+from crescent.services.decode.servicer import DecodeServicer, add_decode_to_server
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
@@ -64,7 +63,7 @@ async def serve(settings: DecodeSettings, instance: EngineInstance, signals: Shu
         batcher.start()
         engine = instance.engine
         constraints = Constraints.for_model(settings.engine.model, engine.config.vocab_size, engine.config.eos_token_ids)
-        decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(batcher, constraints), server)
+        add_decode_to_server(DecodeServicer(batcher, constraints), server)
         return DecodeRole(batcher)
 
     await instance.run(attach, signals)

@@ -7,12 +7,12 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from crescent.protos import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from crescent.services.kvwire import chunk_wire
+from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.common.tasks import cancel_and_wait
@@ -61,18 +61,8 @@ class PeerSet:
 def add_to_server(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
     """The generated registration, with Put's requests and Get's replies through ``chunk_wire``
     (the same bytes on the wire, without protobuf's payload copies)."""
-
-    class _Swap:
-        def add_generic_rpc_handlers(self, handlers: Any) -> None:
-            pass  # rebuilt below from the swapped table
-
-        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-            handlers["Put"] = handlers["Put"]._replace(request_deserializer=chunk_wire.decode_chunk)
-            handlers["Get"] = handlers["Get"]._replace(response_serializer=chunk_wire.encode_chunk)
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-            server.add_registered_method_handlers(service, handlers)
-
-    kvstore_pb2_grpc.add_KvStoreServicer_to_server(servicer, _Swap())
+    add_with_codecs(kvstore_pb2_grpc.add_KvStoreServicer_to_server, servicer, server,
+                    requests={"Put": chunk_wire.decode_chunk}, replies={"Get": chunk_wire.encode_chunk})
 
 
 class PendingReservations:

@@ -1,5 +1,9 @@
 """``BlockChunk`` messages encoded and decoded by hand, so payloads skip protobuf's copies.
 
+The one codec of every stream that carries KV blocks: kvstore puts and gets, the prefill ->
+decode handoff (a ``BlockChunk`` inside ``HandoffPart``, see ``handoff_wire``) and peer prefix
+pulls (``FetchPrefix``).
+
 The bytes are exactly protobuf's wire form of ``BlockChunk`` in ``common.proto``: any gRPC
 client in any language reads and writes them with its generated code. Python's protobuf would
 copy a payload three times on the way in or out (into the message, out to bytes, and again on
@@ -16,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from crescent.protos import common_pb2
+from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, KvBlock, meta_of
 
 # Field numbers and wire types of BlockChunk: meta = 1 (message), data = 2 (bytes), last = 3 (bool).
 _META_TAG, _DATA_TAG, _LAST_TRUE = b"\x0a", b"\x12", b"\x18\x01"
@@ -39,7 +44,9 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def encode_chunk(chunk: WireChunk) -> bytes:
+def encode_chunk(chunk: WireChunk, field: int | None = None) -> bytes:
+    """The chunk's bytes; with ``field``, as that length-delimited field of an enclosing message
+    (``HandoffPart.block`` is field 2), still with one join of the payload."""
     parts: list[bytes | memoryview] = []
     if chunk.meta is not None:
         header = chunk.meta.SerializeToString()
@@ -48,7 +55,35 @@ def encode_chunk(chunk: WireChunk) -> bytes:
         parts += [_DATA_TAG, _varint(len(chunk.data)), chunk.data]
     if chunk.last:
         parts.append(_LAST_TRUE)
+    if field is not None:
+        parts[:0] = [_varint(field << 3 | _LENGTH_DELIMITED), _varint(sum(len(p) for p in parts))]
     return b"".join(parts)
+
+
+def message_fields(raw: bytes | memoryview) -> dict[int, memoryview]:
+    """The length-delimited fields of a message, as slices of ``raw`` (the last of a repeated
+    one); other fields are skipped. Raises ``ValueError`` on malformed bytes."""
+    view = memoryview(raw)
+    fields: dict[int, memoryview] = {}
+    pos = 0
+    while pos < len(view):
+        tag, pos = _read_varint(view, pos)
+        field, wire_type = tag >> 3, tag & 7
+        if wire_type == _VARINT:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == _LENGTH_DELIMITED:
+            length, pos = _read_varint(view, pos)
+            if pos + length > len(view):
+                raise ValueError(f"field {field} runs {pos + length - len(view)} bytes past the message")
+            fields[field] = view[pos : pos + length]
+            pos += length
+        elif wire_type in (_FIXED64, _FIXED32):
+            pos += 8 if wire_type == _FIXED64 else 4
+            if pos > len(view):
+                raise ValueError("truncated fixed-width field")
+        else:
+            raise ValueError(f"wire type {wire_type} of field {field} is not valid here")
+    return fields
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -112,6 +147,11 @@ def block_chunks(meta: common_pb2.BlockMeta, payload: bytes | memoryview, max_ch
     for start in range(0, total, max_chunk_bytes):
         end = min(start + max_chunk_bytes, total)
         yield WireChunk(meta=meta if start == 0 else None, data=view[start:end], last=end == total)
+
+
+def chunks_of_block(block: KvBlock, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Iterator[WireChunk]:
+    """The chunk stream of one block (``BlockAssembler`` reverses it)."""
+    return block_chunks(meta_of(block), block.payload, max_chunk_bytes)
 
 
 def miss(key: bytes) -> WireChunk:

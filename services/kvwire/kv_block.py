@@ -1,4 +1,5 @@
-"""One KV block in memory, its integrity check, and its wire form (``BlockChunk`` streams).
+"""One KV block in memory, its integrity check, and its assembly from a ``BlockChunk`` stream
+(whose codec is ``chunk_wire``).
 
 A ``KvBlock`` is the unit prefill writes and reads back: ``B`` tokens' KV for all layers (plus
 the recurrent state of linear-attention layers for hybrid models), as the raw little-endian bytes
@@ -12,7 +13,6 @@ assembler writes pieces into one preallocated buffer.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -175,44 +175,12 @@ def meta_of(block: KvBlock, *, found: bool = True) -> common_pb2.BlockMeta:
     )
 
 
-def chunks_of(
-    meta: common_pb2.BlockMeta, payload: bytes | memoryview, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-) -> Iterator[common_pb2.BlockChunk]:
-    """Split one block into chunks: the first carries ``meta``, the last has ``last`` set."""
-    if max_chunk_bytes <= 0:
-        raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
-    view = memoryview(payload)
-    total = len(view)
-    if total <= max_chunk_bytes:
-        # One message: protobuf copies bytes-like input once anyway.
-        yield common_pb2.BlockChunk(meta=meta, data=bytes(view) if not isinstance(payload, bytes) else payload, last=True)
-        return
-    for start in range(0, total, max_chunk_bytes):
-        end = min(start + max_chunk_bytes, total)
-        piece = bytes(view[start:end])
-        if start == 0:
-            yield common_pb2.BlockChunk(meta=meta, data=piece, last=end == total)
-        else:
-            yield common_pb2.BlockChunk(data=piece, last=end == total)
-
-
-def block_to_chunks(block: KvBlock, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> Iterator[common_pb2.BlockChunk]:
-    """The chunk stream of one block (``BlockAssembler`` reverses it)."""
-    return chunks_of(meta_of(block), block.payload, max_chunk_bytes)
-
-
 class Chunk(Protocol):
     """What ``BlockAssembler`` reads: ``chunk_wire.WireChunk`` (meta None when absent)."""
 
     meta: common_pb2.BlockMeta | None
     data: bytes | memoryview
     last: bool
-
-
-def _parts(chunk: common_pb2.BlockChunk | Chunk) -> tuple[common_pb2.BlockMeta | None, bytes | memoryview, bool]:
-    if isinstance(chunk, common_pb2.BlockChunk):
-        return (chunk.meta if chunk.HasField("meta") else None), chunk.data, chunk.last
-    return chunk.meta, chunk.data, chunk.last
 
 
 class BlockAssembler:
@@ -247,11 +215,11 @@ class BlockAssembler:
         self.reset()
         return BlockFormatError(message)
 
-    def feed(self, chunk: common_pb2.BlockChunk | Chunk, into: memoryview | None = None) -> KvBlock | None:
+    def feed(self, chunk: Chunk, into: memoryview | None = None) -> KvBlock | None:
         """``into``: where to put the block this chunk starts (``meta.nbytes`` long, e.g. room
         reserved in a host pool); by default a buffer of its own, or the chunk's own bytes."""
         self.last_miss = None
-        meta, data, last = _parts(chunk)
+        meta, data, last = chunk.meta, chunk.data, chunk.last
         if meta is not None:
             if self._meta is not None:
                 raise self._fail(f"block {self._meta.key.hex()} ended without its last chunk")
@@ -292,8 +260,3 @@ class BlockAssembler:
             block = KvBlock.from_meta(meta, self._buffer.toreadonly(), payload_crc=self._crc)
         self.reset()
         return block
-
-
-def miss_chunk(key: bytes) -> common_pb2.BlockChunk:
-    """The Get-reply marker for a key the store has no valid copy of."""
-    return common_pb2.BlockChunk(meta=common_pb2.BlockMeta(key=key, found=False), last=True)

@@ -21,11 +21,12 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from crescent.protos import common_pb2, prefill_pb2, prefill_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from crescent.protos import prefill_pb2, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.tls import PeerTls
-from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, BlockIntegrityError, KvBlock, block_to_chunks
+from crescent.services.kvwire import chunk_wire
+from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, BlockIntegrityError, KvBlock
 from crescent.services.common.metrics import EngineMetrics
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.runtime import EngineWorker
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 PULL_TIMEOUT_S = 30.0        # a peer busy longer than this is not worth waiting for
 READ_BATCH_BLOCKS = 8        # blocks copied per engine call while serving a fetch
 DIRECTORY_REFRESH_S = 1.0    # ask the scheduler for peers' addresses at most this often
+FETCH_PREFIX_METHOD = "/crescent.v1.Prefill/FetchPrefix"
 
 
 class PeerDirectory:
@@ -91,8 +93,9 @@ def _read_cached_blocks(engine: Engine, keys: list[BlockKey], token_blocks: list
 
 
 async def serve_prefix(engine: Engine, worker: EngineWorker, metrics: EngineMetrics,
-                       request: prefill_pb2.FetchPrefixRequest) -> AsyncIterator[common_pb2.BlockChunk]:
-    """The chunks of the longest cached run of ``request.block_keys``, a few blocks per engine call."""
+                       request: prefill_pb2.FetchPrefixRequest) -> AsyncIterator[chunk_wire.WireChunk]:
+    """The chunks of the longest cached run of ``request.block_keys``, a few blocks per engine call
+    (encoded by ``chunk_wire``: the servicer is registered with it, see ``add_prefill_to_server``)."""
     page = engine.page_size
     keys = [BlockKey(bytes(k)) for k in request.block_keys]
     tokens = list(request.token_ids)
@@ -105,7 +108,7 @@ async def serve_prefix(engine: Engine, worker: EngineWorker, metrics: EngineMetr
         token_blocks = [tokens[(sent + i) * page : (sent + i + 1) * page] for i in range(len(batch))]
         blocks = await worker.run(_read_cached_blocks, engine, batch, token_blocks, keys[sent - 1] if sent else None)
         for block in blocks:
-            for chunk in block_to_chunks(block):
+            for chunk in chunk_wire.chunks_of_block(block):
                 yield chunk
             nbytes += block.nbytes
         sent += len(blocks)
@@ -137,10 +140,14 @@ class PrefixPuller:
             await channel.close()
         await self.directory.close()
 
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+    def _fetch_call(self, address: str) -> grpc.aio.UnaryStreamMultiCallable:
+        """FetchPrefix at ``address``, its replies decoded by ``chunk_wire`` (payloads sliced, not copied)."""
         if address not in self._channels:
             self._channels[address] = open_channel(address, self._tls)
-        return prefill_pb2_grpc.PrefillStub(self._channels[address])
+        return self._channels[address].unary_stream(
+            FETCH_PREFIX_METHOD, request_serializer=prefill_pb2.FetchPrefixRequest.SerializeToString,
+            response_deserializer=chunk_wire.decode_chunk,
+        )
 
     async def pull(self, seq: Sequence, source_id: str, source_blocks: int, address: str = "") -> int:
         """Attach the blocks after ``seq``'s local prefix that ``source_id`` holds; returns tokens added.
@@ -189,9 +196,11 @@ class PrefixPuller:
         assembler = BlockAssembler()
         payloads: list[torch.Tensor] = []
         nbytes = 0
-        call = self._stub(address).FetchPrefix(request, timeout=PULL_TIMEOUT_S)
+        call = self._fetch_call(address)(request, timeout=PULL_TIMEOUT_S)
         try:
             async for chunk in call:
+                if chunk.error:
+                    raise BlockFormatError(chunk.error)
                 block = assembler.feed(chunk)
                 if block is None:
                     continue

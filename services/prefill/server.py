@@ -7,7 +7,6 @@ from pathlib import Path
 
 import grpc
 
-from crescent.protos import prefill_pb2_grpc
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
 from crescent.services.engine.constraints import Constraints
@@ -16,7 +15,7 @@ from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.config import ENV_PREFIX, PrefillSettings
-from crescent.services.prefill.servicer import PrefillServicer
+from crescent.services.prefill.servicer import PrefillServicer, add_prefill_to_server
 
 
 class PrefillRole:
@@ -74,7 +73,7 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
                                                                      engine.config.eos_token_ids),
                                    tls=instance.tls)
         servicer.load.on_change = instance.nudge
-        prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+        add_prefill_to_server(servicer, server)
         return PrefillRole(servicer, kvstore)
 
     await instance.run(attach, signals)

@@ -22,11 +22,14 @@ from dataclasses import replace
 import grpc
 import torch
 
-from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.tls import PeerTls
-from crescent.services.kvwire.kv_block import KvBlock, chunks_of
+from crescent.services.kvwire import chunk_wire
+from crescent.services.kvwire.grpc_codecs import add_with_codecs
+from crescent.services.kvwire.handoff_wire import encode_part, handoff_parts
+from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.stop_rule import stop_token_ids
@@ -47,16 +50,16 @@ from crescent.services.engine.wire import (
     block_matches,
     block_tensor,
     logprob_message,
-    page_block,
     sampling_config,
 )
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.load import PrefillLoad
+from crescent.services.prefill.prompt_export import PromptExport
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
 
 log = logging.getLogger(__name__)
 
-EXPORT_BLOCKS_PER_CALL = 4  # KV blocks copied out for the kvstore per engine-thread call
+HANDOFF_METHOD = "/crescent.v1.Decode/Handoff"
 
 # How a failed handoff ends the Prefill call; anything else is UNAVAILABLE: place it again.
 _HANDOFF_FAILURES = {
@@ -65,6 +68,12 @@ _HANDOFF_FAILURES = {
     grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INTERNAL,              # prefill and decode disagree
     grpc.StatusCode.ALREADY_EXISTS: grpc.StatusCode.INTERNAL,
 }
+
+
+def add_prefill_to_server(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with FetchPrefix's replies encoded by ``chunk_wire``."""
+    add_with_codecs(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, server,
+                    replies={"FetchPrefix": chunk_wire.encode_chunk})
 
 
 class _PageHold:
@@ -126,10 +135,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {exc}")
         raise AssertionError("abort raises")
 
-    def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
+    def _handoff_call(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
+        """Decode's Handoff at ``address``, its parts encoded by ``handoff_wire`` (payloads joined
+        once into the message, no protobuf copies)."""
         if address not in self._decode_channels:
             self._decode_channels[address] = open_channel(address, self._tls)
-        return decode_pb2_grpc.DecodeStub(self._decode_channels[address])
+        return self._decode_channels[address].stream_unary(
+            HANDOFF_METHOD, request_serializer=encode_part, response_deserializer=decode_pb2.HandoffReply.FromString,
+        )
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         request_id_var.set(request.request_id)
@@ -192,10 +205,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
             finished = [i for i, first in enumerate(firsts) if first in stop_ids or request.sampling.max_tokens <= 1]
+            export = PromptExport(self.engine, self.worker, seq, len(tokens))  # one copy for kvstore and handoff
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
                 hold.acquire()
-                self._spawn(self._store_new_blocks(seq, local_hit + peer_hit + remote_hit, hold))
+                self._spawn(self._store_new_blocks(seq, local_hit + peer_hit + remote_hit, hold, export))
             for i, (first, logprob) in enumerate(zip(firsts, logprobs)):
                 yield prefill_pb2.PrefillEvent(
                     first_token=prefill_pb2.FirstToken(
@@ -207,7 +221,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 )
             if len(finished) < n:
                 try:
-                    await self._hand_off(request, seq, firsts, finished, hold)
+                    await self._hand_off(request, seq, firsts, finished, hold, export)
                 except grpc.aio.AioRpcError as exc:
                     self.metrics.requests.labels("prefill", "error").inc()
                     code = _HANDOFF_FAILURES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
@@ -292,31 +306,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.transfer_seconds.labels("prefill", "from_kvstore").observe(time.perf_counter() - start)
         return added
 
-    async def _export_new_blocks(self, seq: Sequence, already_cached: int) -> list[KvBlock]:
-        """Copies of the prompt's full blocks that came from neither cache, for the kvstore (none
-        for a prompt too short to be cached: ``Engine.min_cached_prompt_tokens``)."""
+    async def _export_new_blocks(self, seq: Sequence, already_cached: int, export: PromptExport) -> list[KvBlock]:
+        """The prompt's full blocks that came from neither cache, for the kvstore (none for a
+        prompt too short to be cached: ``Engine.min_cached_prompt_tokens``); their payloads are
+        the ones the handoff sends."""
         if self.kvstore is None or not seq.keeps_blocks:
             return []
         page = self.engine.page_size
+        indices = range(already_cached // page, len(seq.block_keys))
+        payloads = await export.payloads(indices)
+        return [
+            KvBlock.build(seq.block_keys[i], seq.block_keys[i - 1] if i else None, self.engine.model_id, KV_DTYPE,
+                          self.engine.cache.block_shape, seq.token_ids[i * page : (i + 1) * page], payload)
+            for i, payload in zip(indices, payloads)
+        ]
 
-        def export(blocks: range) -> list[KvBlock]:
-            return [
-                page_block(self.engine, seq.pages[i], seq.block_keys[i], seq.block_keys[i - 1] if i else None,
-                           seq.token_ids[i * page : (i + 1) * page])
-                for i in blocks
-            ]
-
-        # A few blocks per engine-thread call: an aggregated instance's decode steps run in between.
-        out: list[KvBlock] = []
-        for start in range(already_cached // page, len(seq.block_keys), EXPORT_BLOCKS_PER_CALL):
-            out += await self.worker.run(export, range(start, min(start + EXPORT_BLOCKS_PER_CALL, len(seq.block_keys))))
-        return out
-
-    async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold) -> None:
+    async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold, export: PromptExport) -> None:
         try:
-            blocks = await self._export_new_blocks(seq, already_cached)
+            blocks = await self._export_new_blocks(seq, already_cached, export)
         finally:
             hold.release()
+        self._count_copied(export)
         if blocks:
             await self._store_blocks(blocks)
 
@@ -330,35 +340,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics.transfer_seconds.labels("prefill", "to_kvstore").observe(time.perf_counter() - start)
 
     async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, firsts: list[int],
-                        finished: list[int], hold: _PageHold) -> None:
+                        finished: list[int], hold: _PageHold, export: PromptExport) -> None:
         """Push the request (every choice's first token) and the prompt's KV, once, to decode.
-        (``hold`` keeps the prompt's pages; an in-process handoff holds them longer.)"""
+        (``hold`` keeps the prompt's pages; an in-process handoff holds them longer.) The
+        payloads are ``export``'s: blocks the kvstore export copied already are not copied again."""
         start = time.perf_counter()
-        prompt_len = len(request.token_ids)
-        page = self.engine.page_size
-        num_blocks = -(-prompt_len // page)
-
-        def payloads() -> list[bytes]:
-            return [
-                self.engine.block_payload(seq, i, min(page, prompt_len - i * page)).numpy().tobytes()
-                for i in range(num_blocks)
-            ]
-
-        blobs = await self.worker.run(payloads)
-
-        def parts():
-            yield decode_pb2.HandoffPart(header=self._handoff_header(request, firsts, finished))
-            for i, blob in enumerate(blobs):
-                tokens = min(page, prompt_len - i * page)
-                block_shape = list(self.engine.cache.payload_shape(tokens))
-                meta = common_pb2.BlockMeta(key=f"{request.request_id}/{i}".encode(), model_id=self.engine.model_id,
-                                            dtype=KV_DTYPE, shape=block_shape, nbytes=len(blob), found=True)
-                for chunk in chunks_of(meta, blob):
-                    yield decode_pb2.HandoffPart(block=chunk)
-
-        await self._decode_stub(request.decode_address).Handoff(parts(), timeout=60)
-        self.metrics.transfer_bytes.labels("prefill", "handoff_out").inc(sum(len(b) for b in blobs))
+        payloads = await export.payloads(range(export.num_blocks))
+        self._count_copied(export)
+        blocks = [
+            (common_pb2.BlockMeta(key=f"{request.request_id}/{i}".encode(), model_id=self.engine.model_id,
+                                  dtype=KV_DTYPE, shape=list(self.engine.cache.payload_shape(export.tokens_in(i))),
+                                  nbytes=len(payload), found=True), payload)
+            for i, payload in enumerate(payloads)
+        ]
+        parts = handoff_parts(self._handoff_header(request, firsts, finished), blocks)
+        await self._handoff_call(request.decode_address)(parts, timeout=60)
+        self.metrics.transfer_bytes.labels("prefill", "handoff_out").inc(sum(len(p) for p in payloads))
         self.metrics.transfer_seconds.labels("prefill", "handoff_out").observe(time.perf_counter() - start)
+
+    def _count_copied(self, export: PromptExport) -> None:
+        """KV bytes copied out of the cache since the last count (each block once, whoever asked)."""
+        copied, export.copied_bytes = export.copied_bytes, 0
+        if copied:
+            self.metrics.transfer_bytes.labels("prefill", "copied_out").inc(copied)
 
     def _handoff_header(self, request: prefill_pb2.PrefillRequest, firsts: list[int],
                         finished: list[int]) -> decode_pb2.HandoffHeader:
@@ -373,3 +377,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A background task's exception is logged, not lost."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed", task.get_name(), exc_info=task.exception())

@@ -19,7 +19,6 @@ import torch
 import yaml
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.kvwire.kv_block import chunks_of
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
@@ -87,7 +86,7 @@ class DecodeProcess:
     """``crescent serve decode`` (or ``prefill``) as the CLI runs it: ``server.main(config)`` in its own process."""
 
     def __init__(self, run_dir: Path, scheduler_address: str, kv_capacity_tokens: int, *, max_batch_size: int = 8,
-                 drain_grace_s: float = 100.0, role: str = "decode") -> None:
+                 drain_grace_s: float = 100.0, role: str = "decode", extra: dict | None = None) -> None:
         self.role = role
         self.port, self.admin_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -97,6 +96,7 @@ class DecodeProcess:
             "scheduler_address": scheduler_address,
             "engine": {"kv_capacity_tokens": kv_capacity_tokens, "block_size": BLOCK, "threads": 1,
                        "max_batch_size": max_batch_size, "drain_grace_s": drain_grace_s},
+            **(extra or {}),  # e.g. a prefill's kvstore_address
         }))
         self.log = run_dir / f"{role}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -127,6 +127,14 @@ class DecodeProcess:
         text = httpx.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=2).text
         line = next(line for line in text.splitlines() if line.startswith("crescent_engine_kv_used_tokens{"))
         return float(line.rsplit(" ", 1)[1])
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample on /metrics whose labels include ``labels`` (0 when absent)."""
+        text = httpx.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=2).text
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     def terminate(self) -> None:
         assert self.proc is not None
@@ -177,7 +185,8 @@ class PromptKv:
             shape = list(self.engine.cache.payload_shape(min(BLOCK, len(tokens) - i * BLOCK)))
             meta = common_pb2.BlockMeta(key=f"{request_id}/{i}".encode(), model_id=self.engine.model_id,
                                         dtype=KV_DTYPE, shape=shape, nbytes=len(blob), found=True)
-            parts += [decode_pb2.HandoffPart(block=chunk) for chunk in chunks_of(meta, blob)]
+            # Built with the generated code: the reference the decode server's own codec must read.
+            parts.append(decode_pb2.HandoffPart(block=common_pb2.BlockChunk(meta=meta, data=blob, last=True)))
         return first, parts
 
 

@@ -8,8 +8,8 @@ import functools
 import pytest
 import torch
 
-from crescent.protos import common_pb2
-from crescent.services.kvwire.kv_block import BlockAssembler, KvBlock, block_to_chunks
+from crescent.services.kvwire.chunk_wire import chunks_of_block, decode_chunk, encode_chunk
+from crescent.services.kvwire.kv_block import BlockAssembler, KvBlock
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import seeded_weights
 from crescent.services.engine.kimi_k3.model import K3Model
@@ -141,7 +141,7 @@ def test_blocks_round_trip_through_kvstore_bytes():
         sent = KvBlock.build(key, seq.block_keys[i - 1] if i else None, "k3-test", "float32", a.cache.block_shape,
                              tokens[i * PAGE : (i + 1) * PAGE], payload)
         assembler = BlockAssembler()  # the kvstore's wire form: serialised chunks
-        chunks = [common_pb2.BlockChunk.FromString(c.SerializeToString()) for c in block_to_chunks(sent, 4096)]
+        chunks = [decode_chunk(encode_chunk(c)) for c in chunks_of_block(sent, 4096)]
         received = [assembler.feed(c) for c in chunks][-1]
         received.verify("k3-test")
         blocks.append(torch.frombuffer(bytearray(received.payload), dtype=torch.float32).view(received.shape))

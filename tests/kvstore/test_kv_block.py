@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from crescent.protos import common_pb2
 from crescent.services.kvwire.block_keys import prefix_block_keys
 from crescent.services.kvwire.kv_block import (
     KV_FORMAT_VERSION,
@@ -14,9 +13,13 @@ from crescent.services.kvwire.kv_block import (
     BlockFormatError,
     BlockIntegrityError,
     KvBlock,
-    block_to_chunks,
-    miss_chunk,
 )
+from crescent.services.kvwire.chunk_wire import WireChunk, chunks_of_block, decode_chunk, encode_chunk, miss
+
+
+def block_to_chunks(block: KvBlock, max_chunk_bytes: int) -> list[WireChunk]:
+    """The block's chunks as a receiver decodes them off the wire."""
+    return [decode_chunk(encode_chunk(c)) for c in chunks_of_block(block, max_chunk_bytes)]
 
 MODEL = "test-model"
 
@@ -56,7 +59,7 @@ def test_verify_rejects_each_kind_of_bad_block(change: dict, message: str) -> No
 def test_chunks_round_trip_through_the_assembler(n_floats: int, chunk: int) -> None:
     block = make_block(n_floats, parent=b"p" * 16)
     chunks = list(block_to_chunks(block, max_chunk_bytes=chunk))
-    assert chunks[0].HasField("meta") and chunks[-1].last
+    assert chunks[0].meta is not None and chunks[-1].last
     assert all(len(c.data) <= chunk for c in chunks)
     assembler = BlockAssembler()
     outputs = [assembler.feed(c) for c in chunks]
@@ -71,7 +74,7 @@ def test_chunks_round_trip_through_the_assembler(n_floats: int, chunk: int) -> N
 def test_assembler_reads_consecutive_blocks_and_misses() -> None:
     a, b = make_block(100, seed=1), make_block(300, seed=2)
     assembler = BlockAssembler(replies=True)
-    stream = [*block_to_chunks(a, 128), miss_chunk(b"k" * 16), *block_to_chunks(b, 128)]
+    stream = [*block_to_chunks(a, 128), miss(b"k" * 16), *block_to_chunks(b, 128)]
     blocks, misses = [], []
     for chunk in stream:
         got = assembler.feed(chunk)
@@ -91,10 +94,10 @@ def test_assembler_rejects_malformed_streams() -> None:
     assembler.feed(chunks[0])
     with pytest.raises(BlockFormatError, match="without its last chunk"):
         assembler.feed(chunks[0])
-    too_long = common_pb2.BlockChunk(meta=block.to_meta(), data=bytes(block.payload) + b"x", last=True)
+    too_long = WireChunk(meta=block.to_meta(), data=bytes(block.payload) + b"x", last=True)
     with pytest.raises(BlockFormatError, match="more than"):
         BlockAssembler().feed(too_long)
-    short = common_pb2.BlockChunk(meta=block.to_meta(), data=bytes(block.payload)[:-4], last=True)
+    short = WireChunk(meta=block.to_meta(), data=bytes(block.payload)[:-4], last=True)
     with pytest.raises(BlockFormatError, match="announced"):
         BlockAssembler().feed(short)
 
