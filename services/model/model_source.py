@@ -5,7 +5,8 @@ Specs:
   ``kimi-k3-nano``: a tiny Kimi K3-class hybrid model whose weights are generated from a seed;
 - a path to a ``.gguf`` file;
 - a path to a Hugging Face-style directory (config.json + *.safetensors + tokenizer.json), or
-  a ``kimi_k3`` one (config.json ``model_type: kimi_k3``; it may use the Kimi tokenizer instead).
+  a Kimi one (config.json ``model_type: kimi_k3`` or ``kimi_linear``; it may use the Kimi
+  tokenizer instead).
 
 ``ModelSource.tokenizer`` says where the tokenizer comes from: ``"bundled"`` (the GGUF or the
 directory's tokenizer.json) or ``"kimi"`` (Kimi's tiktoken tokenizer, see kimi_tokenizer).
@@ -117,7 +118,7 @@ def _config_model_type(path: Path) -> str | None:
 
 
 def _resolve_hf_dir(path: Path) -> ModelSource:
-    if _config_model_type(path) == "kimi_k3" and any(path.glob("*.safetensors")):
+    if _config_model_type(path) in ("kimi_k3", "kimi_linear") and any(path.glob("*.safetensors")):
         has_own = (path / "tokenizer.json").is_file()
         return ModelSource(kind="kimi_k3", path=path, model_id=path.name, tokenizer="bundled" if has_own else "kimi")
     missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]

@@ -49,13 +49,16 @@ class MoeWeights:
     shared_down: torch.Tensor | None     # [S, D, Fs]
 
     @staticmethod
-    def take(w: dict[str, torch.Tensor], p: str) -> MoeWeights:
+    def take(cfg: K3Config, w: dict[str, torch.Tensor], p: str) -> MoeWeights:
+        latent, shared = cfg.moe_latent_size > 0, cfg.num_shared_experts > 0
         return MoeWeights(
             router=w[p + "gate.weight"], offsets=w[p + "gate.e_score_correction_bias"],
-            latent_down=w.get(p + "latent_down.weight"), latent_up=w.get(p + "latent_up.weight"),
-            latent_norm=w.get(p + "latent_norm.weight"),
+            latent_down=w[p + "latent_down.weight"] if latent else None,
+            latent_up=w[p + "latent_up.weight"] if latent else None,
+            latent_norm=w[p + "latent_norm.weight"] if cfg.moe_latent_norm else None,
             gate_up=w[p + "experts.gate_up_proj"], down=w[p + "experts.down_proj"],
-            shared_gate_up=w.get(p + "shared_experts.gate_up_proj"), shared_down=w.get(p + "shared_experts.down_proj"),
+            shared_gate_up=w[p + "shared_experts.gate_up_proj"] if shared else None,
+            shared_down=w[p + "shared_experts.down_proj"] if shared else None,
         )
 
 

@@ -44,13 +44,14 @@ class KdaWeights:
     o: torch.Tensor
 
     @staticmethod
-    def take(w: dict[str, torch.Tensor], p: str) -> KdaWeights:
+    def take(cfg: K3Config, w: dict[str, torch.Tensor], p: str) -> KdaWeights:
+        full = cfg.kda_full_rank_output_gate
         return KdaWeights(
             qkv=torch.cat([w[p + f"{n}_proj.weight"] for n in "qkv"]).contiguous(),
             conv=torch.cat([w[p + f"{n}_conv1d.weight"] for n in "qkv"]).contiguous(),
             f_a=w[p + "f_a_proj.weight"], f_b=w[p + "f_b_proj.weight"], a_log=w[p + "A_log"],
-            dt_bias=w[p + "dt_bias"], b=w[p + "b_proj.weight"], g=w.get(p + "g_proj.weight"),
-            g_a=w.get(p + "g_a_proj.weight"), g_b=w.get(p + "g_b_proj.weight"),
+            dt_bias=w[p + "dt_bias"], b=w[p + "b_proj.weight"], g=w[p + "g_proj.weight"] if full else None,
+            g_a=None if full else w[p + "g_a_proj.weight"], g_b=None if full else w[p + "g_b_proj.weight"],
             o_norm=w[p + "o_norm.weight"], o=w[p + "o_proj.weight"],
         )
 

@@ -1,10 +1,18 @@
 """Build a K3Model from a ``ModelSource``: a seeded preset, or a Hugging Face-style directory.
 
-A directory holds ``config.json`` (``model_type: kimi_k3``) and safetensors shards (listed by
-``model.safetensors.index.json`` when present). A tensor is stored in float32/bfloat16/float16,
-or in MXFP4 as ``NAME_blocks`` (uint8 ``[..., K/32, 16]``) and ``NAME_scales`` (uint8
-``[..., K/32]``), possibly in different shards; MXFP4 tensors are dequantised to fp32 at load
-(the engine computes in fp32 on CPU; the MXFP4 Triton matmul is not wired in yet).
+A directory holds ``config.json`` and safetensors shards (listed by
+``model.safetensors.index.json`` when present), in one of three formats:
+
+- a real Moonshot checkpoint, ``model_type: "kimi_linear"`` (Kimi-Linear) or ``"kimi_k3"`` with a
+  ``text_config`` (Kimi K3): ``hf_formats.py`` reads the config, ``real_checkpoint.py`` the
+  tensors under their real names (compressed-tensors MXFP4 experts included);
+- Crescent's own flat format (``model_type: "kimi_k3"``, no ``text_config``): tensors named as
+  ``weights.weight_shapes``, each in float32/bfloat16/float16 or in MXFP4 as ``NAME_blocks``
+  (uint8 ``[..., K/32, 16]``) and ``NAME_scales`` (uint8 ``[..., K/32]``), possibly in
+  different shards.
+
+MXFP4 tensors are dequantised to fp32 at load (the engine computes in fp32 on CPU; the MXFP4
+Triton matmul is not wired in yet).
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from safetensors.torch import save_file
 from crescent.kernels.mxfp4.reference import dequantize_mxfp4, quantize_mxfp4
 from crescent.kernels.moe.reference import quantile_balance_offsets
 from crescent.services.engine.kimi_k3.config import NANO, K3Config
+from crescent.services.engine.kimi_k3.hf_formats import RealFormat, is_real_kimi_config, parse_real_config
 from crescent.services.engine.kimi_k3.model import K3Model
+from crescent.services.engine.kimi_k3.real_checkpoint import read_tensors, to_crescent_names
 from crescent.services.engine.kimi_k3.weights import random_weights, weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.hf_loader import weight_files
@@ -36,8 +46,9 @@ def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu") ->
     if source.random_seed is not None:
         cfg = SEEDED_CONFIGS[source.model_id]
         return K3Model(cfg, seeded_weights(cfg, source.random_seed), device=device)
-    cfg = read_config(source.path)
-    return K3Model(cfg, load_weights(source.path, cfg), device=device)
+    cfg, real = read_any_config(source.path)
+    weights = load_real_weights(source.path, cfg, real) if real else load_weights(source.path, cfg)
+    return K3Model(cfg, weights, device=device)
 
 
 def seeded_weights(cfg: K3Config, seed: int) -> dict[str, torch.Tensor]:
@@ -60,10 +71,42 @@ def balance_router_offsets(cfg: K3Config, weights: dict[str, torch.Tensor], cali
 
 
 def read_config(path: Path) -> K3Config:
+    return read_any_config(path)[0]
+
+
+def read_any_config(path: Path) -> tuple[K3Config, RealFormat | None]:
+    """The model config, and for a real Moonshot checkpoint how its tensors are stored."""
     try:
-        return K3Config.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ValueError("config.json is not a JSON object")
+        if is_real_kimi_config(raw):
+            return parse_real_config(raw)
+        return K3Config.from_hf_dict(raw), None
     except (OSError, ValueError) as exc:  # ModelConfigError is a ValueError
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+
+
+def load_real_weights(path: Path, cfg: K3Config, fmt: RealFormat) -> dict[str, torch.Tensor]:
+    """A real checkpoint's tensors under Crescent's names, checked against ``weight_shapes``."""
+    weights = to_crescent_names(cfg, fmt, read_tensors(path, fmt))
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in weights:
+        raise ModelLoadError(f"{path} lacks tensor {fmt.prefix + 'lm_head.weight'!r}")
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # tied: the embedding is the head
+    _check_complete(path, weights, weight_shapes(cfg))
+    return weights
+
+
+def _check_complete(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    extra = sorted(weights.keys() - expected.keys())
+    if extra:
+        raise ModelLoadError(f"{path}: tensor {extra[0]!r} is not part of this model's config")
+    for name, shape in expected.items():
+        if name not in weights:
+            raise ModelLoadError(f"{path} lacks tensor {name!r}")
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
 
 
 def load_weights(path: Path, cfg: K3Config) -> dict[str, torch.Tensor]:
@@ -92,11 +135,7 @@ def load_weights(path: Path, cfg: K3Config) -> dict[str, torch.Tensor]:
         if parts["blocks"].dtype != torch.uint8 or parts["scales"].dtype != torch.uint8:
             raise ModelLoadError(f"MXFP4 tensor {name!r}: blocks and scales must be uint8")
         weights[name] = dequantize_mxfp4(parts["blocks"], parts["scales"])
-    for name, shape in expected.items():
-        if name not in weights:
-            raise ModelLoadError(f"{path} lacks tensor {name!r}")
-        if tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+    _check_complete(path, weights, expected)
     return weights
 
 

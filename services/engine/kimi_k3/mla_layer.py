@@ -54,7 +54,7 @@ class MlaWeights:
             q_b=w[p + "q_b_proj.weight"] if low_rank else None,
             kv_a=w[p + "kv_a_proj_with_mqa.weight"], kv_a_norm=w[p + "kv_a_layernorm.weight"],
             w_uk=kv_b[:, :dn, :].transpose(1, 2).contiguous(), w_uv_t=kv_b[:, dn:, :].contiguous(),
-            gate=w.get(p + "g_proj.weight"), o=w[p + "o_proj.weight"],
+            gate=w[p + "g_proj.weight"] if cfg.mla_output_gate else None, o=w[p + "o_proj.weight"],
         )
 
 

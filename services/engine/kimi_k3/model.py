@@ -37,6 +37,9 @@ class K3Model:
         missing = sorted(expected.keys() - weights.keys())
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {', '.join(missing[:5])}")
+        unused = sorted(weights.keys() - expected.keys())
+        if unused:  # a tensor this config does not compute with: the config and weights disagree
+            raise ValueError(f"checkpoint has tensors this config does not use: {', '.join(unused[:5])}")
         for name, shape in expected.items():
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
@@ -52,13 +55,13 @@ class K3Model:
         for i, kind in enumerate(config.layer_types):
             p = f"model.layers.{i}."
             if kind == "kda":
-                self.attn.append(KdaLayer(config, KdaWeights.take(w, p + "self_attn."), kda_slot, self.ops))
+                self.attn.append(KdaLayer(config, KdaWeights.take(config, w, p + "self_attn."), kda_slot, self.ops))
                 kda_slot += 1
             else:
                 self.attn.append(MlaLayer(config, MlaWeights.take(config, w, p + "self_attn."), mla_slot, self.ops))
                 mla_slot += 1
             moe = config.is_moe_layer(i)
-            self.ffn.append(LatentMoe(config, MoeWeights.take(w, p + "mlp."), self.ops) if moe else DenseFfn(config, w, p + "mlp."))
+            self.ffn.append(LatentMoe(config, MoeWeights.take(config, w, p + "mlp."), self.ops) if moe else DenseFfn(config, w, p + "mlp."))
             self.norms += [w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"]]
             if config.attn_res:
                 self.mix += [(w[p + f"{s}.query"], w[p + f"{s}.norm.weight"]) for s in ("attn_res", "mlp_res")]
