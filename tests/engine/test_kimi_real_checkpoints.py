@@ -168,3 +168,23 @@ def test_a_config_the_loader_does_not_understand_fails_naming_the_field(config: 
     path = write_checkpoint(tmp_path / "bad", config, {"model.norm.weight": torch.ones(4)}, shards=1)
     with pytest.raises(ModelLoadError, match=field.replace(".", r"\.")):
         load_k3_model(resolve_model(str(path)))
+
+
+@pytest.mark.parametrize("drop", ["language_model.model.layers.2.block_sparse_moe.routed_expert_norm.weight",
+                                  "language_model.model.layers.5.self_attention_res_proj.weight",
+                                  "language_model.model.layers.1.block_sparse_moe.experts.7.w3.weight_scale"])
+def test_a_missing_tensor_is_named_as_the_checkpoint_stores_it(drop: str, tmp_path: Path):
+    tensors = real_tensors(K3_CONFIG)
+    del tensors[drop]
+    path = write_checkpoint(tmp_path / "k3", K3_CONFIG, tensors)
+    expected = drop.removesuffix("_scale") if drop.endswith("_scale") else drop
+    with pytest.raises(ModelLoadError, match=expected.replace(".", r"\.").split("experts.7")[0]):
+        load_k3_model(resolve_model(str(path)))
+
+
+def test_a_padded_a_log_must_pad_with_zeros(tmp_path: Path):
+    tensors = real_tensors(K3_CONFIG)
+    tensors["language_model.model.layers.0.self_attn.A_log"][-1] = 0.5
+    path = write_checkpoint(tmp_path / "k3", K3_CONFIG, tensors)
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.self_attn\.A_log.*zero"):
+        load_k3_model(resolve_model(str(path)))

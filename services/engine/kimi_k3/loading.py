@@ -11,26 +11,29 @@ A directory holds ``config.json`` and safetensors shards (listed by
   (uint8 ``[..., K/32, 16]``) and ``NAME_scales`` (uint8 ``[..., K/32]``), possibly in
   different shards.
 
-MXFP4 tensors are dequantised to fp32 at load (the engine computes in fp32 on CPU; the MXFP4
-Triton matmul is not wired in yet).
+MXFP4 routed experts of Crescent's format stay packed in memory (``Mxfp4Tensor``, 4.25 bits per
+weight) and run through the MXFP4 matmul (``K3Ops.expert_linear``), unless
+``mxfp4_experts="dequantize"``; every other MXFP4 tensor is dequantised to fp32 at load.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from crescent.kernels.mxfp4.packed import Mxfp4Tensor
 from crescent.kernels.mxfp4.reference import dequantize_mxfp4, quantize_mxfp4
 from crescent.kernels.moe.reference import quantile_balance_offsets
 from crescent.services.engine.kimi_k3.config import NANO, K3Config
 from crescent.services.engine.kimi_k3.hf_formats import RealFormat, is_real_kimi_config, parse_real_config
 from crescent.services.engine.kimi_k3.model import K3Model
-from crescent.services.engine.kimi_k3.real_checkpoint import read_tensors, to_crescent_names
+from crescent.services.engine.kimi_k3.real_checkpoint import read_tensors, real_name, to_crescent_names
 from crescent.services.engine.kimi_k3.weights import random_weights, weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.hf_loader import weight_files
@@ -40,14 +43,19 @@ log = logging.getLogger(__name__)
 
 SEEDED_CONFIGS: dict[str, K3Config] = {"kimi-k3-nano": NANO}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_ROUTED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # what may stay packed in MXFP4
 
 
-def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu") -> K3Model:
+def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu",
+                  mxfp4_experts: str = "packed") -> K3Model:
+    """``mxfp4_experts``: "packed" keeps MXFP4 routed experts packed (``Mxfp4Tensor``), "dequantize"
+    expands them to fp32 at load (``EngineSettings.mxfp4_experts``)."""
     if source.random_seed is not None:
         cfg = SEEDED_CONFIGS[source.model_id]
         return K3Model(cfg, seeded_weights(cfg, source.random_seed), device=device)
     cfg, real = read_any_config(source.path)
-    weights = load_real_weights(source.path, cfg, real) if real else load_weights(source.path, cfg)
+    weights = (load_real_weights(source.path, cfg, real) if real
+               else load_weights(source.path, cfg, mxfp4_experts=mxfp4_experts))
     return K3Model(cfg, weights, device=device)
 
 
@@ -94,22 +102,28 @@ def load_real_weights(path: Path, cfg: K3Config, fmt: RealFormat) -> dict[str, t
         raise ModelLoadError(f"{path} lacks tensor {fmt.prefix + 'lm_head.weight'!r}")
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # tied: the embedding is the head
-    _check_complete(path, weights, weight_shapes(cfg))
+    _check_complete(path, weights, weight_shapes(cfg), lambda name: real_name(fmt, name))
     return weights
 
 
-def _check_complete(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+def _check_complete(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+                    source_name: Callable[[str], str] = str) -> None:
+    """Every tensor the config needs, in its shape, and none it does not use (named as stored)."""
     extra = sorted(weights.keys() - expected.keys())
     if extra:
-        raise ModelLoadError(f"{path}: tensor {extra[0]!r} is not part of this model's config")
+        raise ModelLoadError(f"{path}: tensor {source_name(extra[0])!r} is not part of this model's config")
     for name, shape in expected.items():
         if name not in weights:
-            raise ModelLoadError(f"{path} lacks tensor {name!r}")
+            raise ModelLoadError(f"{path} lacks tensor {source_name(name)!r}")
         if tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+            raise ModelLoadError(f"tensor {source_name(name)!r} has shape {tuple(weights[name].shape)} "
+                                 f"(as Crescent holds it), expected {shape}")
 
 
-def load_weights(path: Path, cfg: K3Config) -> dict[str, torch.Tensor]:
+def load_weights(path: Path, cfg: K3Config, *, mxfp4_experts: str = "packed") -> dict[str, torch.Tensor | Mxfp4Tensor]:
+    """Crescent-format tensors; MXFP4 routed experts stay packed unless ``mxfp4_experts="dequantize"``."""
+    if mxfp4_experts not in ("packed", "dequantize"):
+        raise ValueError(f"mxfp4_experts must be 'packed' or 'dequantize', got {mxfp4_experts!r}")
     expected = weight_shapes(cfg)
     weights: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
@@ -134,7 +148,10 @@ def load_weights(path: Path, cfg: K3Config) -> dict[str, torch.Tensor]:
             raise ModelLoadError(f"MXFP4 tensor {name!r} lacks its {'scales' if 'blocks' in parts else 'blocks'}")
         if parts["blocks"].dtype != torch.uint8 or parts["scales"].dtype != torch.uint8:
             raise ModelLoadError(f"MXFP4 tensor {name!r}: blocks and scales must be uint8")
-        weights[name] = dequantize_mxfp4(parts["blocks"], parts["scales"])
+        if mxfp4_experts == "packed" and name.endswith(_ROUTED_EXPERTS):
+            weights[name] = Mxfp4Tensor(parts["blocks"], parts["scales"])  # 4.25 bits/weight resident
+        else:
+            weights[name] = dequantize_mxfp4(parts["blocks"], parts["scales"])
     _check_complete(path, weights, expected)
     return weights
 

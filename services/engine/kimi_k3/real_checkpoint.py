@@ -82,14 +82,14 @@ def read_tensors(path: Path, fmt: RealFormat) -> dict[str, torch.Tensor]:
     for name, t in raw.items():
         if name.endswith(".weight_scale"):
             if name.removesuffix("_scale") + "_packed" not in raw:
-                raise ModelLoadError(f"MXFP4 tensor {fmt.prefix}{name!r} has no weight_packed beside it")
+                raise ModelLoadError(f"MXFP4 tensor {fmt.prefix + name!r} has no weight_packed beside it")
             continue
         if name.endswith(".weight_packed"):
             out[name.removesuffix("_packed")] = _dequantize_packed(fmt.prefix + name, t, raw.get(name.removesuffix("_packed") + "_scale"))
         elif t.dtype in _FLOATS:
             out[name] = t.float()
         else:
-            raise ModelLoadError(f"tensor {fmt.prefix}{name!r} has dtype {t.dtype}")
+            raise ModelLoadError(f"tensor {fmt.prefix + name!r} has dtype {t.dtype}")
     return out
 
 
@@ -124,7 +124,7 @@ def to_crescent_names(cfg: K3Config, fmt: RealFormat, real: dict[str, torch.Tens
         if i >= cfg.num_layers:
             if i < cfg.num_layers + fmt.nextn_layers:
                 continue  # a multi-token-prediction layer: for speculative decoding, not served here
-            raise ModelLoadError(f"tensor {fmt.prefix}{name!r}: layer {i} is past num_hidden_layers ({cfg.num_layers})")
+            raise ModelLoadError(f"tensor {fmt.prefix + name!r}: layer {i} is past num_hidden_layers ({cfg.num_layers})")
         p = f"model.layers.{i}."
         if e := _EXPERT.match(local):
             experts.setdefault((i, e.group(2)), {})[int(e.group(1))] = t
@@ -143,6 +143,23 @@ def to_crescent_names(cfg: K3Config, fmt: RealFormat, real: dict[str, torch.Tens
     _assemble_experts(cfg, fmt, experts, out)
     _assemble_shared(fmt, shared, out)
     return out
+
+
+def real_name(fmt: RealFormat, name: str) -> str:
+    """The checkpoint name(s) a Crescent tensor name comes from, for error messages."""
+    top = {v: k for k, v in _TOP_RENAMES.items()}
+    if name in top:
+        return fmt.prefix + top[name]
+    m = _LAYER.match(name)
+    if m is None:
+        return fmt.prefix + name
+    p, local = f"{fmt.prefix}model.layers.{m.group(1)}.", m.group(2)
+    local = {v: k for k, v in _RENAMES.items()}.get(local, local)
+    local = {"mlp.experts.gate_up_proj": "block_sparse_moe.experts.{e}.w1/w3.weight",
+             "mlp.experts.down_proj": "block_sparse_moe.experts.{e}.w2.weight",
+             "mlp.shared_experts.gate_up_proj": "block_sparse_moe.shared_experts.gate_proj/up_proj.weight",
+             "mlp.shared_experts.down_proj": "block_sparse_moe.shared_experts.down_proj.weight"}.get(local, local)
+    return p + local
 
 
 def _a_log(cfg: K3Config, name: str, t: torch.Tensor) -> torch.Tensor:
