@@ -17,6 +17,7 @@ import triton
 from crescent.kernels import _triton
 from crescent.kernels._triton import check_device, check_float
 from crescent.kernels.mxfp4.matmul import mxfp4_matmul_kernel
+from crescent.kernels.mxfp4.packed import Mxfp4Tensor
 from crescent.kernels.mxfp4.reference import (
     BLOCK,
     E2M1_VALUES,
@@ -31,6 +32,7 @@ __all__ = [
     "BLOCK",
     "E2M1_VALUES",
     "E8M0_NAN",
+    "Mxfp4Tensor",
     "e8m0_to_float",
     "quantize_mxfp4",
     "dequantize_mxfp4",

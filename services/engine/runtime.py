@@ -35,7 +35,7 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     if source.kind == "kimi_k3":  # the hybrid family loads through its own package
         from crescent.services.engine.kimi_k3.loading import load_k3_model
 
-        model, model_id = load_k3_model(source), source.model_id
+        model, model_id = load_k3_model(source, mxfp4_experts=settings.mxfp4_experts), source.model_id
     else:
         loaded = load_model(source, progress=progress)
         model, model_id = LlamaModel(loaded.config, loaded.weights), loaded.model_id

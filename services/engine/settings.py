@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
@@ -21,6 +23,11 @@ class EngineSettings(StrictModel):
                     "prompts cannot be probed through cached_tokens or timing; 0: every prompt's blocks are kept",
     )
     threads: int = Field(default=2, ge=1, description="torch intra-op threads")
+    mxfp4_experts: Literal["packed", "dequantize"] = Field(
+        default="packed",
+        description="routed experts stored in MXFP4: 'packed' keeps them packed in memory (4.25 bits per weight) "
+                    "and multiplies through the MXFP4 matmul; 'dequantize' expands them to fp32 at load",
+    )
     max_batch_size: int = Field(
         default=16, ge=1, description="decode: sequences per step (more are accepted: they wait for a slot)"
     )

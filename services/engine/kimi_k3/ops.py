@@ -19,6 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from crescent.kernels.mxfp4.packed import Mxfp4Tensor
 from crescent.kernels.reference import batch_invariant_linear
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -138,7 +139,10 @@ class K3Ops:
     def expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Checkpoint expert tensors (``[E, 2F, L]``, ``[E, L, F]``, i.e. [out, in]) in the layout
         :meth:`moe_routed` of this backend takes: as they are for the reference (contiguous linear
-        weights keep rows batch-invariant), ``[E, in, out]`` for the grouped-matmul kernel."""
+        weights keep rows batch-invariant), ``[E, in, out]`` for the grouped-matmul kernel; packed
+        MXFP4 experts (``Mxfp4Tensor``) stay packed on both."""
+        if isinstance(gate_up, Mxfp4Tensor) or isinstance(down, Mxfp4Tensor):
+            return gate_up.contiguous(), down.contiguous()
         if self.backend is Backend.TRITON:
             return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
         return gate_up.contiguous(), down.contiguous()
@@ -148,7 +152,8 @@ class K3Ops:
         :meth:`expert_weights` -> ``[T, L]`` = sum over a token's k experts of weight · expert(x)."""
         t, top_k = ids.shape
         e = w_gate_up.shape[0]
-        if self.backend is Backend.TRITON:
+        packed = isinstance(w_gate_up, Mxfp4Tensor) or isinstance(w_down, Mxfp4Tensor)
+        if self.backend is Backend.TRITON and not packed:
             from crescent.kernels.moe import grouped_matmul
 
             flat = ids.flatten()
@@ -159,12 +164,24 @@ class K3Ops:
             per_slot = torch.empty(t * top_k, x.shape[1], dtype=torch.float32, device=x.device)
             per_slot[order] = grouped_matmul(h.to(x.dtype).contiguous(), w_down, offsets).float()
             return (per_slot.view(t, top_k, -1) * weights[..., None]).sum(1)
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32)
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         for expert in torch.unique(ids).tolist():  # ascending: a token sums its experts in id order
             tok, slot = (ids == expert).nonzero(as_tuple=True)
-            h = act(batch_invariant_linear(x[tok], w_gate_up[expert]))
-            out.index_add_(0, tok, batch_invariant_linear(h, w_down[expert]) * weights[tok, slot, None])
+            h = act(self.expert_linear(x[tok], w_gate_up[expert]))
+            out.index_add_(0, tok, self.expert_linear(h, w_down[expert]).float() * weights[tok, slot, None])
         return out
+
+    def expert_linear(self, x: torch.Tensor, w: torch.Tensor | Mxfp4Tensor) -> torch.Tensor:
+        """``x @ wᵀ`` for one expert's weight, float or packed MXFP4. Packed: the Triton
+        ``mxfp4_matmul`` decodes blocks in registers; the reference dequantizes this one expert for
+        the call and drops it (the same fp32 weight as at load, so the same bits as dequantized)."""
+        if not isinstance(w, Mxfp4Tensor):
+            return batch_invariant_linear(x, w)
+        if self.backend is Backend.TRITON:
+            from crescent.kernels.mxfp4 import mxfp4_matmul
+
+            return mxfp4_matmul(x.contiguous(), w.blocks, w.scales)
+        return batch_invariant_linear(x, w.dequantize())
 
     def attn_res(self, sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Block AttnRes mix over ``[N, T, D]`` sources -> ``[T, D]``."""
