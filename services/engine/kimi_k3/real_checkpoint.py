@@ -97,6 +97,8 @@ def _dequantize_packed(name: str, packed: torch.Tensor, scale: torch.Tensor | No
     """compressed-tensors MXFP4: ``weight_packed`` uint8 ``[out, in/2]`` + ``weight_scale`` uint8 ``[out, in/32]``."""
     if scale is None:
         raise ModelLoadError(f"MXFP4 tensor {name!r} has no weight_scale beside it")
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):  # E8M0 stored as its own dtype: same bytes
+        scale = scale.view(torch.uint8)
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ModelLoadError(f"MXFP4 tensor {name!r}: weight_packed and weight_scale must be uint8, "
                              f"got {packed.dtype} and {scale.dtype}")
