@@ -11,7 +11,9 @@ told (``choices_usage``): the prompt once, every choice's completion tokens.
 A request with an ``account`` (``ledger.Account``) is priced and written to the usage ledger
 when it finishes; ``committed`` waits for its row (handlers await it before a response's last
 bytes). Reasoning tokens are the completion tokens generated up to the end of the reasoning
-(``mark_reasoning``, told by the output parser), counted across choices.
+(``mark_reasoning``, told by the output parser), counted across choices; they are part of the
+completion tokens, and the usage a client is told carries them (``UsageCounts.reasoning_tokens``,
+OpenAI's ``completion_tokens_details.reasoning_tokens``), the same count the ledger row holds.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from crescent.services.common.metrics import GatewayMetrics
@@ -35,6 +37,7 @@ class UsageCounts:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # of the completion tokens, those generated up to the end of the reasoning
 
 
 def total_usage(usages: Sequence[UsageCounts]) -> UsageCounts:
@@ -43,6 +46,7 @@ def total_usage(usages: Sequence[UsageCounts]) -> UsageCounts:
         prompt_tokens=sum(u.prompt_tokens for u in usages),
         cached_tokens=sum(u.cached_tokens for u in usages),
         completion_tokens=sum(u.completion_tokens for u in usages),
+        reasoning_tokens=sum(u.reasoning_tokens for u in usages),
     )
 
 
@@ -53,6 +57,7 @@ def choices_usage(usages: Sequence[UsageCounts]) -> UsageCounts:
         prompt_tokens=usages[0].prompt_tokens,
         cached_tokens=usages[0].cached_tokens,
         completion_tokens=sum(u.completion_tokens for u in usages),
+        reasoning_tokens=sum(u.reasoning_tokens for u in usages),
     )
 
 
@@ -100,10 +105,18 @@ class RequestRecord:
         """The request's usage so far (``choices_usage`` of the choices that reported any)."""
         if not self._usage:
             return None
-        return choices_usage([self._usage[i] for i in sorted(self._usage)])
+        return choices_usage([self.choice_usage(i) for i in sorted(self._usage)])
 
-    def set_usage(self, usage: UsageCounts, choice: int = 0) -> None:
+    def set_usage(self, usage: UsageCounts, choice: int = 0) -> UsageCounts:
+        """Record the choice's usage so far; returns it with the choice's reasoning tokens
+        (``choice_usage``), what a ``Finished`` event carries to the client."""
         self._usage[choice] = usage
+        return self.choice_usage(choice)
+
+    def choice_usage(self, choice: int = 0) -> UsageCounts:
+        """The choice's usage so far, its reasoning tokens (``mark_reasoning``) included."""
+        usage = self._usage.get(choice, UsageCounts(0, 0, 0))
+        return replace(usage, reasoning_tokens=self._reasoning.get(choice, 0))
 
     def mark_reasoning(self, choice: int = 0) -> None:
         """The choice's tokens so far are reasoning (its output parser is still in, or just left, it)."""
@@ -138,7 +151,8 @@ class RequestRecord:
         usage = self.usage
         ttft = "-" if self._first_token is None else f"{self._first_token - self._started:.3f} s"
         tokens = "no tokens" if usage is None else (
-            f"{usage.prompt_tokens} prompt ({usage.cached_tokens} cached) + {usage.completion_tokens} completion tokens"
+            f"{usage.prompt_tokens} prompt ({usage.cached_tokens} cached) + {usage.completion_tokens} completion "
+            f"({usage.reasoning_tokens} reasoning) tokens"
         )
         log.info("request %s in %.3f s: ttft %s, %s", status, self._clock() - self._started, ttft, tokens)
         m = self._metrics

@@ -262,7 +262,11 @@ class _DropsNone(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # completion tokens generated up to the end of the reasoning (included in completion_tokens)
 
 
 class Usage(BaseModel):
@@ -270,6 +274,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class FunctionCallOut(BaseModel):

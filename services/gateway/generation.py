@@ -76,9 +76,8 @@ async def _generate_text(
     completion_tokens = 0
 
     def usage() -> UsageCounts:
-        counts = UsageCounts(prompt_tokens, cached_tokens, completion_tokens)
-        record.set_usage(counts, choice)
-        return counts
+        # The record adds the choice's reasoning tokens, which its output parser tells it.
+        return record.set_usage(UsageCounts(prompt_tokens, cached_tokens, completion_tokens), choice)
 
     async with aclosing(events):
         async for event in events:

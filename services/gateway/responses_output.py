@@ -79,7 +79,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0  # not counted apart: reasoning tokens are in output_tokens
+    reasoning_tokens: int = 0  # output tokens generated up to the end of the reasoning (included in output_tokens)
 
 
 class ResponseUsage(BaseModel):
@@ -94,6 +94,7 @@ def response_usage(usage: UsageCounts) -> ResponseUsage:
     return ResponseUsage(
         input_tokens=usage.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
         output_tokens=usage.completion_tokens, total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )
 
 

@@ -23,6 +23,7 @@ from crescent.services.gateway.accounting import UsageCounts
 from crescent.services.gateway.api_models import (
     ChatCompletionChunk,
     ChunkChoice,
+    CompletionTokensDetails,
     Delta,
     FunctionDelta,
     StreamFinishReason,
@@ -44,6 +45,7 @@ def usage_model(usage: UsageCounts) -> Usage:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )
 
 

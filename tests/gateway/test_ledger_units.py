@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from crescent.services.common.metrics import UsageMetrics, gateway_metrics
-from crescent.services.gateway.accounting import RequestRecord, UsageCounts
+from crescent.services.gateway.accounting import RequestRecord, UsageCounts, response_usage
 from crescent.services.gateway.assistant_output import ReasoningDelta, parse_output
 from crescent.services.gateway.auth import Principal
 from crescent.services.gateway.config import LedgerSettings
@@ -180,7 +180,7 @@ async def _tokens(pieces: list[str], record: RequestRecord) -> AsyncGenerator[Ge
     for count, text in enumerate(pieces, start=1):
         record.set_usage(UsageCounts(5, 0, count))
         yield TextDelta(text)
-    yield Finished("stop", UsageCounts(5, 0, len(pieces)))
+    yield Finished("stop", record.set_usage(UsageCounts(5, 0, len(pieces))))
 
 
 @pytest.mark.parametrize(("pieces", "reasoning"), [
@@ -196,7 +196,16 @@ def test_reasoning_tokens_are_those_generated_until_the_reasoning_ends(pieces: l
                               on_reasoning=record.mark_reasoning)
         seen = [event async for event in events]
         assert any(isinstance(e, ReasoningDelta) for e in seen) == (reasoning > 0)
+        [finished] = [e for e in seen if isinstance(e, Finished)]
+        assert finished.usage.reasoning_tokens == reasoning  # what the client is told
         record.finish("ok")
+        assert record.usage is not None and record.usage.reasoning_tokens == reasoning
         return record.reasoning_tokens
 
     assert asyncio.run(run()) == reasoning
+
+
+def test_reasoning_tokens_add_up_over_choices_and_prompts() -> None:
+    # Two prompts with two choices each: the prompt counts once per prompt, reasoning per choice.
+    usages = [UsageCounts(10, 4, 7, 3), UsageCounts(10, 0, 5, 5), UsageCounts(6, 0, 2, 0), UsageCounts(6, 0, 4, 1)]
+    assert response_usage(usages, 2) == UsageCounts(16, 4, 18, 9)
