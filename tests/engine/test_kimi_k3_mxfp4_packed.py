@@ -18,6 +18,7 @@ from crescent.services.engine.runtime import build_engine
 from crescent.services.engine.settings import EngineSettings
 from crescent.services.model.model_source import resolve_model
 from tests.engine.k3_reference import TEST_CFG
+from tests.engine.kimi_real_format import K3_CONFIG, real_tensors, write_checkpoint
 
 REF, TRITON = K3Ops(Backend.REFERENCE), K3Ops(Backend.TRITON)
 TOKENS = [5, 17, 300, 42, 7, 99, 250, 3, 11, 64, 128, 200, 31, 77, 411, 8, 19, 23, 505, 6]
@@ -100,6 +101,17 @@ def test_packed_model_equals_dequantized_and_keeps_4_25_bits_resident(mxfp4_dir)
     assert packed_bytes * 8 / params == 4.25 and dense_bytes * 8 / params == 32
     # same logits, prefill and a decode step, bit for bit
     for a, b in zip(_logits(packed, TOKENS), _logits(dense, TOKENS), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_real_k3_checkpoint_keeps_its_compressed_tensors_experts_packed(tmp_path) -> None:
+    # kimi_k3 nested format, experts as weight_packed [out, in/2] + weight_scale [out, in/32]
+    source = resolve_model(str(write_checkpoint(tmp_path / "k3", K3_CONFIG, real_tensors(K3_CONFIG))))
+    packed, dense = load_k3_model(source), load_k3_model(source, mxfp4_experts="dequantize")
+    assert _experts(packed) and all(isinstance(w, Mxfp4Tensor) for w in _experts(packed))
+    params = sum(math.prod(w.shape) for w in _experts(packed))
+    assert sum(w.nbytes for w in _experts(packed)) * 8 / params == 4.25
+    for a, b in zip(_logits(packed, TOKENS[:12]), _logits(dense, TOKENS[:12]), strict=True):
         assert torch.equal(a, b)
 
 

@@ -54,7 +54,7 @@ def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu",
         cfg = SEEDED_CONFIGS[source.model_id]
         return K3Model(cfg, seeded_weights(cfg, source.random_seed), device=device)
     cfg, real = read_any_config(source.path)
-    weights = (load_real_weights(source.path, cfg, real) if real
+    weights = (load_real_weights(source.path, cfg, real, mxfp4_experts=mxfp4_experts) if real
                else load_weights(source.path, cfg, mxfp4_experts=mxfp4_experts))
     return K3Model(cfg, weights, device=device)
 
@@ -95,9 +95,10 @@ def read_any_config(path: Path) -> tuple[K3Config, RealFormat | None]:
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
 
 
-def load_real_weights(path: Path, cfg: K3Config, fmt: RealFormat) -> dict[str, torch.Tensor]:
+def load_real_weights(path: Path, cfg: K3Config, fmt: RealFormat, *,
+                      mxfp4_experts: str = "packed") -> dict[str, torch.Tensor | Mxfp4Tensor]:
     """A real checkpoint's tensors under Crescent's names, checked against ``weight_shapes``."""
-    weights = to_crescent_names(cfg, fmt, read_tensors(path, fmt))
+    weights = to_crescent_names(cfg, fmt, read_tensors(path, fmt, keep_packed=mxfp4_experts == "packed"))
     if not cfg.tie_word_embeddings and "lm_head.weight" not in weights:
         raise ModelLoadError(f"{path} lacks tensor {fmt.prefix + 'lm_head.weight'!r}")
     if cfg.tie_word_embeddings:

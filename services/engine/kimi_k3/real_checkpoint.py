@@ -16,7 +16,8 @@ The real names and shapes (Moonshot's ``modeling_kimi*.py``; docs/k3.md has the 
   ``routed_expert_norm``, ``routed_expert_up_proj`` (the latent); ``shared_experts.{gate,up,down}_proj``
   (one MLP for all shared experts). Dense layers: ``mlp.{gate,up,down}_proj``.
 
-MXFP4 weights are dequantised to fp32 here (the engine computes in fp32 on CPU today).
+MXFP4 routed experts can stay packed (``Mxfp4Tensor``, ``keep_packed``: the engine's default,
+``EngineSettings.mxfp4_experts``); every other MXFP4 weight is dequantised to fp32 here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from crescent.kernels.mxfp4.reference import dequantize_mxfp4
+from crescent.kernels.mxfp4.packed import Mxfp4Tensor
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.hf_formats import RealFormat
 from crescent.services.engine.loader.errors import ModelLoadError
@@ -59,9 +60,10 @@ _TOP_RENAMES = {
 _SHARED = re.compile(r"block_sparse_moe\.shared_experts\.(gate|up|down)_proj\.weight$")
 
 
-def read_tensors(path: Path, fmt: RealFormat) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, fmt: RealFormat, *, keep_packed: bool = False) -> dict[str, torch.Tensor | Mxfp4Tensor]:
     """Every text-model tensor of the checkpoint, fp32, by its real name without the prefix;
-    compressed-tensors MXFP4 pairs are dequantised to ``NAME.weight``."""
+    compressed-tensors MXFP4 pairs become ``NAME.weight``: dequantised, or for routed experts with
+    ``keep_packed`` an ``Mxfp4Tensor``."""
     raw: dict[str, torch.Tensor] = {}
     skipped: list[str] = []
     for file in weight_files(path):
@@ -85,7 +87,9 @@ def read_tensors(path: Path, fmt: RealFormat) -> dict[str, torch.Tensor]:
                 raise ModelLoadError(f"MXFP4 tensor {fmt.prefix + name!r} has no weight_packed beside it")
             continue
         if name.endswith(".weight_packed"):
-            out[name.removesuffix("_packed")] = _dequantize_packed(fmt.prefix + name, t, raw.get(name.removesuffix("_packed") + "_scale"))
+            mx = _packed_mxfp4(fmt.prefix + name, t, raw.get(name.removesuffix("_packed") + "_scale"))
+            routed = "block_sparse_moe.experts." in name
+            out[name.removesuffix("_packed")] = mx if keep_packed and routed else mx.dequantize()
         elif t.dtype in _FLOATS:
             out[name] = t.float()
         else:
@@ -93,7 +97,7 @@ def read_tensors(path: Path, fmt: RealFormat) -> dict[str, torch.Tensor]:
     return out
 
 
-def _dequantize_packed(name: str, packed: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def _packed_mxfp4(name: str, packed: torch.Tensor, scale: torch.Tensor | None) -> Mxfp4Tensor:
     """compressed-tensors MXFP4: ``weight_packed`` uint8 ``[out, in/2]`` + ``weight_scale`` uint8 ``[out, in/32]``."""
     if scale is None:
         raise ModelLoadError(f"MXFP4 tensor {name!r} has no weight_scale beside it")
@@ -106,7 +110,7 @@ def _dequantize_packed(name: str, packed: torch.Tensor, scale: torch.Tensor | No
     if half % 16 or tuple(scale.shape) != (rows, half // 16):
         raise ModelLoadError(f"MXFP4 tensor {name!r}: weight_packed {tuple(packed.shape)} and weight_scale "
                              f"{tuple(scale.shape)} do not describe blocks of 32")
-    return dequantize_mxfp4(packed.reshape(rows, half // 16, 16), scale)
+    return Mxfp4Tensor(packed.reshape(rows, half // 16, 16), scale)
 
 
 def to_crescent_names(cfg: K3Config, fmt: RealFormat, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -184,9 +188,12 @@ def _assemble_experts(cfg: K3Config, fmt: RealFormat, experts: dict, out: dict[s
             if missing or len(found) != cfg.num_experts:
                 raise ModelLoadError(f"{fmt.prefix}model.layers.{i}.block_sparse_moe.experts: expert {missing[0] if missing else max(found)}"
                                      f" {w} is {'missing' if missing else 'past num_experts'}")
-            parts[w] = torch.stack([found[e] for e in range(cfg.num_experts)])
+            ordered = [found[e] for e in range(cfg.num_experts)]
+            parts[w] = Mxfp4Tensor.stack(ordered) if isinstance(ordered[0], Mxfp4Tensor) else torch.stack(ordered)
         p = f"model.layers.{i}.mlp.experts."
-        out[p + "gate_up_proj"] = torch.cat([parts["w1"], parts["w3"]], dim=1)
+        gate_up = [parts["w1"], parts["w3"]]
+        out[p + "gate_up_proj"] = (Mxfp4Tensor.cat_rows(gate_up) if isinstance(gate_up[0], Mxfp4Tensor)
+                                   else torch.cat(gate_up, dim=1))
         out[p + "down_proj"] = parts["w2"]
 
 
