@@ -263,6 +263,9 @@ class Platform:
         self.specs = self.plan.services()
         if self.plan.tls:
             self.specs = with_tls(self.specs, self.run_dir / TLS_DIR, self.plan.host)
+        for spec in self.specs:
+            if spec.service == "gateway":  # a restarted gateway commits the usage rows its last life journaled
+                spec.config.setdefault("ledger", {})["journal_dir"] = str(self.run_dir / "ledger-journal")
         self.children = {spec.name: _Child(spec) for spec in self.specs}
 
     @property

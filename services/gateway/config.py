@@ -71,6 +71,12 @@ class LedgerSettings(StrictModel):
                     "is sent anyway and the row stays queued (retried) in memory",
     )
     batch_rows: int = Field(default=500, ge=1, le=10_000, description="most rows committed in one transaction")
+    journal_dir: str | None = Field(
+        default=None,
+        description="a local directory for the write-ahead journal of a durable ledger: a response waits "
+                    "for one file write instead of a commit, and a restarted gateway commits what the "
+                    "journal holds (docs/usage.md); unset: responses wait for the commit",
+    )
 
 
 class GatewaySettings(StrictModel):

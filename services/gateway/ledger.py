@@ -16,6 +16,10 @@ in the database when the gateway is killed (``kill -9``) right after. Requests c
 if the gateway died before their batch. While the database does not answer, a response waits
 ``commit_wait_s`` at most and then goes out; its row stays queued and is retried (and is lost if
 the gateway dies before the database is back: ``crescent_gateway_ledger_pending_rows`` shows it).
+
+With ``ledger.journal_dir`` the wait is one ``write`` instead of a commit: the row goes to a local
+write-ahead journal (``ledger_journal.py``) that a restarted gateway replays, so responses no
+longer wait for the database at all, and rows survive a database outage and then a kill.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from crescent.services.common.metrics import UsageMetrics, usage_metrics
 from crescent.services.gateway.accounting import RequestStatus, UsageCounts
 from crescent.services.gateway.auth import Principal
 from crescent.services.gateway.config import LedgerSettings
+from crescent.services.gateway.ledger_journal import Journal, Segment
 from crescent.services.tenancy.pricing import PriceTable
 from crescent.services.tenancy.usage import UsageRow, UsageStore, to_nano
 
@@ -86,10 +91,31 @@ class UsageLedger:
         self.prices = prices
         self.metrics = metrics or usage_metrics()
         self._settings = settings
-        self._queue: list[tuple[UsageRow, asyncio.Future[None] | None]] = []
+        # A row, the future its response waits for (durable, no journal), its journal segment.
+        self._queue: list[tuple[UsageRow, asyncio.Future[None] | None, Segment | None]] = []
         self._wake = asyncio.Event()
         self._closing = False
         self._writer: asyncio.Task[None] | None = None
+        self._journal: Journal | None = None
+        if store is not None and settings.durable and settings.journal_dir:
+            self._journal = Journal(settings.journal_dir)
+            self._commit_recovered(self._journal.recover())
+
+    def _commit_recovered(self, recovered: list[tuple[UsageRow, Segment]]) -> None:
+        """Commit the rows a stopped gateway journaled before this one answers anything (so its
+        usage queries include them); queued for the writer if the database does not take them."""
+        assert self.store is not None and self._journal is not None
+        for start in range(0, len(recovered), self._settings.batch_rows):
+            batch = recovered[start: start + self._settings.batch_rows]
+            try:
+                self.store.insert([row for row, _ in batch])
+            except Exception:  # noqa: BLE001 - the database is away: the writer retries them
+                log.exception("committing %d journaled usage rows failed; queued", len(recovered) - start)
+                self._queue += [(row, None, segment) for row, segment in recovered[start:]]
+                self.metrics.ledger_pending.inc(len(recovered) - start)
+                return
+            for _, segment in batch:
+                self._journal.done(segment)
 
     def account(self, request_id: str, principal: Principal, model: str) -> Account:
         return Account(self, request_id, principal, model)
@@ -103,8 +129,15 @@ class UsageLedger:
         """Queue ``row``; a future that completes once it is committed when the ledger is durable."""
         if self.store is None:
             return None
-        written = asyncio.get_running_loop().create_future() if self._settings.durable else None
-        self._queue.append((row, written))
+        written, segment = None, None
+        if self._journal is not None:
+            try:
+                segment = self._journal.append(row)
+            except OSError:  # a full or broken disk: wait for the database instead
+                log.exception("usage journal write failed; request %s waits for its commit", row.request_id)
+        if segment is None and self._settings.durable:
+            written = asyncio.get_running_loop().create_future()
+        self._queue.append((row, written, segment))
         self.metrics.ledger_pending.inc()
         self._wake.set()
         return written
@@ -130,7 +163,7 @@ class UsageLedger:
             batch = self._queue[: self._settings.batch_rows]
             started = asyncio.get_running_loop().time()
             try:
-                await asyncio.to_thread(self.store.insert, [row for row, _ in batch])
+                await asyncio.to_thread(self.store.insert, [row for row, _, _ in batch])
             except Exception:  # noqa: BLE001 - the database is away or refused: keep the rows, retry
                 self.metrics.ledger_errors.inc()
                 log.exception("committing %d usage rows failed (attempt %d); retrying", len(batch), failures + 1)
@@ -141,9 +174,12 @@ class UsageLedger:
             self.metrics.ledger_commit.observe(asyncio.get_running_loop().time() - started)
             del self._queue[: len(batch)]
             self.metrics.ledger_pending.dec(len(batch))
-            for _, written in batch:
+            for _, written, segment in batch:
                 if written is not None and not written.done():
                     written.set_result(None)
+                if segment is not None:
+                    assert self._journal is not None
+                    self._journal.done(segment)
 
     @property
     def pending(self) -> int:
@@ -153,11 +189,14 @@ class UsageLedger:
         """Commit what is queued (up to ``_CLOSE_WAIT_S``), then stop the writer."""
         self._closing = True
         self._wake.set()
-        if self._writer is None:
-            return
-        done, _ = await asyncio.wait({self._writer}, timeout=_CLOSE_WAIT_S)
-        if not done:
-            log.error("stopping with %d usage rows not committed (database away?)", len(self._queue))
-            self._writer.cancel()
-            await asyncio.gather(self._writer, return_exceptions=True)
-        self._writer = None
+        if self._writer is not None:
+            done, _ = await asyncio.wait({self._writer}, timeout=_CLOSE_WAIT_S)
+            if not done:
+                log.error("stopping with %d usage rows not committed (database away?)%s", len(self._queue),
+                          "; they stay in the journal for the next start" if self._journal else "")
+                self._writer.cancel()
+                await asyncio.gather(self._writer, return_exceptions=True)
+            self._writer = None
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None

@@ -8,16 +8,23 @@ so Redis holds only what is in use.
 
 Any Redis failure (refused connection, timeout, script error) raises ``LimitStoreError``; the
 client does not retry, the limiter decides (``limits.on_store_error``).
+
+``send_settle`` writes the settle script's call to a pooled connection and returns: the bytes are
+in Redis's socket before the gateway sends the response's last bytes, so Redis runs the settle
+before any request the client sends after reading them. A task reads the answer. This takes a
+round trip off every response (on an idle VM a round trip costs ~0.5 ms of wake-ups).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Sequence
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from crescent.services.gateway.limit_store import (
     SLOT_RETRY_S,
@@ -140,6 +147,18 @@ return 1
 """
 
 
+def _settle_call(settlement: Settlement, period_s: float) -> tuple[list[str], list[object]]:
+    """The SETTLE script's keys and arguments."""
+    keys = [k for k, _, _ in settlement.rates] + list(settlement.slots) + [k for k, _, _ in settlement.budgets]
+    args: list[object] = [len(settlement.rates), len(settlement.slots), len(settlement.budgets), period_s,
+                          settlement.lease_id]
+    for _, limit, delta in settlement.rates:
+        args += [limit, delta]
+    for _, nusd, keep_s in settlement.budgets:
+        args += [nusd, keep_s]
+    return keys, args
+
+
 def _states(flat: Sequence[object]) -> tuple[RateState, ...]:
     return tuple(RateState(int(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2))  # type: ignore[arg-type]
 
@@ -177,14 +196,35 @@ class RedisLimitStore:
         return Verdict(int(refused) - 1 if int(refused) else None, float(longest), _states(flat))
 
     async def settle(self, settlement: Settlement) -> None:
-        keys = [k for k, _, _ in settlement.rates] + list(settlement.slots) + [k for k, _, _ in settlement.budgets]
-        args: list[object] = [len(settlement.rates), len(settlement.slots), len(settlement.budgets), self.period_s,
-                              settlement.lease_id]
-        for _, limit, delta in settlement.rates:
-            args += [limit, delta]
-        for _, nusd, keep_s in settlement.budgets:
-            args += [nusd, keep_s]
-        await self._call(self._settle, keys, args)
+        await self._call(self._settle, *_settle_call(settlement, self.period_s))
+
+    async def send_settle(self, settlement: Settlement) -> Awaitable[None]:
+        keys, args = _settle_call(settlement, self.period_s)
+        pool = self._redis.connection_pool
+        try:
+            connection = await pool.get_connection()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
+        try:
+            await connection.send_command("EVALSHA", self._settle.sha, len(keys), *keys, *args)
+        except BaseException as exc:
+            await connection.disconnect()
+            await pool.release(connection)
+            if isinstance(exc, (RedisError, OSError, TimeoutError)):
+                raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
+            raise
+        return asyncio.get_running_loop().create_task(self._settled(connection, keys, args))
+
+    async def _settled(self, connection: AbstractConnection, keys: list[str], args: list[object]) -> None:
+        """The answer of a sent settle; a Redis that lost its scripts (restarted) gets it again, loaded."""
+        try:
+            await connection.read_response()
+        except NoScriptError:
+            await self._call(self._settle, keys, args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
+        finally:
+            await self._redis.connection_pool.release(connection)
 
     async def peek(self, rates: Sequence[RateCheck]) -> tuple[RateState, ...]:
         reply = await self._call(self._peek, [r.key for r in rates], [self.period_s, *(r.limit for r in rates)])

@@ -18,14 +18,17 @@ Three kinds of counter, each under a key the limiter names:
 atomically (the Redis store runs it as one Lua script, one round trip). Of several refusals it
 reports the one that lasts longest, since that is what the client must wait for. ``settle`` is
 the end of a request: token reservations corrected to the actual count, its slots released,
-its cost charged.
+its cost charged. ``send_settle`` is the same without waiting for the store's answer: it returns
+once the settlement is on its way ahead of anything the client can do after its response (the
+limiter calls it before a response's last bytes), with the outcome in a task.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -106,6 +109,10 @@ class LimitStore(Protocol):
 
     async def settle(self, settlement: Settlement) -> None: ...
 
+    async def send_settle(self, settlement: Settlement) -> Awaitable[None]:
+        """Send ``settlement``; on return any later call sees it. The awaitable is its outcome."""
+        ...
+
     async def peek(self, rates: Sequence[RateCheck]) -> tuple[RateState, ...]:
         """The state of ``rates`` (costs ignored), changing nothing."""
         ...
@@ -185,6 +192,12 @@ class MemoryLimitStore:
             self._slots.get(key, {}).pop(settlement.lease_id, None)
         for key, nusd, keep_s in settlement.budgets:
             self._spent[key] = (self._spent_now(key, now) + nusd, now + keep_s)
+
+    async def send_settle(self, settlement: Settlement) -> Awaitable[None]:
+        await self.settle(settlement)  # applied at once: nothing to wait for
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
 
     async def peek(self, rates: Sequence[RateCheck]) -> tuple[RateState, ...]:
         now = self._clock()

@@ -23,7 +23,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cache
@@ -262,8 +262,18 @@ class RateLimiter:
             lease_id=ticket.lease_id,
         )
         try:
-            await self.store.settle(settlement)
+            outcome = await self.store.send_settle(settlement)  # on its way: the answer is not waited for
         except LimitStoreError as exc:  # the slot frees itself when its lease runs out
+            self._store_failed(exc)
+            return
+        task = asyncio.ensure_future(self._settled(outcome))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settled(self, outcome: Awaitable[None]) -> None:
+        try:
+            await outcome
+        except LimitStoreError as exc:
             self._store_failed(exc)
 
     def settle_later(self, ticket: Ticket, usage: UsageCounts | None) -> None:

@@ -133,3 +133,35 @@ async def test_an_unreachable_redis_fails_fast() -> None:
         await store.admit(Checks(rates=(RateCheck("x", 1, 1),)))
     assert time.monotonic() - started < 0.5
     await store.close()
+
+
+async def test_a_sent_settle_is_seen_by_the_next_admission_from_another_gateway(make_store: StoreFactory) -> None:
+    """``send_settle`` returns before the store answers (the gateway then sends the response's last
+    bytes): a client's next request, admitted by another gateway on its own connection, must still
+    find the slot free. 200 times, with the slot's limit at one."""
+    ending, other = make_store(), make_store()
+    slots, outcomes = key("concurrent"), []
+    for i in range(200):
+        assert (await ending.admit(Checks(slots=(SlotCheck(slots, 1),), lease_id=f"l{i}"))).refused is None
+        outcomes.append(await ending.send_settle(Settlement(slots=(slots,), lease_id=f"l{i}")))
+        assert (await other.admit(Checks(slots=(SlotCheck(slots, 1),), lease_id=f"o{i}"))).refused is None
+        await other.settle(Settlement(slots=(slots,), lease_id=f"o{i}"))
+    await asyncio.gather(*outcomes)
+
+
+async def test_a_sent_settle_survives_a_redis_that_lost_its_scripts(redis: RedisServer) -> None:
+    """A restarted Redis has no scripts loaded: the settle is run again with its script."""
+    store, spend = RedisLimitStore(redis.url, 60.0, 30.0, timeout_s=2.0), key("spend")
+    check = Checks(budgets=(BudgetCheck(spend, 10, 42.0),))
+    await store.admit(check)
+    await store._redis.script_flush()
+    await (await store.send_settle(Settlement(budgets=((spend, 10, 60.0),))))
+    assert (await store.admit(check)).refused == 0, "the spend was charged"
+    await store.close()
+
+
+async def test_a_sent_settle_to_an_unreachable_redis_raises_the_store_error() -> None:
+    store = RedisLimitStore(f"redis://127.0.0.1:{free_port()}/0", 60.0, 30.0, timeout_s=0.5)
+    with pytest.raises(LimitStoreError):
+        await store.send_settle(Settlement(slots=("x",), lease_id="l"))
+    await store.close()

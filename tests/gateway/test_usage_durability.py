@@ -34,10 +34,15 @@ REQUESTS = 1000
 KILL_AFTER = 300  # rows committed before the kill
 
 
-@pytest.fixture
-def gateway_to_kill(backend: FakeBackend, tmp_path: Path) -> Iterator[tuple[Gateway, Path]]:
+@pytest.fixture(params=["commit-wait", "journal"])
+def gateway_to_kill(request: pytest.FixtureRequest, backend: FakeBackend,
+                    tmp_path: Path) -> Iterator[tuple[Gateway, Path]]:
+    """A gateway whose responses wait for their row's commit, or (``ledger.journal_dir``) for its
+    write to the local journal that the restarted gateway replays."""
     database = tmp_path / "gateway.sqlite3"
-    gw = Gateway(tmp_path, backend.address, auth={"database_url": f"sqlite:///{database}"})  # auth off: "default"
+    ledger = {"journal_dir": str(tmp_path / "journal")} if request.param == "journal" else {}
+    gw = Gateway(tmp_path, backend.address, auth={"database_url": f"sqlite:///{database}"},  # auth off: "default"
+                 ledger=ledger)
     gw.start_gateway()
     yield gw, database
     gw.stop()
