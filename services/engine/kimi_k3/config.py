@@ -54,7 +54,8 @@ class K3Config:
     moe_intermediate_size: int
     shared_intermediate_size: int
     routed_scaling_factor: float
-    # Block Attention Residuals: the 2 * layers sublayers form this many blocks (the last may be short)
+    # Block Attention Residuals: the 2 * layers sublayers form this many blocks (the last may be
+    # short), unless attn_res_block_layers gives the block size in layers (the real configs)
     attn_res_blocks: int
     situ_beta_gate: float
     situ_beta_up: float | None    # None: SiTU leaves the up projection unbounded
