@@ -127,6 +127,17 @@ def test_a_model_directory_plans_like_its_preset(tmp_path: Path) -> None:
     assert preset["sequence"]["context_tokens"] == 8192
 
 
+def test_a_real_nested_k3_config_is_read_by_the_loader(tmp_path: Path) -> None:
+    from tests.engine.kimi_real_format import K3_CONFIG, text_config
+
+    (tmp_path / "config.json").write_text(json.dumps(K3_CONFIG))  # model_type kimi_k3 + text_config
+    code, f, _ = plan("--model", str(tmp_path), "--gpus", "H100", "--context", "4k")
+    text = text_config(K3_CONFIG)
+    assert code == 0 and f["sequence"]["context_tokens"] == 4096
+    n_mla = len(text["linear_attn_config"]["full_attn_layers"])
+    assert f["sequence"]["latent_bytes"] == 4096 * n_mla * (text["kv_lora_rank"] + text["qk_rope_head_dim"]) * 2
+
+
 @pytest.mark.parametrize("args,message", [
     (["--gpus", "8xH300"], "unknown GPU 'H300'"),
     (["--gpus", "eight"], "unknown GPU"),
