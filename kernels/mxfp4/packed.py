@@ -16,8 +16,6 @@ import torch
 
 from crescent.kernels.mxfp4.reference import BLOCK, dequantize_mxfp4, quantize_mxfp4
 
-BYTES_PER_BLOCK = BLOCK // 2 + 1  # 16 bytes of codes + 1 scale byte per 32 weights
-
 
 @dataclass(frozen=True, slots=True)
 class Mxfp4Tensor:
