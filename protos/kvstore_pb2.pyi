@@ -150,34 +150,42 @@ class ShmPutRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ...) -> None: ...
 
 class ShmGetRequest(_message.Message):
-    __slots__ = ("request", "segment", "capacity", "segment_only")
+    __slots__ = ("request", "segment", "capacity", "segment_only", "mover")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    MOVER_FIELD_NUMBER: _ClassVar[int]
     request: GetRequest
     segment: str
     capacity: int
     segment_only: bool
-    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., segment: _Optional[str] = ..., capacity: _Optional[int] = ..., segment_only: _Optional[bool] = ...) -> None: ...
+    mover: str
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., segment: _Optional[str] = ..., capacity: _Optional[int] = ..., segment_only: _Optional[bool] = ..., mover: _Optional[str] = ...) -> None: ...
 
 class ShmGetReply(_message.Message):
-    __slots__ = ("blocks", "truncated", "pool_path", "pool_identity")
+    __slots__ = ("blocks", "truncated", "pool_path", "pool_identity", "side_address", "side_token")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    SIDE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIDE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
     truncated: bool
     pool_path: str
     pool_identity: str
-    def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ..., pool_path: _Optional[str] = ..., pool_identity: _Optional[str] = ...) -> None: ...
+    side_address: str
+    side_token: bytes
+    def __init__(self, blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ..., truncated: _Optional[bool] = ..., pool_path: _Optional[str] = ..., pool_identity: _Optional[str] = ..., side_address: _Optional[str] = ..., side_token: _Optional[bytes] = ...) -> None: ...
 
 class ShmReserveRequest(_message.Message):
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "mover")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MOVER_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockMeta]
-    def __init__(self, blocks: _Optional[_Iterable[_Union[_common_pb2.BlockMeta, _Mapping]]] = ...) -> None: ...
+    mover: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[_common_pb2.BlockMeta, _Mapping]]] = ..., mover: _Optional[str] = ...) -> None: ...
 
 class ShmSlot(_message.Message):
     __slots__ = ("granted", "offset", "held")
@@ -190,18 +198,26 @@ class ShmSlot(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., offset: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class ShmReserveReply(_message.Message):
-    __slots__ = ("reservation", "pool_path", "slots", "expires_ms", "pool_identity")
+    __slots__ = ("reservation", "pool_path", "slots", "expires_ms", "pool_identity", "side_address", "side_token", "engine_metadata", "pool_base")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
     POOL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    SIDE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIDE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_METADATA_FIELD_NUMBER: _ClassVar[int]
+    POOL_BASE_FIELD_NUMBER: _ClassVar[int]
     reservation: int
     pool_path: str
     slots: _containers.RepeatedCompositeFieldContainer[ShmSlot]
     expires_ms: int
     pool_identity: str
-    def __init__(self, reservation: _Optional[int] = ..., pool_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., expires_ms: _Optional[int] = ..., pool_identity: _Optional[str] = ...) -> None: ...
+    side_address: str
+    side_token: bytes
+    engine_metadata: bytes
+    pool_base: int
+    def __init__(self, reservation: _Optional[int] = ..., pool_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[ShmSlot, _Mapping]]] = ..., expires_ms: _Optional[int] = ..., pool_identity: _Optional[str] = ..., side_address: _Optional[str] = ..., side_token: _Optional[bytes] = ..., engine_metadata: _Optional[bytes] = ..., pool_base: _Optional[int] = ...) -> None: ...
 
 class ShmCommitRequest(_message.Message):
     __slots__ = ("reservation", "written", "blocks", "reserve_next")

@@ -85,11 +85,13 @@ KVSTORE_RULES = {
     # Engines write blocks; a kvstore node writes to a peer when it replicates.
     "Put": rule(*ENGINES, KVSTORE),
     "PutShm": rule(*ENGINES),
-    "ReserveShm": rule(*ENGINES),
-    "CommitShm": rule(*ENGINES),
+    # The reserve/commit control calls of every byte mover (shared memory, the TCP side
+    # channel, NIXL); a kvstore node replicating to a peer moves blocks like an engine.
+    "ReserveShm": rule(*ENGINES, KVSTORE),
+    "CommitShm": rule(*ENGINES, KVSTORE),
     # Blocks hold every tenant's prompt tokens: engines, peer nodes and operators only.
     "Get": rule(*ENGINES, KVSTORE, ADMIN),
-    "GetShm": rule(*ENGINES),
+    "GetShm": rule(*ENGINES, KVSTORE),  # peers' lookups over the side channel
     "Exists": rule(*ENGINES, KVSTORE, ADMIN),
     "Remove": rule(*ENGINES, KVSTORE, ADMIN),  # readers report corrupt blocks
     "Stat": rule(*ENGINES, KVSTORE, ADMIN),

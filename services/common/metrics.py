@@ -167,6 +167,7 @@ class KvStoreMetrics:
     s3_errors: Counter         # by operation
     dropped_writes: Counter    # by tier: writes given up (queue full, tier unreachable)
     leased_blocks: Gauge
+    side_channel_refused: Counter  # side-channel connections closed for want of a valid token
 
 
 @cache
@@ -186,6 +187,27 @@ def kvstore_metrics() -> KvStoreMetrics:
         s3_errors=Counter("crescent_kvstore_s3_errors", "S3 operations that failed", ["operation"]),
         dropped_writes=Counter("crescent_kvstore_dropped_writes", "Writes given up", tier),
         leased_blocks=Gauge("crescent_kvstore_leased_blocks", "Blocks pinned by a lease"),
+        side_channel_refused=Counter("crescent_kvstore_side_channel_refused",
+                                     "Side-channel connections refused (no valid one-time token)"),
+    )
+
+
+@dataclass(frozen=True)
+class KvMoverMetrics:
+    """A kvstore client's byte movers (services/kvstore/movers), per node it talks to (``peer``,
+    the node's address: one per kvstore node, so few)."""
+
+    selected: Gauge            # by peer, mover: 1 for the mover that last moved blocks with that node, else 0
+    moved_bytes: Counter       # by peer, mover, direction (put, get): payload bytes moved
+
+
+@cache
+def kv_mover_metrics() -> KvMoverMetrics:
+    return KvMoverMetrics(
+        selected=Gauge("crescent_kv_mover_selected", "1 for the byte mover in use with a kvstore node",
+                       ["peer", "mover"]),
+        moved_bytes=Counter("crescent_kv_mover_bytes", "Payload bytes moved with a kvstore node, by mover",
+                            ["peer", "mover", "direction"]),
     )
 
 

@@ -106,6 +106,23 @@ class EventSettings(StrictModel):
     max_pending: int = Field(default=65536, ge=1, description="beyond this, events are dropped and a snapshot follows")
 
 
+class SideChannelSettings(StrictModel):
+    """The TCP side channel: block payloads over a socket of their own, under gRPC control calls
+    (services/kvwire/side_channel.py). Opened only by one-time tokens the reserve/get calls issue."""
+
+    enabled: bool = Field(default=True, description="serve the tcp mover")
+    host: str = Field(default="", description="address to listen on; empty: listen.host")
+    port: int = Field(default=0, ge=0, le=65535, description="port; 0: any free one (set one where a firewall "
+                                                              "or a Kubernetes Service must name it)")
+    advertise_host: str = Field(default="", description="host clients dial; empty: the host of advertise_address, "
+                                                        "else host (clients replace an unspecified one with the "
+                                                        "host they dial for gRPC)")
+    tls: bool = Field(default=True, description="with tls configured, run mutual TLS on the side channel too "
+                                                "(the node's certificate); false: the token alone authenticates "
+                                                "and payloads cross the network in the clear (trusted networks)")
+    timeout_s: float = Field(default=30.0, gt=0, description="a transfer idle this long is abandoned")
+
+
 class KvStoreSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
     tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
@@ -134,6 +151,11 @@ class KvStoreSettings(StrictModel):
     )
     transfer_lease_ms: int = Field(
         default=2000, ge=1, description="how long a block read from the host pool by a local client stays put"
+    )
+    side_channel: SideChannelSettings = SideChannelSettings()
+    nixl: bool = Field(
+        default=False, description="serve the nixl mover (one-sided writes into the host pool through NIXL; needs "
+                                   "the nixl extra). Without NIXL here the node logs why and serves the other movers",
     )
     shm_reservation_ms: int = Field(
         default=30_000, ge=1, description="how long a local client has to fill reserved pool room and commit it"

@@ -1,11 +1,10 @@
-"""The KvStore gRPC servicer: a thin shell over ``TieredStore`` plus peers and shared memory."""
+"""The KvStore gRPC servicer: a thin shell over ``TieredStore`` plus peers and the byte movers'
+control calls (reserve/commit, shared-memory and side-channel gets)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,8 +16,11 @@ from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.common.tls import PeerTls
-from crescent.services.kvstore.client import REASON_CORRUPT, REASON_METADATA, KvStoreClient
+from crescent.services.kvstore.client import REASON_CORRUPT, REASON_METADATA
 from crescent.services.kvstore.config import KvStoreSettings
+from crescent.services.kvstore.mover_endpoints import MoverEndpoints
+from crescent.services.kvstore.peers import PeerSet
+from crescent.services.kvstore.reservations import Landing, PendingReservations, Slot
 from crescent.services.kvstore.shm import AttachedSegments, ShmError, ShmSegment
 from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier, Reservation
@@ -26,36 +28,7 @@ from crescent.services.kvstore.tier import HostTier, Reservation
 log = logging.getLogger(__name__)
 
 DEFAULT_LIST_LIMIT = 1000
-
-
-class PeerSet:
-    """The other kvstore nodes: asked on a local miss, targets of ``Replicate``."""
-
-    def __init__(self, peers: dict[str, str], timeout_s: float, tls: PeerTls | None = None) -> None:
-        self.addresses = dict(peers)
-        self._tls = tls
-        self._timeout_s = timeout_s
-        self._clients: dict[str, KvStoreClient] = {}
-
-    def client(self, target: str) -> KvStoreClient:
-        address = self.addresses.get(target, target)
-        if address not in self._clients:
-            self._clients[address] = KvStoreClient(address, timeout_s=self._timeout_s, tls=self._tls)
-        return self._clients[address]
-
-    async def fetch(self, keys: list[BlockKey], model_id: str) -> dict[BlockKey, KvBlock]:
-        """Whatever of ``keys`` any peer holds (verified by the client)."""
-        found: dict[BlockKey, KvBlock] = {}
-        for node_id in self.addresses:
-            missing = [k for k in keys if k not in found]
-            if not missing:
-                break
-            found.update(await self.client(node_id).get(missing, model_id or None, local_only=True))
-        return found
-
-    async def close(self) -> None:
-        for client in self._clients.values():
-            await client.close()
+MOVERS = ("", "shm", "tcp", "nixl")  # what ReserveShm's mover may name ("" and "shm": shared memory)
 
 
 def add_to_server(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
@@ -65,55 +38,30 @@ def add_to_server(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
                     requests={"Put": chunk_wire.decode_chunk}, replies={"Get": chunk_wire.encode_chunk})
 
 
-class PendingReservations:
-    """Pool room granted to same-host clients and not yet committed, given back when it expires."""
-
-    def __init__(self, store: TieredStore, lifetime_ms: int) -> None:
-        self._store = store
-        self.lifetime_s = lifetime_ms / 1000
-        self._ids = itertools.count(1)
-        # (deadline, [(header, room)]): no header for room reserved ahead, no room for a block held already
-        self._pending: dict[int, tuple[float, list[tuple[common_pb2.BlockMeta | None, Reservation | None]]]] = {}
-
-    def add(self, slots: list[tuple[common_pb2.BlockMeta | None, Reservation | None]]) -> int:
-        rid = next(self._ids)
-        self._pending[rid] = (time.monotonic() + self.lifetime_s, slots)
-        return rid
-
-    def take(self, rid: int) -> list[tuple[common_pb2.BlockMeta | None, Reservation | None]] | None:
-        entry = self._pending.pop(rid, None)
-        return entry[1] if entry is not None else None
-
-    def expire(self, *, everything: bool = False) -> int:
-        """Give back the room of reservations past their deadline (or all); how many blocks' worth."""
-        now, expired = time.monotonic(), 0
-        for rid in [r for r, (deadline, _) in self._pending.items() if everything or deadline <= now]:
-            for _, reservation in self._pending.pop(rid)[1]:
-                if reservation is not None:
-                    self._store.release(reservation)
-                    expired += 1
-        return expired
-
-
 class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
     def __init__(self, store: TieredStore, settings: KvStoreSettings, tls: PeerTls | None = None) -> None:
         self.store = store
         self.settings = settings
         self.peers = PeerSet(settings.peers, settings.peer_timeout_s, tls)
         self.segments = AttachedSegments()
-        self.reservations = PendingReservations(store, settings.shm_reservation_ms)
+        front = store.tiers[0]
+        self.endpoints = MoverEndpoints(settings, front if isinstance(front, HostTier) else None, tls,
+                                        store.metrics.side_channel_refused.inc)
+        self.reservations = PendingReservations(store, settings.shm_reservation_ms, self.endpoints.side)
         self._bytes_in = store.metrics.transferred_bytes.labels("in")
         self._bytes_out = store.metrics.transferred_bytes.labels("out")
+        self._sends: set[asyncio.Task[None]] = set()  # side-channel gets: unpin when sent
         self._sweeper = asyncio.get_running_loop().create_task(self._expire_reservations(), name="shm-reservations")
 
     async def _expire_reservations(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.reservations.lifetime_s))
             if expired := self.reservations.expire():
-                log.warning("gave back %d reserved pool blocks a same-host client never committed", expired)
+                log.warning("gave back %d reserved pool blocks a client never committed", expired)
 
     async def close(self) -> None:
-        await cancel_and_wait(self._sweeper)
+        await cancel_and_wait(self._sweeper, *self._sends)
+        self.endpoints.close()
         self.reservations.expire(everything=True)
         await self.peers.close()
         self.segments.close()
@@ -205,6 +153,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         return reply
 
     async def GetShm(self, request: kvstore_pb2.ShmGetRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmGetReply:
+        if request.mover == "tcp":
+            return await self._get_over_side_channel(request.request, context)
+        if request.mover not in MOVERS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown mover {request.mover!r}; gets: shm (empty), tcp")
         segment = await self._client_segment(request.segment, context)
         capacity = min(request.capacity or segment.size, segment.size)
         host = None if request.segment_only else self._shared_pool()
@@ -233,6 +185,51 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             offset += block.nbytes
             self._bytes_out.inc(block.nbytes)
         return reply
+
+    async def _get_over_side_channel(self, request: kvstore_pb2.GetRequest,
+                                     context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmGetReply:
+        """Headers now; payloads over the side channel to whoever opens it with the token. The
+        blocks stay pinned (their payloads may be views of host memory) until they are sent or
+        nobody came for them."""
+        side = self.endpoints.side
+        if side is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node serves no TCP side channel")
+        reply = kvstore_pb2.ShmGetReply(side_address=self.endpoints.side_address)
+        keys, payloads = [], []
+        try:
+            async for key, block in self._lookup(request):
+                if block is None:
+                    reply.blocks.add(meta=common_pb2.BlockMeta(key=key, found=False))
+                    continue
+                self.store.pin(key)
+                keys.append(key)
+                payloads.append(memoryview(block.payload))
+                reply.blocks.add(meta=meta_of(block))
+                self._bytes_out.inc(block.nbytes)
+        except BaseException:
+            for key in keys:
+                self.store.unpin(key)
+            raise
+        token, sent = side.expect_send(payloads)
+        reply.side_token = token
+        task = asyncio.get_running_loop().create_task(self._unpin_when_sent(token, sent, keys), name="side-send")
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+        return reply
+
+    async def _unpin_when_sent(self, token: bytes, sent: asyncio.Future, keys: list[BlockKey]) -> None:
+        assert self.endpoints.side is not None
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(sent), self.reservations.lifetime_s)
+            except TimeoutError:
+                if not self.endpoints.side.withdraw(token):
+                    await sent  # it started: the socket's timeout ends it
+        except (ConnectionError, asyncio.CancelledError) as exc:
+            log.warning("side-channel get of %d blocks did not complete: %s", len(keys), exc)
+        finally:
+            for key in keys:
+                self.store.unpin(key)
 
     def _reply_from_pool(self, host: HostTier, request: kvstore_pb2.GetRequest, reply: kvstore_pb2.ShmGetReply) -> bool:
         """The common same-host read, every block in this node's pool: offsets and headers with
@@ -301,12 +298,30 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 rejected += 1
         return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
 
+    async def _pool_for(self, mover: str, context: grpc.aio.ServicerContext) -> HostTier:
+        """The host tier a reservation for ``mover`` is made in, or the call ends with
+        FAILED_PRECONDITION (the client then takes its next mover)."""
+        if mover not in MOVERS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unknown mover {mover!r}; valid: shm (empty), tcp, nixl")
+        front = self.store.tiers[0]
+        host = front if isinstance(front, HostTier) else None
+        if mover in ("", "shm"):
+            host = self._shared_pool()
+            problem = "" if host is not None else "this node has no shared host pool to write into"
+        elif mover == "tcp":
+            problem = "this node serves no TCP side channel" if self.endpoints.side is None else ""
+        else:
+            problem = "this node has no NIXL engine" if self.endpoints.nixl is None else ""
+        if host is None or problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem or "this node has no host pool in front")
+        assert host is not None
+        return host
+
     async def ReserveShm(self, request: kvstore_pb2.ShmReserveRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmReserveReply:
-        host = self._shared_pool()
-        if host is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node has no shared host pool to write into")
+        host = await self._pool_for(request.mover, context)
         self.reservations.expire()
-        slots: list[tuple[common_pb2.BlockMeta | None, Reservation | None]] = []
+        slots: list[Slot] = []
         held: list[bool] = []
         pinned: list[BlockKey] = []  # held blocks stay put while room is made for the others
         try:
@@ -324,13 +339,44 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             for key in pinned:
                 self.store.unpin(key)
         reply = self._reserve_reply(host, [room for _, room in slots], held)
-        reply.reservation = self.reservations.add(slots)
+        landing = None
+        if request.mover == "tcp":
+            assert self.endpoints.side is not None
+            granted = [(meta, room) for meta, room in slots if room is not None and meta is not None]
+            token, landed = self.endpoints.side.expect_receive([room.view for _, room in granted],
+                                                               [meta.checksum for meta, _ in granted])
+            landing = Landing(token, landed)
+            reply.side_address, reply.side_token = self.endpoints.side_address, token
+        elif request.mover == "nixl":
+            assert self.endpoints.nixl is not None
+            reply.engine_metadata, reply.pool_base = self.endpoints.nixl.metadata, self.endpoints.nixl.base
+        if request.mover not in ("", "shm"):
+            reply.pool_path = reply.pool_identity = ""  # nothing to map: the bytes come another way
+        reply.reservation = self.reservations.add(slots, landing, request.mover)
         return reply
 
+    async def _landed(self, landing: Landing, granted: int) -> list[bool]:
+        """Per granted slot, whether its payload arrived over the side channel with the header's
+        CRC (all False when the transfer never started, failed, or was cut short)."""
+        side = self.endpoints.side
+        if side is not None and side.withdraw(landing.token):
+            return [False] * granted  # nobody opened it: nothing was written
+        try:
+            return list(await landing.done)
+        except (ConnectionError, asyncio.CancelledError) as exc:
+            log.warning("side-channel put did not complete: %s", exc)
+            return [False] * granted
+
     async def CommitShm(self, request: kvstore_pb2.ShmCommitRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmCommitReply:
-        slots = self.reservations.take(request.reservation)
-        if slots is None:
+        pending = self.reservations.take(request.reservation)
+        if pending is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {request.reservation} is unknown or expired")
+        assert pending is not None
+        slots = pending.slots
+        landed: list[bool] | None = None
+        if pending.landing is not None:  # the payloads came over the side channel, checked as they landed
+            results = iter(await self._landed(pending.landing, sum(r is not None for _, r in slots)))
+            landed = [r is not None and next(results) for _, r in slots]
         problem = ""
         if len(request.written) != len(slots):
             problem = f"{len(request.written)} written flags for {len(slots)} reserved blocks"
@@ -346,7 +392,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     self.store.release(reservation)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         stored = rejected = 0
-        for (meta, reservation), written in zip(slots, request.written):
+        for i, ((meta, reservation), written) in enumerate(zip(slots, request.written)):
             if reservation is None:
                 stored += meta is not None and meta.key in self.store.tiers[0]  # held already: nothing was sent
                 continue
@@ -354,10 +400,18 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 self.store.release(reservation)
                 rejected += meta is not None
                 continue
-            # Not re-read for its CRC: the client copied the very payload the header's CRC was
-            # computed from, every reader verifies blocks, and a same-host client can write the
-            # pool anyway. The header is still checked.
-            block = KvBlock.from_meta(meta, reservation.view.toreadonly(), payload_crc=meta.checksum)
+            if landed is not None and not landed[i]:
+                # Damaged on the side channel (its CRC as it landed is not the header's), or cut short.
+                self.store.metrics.checksum_failures.labels("put").inc()
+                self.store.release(reservation)
+                rejected += 1
+                continue
+            # Shared memory: not re-read for its CRC: the client copied the very payload the
+            # header's CRC was computed from, every reader verifies blocks, and a same-host client
+            # can write the pool anyway. The side channel: checked as it landed. NIXL: a one-sided
+            # write nobody saw land, so its CRC is computed now. The header is checked in all cases.
+            crc = None if pending.mover == "nixl" else meta.checksum
+            block = KvBlock.from_meta(meta, reservation.view.toreadonly(), payload_crc=crc)
             self._bytes_in.inc(block.nbytes)
             if await self.store.commit(block, reservation):
                 stored += 1

@@ -17,12 +17,13 @@ from .helpers import MODEL, make_chain
 KIB = 1024
 
 
-@pytest.mark.parametrize("path", ["grpc", "shm-pool", "shm-segment"])
+@pytest.mark.parametrize("path", ["grpc", "tcp", "shm-pool", "shm-segment"])
 async def test_put_then_get_prefix_exists_remove_stat(kvstore_node, path: str) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 << 20}}})
-    shared_memory = path != "grpc"
-    client = KvStoreClient(node.address, shared_memory=shared_memory)
-    client._pool_unusable = path == "shm-segment"  # as a client that cannot open the node's pool
+    mover = path.split("-")[0]
+    client = KvStoreClient(node.address, movers=[mover])
+    if path == "shm-segment":
+        client.shared_memory._pool_unusable = True  # as a client that cannot open the node's pool
     try:
         chain = make_chain(4, floats=1 << 20)  # 4 MiB blocks: more than one gRPC chunk with headers
         big = make_chain(1, floats=(9 << 20) // 4, salt=b"big")[0]
@@ -44,8 +45,10 @@ async def test_put_then_get_prefix_exists_remove_stat(kvstore_node, path: str) -
         assert node.metric("crescent_kvstore_blocks", tier="host") == 3
     finally:
         await client.close()
-    assert client.uses_shared_memory == shared_memory
-    assert (client._pool_path != "") == (path == "shm-pool")  # reads came straight from the pool
+    assert client.mover == mover, "the blocks moved the way asked"
+    assert client.uses_shared_memory == (mover == "shm")
+    if mover == "shm":
+        assert (client.shared_memory._pool_path != "") == (path == "shm-pool")  # reads came straight from the pool
     assert not client.errors
 
 

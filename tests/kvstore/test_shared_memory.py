@@ -42,7 +42,7 @@ class CallCounter:
 async def test_puts_of_one_shape_take_one_round_trip_and_give_room_back_on_close(kvstore_node) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
     writer = KvStoreClient(node.address, shared_memory=True)
-    reader = KvStoreClient(node.address)  # plain gRPC: checks what landed in the pool
+    reader = KvStoreClient(node.address, movers=["grpc"])  # plain gRPC: checks what landed in the pool
     reserves = CallCounter(writer, "ReserveShm")
     try:
         first, second = make_chain(3, floats=MIB // 4, salt=b"1"), make_chain(3, floats=MIB // 4, salt=b"2")
@@ -85,20 +85,20 @@ async def test_room_a_writer_never_commits_is_given_back(kvstore_node) -> None:
     assert "gave back 6 reserved pool blocks" in node.log.read_text()
 
 
-@pytest.mark.parametrize("path", ["shm", "grpc"])
+@pytest.mark.parametrize("path", ["shm", "tcp", "grpc"])
 async def test_a_block_corrupted_in_the_pool_is_a_miss_then_dropped_and_stored_again(kvstore_node, path: str) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     writer = KvStoreClient(node.address, shared_memory=True)
-    reader = KvStoreClient(node.address, shared_memory=path == "shm")
+    reader = KvStoreClient(node.address, movers=[path])
     try:
         a, b = make_chain(2, floats=MIB // 4)
         assert (await writer.put([a, b])).stored == 2
         # A stray write into b's bytes, as a buggy same-host process could do.
         listing = await writer.get([b.key], MODEL)
         assert bytes(listing[b.key].payload) == bytes(b.payload)
-        pool = writer._pool_view
+        pool = writer.shared_memory._pool_view
         assert pool is not None
-        with open(writer._pool_path, "rb") as f:
+        with open(writer.shared_memory._pool_path, "rb") as f:
             whole = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
             offset = whole.find(bytes(b.payload[:4096]))
             whole.close()
@@ -198,6 +198,6 @@ async def test_concurrent_first_calls_share_one_pool_mapping(kvstore_node) -> No
         reads = await asyncio.gather(*(client.get_prefix([b.key for b in chain], MODEL) for chain in chains))
         for chain, got in zip(chains, reads):
             assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
-        assert client._pool_view is not None and not client.errors
+        assert client.shared_memory._pool_view is not None and not client.errors
     finally:
         await client.close()

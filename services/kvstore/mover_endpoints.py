@@ -1,0 +1,65 @@
+"""The node's ends of the byte movers that need one: the TCP side channel and the NIXL target.
+
+Both serve room reserved in the first tier's host pool (``ReserveShm``) and hand their
+coordinates back in the reserve reply; the servicer keeps the control calls.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from crescent.services.common.tls import PeerTls, is_loopback
+from crescent.services.kvstore.config import KvStoreSettings
+from crescent.services.kvstore.tier import HostTier
+from crescent.services.kvwire.nixl_engine import NixlEngine, NixlUnavailable, address_of
+from crescent.services.kvwire.side_channel import SideChannelServer, tls_contexts
+
+log = logging.getLogger(__name__)
+
+
+class NixlTarget:
+    """The host pool registered with this node's NIXL agent, for clients' one-sided writes."""
+
+    def __init__(self, pool: memoryview) -> None:
+        self.engine = NixlEngine("kvstore")
+        self.base = address_of(pool)
+        self._registered = self.engine.register([(self.base, len(pool))])
+        self.metadata = self.engine.metadata()
+
+    def close(self) -> None:
+        self.engine.deregister(self._registered)
+
+
+class MoverEndpoints:
+    def __init__(self, settings: KvStoreSettings, host: HostTier | None, tls: PeerTls | None,
+                 on_refused) -> None:  # noqa: ANN001 - a no-argument callable
+        self.side: SideChannelServer | None = None
+        self.side_address = ""
+        self.nixl: NixlTarget | None = None
+        side = settings.side_channel
+        if side.enabled and host is not None:
+            listen_host = side.host or settings.listen.host
+            use_tls = tls is not None and side.tls
+            if tls is not None and not side.tls:
+                log.warning("side channel without TLS (side_channel.tls: false): KV payloads cross the network "
+                            "in the clear; a one-time token still authenticates each transfer")
+            self.side = SideChannelServer(listen_host, side.port, server_tls=tls_contexts(tls)[0] if use_tls else None,
+                                          timeout_s=side.timeout_s, on_refused=on_refused)
+            advertise = side.advertise_host or (settings.advertise_address.rpartition(":")[0]
+                                                if settings.advertise_address else listen_host)
+            self.side_address = f"{'tls://' if use_tls else ''}{advertise}:{self.side.port}"
+            log.info("side channel on %s:%d (%s)", listen_host, self.side.port,
+                     "mutual TLS + one-time tokens" if use_tls else "one-time tokens"
+                     + ("" if is_loopback(listen_host) else ", payloads in the clear"))
+        if settings.nixl and host is not None:
+            try:
+                self.nixl = NixlTarget(host.pool.buf)
+                log.info("NIXL mover served: host pool registered at %#x", self.nixl.base)
+            except NixlUnavailable as exc:
+                log.warning("nixl is set but NIXL cannot start here (%s); serving the other movers", exc)
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
+        if self.nixl is not None:
+            self.nixl.close()

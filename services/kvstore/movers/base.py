@@ -1,0 +1,98 @@
+"""What every mover shares: the gRPC control link to one node, and the mover contract.
+
+A mover moves the payloads of a put or a get; the control calls (reserve, commit, get headers)
+always go over the node's authenticated gRPC channel. ``put`` and ``get`` return None when this
+mover cannot serve the call — the client then asks the next mover — and set ``usable`` False
+when it never will for this node (another host, a node without the feature, an optional engine
+that is absent or broken), so the next calls skip it. Every block a mover returns has passed
+``KvBlock.verify``; a damaged one is a miss, added to ``corrupt`` to be reported to the node.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from crescent.protos import kvstore_pb2, kvstore_pb2_grpc
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.kv_block import BlockIntegrityError, KvBlock
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int
+    rejected: int
+    failed: bool = False  # the store could not be reached: nothing was stored
+
+
+class NodeLink:
+    """The control channel to one node, and the bookkeeping every mover reports into."""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel, timeout_s: float) -> None:
+        self.address = address
+        self.channel = channel
+        self.stub = kvstore_pb2_grpc.KvStoreStub(channel)
+        self.timeout_s = timeout_s
+        self.errors: collections.Counter[str] = collections.Counter()  # by operation and "integrity"
+
+    def failed(self, operation: str, exc: BaseException) -> None:
+        self.errors[operation] += 1
+        if isinstance(exc, grpc.aio.AioRpcError):
+            log.warning("kvstore %s %s failed: %s %s", self.address, operation, exc.code().name, exc.details())
+        else:
+            log.warning("kvstore %s %s failed: %s", self.address, operation, repr(exc))
+
+    def verified(self, block: KvBlock, model_id: str | None, corrupt: list[BlockKey]) -> bool:
+        """Whether ``block`` is safe to use; a damaged one (not merely another model's) is
+        added to ``corrupt``, to be reported to the node."""
+        try:
+            block.verify(model_id)
+            return True
+        except BlockIntegrityError as exc:
+            self.errors["integrity"] += 1
+            # str(exc), not exc: a kept log record would hold the traceback's frames, and with
+            # them views of the shared pool that must not outlive this call.
+            log.warning("kvstore %s returned a bad block, treated as a miss: %s", self.address, str(exc))
+            if model_id is None or block.model_id == model_id:
+                corrupt.append(block.key)
+            return False
+
+
+def refused(exc: BaseException) -> bool:
+    """The node cannot do this for us at all (another host, a feature off or missing, a role
+    not allowed to), as opposed to a call that failed this time."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
+    )
+
+
+class Mover:
+    """One way of moving payloads to and from one node."""
+
+    name = ""
+
+    def __init__(self, link: NodeLink) -> None:
+        self.link = link
+        self.usable = True
+
+    def give_up(self, why: str) -> None:
+        """This mover will not work with this node: the client stops asking it."""
+        if self.usable:
+            log.info("kvstore %s: mover %s is not usable (%s); using the next one", self.link.address, self.name, why)
+        self.usable = False
+
+    async def put(self, blocks: Sequence[KvBlock]) -> PutResult | None:
+        raise NotImplementedError
+
+    async def get(self, request: kvstore_pb2.GetRequest, model_id: str | None,
+                  corrupt: list[BlockKey]) -> dict[BlockKey, KvBlock] | None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Give back whatever the mover holds (mappings, reserved room)."""

@@ -1,0 +1,135 @@
+"""The TCP side channel mover: payloads over a socket of their own, control over gRPC.
+
+*put*: ``ReserveShm`` with mover "tcp" reserves room in the node's host pool and returns the
+side channel's address and a one-time token; the payloads go over that socket straight into the
+reserved room, where the node checks each one's CRC as it lands and answers which arrived
+whole; ``CommitShm`` stores those. *get*: ``GetShm`` with mover "tcp" returns the headers, the
+address and a token; the payloads come back over the socket into fresh buffers, checksummed as
+they land, so ``verify`` costs no second pass. Works between hosts; blocks the node has no room
+for go over ``rest`` (gRPC). See ``kvwire/side_channel.py`` for the channel itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Sequence
+
+import grpc
+
+from crescent.protos import kvstore_pb2
+from crescent.services.common.tls import PeerTls
+from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, refused
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.fused_copy import empty_buffer
+from crescent.services.kvwire.kv_block import KvBlock
+from crescent.services.kvwire.side_channel import receive_payloads, send_payloads, tls_contexts
+
+MOVER = "tcp"
+_UNSPECIFIED_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+class TcpSideChannelMover(Mover):
+    name = MOVER
+
+    def __init__(self, link: NodeLink, rest: Mover, tls: PeerTls | None = None) -> None:
+        """``tls``: this process's key pair; the side channel then runs mutual TLS with it when
+        the node asks for it (its reply's address says ``tls://``)."""
+        super().__init__(link)
+        self._rest = rest
+        self._client_tls = tls_contexts(tls)[1] if tls is not None else None
+        self._server_name = tls.server_name if tls is not None else ""
+
+    def _target(self, side_address: str) -> tuple[str, ssl.SSLContext | None]:
+        """Where to connect, and with which TLS context: the node's host as we dial it for gRPC
+        when it advertises an unspecified one (it listens on every interface)."""
+        wants_tls = side_address.startswith("tls://")
+        address = side_address.removeprefix("tls://")
+        host, _, port = address.rpartition(":")
+        if host in _UNSPECIFIED_HOSTS:
+            host = self.link.address.rpartition(":")[0]
+        if wants_tls and self._client_tls is None:
+            raise ssl.SSLError("the node's side channel asks for TLS and this client has no certificate")
+        return f"{host}:{port}", self._client_tls if wants_tls else None
+
+    def _unreachable(self, operation: str, exc: BaseException) -> None:
+        self.link.failed(operation, exc)
+        if isinstance(exc, (ConnectionRefusedError, ssl.SSLError, TimeoutError)):
+            self.give_up(f"cannot open the node's side channel: {exc!r}")
+
+    # -- put ------------------------------------------------------------------------------------
+
+    async def put(self, blocks: Sequence[KvBlock]) -> PutResult | None:
+        try:
+            reply = await self.link.stub.ReserveShm(
+                kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks], mover=MOVER),
+                timeout=self.link.timeout_s,
+            )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            if refused(exc):
+                self.give_up("the node serves no TCP side channel")
+                return None
+            self.link.failed("put", exc)  # the node itself did not answer: no other way will do better
+            return PutResult(0, len(blocks), failed=True)
+        granted = [i for i, slot in enumerate(reply.slots) if slot.granted]
+        others = [b for b, slot in zip(blocks, reply.slots) if not slot.granted and not slot.held]
+        written = [False] * len(reply.slots)
+        sent = True
+        if granted:
+            try:
+                address, context = self._target(reply.side_address)
+                landed = await asyncio.to_thread(
+                    send_payloads, address, reply.side_token, [blocks[i].payload for i in granted],
+                    timeout_s=self.link.timeout_s, client_tls=context, server_name=self._server_name,
+                )
+                for i, ok in zip(granted, landed):
+                    written[i] = ok
+                if not all(landed):
+                    self.link.errors["integrity"] += landed.count(False)
+            except (OSError, ssl.SSLError) as exc:
+                self._unreachable("put_tcp", exc)
+                sent = False
+        try:  # even after a failed send: the commit gives the room back at once
+            committed = await self.link.stub.CommitShm(
+                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written), timeout=self.link.timeout_s,
+            )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            self.link.failed("put_tcp", exc)
+            return PutResult(0, len(blocks), failed=True)
+        if not sent:
+            return None  # this put goes another way
+        rest = await self._rest.put(others) if others else PutResult(0, 0)
+        return PutResult(committed.stored + rest.stored, committed.rejected + rest.rejected, rest.failed)
+
+    # -- get ------------------------------------------------------------------------------------
+
+    async def get(self, request: kvstore_pb2.GetRequest, model_id: str | None,
+                  corrupt: list[BlockKey]) -> dict[BlockKey, KvBlock] | None:
+        try:
+            reply = await self.link.stub.GetShm(kvstore_pb2.ShmGetRequest(request=request, mover=MOVER),
+                                                timeout=self.link.timeout_s)
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            if refused(exc):
+                self.give_up("the node serves no TCP side channel")
+                return None
+            self.link.failed("get", exc)  # the node itself did not answer: a miss
+            return {}
+        metas = [item.meta for item in reply.blocks if item.meta.found]
+        if not metas:
+            return {}
+        buffers = [empty_buffer(meta.nbytes) for meta in metas]
+        try:
+            address, context = self._target(reply.side_address)
+            crcs = await asyncio.to_thread(receive_payloads, address, reply.side_token, buffers,
+                                           timeout_s=self.link.timeout_s, client_tls=context,
+                                           server_name=self._server_name)
+        except (OSError, ssl.SSLError) as exc:
+            self._unreachable("get_tcp", exc)
+            return None
+        found: dict[BlockKey, KvBlock] = {}
+        wanted = set(request.keys)
+        for meta, payload, crc in zip(metas, buffers, crcs):
+            block = KvBlock.from_meta(meta, payload.toreadonly(), payload_crc=crc)
+            if block.key in wanted and self.link.verified(block, model_id, corrupt):
+                found[block.key] = block
+        return found
