@@ -355,17 +355,18 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         reply.reservation = self.reservations.add(slots, landing, request.mover)
         return reply
 
-    async def _landed(self, landing: Landing, granted: int) -> list[bool]:
+    async def _landed(self, landing: Landing, granted: int) -> list[bool | None]:
         """Per granted slot, whether its payload arrived over the side channel with the header's
-        CRC (all False when the transfer never started, failed, or was cut short)."""
+        CRC (False: damaged on the way); None for all when the transfer never started, failed,
+        or was cut short (nothing usable arrived)."""
         side = self.endpoints.side
         if side is not None and side.withdraw(landing.token):
-            return [False] * granted  # nobody opened it: nothing was written
+            return [None] * granted  # nobody opened it: nothing was written
         try:
             return list(await landing.done)
         except (ConnectionError, asyncio.CancelledError) as exc:
             log.warning("side-channel put did not complete: %s", exc)
-            return [False] * granted
+            return [None] * granted
 
     async def CommitShm(self, request: kvstore_pb2.ShmCommitRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmCommitReply:
         pending = self.reservations.take(request.reservation)
@@ -373,10 +374,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {request.reservation} is unknown or expired")
         assert pending is not None
         slots = pending.slots
-        landed: list[bool] | None = None
+        landed: list[bool | None] | None = None
         if pending.landing is not None:  # the payloads came over the side channel, checked as they landed
             results = iter(await self._landed(pending.landing, sum(r is not None for _, r in slots)))
-            landed = [r is not None and next(results) for _, r in slots]
+            landed = [next(results) if r is not None else None for _, r in slots]
         problem = ""
         if len(request.written) != len(slots):
             problem = f"{len(request.written)} written flags for {len(slots)} reserved blocks"
@@ -396,15 +397,15 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             if reservation is None:
                 stored += meta is not None and meta.key in self.store.tiers[0]  # held already: nothing was sent
                 continue
-            if not written or meta is None:
-                self.store.release(reservation)
-                rejected += meta is not None
-                continue
-            if landed is not None and not landed[i]:
-                # Damaged on the side channel (its CRC as it landed is not the header's), or cut short.
+            if landed is not None and landed[i] is False:
+                # Damaged on the side channel: its CRC as it landed is not the header's.
                 self.store.metrics.checksum_failures.labels("put").inc()
                 self.store.release(reservation)
                 rejected += 1
+                continue
+            if not written or meta is None or (landed is not None and landed[i] is None):
+                self.store.release(reservation)
+                rejected += meta is not None
                 continue
             # Shared memory: not re-read for its CRC: the client copied the very payload the
             # header's CRC was computed from, every reader verifies blocks, and a same-host client

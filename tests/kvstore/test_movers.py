@@ -1,0 +1,200 @@
+"""The byte movers under the reserve/commit control calls, against real nodes on loopback.
+
+What a user would notice: blocks put and got over the TCP side channel are the blocks sent;
+bytes damaged on the side channel are refused as they land and never stored; a connection that
+does not open with a token the node issued writes nothing; a client whose optional engine
+(NIXL) is absent or broken, or whose node lacks a mover, still stores and reads everything the
+portable way; and the mover in use with each node shows in the client's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import types
+
+import pytest
+from prometheus_client import REGISTRY
+
+from crescent.protos import kvstore_pb2
+from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.movers import nixl as nixl_mover
+
+from .helpers import MODEL, make_chain
+
+MIB = 1 << 20
+
+
+def selected(address: str, mover: str) -> float | None:
+    return REGISTRY.get_sample_value("crescent_kv_mover_selected", {"peer": address, "mover": mover})
+
+
+async def test_the_side_channel_moves_blocks_both_ways_and_across_several_calls(kvstore_node) -> None:
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
+    client = KvStoreClient(node.address, movers=["tcp"])
+    try:
+        chains = [make_chain(3, floats=MIB, salt=bytes([i])) for i in range(3)]  # 4 MiB blocks
+        for chain in chains:
+            assert (await client.put(chain)).stored == 3
+        for chain in chains:
+            got = await client.get_prefix([b.key for b in chain], MODEL)
+            assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert client.mover == "tcp" and not client.errors
+        assert selected(node.address, "tcp") == 1 and selected(node.address, "grpc") == 0
+        assert node.metric("crescent_kvstore_transferred_bytes_total", direction="in") == 9 * 4 * MIB
+    finally:
+        await client.close()
+
+
+async def test_bytes_damaged_on_the_side_channel_are_refused_as_they_land(kvstore_node) -> None:
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
+    client = KvStoreClient(node.address, movers=["tcp"])
+    reader = KvStoreClient(node.address, movers=["grpc"])
+    try:
+        good, victim = make_chain(2, floats=MIB // 4)
+        damaged = bytearray(victim.payload)
+        damaged[12345] ^= 0x40  # one bit flipped after the header's CRC was computed
+        sent = dataclasses.replace(victim, payload=bytes(damaged))
+        result = await client.put([good, sent])
+        assert (result.stored, result.rejected) == (1, 1)
+        assert client.errors["integrity"] == 1  # the node said which payload arrived bad
+        assert node.metric("crescent_kvstore_checksum_failures_total", tier="put") == 1
+        assert await reader.exists([good.key, victim.key]) == [True, False]
+        assert (await client.put([victim])).stored == 1  # the intact one is taken
+        got = await reader.get([victim.key], MODEL)
+        assert bytes(got[victim.key].payload) == bytes(victim.payload)
+        stat = await reader.stat()
+        assert stat is not None and stat.tiers[0].reserved_bytes == 0  # the refused room went back
+    finally:
+        await client.close()
+        await reader.close()
+
+
+def _side_address(reply) -> tuple[str, int]:  # noqa: ANN001 - a ShmReserveReply
+    host, _, port = reply.side_address.rpartition(":")
+    return host, int(port)
+
+
+def _closed_without_answer(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_a_connection_without_the_issued_token_writes_nothing(kvstore_node) -> None:
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
+    client = KvStoreClient(node.address, movers=["tcp"])
+    reader = KvStoreClient(node.address, movers=["grpc"])
+    try:
+        block = make_chain(1, floats=MIB // 4)[0]
+        reply = await client._stub.ReserveShm(kvstore_pb2.ShmReserveRequest(blocks=[block.to_meta()], mover="tcp"))
+        assert reply.slots[0].granted and len(reply.side_token) == 32
+        # Someone who reached the port but holds no token (or a guessed one) sends the payload.
+        with socket.create_connection(_side_address(reply)) as sock:
+            sock.sendall(os.urandom(32) + bytes(block.payload))
+            assert _closed_without_answer(sock)
+        committed = await client._stub.CommitShm(kvstore_pb2.ShmCommitRequest(reservation=reply.reservation,
+                                                                              written=[True]))
+        assert (committed.stored, committed.rejected) == (0, 1), "nothing landed, so nothing is stored"
+        assert await reader.exists([block.key]) == [False]
+        # A token works once: replaying one that opened a transfer is refused too.
+        assert (await client.put([block])).stored == 1
+        with socket.create_connection(_side_address(reply)) as sock:
+            sock.sendall(reply.side_token)
+            assert _closed_without_answer(sock)
+        assert node.metric("crescent_kvstore_side_channel_refused_total") == 2
+    finally:
+        await client.close()
+        await reader.close()
+
+
+async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvstore_node, monkeypatch) -> None:
+    node = kvstore_node({"nixl": True})  # asked for, but NIXL is not installed here: the node serves the rest
+    try:
+        import nixl  # noqa: F401
+        pytest.skip("NIXL is installed here; this test is about its absence")
+    except ImportError:
+        pass
+    client = KvStoreClient(node.address, movers=["nixl"])
+    try:
+        assert not client.movers[0].usable, "an absent engine is given up at once"
+        chain = make_chain(2, floats=MIB // 4)
+        assert (await client.put(chain)).stored == 2
+        got = await client.get_prefix([b.key for b in chain], MODEL)
+        assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert client.mover == "grpc" and not client.errors
+        assert selected(node.address, "grpc") == 1 and selected(node.address, "nixl") == 0
+    finally:
+        await client.close()
+    assert "NIXL cannot start here" in node.log.read_text()
+
+    # A broken install (the package imports, its agent fails) is given up the same way.
+    broken = types.ModuleType("nixl._api")
+    broken.nixl_agent_config = lambda **kw: None
+
+    def no_agent(*args, **kwargs):
+        raise OSError("libucp.so.0: cannot open shared object file")
+
+    broken.nixl_agent = no_agent
+    monkeypatch.setitem(sys.modules, "nixl", types.ModuleType("nixl"))
+    monkeypatch.setitem(sys.modules, "nixl._api", broken)
+    client = KvStoreClient(node.address, movers=["nixl", "tcp"])
+    try:
+        assert (await client.put(make_chain(1, salt=b"b"))).stored == 1
+        assert client.mover == "tcp"
+    finally:
+        await client.close()
+
+
+class _WorkingEngine:
+    """An engine that starts: the node is what lacks NIXL in this case."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+
+async def test_a_node_without_a_mover_is_served_the_next_way_and_the_choice_is_per_node(kvstore_node, monkeypatch) -> None:
+    monkeypatch.setattr(nixl_mover, "NixlEngine", _WorkingEngine)
+    plain = kvstore_node({"side_channel": {"enabled": False}}, name="plain")
+    side = kvstore_node(name="side")
+    clients = [KvStoreClient(n.address, movers=["nixl", "tcp", "grpc"]) for n in (plain, side)]
+    try:
+        for client in clients:
+            chain = make_chain(2, floats=MIB // 4, salt=client.address.encode())
+            assert (await client.put(chain)).stored == 2
+            got = await client.get_prefix([b.key for b in chain], MODEL)
+            assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert [c.mover for c in clients] == ["grpc", "tcp"]
+        assert [[m.usable for m in c.movers] for c in clients] == [[False, False, True], [False, True, True]]
+        assert selected(plain.address, "grpc") == 1 and selected(side.address, "tcp") == 1
+        assert selected(side.address, "grpc") == 0 and selected(plain.address, "tcp") == 0
+        assert not any(c.errors for c in clients)
+    finally:
+        for client in clients:
+            await client.close()
+
+
+async def test_peer_nodes_fetch_from_each_other_over_the_side_channel(kvstore_node) -> None:
+    a = kvstore_node(name="node-a")
+    b = kvstore_node({"peers": {"node-a": a.address}}, name="node-b")
+    ca, cb = KvStoreClient(a.address, movers=["grpc"]), KvStoreClient(b.address, movers=["grpc"])
+    try:
+        chain = make_chain(3, floats=MIB // 4)
+        assert (await ca.put(chain)).stored == 3
+        got = await cb.get_prefix([x.key for x in chain], MODEL)  # node-b asks node-a
+        assert [bytes(x.payload) for x in got] == [bytes(x.payload) for x in chain]
+        # (labels in /metrics order: alphabetical)
+        assert b.metric("crescent_kv_mover_selected", mover="tcp", peer=a.address) == 1
+        assert b.metric("crescent_kv_mover_bytes_total", direction="get", mover="tcp", peer=a.address) == 3 * MIB
+    finally:
+        await ca.close()
+        await cb.close()
+
+
+def test_an_unknown_mover_is_named_with_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="unknown kvstore mover.*rdma.*valid: shm, tcp, nixl, grpc"):
+        KvStoreClient("127.0.0.1:1", movers=["rdma"])
