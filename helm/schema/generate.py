@@ -30,6 +30,13 @@ FREE_FORM = {"resources", "nodeSelector", "affinity", "podAnnotations", "setting
 OBJECT_LISTS = {"extraEnv", "extraVolumes", "extraVolumeMounts", "tolerations"}
 
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+# US dollars, exact: a decimal string ("0.30"), or a number.
+DOLLARS = {"type": ["string", "number"], "pattern": "^[0-9]+(\\.[0-9]+)?$", "minimum": 0}
+PRICES = {"type": "object", "additionalProperties": False,
+          "required": ["cacheHitInput", "cacheMissInput", "output"],
+          "properties": {k: DOLLARS for k in ("cacheHitInput", "cacheMissInput", "output")}}
+LIMIT_VALUES = {"properties": {"rpm": {"type": "integer", "minimum": 1}, "tpm": {"type": "integer", "minimum": 1},
+                               "maxConcurrent": {"type": "integer", "minimum": 1}, "budgetUsd": DOLLARS}}
 IMAGE_TAG = {"type": "string", "minLength": 1, "not": {"const": "latest"}}
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "imagePullSecrets": {"items": {"type": "string", "minLength": 1}},
@@ -56,6 +63,24 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
         },
     },
     "gateway.replicas": {"minimum": 1},
+    "gateway.database.type": {"enum": ["sqlite", "postgresql"]},
+    "gateway.database.sqlite.mountPath": {"pattern": "^/"},
+    "gateway.database.sqlite.size": {"pattern": "^[0-9]+(\\.[0-9]+)?([KMGTPE]i?)?$"},
+    "gateway.database.postgresql.urlKey": {"minLength": 1},
+    "gateway.ledger.commitWaitSeconds": {"type": "number", "exclusiveMinimum": 0},
+    "gateway.ledger.batchRows": {"minimum": 1, "maximum": 10000},
+    "gateway.ledger.journalDir": {"pattern": "^(/.*)?$"},  # absolute, or empty for no journal
+    "gateway.prices": {"properties": {}, "additionalProperties": PRICES},
+    "gateway.limits.store": {"enum": ["memory", "redis"]},
+    "gateway.limits.redis.urlKey": {"minLength": 1},
+    "gateway.limits.key": LIMIT_VALUES,
+    "gateway.limits.tenant": LIMIT_VALUES,
+    "gateway.limits.tokenWeights.prompt": {"minimum": 0},
+    "gateway.limits.tokenWeights.cached": {"minimum": 0},
+    "gateway.limits.tokenWeights.completion": {"minimum": 0},
+    "gateway.limits.onStoreError": {"enum": ["open", "closed"]},
+    "gateway.limits.storeTimeoutSeconds": {"exclusiveMinimum": 0, "maximum": 10},
+    "gateway.limits.leaseSeconds": {"exclusiveMinimum": 0, "maximum": 3600},
     "gateway.service.type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
     "kvstore.hostMemoryGiB": {"minimum": 1},
     "kvstore.ssd.capacityGiB": {"minimum": 1},

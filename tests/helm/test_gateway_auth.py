@@ -35,12 +35,14 @@ def test_auth_can_be_turned_off() -> None:
 def test_secrets_come_from_the_named_secret_never_inline() -> None:
     docs = render("--set", "gateway.auth.existingSecret=gateway-auth")
     env = gateway_env(docs)
-    for setting, key in (("DATABASE_URL", "database-url"), ("ADMIN_KEY", "admin-key"),
-                         ("CACHE_SALT_SECRET", "cache-salt-secret")):
+    for setting, key in (("ADMIN_KEY", "admin-key"), ("CACHE_SALT_SECRET", "cache-salt-secret")):
         ref = env[f"CRESCENT_GATEWAY__AUTH__{setting}"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "gateway-auth", "key": key, "optional": True}
+    # The database is SQLite on a claim by default; a PostgreSQL URL comes from a Secret too
+    # (test_gateway_state).
+    assert "CRESCENT_GATEWAY__AUTH__DATABASE_URL" not in env
     config = by_kind(docs, "ConfigMap")[GATEWAY]["data"]["config.yaml"]
-    assert "database_url" not in config and "admin_key" not in config
+    assert "admin_key" not in config and "cache_salt_secret" not in config
 
 
 def test_a_misspelt_auth_key_is_refused() -> None:
