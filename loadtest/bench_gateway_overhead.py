@@ -11,9 +11,12 @@ and one real gateway process per configuration in turn, all on loopback:
 - ``auth+limits+ledger``: and the usage ledger (when this checkout has one, ``ledger`` in the
   gateway settings).
 
-Then ``limiter_alone``: the limiter's own admit + settle per request, at the same concurrency in
-one event loop, against the in-process store and against the redis-server: with requests that
-generate for ``--service-ms`` between the two, and back to back (a saturated loop).
+Then ``steps_alone``: the three steps' own work on a request's path, at the same concurrency in
+one event loop: the key's check, the limiter's admission, then at the request's end the settle
+and the ledger's row with the wait a response makes for it; against the in-process store and the
+redis-server, with the ledger's journal and without (waiting for the commit). Requests generate
+for ``--service-ms`` (0.5-1.5x, clients started at random moments: 50 concurrent LLM requests in
+steady state) and back to back (a saturated loop).
 
 Each configuration answers ``--requests`` chat completions from ``--concurrency`` clients
 (after a warm-up), then ``--serial`` requests one at a time; reported are p50/p99 latencies and
@@ -22,7 +25,7 @@ their difference to the baseline. One at a time shows the latency the steps them
 multiplied by the queue it joins, so the throughput is reported too: ``added_cost_ms`` is what
 a request costs the saturated machine beyond the baseline.
 
-  python loadtest/bench_gateway_overhead.py [--requests 2000] [--concurrency 50] [--serial 300]
+  python loadtest/bench_gateway_overhead.py [--requests 2000] [--concurrency 50] [--serial 300] [--steps-only]
 """
 
 from __future__ import annotations
@@ -79,41 +82,65 @@ async def drive(url: str, key: str | None, requests: int, concurrency: int) -> l
     return latencies
 
 
-async def limiter_overhead(store_url: str, requests: int, concurrency: int, service_s: float) -> dict[str, float]:
-    """Latency of the limiter's own two calls per request (admit, then settle), ``concurrency``
-    requests at a time in one event loop, each generating for ``service_s`` in between (0: the
-    calls back to back, the loop saturated); all four limits checked for a key and its tenant."""
+async def steps_overhead(store_url: str, journal: bool, root: Path, requests: int, concurrency: int,
+                         service_s: float) -> dict[str, float]:
+    """What auth + limits + ledger add to one request, ``concurrency`` requests at a time in one
+    event loop, each generating for ``service_s`` between admission and its end (0: back to back,
+    the loop saturated): the key's check, the limiter's admission (all four limits, key and
+    tenant), then at the end the limiter's settle and the ledger's row with the wait a response
+    makes for it (a durable ledger: the journal's write, or the commit without a journal)."""
     from crescent.services.gateway.accounting import UsageCounts
-    from crescent.services.gateway.auth import Principal
+    from crescent.services.gateway.auth import Authenticator
+    from crescent.services.gateway.config import AuthSettings, LedgerSettings
+    from crescent.services.gateway.ledger import UsageLedger
     from crescent.services.gateway.limit_settings import LimitSettings
     from crescent.services.gateway.rate_limits import RateLimiter
     from crescent.services.tenancy.pricing import PriceTable
+    from crescent.services.tenancy.usage import UsageStore
 
+    tag = f"{'redis' if store_url != 'memory' else 'memory'}-{'journal' if journal else 'commit'}-{service_s}"
+    database = f"sqlite:///{root}/steps-{tag}.sqlite3"
+    key = KeyStore(connect_database(database)).create_key("bench", create_tenant=True).key
+    auth = Authenticator.open(AuthSettings(enabled=True, database_url=database))
+    header = f"Bearer {key}"
+    principal = await auth.principal(header)
+    ledger = UsageLedger(UsageStore(auth.store.engine), PriceTable(),
+                         LedgerSettings(journal_dir=str(root / f"journal-{tag}") if journal else None))
+    ledger.start()
     settings = LimitSettings(store=store_url, key=NEVER_REFUSE, tenant=NEVER_REFUSE)
     limiter = RateLimiter.open(settings, None, PriceTable())
-    principal = Principal("ten_bench", "key_bench", b"")
+    limiter.start()
     latencies: list[float] = []
+    unlimited: list[int] = []
     left = iter(range(requests))
-
     jitter = random.Random(0)
 
     async def client() -> None:
         if service_s:  # in steady state requests start and end at different moments, not in bursts
             await asyncio.sleep(jitter.uniform(0, service_s))
-        for _ in left:
+        for i in left:
             started = time.perf_counter()
+            await auth.principal(header)
             ticket = await limiter.admit(principal, "fake-model", 20, 4)
             admitted = time.perf_counter()
             if service_s:
                 await asyncio.sleep(service_s * jitter.uniform(0.5, 1.5))
             ending = time.perf_counter()
-            await limiter.settle(ticket, UsageCounts(20, 16, 4))
+            if ticket is None:  # the store failed and the limiter let the request through (fail open)
+                unlimited.append(i)
+            else:
+                await limiter.settle(ticket, UsageCounts(20, 16, 4))
+            account = ledger.account(f"req-{tag}-{i}", principal, "fake-model")
+            account.settle("ok", UsageCounts(20, 16, 4), 0, 0.1)
+            await account.committed()
             latencies.append(admitted - started + time.perf_counter() - ending)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     await limiter.close()
+    await ledger.close()
+    auth.close()
     return {"p50_ms": round(statistics.median(latencies) * 1000, 3),
-            "p99_ms": round(percentile(latencies, 0.99) * 1000, 3)}
+            "p99_ms": round(percentile(latencies, 0.99) * 1000, 3), "store_failures": len(unlimited)}
 
 
 def configurations(redis_url: str) -> dict[str, dict[str, Any]]:
@@ -159,24 +186,27 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--serial", type=int, default=300)
-    parser.add_argument("--service-ms", type=float, default=50.0,
-                        help="how long each request generates between admit and settle in limiter_alone")
+    parser.add_argument("--service-ms", type=float, default=1000.0,
+                        help="how long each request generates (0.5-1.5x, staggered) in steps_alone")
+    parser.add_argument("--steps-only", action="store_true", help="only steps_alone (no gateway processes)")
     args = parser.parse_args()
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="crescent-bench-") as tmp, redis_server() as redis:
         backend = FakeBackend()
         backend.start_backend()
         try:
-            for name, settings in configurations(redis.url).items():
+            for name, settings in ({} if args.steps_only else configurations(redis.url)).items():
                 results[name] = measure(name, settings, backend, Path(tmp), args)
         finally:
             backend.stop()
-        limiter = {f"{store}, {service_ms} ms requests": asyncio.run(
-                       limiter_overhead(url, args.requests * 2, args.concurrency, service_ms / 1000))
-                   for store, url in (("memory", "memory"), ("redis", redis.url))
-                   for service_ms in (args.service_ms, 0)}
-    base = results["baseline"]
-    for name, figures in results.items():
+        steps = {f"{store}, ledger {'journal' if journal else 'commit wait'}, {service_ms:g} ms requests":
+                 asyncio.run(steps_overhead(url, journal, Path(tmp), args.requests * 2, args.concurrency,
+                                            service_ms / 1000))
+                 for store, url in (("memory", "memory"), ("redis", redis.url))
+                 for journal in (True, False)
+                 for service_ms in (args.service_ms, 0)}
+    base = results.get("baseline")
+    for name, figures in results.items() if base else ():
         # The machine saturated: what each request costs beyond the baseline, in time of the whole machine.
         figures["added_cost_ms"] = round(1000 / figures["requests_per_s"] - 1000 / base["requests_per_s"], 3)
         figures["added_p50_ms"] = round(figures["p50_ms"] - base["p50_ms"], 2)
@@ -185,7 +215,7 @@ def main() -> None:
         figures["serial_added_p99_ms"] = round(figures["serial_p99_ms"] - base["serial_p99_ms"], 3)
     print(json.dumps({"bench": "gateway_overhead", "date": datetime.now(UTC).isoformat(timespec="seconds"),
                       "machine": platform.processor() or platform.machine(), "requests": args.requests,
-                      "concurrency": args.concurrency, "limiter_alone": limiter, "results": results}))
+                      "concurrency": args.concurrency, "steps_alone": steps, "results": results}))
 
 
 if __name__ == "__main__":
