@@ -1,8 +1,14 @@
-"""Put/get throughput of a kvstore node per tier and block size, through gRPC on loopback and
-through shared memory, next to a plain memcpy of the same bytes (the limit on this machine).
+"""Put/get throughput of a kvstore node per tier and block size, through every byte mover on
+loopback (gRPC streams, shared memory, the TCP side channel, NIXL where installed), next to a
+plain memcpy of the same bytes (the limit on this machine); and the prefill -> decode handoff.
 
     .venv/bin/python loadtest/bench_kvstore.py [--sizes-mib 1 4 16 64] [--total-mib 256] [--tiers host disk s3]
-                                               [--tls off|on|both]
+                                               [--movers grpc shm tcp nixl] [--tls off|on|both] [--handoff]
+
+The host tier runs every mover in ``--movers``; disk and S3 run gRPC (the mover does not change
+what those media cost). A mover that is not usable here (NIXL not installed) is reported as the
+mover that served instead. ``--handoff`` also times a 2k-token prompt's handoff, before and
+after the one-codec change (``bench_handoff.py``).
 
 Starts its own node (and a moto S3 server for the s3 tier) on 127.0.0.1; prints one line per
 case and a JSON line at the end. ``--tls both`` runs every gRPC case plaintext and with mutual
@@ -37,9 +43,10 @@ from crescent.services.kvwire.block_keys import prefix_block_keys
 from crescent.services.common.certs import make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 from crescent.services.kvwire.kv_block import KvBlock
-from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.client import MOVERS, KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 
+import bench_handoff  # noqa: E402 - a sibling script
 import transport_ceiling  # noqa: E402 - a sibling script
 
 MIB = 1 << 20
@@ -76,6 +83,15 @@ class Memcpy:
     def gbps(self) -> float:
         seconds = _timed(lambda: [np.copyto(self.dst[i], self.src[i]) for i in range(self.count)])
         return self.nbytes * self.count / seconds / 1e9
+
+
+def cpu_model() -> str:
+    """The CPU, cores and the vector flags that matter here (figures are only comparable with these)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = [f for f in ("avx2", "avx512f", "vpclmulqdq", "pclmulqdq") if f in flags]
+    return f"{model}, {os.cpu_count()} cores, {' '.join(wanted)}"
 
 
 def _timed(fn) -> float:
@@ -178,6 +194,7 @@ async def tier_alone_gbps(tier: str, size: int, count: int, workdir: Path) -> tu
 
 @dataclass
 class CaseResult:
+    mover: str  # the one that served (another than asked when it is not usable here)
     put_gbps: float
     get_gbps: float
     memcpy_gbps: float
@@ -186,12 +203,12 @@ class CaseResult:
 
 
 async def run_case(
-    address: str, size: int, count: int, shared_memory: bool, tier: str, chunk: int, per_call: int, rounds: int,
+    address: str, size: int, count: int, mover: str, tier: str, chunk: int, per_call: int, rounds: int,
     tls: PeerTls | None = None,
 ) -> CaseResult:
     """Medians over ``rounds`` rounds, each moving ``count`` new blocks and timing a memcpy of
     the same bytes between the put and the get."""
-    client = KvStoreClient(address, shared_memory=shared_memory, timeout_s=300, max_chunk_bytes=chunk, tls=tls)
+    client = KvStoreClient(address, movers=[mover], timeout_s=300, max_chunk_bytes=chunk, tls=tls)
     memcpy = Memcpy(size, count)
     puts, gets, copies = [], [], []
     try:
@@ -200,7 +217,7 @@ async def run_case(
         await client.get([spare[0].key], "bench")
         await client.remove([spare[0].key])
         for r in range(rounds):
-            blocks = make_blocks(size, count, f"{tier}-{size}-{shared_memory}-{r}".encode())
+            blocks = make_blocks(size, count, f"{tier}-{size}-{mover}-{r}".encode())
             batches = [blocks[i : i + per_call] for i in range(0, count, per_call)]
             start = time.perf_counter()
             for batch in batches:
@@ -224,7 +241,7 @@ async def run_case(
             gets.append(size * count / get_s / 1e9)
         median = statistics.median
         return CaseResult(
-            median(puts), median(gets), median(copies),
+            client.mover, median(puts), median(gets), median(copies),
             100 * median(p / c for p, c in zip(puts, copies)), 100 * median(g / c for g, c in zip(gets, copies)),
         )
     finally:
@@ -289,8 +306,8 @@ async def paired_mtls(plain: str, secure: str, tls: PeerTls, size: int, count: i
                       rounds: int) -> dict:
     """Plaintext and mutual-TLS rounds alternated (AB, BA, AB, ...) against two host-tier nodes
     alike but for TLS; the mTLS/plaintext ratio is taken per pair of adjacent rounds."""
-    clients = {False: KvStoreClient(plain, timeout_s=300, max_chunk_bytes=chunk),
-               True: KvStoreClient(secure, timeout_s=300, max_chunk_bytes=chunk, tls=tls)}
+    clients = {False: KvStoreClient(plain, movers=["grpc"], timeout_s=300, max_chunk_bytes=chunk),
+               True: KvStoreClient(secure, movers=["grpc"], timeout_s=300, max_chunk_bytes=chunk, tls=tls)}
     gbps: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     put_ratios, get_ratios = [], []
     try:
@@ -373,6 +390,10 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="+", default=["host", "disk", "s3"], choices=["host", "disk", "s3"])
     parser.add_argument("--tls", choices=["off", "on", "both"], default="off",
                         help="gRPC cases plaintext, with mutual TLS, or both (and the cost of mTLS)")
+    parser.add_argument("--movers", nargs="+", default=["grpc", "shm", "tcp", "nixl"], choices=list(MOVERS),
+                        help="byte movers measured on the host tier")
+    parser.add_argument("--handoff", action="store_true", help="also time a prompt's prefill -> decode handoff")
+    parser.add_argument("--handoff-tokens", type=int, default=2048)
     args = parser.parse_args()
     keep_large_buffers_warm()  # as the client process of a real deployment should
     results = []
@@ -407,15 +428,16 @@ def main() -> None:
                                  workdir / f"{tier}.log")
                     try:
                         wait_http(f"http://127.0.0.1:{admin}/health")
-                        paths = [False, True] if tier == "host" and not mtls else [False]
-                        for shm in paths:
+                        paths = [m for m in args.movers if m != "shm" or not mtls] if tier == "host" else ["grpc"]
+                        for mover in paths:
                             per_call = max(1, args.batch_mib // size_mib)
                             case = asyncio.run(
-                                run_case(f"127.0.0.1:{port}", size, count, shm, tier, args.chunk_mib * MIB, per_call,
+                                run_case(f"127.0.0.1:{port}", size, count, mover, tier, args.chunk_mib * MIB, per_call,
                                          1 if tier == "s3" else args.rounds, client_tls if mtls else None)
                             )
                             put, get = case.put_gbps, case.get_gbps
-                            row = {"tier": tier, "path": "shm" if shm else ("grpc+mtls" if mtls else "grpc"),
+                            served = case.mover if case.mover == mover else f"{mover}->{case.mover}"
+                            row = {"tier": tier, "path": served + ("+mtls" if mtls else ""),
                                    "block_mib": size_mib,
                                    "blocks_per_call": per_call, "put_gbps": round(put, 3), "get_gbps": round(get, 3),
                                    "memcpy_gbps": round(case.memcpy_gbps, 3),
@@ -450,11 +472,12 @@ def main() -> None:
         print(f"loopback without the kvstore ({args.chunk_mib} MiB messages): "
               f"TCP {ceiling['tcp_loopback_gbps']:.2f} GB/s ({100 * ceiling['tcp_loopback_gbps'] / reference:.0f}% of memcpy), "
               f"grpcio raw bytes {ceiling['grpcio_raw_gbps']:.2f} GB/s ({100 * ceiling['grpcio_raw_gbps'] / reference:.0f}%)")
+    handoff = bench_handoff.measure(args.handoff_tokens) if args.handoff else {}
     rates = policy_hit_rates()
     print("eviction policies, block hit rate on a conversation + scan trace:",
           ", ".join(f"{k} {v:.1%}" for k, v in rates.items()))
     print(json.dumps({"bench": "kvstore", "results": results, "transport_ceiling": ceiling, "policy_hit_rates": rates,
-                      "mtls_cost": tls_cost}))
+                      "mtls_cost": tls_cost, "handoff": handoff, "cpu": cpu_model()}))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         self.reservations = PendingReservations(store, settings.shm_reservation_ms, self.endpoints.side)
         self._bytes_in = store.metrics.transferred_bytes.labels("in")
         self._bytes_out = store.metrics.transferred_bytes.labels("out")
-        self._sends: set[asyncio.Task[None]] = set()  # side-channel gets: unpin when sent
         self._sweeper = asyncio.get_running_loop().create_task(self._expire_reservations(), name="shm-reservations")
 
     async def _expire_reservations(self) -> None:
@@ -60,8 +59,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 log.warning("gave back %d reserved pool blocks a client never committed", expired)
 
     async def close(self) -> None:
-        await cancel_and_wait(self._sweeper, *self._sends)
-        self.endpoints.close()
+        await cancel_and_wait(self._sweeper)
+        await self.endpoints.close()
         self.reservations.expire(everything=True)
         await self.peers.close()
         self.segments.close()
@@ -210,26 +209,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             for key in keys:
                 self.store.unpin(key)
             raise
-        token, sent = side.expect_send(payloads)
-        reply.side_token = token
-        task = asyncio.get_running_loop().create_task(self._unpin_when_sent(token, sent, keys), name="side-send")
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        reply.side_token = self.endpoints.send_then_unpin(self.store, keys, payloads, self.reservations.lifetime_s)
         return reply
-
-    async def _unpin_when_sent(self, token: bytes, sent: asyncio.Future, keys: list[BlockKey]) -> None:
-        assert self.endpoints.side is not None
-        try:
-            try:
-                await asyncio.wait_for(asyncio.shield(sent), self.reservations.lifetime_s)
-            except TimeoutError:
-                if not self.endpoints.side.withdraw(token):
-                    await sent  # it started: the socket's timeout ends it
-        except (ConnectionError, asyncio.CancelledError) as exc:
-            log.warning("side-channel get of %d blocks did not complete: %s", len(keys), exc)
-        finally:
-            for key in keys:
-                self.store.unpin(key)
 
     def _reply_from_pool(self, host: HostTier, request: kvstore_pb2.GetRequest, reply: kvstore_pb2.ShmGetReply) -> bool:
         """The common same-host read, every block in this node's pool: offsets and headers with
@@ -355,19 +336,6 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         reply.reservation = self.reservations.add(slots, landing, request.mover)
         return reply
 
-    async def _landed(self, landing: Landing, granted: int) -> list[bool | None]:
-        """Per granted slot, whether its payload arrived over the side channel with the header's
-        CRC (False: damaged on the way); None for all when the transfer never started, failed,
-        or was cut short (nothing usable arrived)."""
-        side = self.endpoints.side
-        if side is not None and side.withdraw(landing.token):
-            return [None] * granted  # nobody opened it: nothing was written
-        try:
-            return list(await landing.done)
-        except (ConnectionError, asyncio.CancelledError) as exc:
-            log.warning("side-channel put did not complete: %s", exc)
-            return [None] * granted
-
     async def CommitShm(self, request: kvstore_pb2.ShmCommitRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmCommitReply:
         pending = self.reservations.take(request.reservation)
         if pending is None:
@@ -376,7 +344,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         slots = pending.slots
         landed: list[bool | None] | None = None
         if pending.landing is not None:  # the payloads came over the side channel, checked as they landed
-            results = iter(await self._landed(pending.landing, sum(r is not None for _, r in slots)))
+            results = iter(await self.endpoints.landed(pending.landing, sum(r is not None for _, r in slots)))
             landed = [next(results) if r is not None else None for _, r in slots]
         problem = ""
         if len(request.written) != len(slots):

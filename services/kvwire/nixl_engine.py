@@ -32,6 +32,24 @@ class NixlUnavailable(RuntimeError):
     """NIXL cannot be used in this process (absent or broken); use another mover."""
 
 
+# The meta package ``nixl`` names the API ``nixl``; a wheel of one CUDA variant alone names it
+# after the variant.
+API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
+def _import_api():  # noqa: ANN202 - the NIXL API module
+    missing: list[str] = []
+    for name in API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise  # the package is there but something it needs is not: broken, say so
+            missing.append(name.split(".")[0])
+    raise ModuleNotFoundError(f"no NIXL package installed (looked for {', '.join(missing)}); "
+                              "pip install 'crescent[nixl]'")
+
+
 def address_of(view: bytes | memoryview) -> int:
     """The address of a buffer's first byte (for registering it with the engine)."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
@@ -42,7 +60,7 @@ class NixlEngine:
 
     def __init__(self, role: str) -> None:
         try:
-            api = importlib.import_module("nixl._api")
+            api = _import_api()
             self._agent = api.nixl_agent(f"crescent-{role}-{secrets.token_hex(4)}",
                                          api.nixl_agent_config(backends=BACKENDS))
         except Exception as exc:  # noqa: BLE001 - ImportError, OSError from native code, its own errors alike

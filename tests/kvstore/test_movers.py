@@ -21,6 +21,8 @@ from prometheus_client import REGISTRY
 from crescent.protos import kvstore_pb2
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers import nixl as nixl_mover
+from crescent.services.kvwire.fused_copy import crc32
+from crescent.services.kvwire.side_channel import joined_crcs, stripe_pieces
 
 from .helpers import MODEL, make_chain
 
@@ -29,6 +31,16 @@ MIB = 1 << 20
 
 def selected(address: str, mover: str) -> float | None:
     return REGISTRY.get_sample_value("crescent_kv_mover_selected", {"peer": address, "mover": mover})
+
+
+def _nixl_installed() -> bool:
+    from crescent.services.kvwire.nixl_engine import _import_api
+
+    try:
+        _import_api()
+        return True
+    except Exception:  # noqa: BLE001 - absent or broken alike
+        return False
 
 
 async def test_the_side_channel_moves_blocks_both_ways_and_across_several_calls(kvstore_node) -> None:
@@ -48,14 +60,15 @@ async def test_the_side_channel_moves_blocks_both_ways_and_across_several_calls(
         await client.close()
 
 
-async def test_bytes_damaged_on_the_side_channel_are_refused_as_they_land(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
+@pytest.mark.parametrize("floats, where", [(MIB // 4, 12345), (3 * MIB, -7)])  # one connection; two stripes
+async def test_bytes_damaged_on_the_side_channel_are_refused_as_they_land(kvstore_node, floats: int, where: int) -> None:
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
     client = KvStoreClient(node.address, movers=["tcp"])
     reader = KvStoreClient(node.address, movers=["grpc"])
     try:
-        good, victim = make_chain(2, floats=MIB // 4)
+        good, victim = make_chain(2, floats=floats)
         damaged = bytearray(victim.payload)
-        damaged[12345] ^= 0x40  # one bit flipped after the header's CRC was computed
+        damaged[where] ^= 0x40  # one bit flipped after the header's CRC was computed
         sent = dataclasses.replace(victim, payload=bytes(damaged))
         result = await client.put([good, sent])
         assert (result.stored, result.rejected) == (1, 1)
@@ -104,7 +117,7 @@ async def test_a_connection_without_the_issued_token_writes_nothing(kvstore_node
         # A token works once: replaying one that opened a transfer is refused too.
         assert (await client.put([block])).stored == 1
         with socket.create_connection(_side_address(reply)) as sock:
-            sock.sendall(reply.side_token)
+            sock.sendall(reply.side_token + bytes([0, 1]) + bytes(block.payload))  # stripe 0 of 1, as a client says
             assert _closed_without_answer(sock)
         assert node.metric("crescent_kvstore_side_channel_refused_total") == 2
     finally:
@@ -113,12 +126,9 @@ async def test_a_connection_without_the_issued_token_writes_nothing(kvstore_node
 
 
 async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvstore_node, monkeypatch) -> None:
-    node = kvstore_node({"nixl": True})  # asked for, but NIXL is not installed here: the node serves the rest
-    try:
-        import nixl  # noqa: F401
+    if _nixl_installed():
         pytest.skip("NIXL is installed here; this test is about its absence")
-    except ImportError:
-        pass
+    node = kvstore_node({"nixl": True})  # asked for, but NIXL is not installed here: the node serves the rest
     client = KvStoreClient(node.address, movers=["nixl"])
     try:
         assert not client.movers[0].usable, "an absent engine is given up at once"
@@ -148,6 +158,25 @@ async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvs
         assert client.mover == "tcp"
     finally:
         await client.close()
+
+
+@pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed here (pip install 'crescent[nixl]')")
+async def test_with_nixl_blocks_are_written_one_sided_and_checked_at_commit(kvstore_node) -> None:
+    node = kvstore_node({"nixl": True, "tiers": {"host": {"capacity_bytes": 64 * MIB}}})
+    client = KvStoreClient(node.address, movers=["nixl"])
+    reader = KvStoreClient(node.address, movers=["grpc"])
+    try:
+        chain = make_chain(3, floats=MIB // 4)
+        damaged = bytearray(chain[2].payload)
+        damaged[-1] ^= 1
+        result = await client.put([*chain[:2], dataclasses.replace(chain[2], payload=bytes(damaged))])
+        assert (result.stored, result.rejected) == (2, 1) and client.mover == "nixl"
+        assert node.metric("crescent_kvstore_checksum_failures_total", tier="put") == 1  # verified at commit
+        got = await reader.get_prefix([b.key for b in chain], MODEL)
+        assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain[:2]]
+    finally:
+        await client.close()
+        await reader.close()
 
 
 class _WorkingEngine:
@@ -198,3 +227,16 @@ async def test_peer_nodes_fetch_from_each_other_over_the_side_channel(kvstore_no
 def test_an_unknown_mover_is_named_with_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="unknown kvstore mover.*rdma.*valid: shm, tcp, nixl, grpc"):
         KvStoreClient("127.0.0.1:1", movers=["rdma"])
+
+
+@pytest.mark.parametrize("sizes, stripes", [([5 * MIB, 7 * MIB], 2), ([1, 0, 3 * MIB, 12345], 3), ([MIB], 1)])
+def test_stripes_cover_every_byte_once_and_their_crcs_join(sizes: list[int], stripes: int) -> None:
+    payloads = [os.urandom(n) for n in sizes]
+    parts, covered = [], [bytearray(n) for n in sizes]
+    for stripe in range(stripes):
+        for i, a, b in stripe_pieces(sizes, stripe, stripes):
+            covered[i][a:b] = payloads[i][a:b]
+            parts.append(((i, a, b), crc32(payloads[i][a:b])))
+    assert [bytes(c) for c in covered] == payloads
+    assert sum(b - a for (_, a, b), _ in parts) == sum(sizes)
+    assert joined_crcs(len(sizes), parts[::-1]) == [crc32(p) for p in payloads]
