@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from crescent.services.prefill.config import PrefillSettings
+from crescent.services.prefill.config import PrefillBaseSettings
 
 ENV_PREFIX = "CRESCENT_AGGREGATED"
 
 
-class AggregatedSettings(PrefillSettings):
+class AggregatedSettings(PrefillBaseSettings):
     unclaimed_timeout_s: float = Field(
         default=10.0, gt=0, description="abort a request whose stream nobody opens within this time"
     )

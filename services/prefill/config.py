@@ -1,4 +1,5 @@
-"""Settings of a prefill instance (env prefix ``CRESCENT_PREFILL``)."""
+"""Settings of a prefill instance (env prefix ``CRESCENT_PREFILL``); ``PrefillBaseSettings`` is what
+an aggregated instance shares with it (it batches prompts its own way: ``chunk_tokens``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from crescent.services.engine.settings import EngineSettings
 ENV_PREFIX = "CRESCENT_PREFILL"
 
 
-class PrefillSettings(StrictModel):
+class PrefillBaseSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
     tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
     instance_id: str = Field(default="", description="unique id; empty: <role>-<host>-<port>")
@@ -24,3 +25,11 @@ class PrefillSettings(StrictModel):
         description="move blocks through shared memory when the kvstore is on this host (gRPC otherwise, found by itself)",
     )
     engine: EngineSettings = EngineSettings()
+
+
+class PrefillSettings(PrefillBaseSettings):
+    max_batch_tokens: int = Field(
+        default=2048, ge=0,
+        description="prefill batching: prompt tokens per forward pass, shared by the chunks of several queued "
+                    "prompts (each cut into engine.prefill_chunk_tokens chunks, as alone); 0: one prompt at a time",
+    )

@@ -14,7 +14,7 @@ from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
-from crescent.services.prefill.config import ENV_PREFIX, PrefillSettings
+from crescent.services.prefill.config import ENV_PREFIX, PrefillBaseSettings, PrefillSettings
 from crescent.services.prefill.servicer import PrefillServicer, add_prefill_to_server
 
 
@@ -46,7 +46,7 @@ class PrefillRole:
             await self.kvstore.close()
 
 
-def kvstore_client(settings: PrefillSettings, instance: EngineInstance) -> KvStoreClient | None:
+def kvstore_client(settings: PrefillBaseSettings, instance: EngineInstance) -> KvStoreClient | None:
     """The node's kvstore, if the settings name one."""
     if not settings.kvstore_address:
         return None
@@ -71,7 +71,7 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
                                    scheduler_address=settings.scheduler_address,
                                    constraints=Constraints.for_model(settings.engine.model, engine.config.vocab_size,
                                                                      engine.config.eos_token_ids),
-                                   tls=instance.tls)
+                                   tls=instance.tls, max_batch_tokens=settings.max_batch_tokens)
         servicer.load.on_change = instance.nudge
         add_prefill_to_server(servicer, server)
         return PrefillRole(servicer, kvstore)

@@ -1,7 +1,8 @@
 """The Prefill gRPC servicer: cached prefix in, first token and a handed-off request out.
 
 For each request: attach the longest locally cached prefix, fetch the following prefix blocks
-from the kvstore, compute the rest, sample the first token and stream it to the gateway at once;
+from the kvstore, compute the rest (its chunks share forwards with other queued prompts':
+``PrefillBatcher``), sample the first token and stream it to the gateway at once;
 then push the request and all its KV to the chosen decode instance, and write the prompt's new
 full blocks to the kvstore in the background. With ``sampling.n > 1`` the prompt is computed
 once and each choice's first token is sampled from the same logits (choice i with
@@ -53,6 +54,7 @@ from crescent.services.engine.wire import (
     sampling_config,
 )
 from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.prefill.batcher import PrefillBatcher
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prompt_export import PromptExport
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
@@ -96,7 +98,9 @@ class _PageHold:
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
                  on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None,
-                 tls: PeerTls | None = None) -> None:
+                 tls: PeerTls | None = None, max_batch_tokens: int = 0) -> None:
+        """``max_batch_tokens``: prompt tokens per forward shared by queued prompts (``PrefillBatcher``);
+        0 computes one prompt at a time."""
         self.engine = engine
         self._tls = tls  # this process's key pair for its channels (None: plaintext)
         self.constraints = constraints
@@ -110,6 +114,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.running = 0  # Prefill calls open
         self.draining = False
         self.load = PrefillLoad()
+        self.batcher = PrefillBatcher(engine, worker, max_batch_tokens, self.metrics) if max_batch_tokens > 0 else None
         self.puller = (PrefixPuller(engine, worker, self.metrics, PeerDirectory(scheduler_address, tls), tls)
                        if scheduler_address else None)
 
@@ -125,6 +130,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await channel.close()
         if self.puller is not None:
             await self.puller.close()
+        if self.batcher is not None:
+            await self.batcher.close()
 
     async def _constraint(self, sampling: common_pb2.SamplingParams, generated: list[int],
                           context: grpc.aio.ServicerContext) -> TokenConstraint | None:
@@ -253,8 +260,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """The Prefill call ended (handed off or not)."""
 
     async def _prompt_logits(self, seq: Sequence) -> torch.Tensor:
-        """Compute the prompt; its last token's logits (vocab,)."""
-        return await self.worker.run(self.engine.prefill, seq)
+        """Compute the prompt; its last token's logits (vocab,). Batched with other queued
+        prompts' chunks when batching is on, else alone (one forward per chunk)."""
+        if self.batcher is not None:
+            return await self.batcher.prefill(seq)
+        forwards = -(-(seq.num_tokens - seq.num_computed) // self.engine.prefill_chunk_tokens)
+        logits = await self.worker.run(self.engine.prefill, seq)
+        for _ in range(forwards):
+            self.metrics.batch_size.labels("prefill").observe(1)
+        return logits
 
     def _count(self, prompt: int, local_hit: int, remote_hit: int, peer_hit: int = 0) -> None:
         m = self.metrics
