@@ -114,6 +114,7 @@ class PrefillBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            await asyncio.sleep(0)  # prompts whose prefix was attached in this same turn join the first step
             while self._queue:
                 await self._step()
                 # Prompts answered by this step sample their first tokens (and start their
