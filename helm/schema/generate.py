@@ -49,6 +49,8 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "slo.ttftSeconds": {"type": "number", "enum": LATENCY_BUCKETS},
     "slo.tbtSeconds": {"type": "number", "enum": TOKEN_INTERVAL_BUCKETS},
     "slo.objective": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "topology.mode": {"enum": ["zone", "nvlinkDomain"]},
+    "topology.zoneLabel": {"minLength": 1},
     "topology.supernodeLabel": {"minLength": 1},
     "topology.groups": {
         "minItems": 1,
@@ -59,6 +61,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
             "properties": {
                 "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]{0,14}[a-z0-9])?$"},
                 "supernode": {"type": "string"},
+                "zone": {"type": "string"},
             },
         },
     },

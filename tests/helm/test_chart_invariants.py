@@ -50,6 +50,7 @@ def test_one_supernode_puts_eight_gpus_on_its_pools() -> None:
     for workload in (prefill, decode):
         spec = _pod_spec(workload)
         assert spec["nodeSelector"] == {
+            "nvidia.com/gpu.present": "true",
             "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
             "crescent.io/supernode": "sn0",
         }
@@ -65,18 +66,21 @@ def test_one_supernode_puts_eight_gpus_on_its_pools() -> None:
 def test_four_supernodes_keep_each_group_inside_one_nvlink_domain() -> None:
     docs = render(values=[EXAMPLES / "four-supernodes.yaml"])
     deployments = by_kind(docs, "Deployment")
+    cliques = {group["name"]: group["supernode"] for group in yaml.safe_load((EXAMPLES / "four-supernodes.yaml").read_text())["topology"]["groups"]}
+    assert len(set(cliques.values())) == 4  # each group pinned to its own rack
     for group in ("rack0", "rack1", "rack2", "rack3"):
         for role, pool in (("prefill", "prefill"), ("decode", "decode")):
             workload = deployments[f"crescent-{role}-{group}"]
             spec = _pod_spec(workload)
             assert _gpus(workload) == 4
-            assert spec["nodeSelector"] == {"crescent.io/pool": pool}
+            assert spec["nodeSelector"] == {"crescent.io/pool": pool, "nvidia.com/gpu.present": "true",
+                                            "nvidia.com/gpu.clique": cliques[group]}
             (term,) = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
             assert term["topologyKey"] == "nvidia.com/gpu.clique"
             pod_labels = workload["spec"]["template"]["metadata"]["labels"]
             # The term selects the pod itself and its group's pods of the other role, nothing else.
             assert _selects(term["labelSelector"]["matchLabels"], pod_labels)
-            assert term["labelSelector"]["matchLabels"]["crescent.io/group"] == group
+            assert term["labelSelector"]["matchLabels"]["crescent.io/group-key"] == f"crescent.{group}"
             # The autoscalers own the replica count.
             assert "replicas" not in workload["spec"]
     hpas = by_kind(docs, "HorizontalPodAutoscaler")

@@ -1,31 +1,16 @@
 {{/*
 Prefill and decode are two roles of one engine; these helpers render either. Each topology group
-gets its own Deployment (and HPA, PDB) per role, and every pod of a group carries a required pod
-affinity on the supernode label, so the group's prefill and decode pods share one NVLink domain.
-Call with (dict "root" $ "role" "prefill").
+gets its own Deployment (and HPA, PDB) per role; where its pods may land is _topology.tpl's.
+Call with (dict "root" $ "role" "prefill"), plus "group" (the group's values) for per-group objects.
 */}}
 
 {{- define "crescent.engineGroupName" -}}
-{{- printf "%s-%s-%s" (include "crescent.fullname" .root) .role .group | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s-%s" (include "crescent.fullname" .root) .role .group.name | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "crescent.engineGroupSelector" -}}
 {{ include "crescent.selectorLabels" (dict "root" .root "component" .role) }}
-crescent.io/group: {{ .group }}
-{{- end }}
-
-{{/* Affinity of a group's pods: the component's own affinity plus the supernode pod affinity. */}}
-{{- define "crescent.engineAffinity" -}}
-{{- $v := index .root.Values .role }}
-{{- $affinity := deepCopy $v.affinity }}
-{{- $podAffinity := get $affinity "podAffinity" | default dict }}
-{{- $required := get $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default list }}
-{{- $term := dict
-  "labelSelector" (dict "matchLabels" (dict "app.kubernetes.io/instance" .root.Release.Name "crescent.io/group" .group))
-  "topologyKey" .root.Values.topology.supernodeLabel }}
-{{- $_ := set $podAffinity "requiredDuringSchedulingIgnoredDuringExecution" (append $required $term) }}
-{{- $_ = set $affinity "podAffinity" $podAffinity }}
-{{- toYaml $affinity }}
+crescent.io/group: {{ .group.name }}
 {{- end }}
 
 {{- define "crescent.engineDeployment" -}}
@@ -38,17 +23,13 @@ crescent.io/group: {{ .group }}
 {{- $_ := set $limits "nvidia.com/gpu" (int $v.gpus) }}
 {{- $_ = set $resources "limits" $limits }}
 {{- end }}
-{{- $nodeSelector := deepCopy $v.nodeSelector }}
-{{- if .supernode }}
-{{- $_ := set $nodeSelector $root.Values.topology.supernodeLabel .supernode }}
-{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
   name: {{ include "crescent.engineGroupName" . }}
   labels:
     {{- include "crescent.componentLabels" $component | nindent 4 }}
-    crescent.io/group: {{ .group }}
+    crescent.io/group: {{ .group.name }}
 spec:
   {{- if not (or $v.autoscaling.enabled $v.autoscaling.keda.enabled) }}
   replicas: {{ $v.replicas }}
@@ -60,7 +41,8 @@ spec:
     metadata:
       labels:
         {{- include "crescent.componentLabels" $component | nindent 8 }}
-        crescent.io/group: {{ .group }}
+        crescent.io/group: {{ .group.name }}
+        crescent.io/group-key: {{ include "crescent.groupKey" . }}
       annotations:
         checksum/config: {{ include (print $root.Template.BasePath (printf "/%s-configmap.yaml" .role)) $root | sha256sum }}
         {{- with $v.podAnnotations }}
@@ -69,9 +51,9 @@ spec:
     spec:
       {{- include "crescent.podSpecCommon" $root | nindent 6 }}
       terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
-      {{- with $nodeSelector }}
+      {{- with include "crescent.engineNodeSelector" . }}
       nodeSelector:
-        {{- toYaml . | nindent 8 }}
+        {{- . | nindent 8 }}
       {{- end }}
       {{- with $v.tolerations }}
       tolerations:
@@ -93,7 +75,7 @@ spec:
           env:
             {{- include "crescent.baseEnv" $root | nindent 12 }}
             - name: CRESCENT_GROUP
-              value: {{ .group | quote }}
+              value: {{ .group.name | quote }}
             # Each pod registers with the scheduler under its own name and pod IP.
             # The id EndpointSlice discovery derives for this pod, so both name one instance.
             - name: CRESCENT_{{ upper .role }}__INSTANCE_ID
@@ -153,7 +135,7 @@ metadata:
   name: {{ include "crescent.engineGroupName" . }}
   labels:
     {{- include "crescent.componentLabels" (dict "root" .root "component" .role) | nindent 4 }}
-    crescent.io/group: {{ .group }}
+    crescent.io/group: {{ .group.name }}
 spec:
   scaleTargetRef:
     apiVersion: apps/v1
@@ -191,7 +173,7 @@ metadata:
   name: {{ include "crescent.engineGroupName" . }}
   labels:
     {{- include "crescent.componentLabels" (dict "root" $root "component" .role) | nindent 4 }}
-    crescent.io/group: {{ .group }}
+    crescent.io/group: {{ .group.name }}
 spec:
   scaleTargetRef:
     name: {{ include "crescent.engineGroupName" . }}
@@ -221,7 +203,7 @@ metadata:
   name: {{ include "crescent.engineGroupName" . }}
   labels:
     {{- include "crescent.componentLabels" (dict "root" .root "component" .role) | nindent 4 }}
-    crescent.io/group: {{ .group }}
+    crescent.io/group: {{ .group.name }}
 spec:
   maxUnavailable: {{ (index .root.Values .role).podDisruptionBudget.maxUnavailable }}
   selector:
