@@ -122,6 +122,15 @@ end
 return 1
 """
 
+# KEYS: the budget key. ARGV: nano-dollars the ledger counts, seconds to keep.
+SEED = """
+local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
+if spent < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', math.ceil(tonumber(ARGV[2])))
+end
+return 1
+"""
+
 # KEYS: rate keys. ARGV: period_s, then the limit per rate.
 PEEK = _NOW + _STATE + """
 local period = tonumber(ARGV[1])
@@ -175,6 +184,7 @@ class RedisLimitStore:
         self._settle = self._redis.register_script(SETTLE)
         self._peek = self._redis.register_script(PEEK)
         self._renew = self._redis.register_script(RENEW)
+        self._seed = self._redis.register_script(SEED)
 
     async def _call(self, script, keys: list[str], args: list[object]) -> object:  # noqa: ANN001 - an AsyncScript
         try:
@@ -229,6 +239,9 @@ class RedisLimitStore:
     async def peek(self, rates: Sequence[RateCheck]) -> tuple[RateState, ...]:
         reply = await self._call(self._peek, [r.key for r in rates], [self.period_s, *(r.limit for r in rates)])
         return _states(reply)  # type: ignore[arg-type]
+
+    async def seed_budget(self, key: str, spent_nusd: int, keep_s: float) -> None:
+        await self._call(self._seed, [key], [spent_nusd, keep_s])
 
     async def renew(self, leases: Sequence[tuple[str, str]]) -> None:
         if leases:

@@ -117,6 +117,10 @@ class LimitStore(Protocol):
         """The state of ``rates`` (costs ignored), changing nothing."""
         ...
 
+    async def seed_budget(self, key: str, spent_nusd: int, keep_s: float) -> None:
+        """Raise the budget counter ``key`` to at least ``spent_nusd`` (what the ledger says was spent)."""
+        ...
+
     async def renew(self, leases: Sequence[tuple[str, str]]) -> None:
         """Extend the (slot key, lease id) leases by ``lease_s`` from now; gone ones stay gone."""
         ...
@@ -198,6 +202,11 @@ class MemoryLimitStore:
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
+
+    async def seed_budget(self, key: str, spent_nusd: int, keep_s: float) -> None:
+        now = self._clock()
+        if spent_nusd > self._spent_now(key, now):
+            self._spent[key] = (spent_nusd, now + keep_s)
 
     async def peek(self, rates: Sequence[RateCheck]) -> tuple[RateState, ...]:
         now = self._clock()

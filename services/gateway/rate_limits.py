@@ -13,6 +13,11 @@ A refusal is a 429 that names the limit, whose it is and when to retry (``RateLi
 a spent budget is ``insufficient_quota``. Either is told apart from the scheduler's SLO 429
 (type ``rate_limit_error``) by its type. When the store cannot be reached the limiter fails
 open or closed (``limits.on_store_error``) and says so in the log, at most every 10 s.
+
+The ledger is the truth of what was spent: a budget's counter is raised to the month's sum in the
+usage ledger (``spent``) when the limiter first meets the budget and every ``_BUDGET_SYNC_S``
+after, so a restarted gateway (in-process counters) or a restarted Redis does not hand a tenant
+a fresh budget.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ log = logging.getLogger(__name__)
 _CACHE_ENTRIES = 10_000
 _LOG_EVERY_S = 10.0
 _BUDGET_KEEP_S = 86_400.0  # a month's spend counter outlives the month by a day
+_BUDGET_SYNC_S = 60.0  # how often a budget counter is raised to the ledger's sum again
+
+# (tenant id, key id or None for the whole tenant, since) -> nano-dollars spent (UsageStore.spent_nusd)
+SpendSource = Callable[[str, str | None, datetime], int]
 
 
 @cache
@@ -139,8 +148,11 @@ class RateLimiter:
     """
 
     def __init__(self, settings: LimitSettings, store: LimitStore, book: LimitBook | None, prices: PriceTable,
-                 *, cache_s: float = 5.0, wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+                 *, cache_s: float = 5.0, wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 spent: SpendSource | None = None) -> None:
         self._settings = settings
+        self._spent = spent
+        self._synced: dict[str, float] = {}  # budget key -> when it was last raised to the ledger's sum
         self.store = store
         self._book = book
         self._prices = prices
@@ -159,7 +171,7 @@ class RateLimiter:
 
     @classmethod
     def open(cls, settings: LimitSettings, book: LimitBook | None, prices: PriceTable, *,
-             cache_s: float = 5.0) -> RateLimiter:
+             cache_s: float = 5.0, spent: SpendSource | None = None) -> RateLimiter:
         if settings.store == "memory":
             store: LimitStore = MemoryLimitStore(settings.period_s, settings.lease_s)
             log.info("rate limits: counters in this process (one gateway; limits.store)")
@@ -170,7 +182,7 @@ class RateLimiter:
             parts = urlsplit(settings.store)
             log.info("rate limits: counters in Redis at %s (shared by every gateway on it; on_store_error=%s)",
                      parts.hostname or parts.path, settings.on_store_error)
-        return cls(settings, store, book, prices, cache_s=cache_s)
+        return cls(settings, store, book, prices, cache_s=cache_s, spent=spent)
 
     def start(self) -> None:
         self._renewing = asyncio.get_running_loop().create_task(self._renew_leases())
@@ -221,6 +233,7 @@ class RateLimiter:
             if scope.limits.budget_usd is not None:
                 budgets.append(BudgetCheck(self._key(scope, f"spend:{month}"), to_nano(scope.limits.budget_usd),
                                            month_left_s))
+                await self._sync_budget(scope, budgets[-1].key, month_left_s)
                 rules.append(_Rule(scope, "budget", budgets[-1].limit))
                 ticket.budgets.append(budgets[-1].key)
         try:
@@ -298,6 +311,24 @@ class RateLimiter:
         return _headers(rules, states)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    async def _sync_budget(self, scope: _Scope, key: str, month_left_s: float) -> None:
+        """Raise the budget counter ``key`` to what the ledger counts this month (see the module doc)."""
+        now = time.monotonic()
+        if self._spent is None or now - self._synced.get(key, -math.inf) < _BUDGET_SYNC_S:
+            return
+        self._synced[key] = now
+        wall = self._wall_clock()
+        month_start = datetime(wall.year, wall.month, 1, tzinfo=UTC)
+        try:
+            spent = await asyncio.to_thread(self._spent, scope.tenant_id, scope.id if scope.kind == "key" else None,
+                                            month_start)
+            if spent:
+                await self.store.seed_budget(key, spent, month_left_s + _BUDGET_KEEP_S)
+        except LimitStoreError as exc:
+            self._store_failed(exc)
+        except Exception:  # noqa: BLE001 - the database is away: the counter as it is, tried again later
+            log.exception("reading this month's spend of %s %s from the usage ledger failed", scope.kind, scope.id)
 
     def _key(self, scope: _Scope, counter: str) -> str:
         # Every key of a request carries its tenant as the hash tag: one Redis Cluster slot.

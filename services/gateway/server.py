@@ -97,7 +97,8 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
                          settings.ledger)
     ledger.start()
     limiter = RateLimiter.open(settings.limits, LimitBook(auth.store), settings.prices,
-                               cache_s=settings.auth.key_cache_s)
+                               cache_s=settings.auth.key_cache_s,
+                               spent=ledger.store.spent_nusd if ledger.store is not None else None)
     limiter.start()
     app = build_app(settings, backend, model, drain, auth, ledger, limiter)
     loop = asyncio.get_running_loop()

@@ -130,6 +130,14 @@ class UsageStore:
         with self.engine.begin() as db:
             db.execute(statement, [asdict(row) | {"created_at": utc(row.created_at)} for row in rows])
 
+    def spent_nusd(self, tenant_id: str, api_key_id: str | None, since: datetime) -> int:
+        """Nano-dollars the tenant (or, with ``api_key_id``, that key) spent since ``since``."""
+        clauses = [usage.c.tenant_id == tenant_id, usage.c.created_at >= utc(since)]
+        if api_key_id is not None:
+            clauses.append(usage.c.api_key_id == api_key_id)
+        with self.engine.connect() as db:
+            return int(db.execute(select(func.coalesce(func.sum(usage.c.cost_nusd), 0)).where(*clauses)).scalar_one())
+
     def _day(self) -> ColumnElement[str]:
         if self.engine.dialect.name == "postgresql":
             return func.to_char(func.timezone("UTC", usage.c.created_at), "YYYY-MM-DD")

@@ -165,3 +165,14 @@ async def test_a_sent_settle_to_an_unreachable_redis_raises_the_store_error() ->
     with pytest.raises(LimitStoreError):
         await store.send_settle(Settlement(slots=("x",), lease_id="l"))
     await store.close()
+
+
+async def test_seeding_a_budget_raises_it_never_lowers_it(make_store: StoreFactory) -> None:
+    store, spend = make_store(), key("spend")
+    check = Checks(budgets=(BudgetCheck(spend, 100, 42.0),))
+    await store.seed_budget(spend, 99, 60.0)
+    assert (await store.admit(check)).refused is None
+    await store.seed_budget(spend, 100, 60.0)
+    assert (await store.admit(check)).refused == 0, "raised to what the ledger counts"
+    await store.seed_budget(spend, 5, 60.0)
+    assert (await store.admit(check)).refused == 0, "a smaller sum (rows not yet committed) lowers nothing"

@@ -4,6 +4,7 @@ a limit of N per minute is N per ``PERIOD_S`` here."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -292,3 +293,38 @@ def test_when_redis_is_down(backend: FakeBackend, tmp_path: Path, mode: str) -> 
     finally:
         assert gw.stop() == 0
         later.stop()
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_a_spent_budget_stays_spent_after_the_counters_are_lost(backend: FakeBackend, redis: RedisServer,
+                                                                tmp_path: Path, store: str) -> None:
+    """The ledger is the truth of spend: a gateway restarted with in-process counters, or a Redis
+    that lost its keys, still refuses a tenant whose month's spend in the ledger is over budget."""
+    gw = limited_gateway(tmp_path, backend, f"sqlite:///{tmp_path}/tenancy.sqlite3",
+                         "memory" if store == "memory" else redis.url)
+    gw.start_gateway()
+    try:
+        tenant = f"t{uuid.uuid4().hex[:8]}"
+        key = new_key(gw, tenant=tenant)
+        assert admin(gw, "PUT", f"/tenants/{tenant}/limits", {"budget_usd": "0.00001"}).status_code == 200
+        assert chat(gw, key["key"]).status_code == 200, "this one overspends"
+        assert_refused(chat(gw, key["key"]), "insufficient_quota", code="insufficient_quota")
+        assert gw.stop() == 0
+        if store == "redis":
+            asyncio.run(_forget_spend(redis.url))
+        gw.start_gateway()
+        error = assert_refused(chat(gw, key["key"]), "insufficient_quota", code="insufficient_quota")
+        assert "monthly budget" in error["message"]
+    finally:
+        gw.stop()
+
+
+async def _forget_spend(url: str) -> None:
+    """What a Redis restarted without persistence would have lost: the spend counters."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    keys = [k async for k in client.scan_iter(match="*spend*")]
+    assert keys, "the spend was counted in Redis"
+    await client.delete(*keys)
+    await client.aclose()
