@@ -91,6 +91,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "monitoring.prometheusRule.rejectionRatio": {"exclusiveMinimum": 0, "maximum": 1},
     "monitoring.prometheusRule.cacheHitRatioDropFraction": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
     "monitoring.prometheusRule.instanceDownFor": {"pattern": "^[0-9]+[smh]$"},
+    "monitoring.prometheusAdapter.namespace": {"pattern": "^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$"},
     "monitoring.serviceMonitor.interval": {"pattern": "^[0-9]+[smh]$"},
 }
 for _c in COMPONENTS:

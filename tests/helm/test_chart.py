@@ -23,6 +23,7 @@ ALL_ON = [
     "--set", "monitoring.prometheusRule.enabled=true",
     "--set", "monitoring.dashboards.enabled=true",
     "--set", "prefill.autoscaling.enabled=true",
+    "--set", "monitoring.prometheusAdapter.enabled=true",
     "--set", "decode.autoscaling.keda.enabled=true",
     "--set", "model.weights.source=pvc",
     "--set", "model.weights.pvc.create=true",

@@ -181,7 +181,8 @@ def _component_of(doc: dict[str, Any]) -> str | None:
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_disabled_component_renders_nothing(component: str) -> None:
     everything = ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "gateway.ingress.enabled=true",
-                  "--set", "prefill.autoscaling.enabled=true", "--set", "decode.autoscaling.enabled=true"]
+                  "--set", "prefill.autoscaling.enabled=true", "--set", "decode.autoscaling.enabled=true",
+                  "--set", "monitoring.prometheusAdapter.enabled=true"]
     before = [d for d in render(*everything) if _component_of(d) == component]
     after = render(*everything, "--set", f"{component}.enabled=false")
     assert before, f"{component} renders nothing even when enabled"
