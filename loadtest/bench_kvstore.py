@@ -194,7 +194,7 @@ async def tier_alone_gbps(tier: str, size: int, count: int, workdir: Path) -> tu
 
 @dataclass
 class CaseResult:
-    mover: str  # the one that served (another than asked when it is not usable here)
+    mover: str  # the one that served ("put/get" when they differ; another than asked when it is not usable here)
     put_gbps: float
     get_gbps: float
     memcpy_gbps: float
@@ -224,6 +224,7 @@ async def run_case(
                 result = await client.put(batch)
                 assert result.stored == len(batch), result
             put_s = time.perf_counter() - start
+            put_mover = client.mover
             if tier == "s3":  # a put to S3 returns once queued: wait until the objects are there
                 wanted = {f"kv/{b.key.hex()}" for b in blocks}
                 while not wanted <= s3_object_names():
@@ -240,8 +241,9 @@ async def run_case(
             puts.append(size * count / put_s / 1e9)
             gets.append(size * count / get_s / 1e9)
         median = statistics.median
+        served = put_mover if put_mover == client.mover else f"{put_mover}/{client.mover}"  # put / get
         return CaseResult(
-            client.mover, median(puts), median(gets), median(copies),
+            served, median(puts), median(gets), median(copies),
             100 * median(p / c for p, c in zip(puts, copies)), 100 * median(g / c for g, c in zip(gets, copies)),
         )
     finally:
@@ -422,6 +424,7 @@ def main() -> None:
                     config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin}
                     if mtls:
                         config["tls"] = node_tls
+                    config["nixl"] = tier == "host" and "nixl" in args.movers  # the node serves it where it can
                     path = workdir / f"{tier}.yaml"
                     path.write_text(yaml.safe_dump(config))
                     node = start([sys.executable, "-m", "crescent.services.kvstore.server", "--config", str(path)],
@@ -436,7 +439,7 @@ def main() -> None:
                                          1 if tier == "s3" else args.rounds, client_tls if mtls else None)
                             )
                             put, get = case.put_gbps, case.get_gbps
-                            served = case.mover if case.mover == mover else f"{mover}->{case.mover}"
+                            served = case.mover if case.mover == mover else f"{mover}->{case.mover}"  # e.g. nixl->nixl/grpc
                             row = {"tier": tier, "path": served + ("+mtls" if mtls else ""),
                                    "block_mib": size_mib,
                                    "blocks_per_call": per_call, "put_gbps": round(put, 3), "get_gbps": round(get, 3),

@@ -72,7 +72,9 @@ class NixlMover(Mover):
 
     def _write(self, metadata: bytes, local: list[tuple[int, int]], remote: list[int]) -> None:
         assert self._engine is not None
-        registered = self._engine.register(local)
+        # Register each region once: payloads may share one buffer, and the engine takes an
+        # overlapping registration badly (a crash, seen with NIXL 1.5.1).
+        registered = self._engine.register(sorted(set(local)))
         try:
             self._engine.write(metadata, local, remote, self.link.timeout_s)
         finally:

@@ -26,6 +26,7 @@ from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.side_channel import receive_payloads, send_payloads, tls_contexts
 
 MOVER = "tcp"
+GIVE_UP_AFTER = 3  # transfers failed in a row before the side channel is given up for this node
 _UNSPECIFIED_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 
@@ -39,6 +40,7 @@ class TcpSideChannelMover(Mover):
         self._rest = rest
         self._client_tls = tls_contexts(tls)[1] if tls is not None else None
         self._server_name = tls.server_name if tls is not None else ""
+        self._failures = 0  # transfers failed in a row
 
     def _target(self, side_address: str) -> tuple[str, ssl.SSLContext | None]:
         """Where to connect, and with which TLS context: the node's host as we dial it for gRPC
@@ -53,9 +55,13 @@ class TcpSideChannelMover(Mover):
         return f"{host}:{port}", self._client_tls if wants_tls else None
 
     def _unreachable(self, operation: str, exc: BaseException) -> None:
+        """A transfer failed: this call goes another way; the mover is dropped for good when the
+        side channel refuses us outright, or after a few failures in a row (a firewall between
+        the hosts), not for one slow transfer."""
         self.link.failed(operation, exc)
-        if isinstance(exc, (ConnectionRefusedError, ssl.SSLError, TimeoutError)):
-            self.give_up(f"cannot open the node's side channel: {exc!r}")
+        self._failures += 1
+        if isinstance(exc, (ConnectionRefusedError, ssl.SSLError)) or self._failures >= GIVE_UP_AFTER:
+            self.give_up(f"cannot use the node's side channel: {exc!r}")
 
     # -- put ------------------------------------------------------------------------------------
 
@@ -82,6 +88,7 @@ class TcpSideChannelMover(Mover):
                     send_payloads, address, reply.side_token, [blocks[i].payload for i in granted],
                     timeout_s=self.link.timeout_s, client_tls=context, server_name=self._server_name,
                 )
+                self._failures = 0
                 for i, ok in zip(granted, landed):
                     written[i] = ok
                 if not all(landed):
@@ -126,6 +133,7 @@ class TcpSideChannelMover(Mover):
         except (OSError, ssl.SSLError) as exc:
             self._unreachable("get_tcp", exc)
             return None
+        self._failures = 0
         found: dict[BlockKey, KvBlock] = {}
         wanted = set(request.keys)
         for meta, payload, crc in zip(metas, buffers, crcs):
