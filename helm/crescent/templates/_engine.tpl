@@ -61,7 +61,7 @@ spec:
       {{- end }}
       affinity:
         {{- include "crescent.engineAffinity" . | nindent 8 }}
-      {{- with include "crescent.weightsInitContainers" $root }}{{ . | trim | nindent 6 }}{{ end }}
+      {{- with include "crescent.weightsInitContainers" (dict "root" $root "component" .role) }}{{ . | trim | nindent 6 }}{{ end }}
       containers:
         - name: {{ .role }}
           image: {{ include "crescent.image" $v }}
@@ -95,7 +95,7 @@ spec:
             - {name: config, mountPath: /etc/crescent, readOnly: true}
             - {name: tmp, mountPath: /tmp}
             - {name: dshm, mountPath: /dev/shm}
-            {{- with include "crescent.weightsVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
+            {{- with include "crescent.weightsVolumeMount" (dict "root" $root "component" .role) }}{{ . | trim | nindent 12 }}{{ end }}
             {{- with include "crescent.tlsVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
             {{- with $v.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
@@ -110,7 +110,7 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $v.sharedMemorySize }}
-        {{- with include "crescent.weightsVolume" $root }}{{ . | trim | nindent 8 }}{{ end }}
+        {{- with include "crescent.weightsVolume" (dict "root" $root "component" .role) }}{{ . | trim | nindent 8 }}{{ end }}
         {{- with include "crescent.tlsVolume" $component }}{{ . | trim | nindent 8 }}{{ end }}
         {{- with $v.extraVolumes }}
         {{- toYaml . | nindent 8 }}
