@@ -39,6 +39,13 @@ class Sequence:
     num_registered: int = 0              # leading full blocks entered in the prefix map
     reserved_pages: int = 0              # pages promised to it and not drawn yet (decode)
     keeps_blocks: bool = True            # its computed full blocks may be cached (see min_cached_prompt_tokens)
+    state: int | None = None             # recurrent-state models: its live state in the cache (open_state)
+    prompt_tokens: int = 0               # of a prompt added here (add_sequence); 0 for adopted / forked ones
+
+    @property
+    def cacheable_prompt(self) -> int:
+        """Prompt tokens whose full blocks may go to the prefix cache (0 when none may)."""
+        return self.prompt_tokens if self.keeps_blocks else 0
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +82,9 @@ class Engine:
             self.cache = make_cache(num_pages, page_size)
         else:
             self.cache = PagedKvCache(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim)
+        # A cache with recurrent states (kimi_k3) gives each sequence one live state, and a prefix
+        # hit resumes only where it kept a state snapshot (see kimi_k3/cache.py).
+        self._stateful = hasattr(self.cache, "open_state")
 
     # ---- sequences -------------------------------------------------------------------------
 
@@ -89,11 +99,20 @@ class Engine:
         if len(token_ids) > self.config.max_position_embeddings:
             raise ValueError(f"{len(token_ids)} tokens exceed the context window ({self.config.max_position_embeddings})")
         keys = self.block_keys(token_ids, salt)
-        seq = Sequence(seq_id, list(token_ids), keys, keeps_blocks=len(token_ids) > self.min_cached_prompt_tokens)
+        seq = Sequence(seq_id, list(token_ids), keys, keeps_blocks=len(token_ids) > self.min_cached_prompt_tokens,
+                       prompt_tokens=len(token_ids))
+        if self._stateful:
+            seq.state = self.cache.open_state()
         if use_cache:
             usable = keys[: (len(token_ids) - 1) // self.page_size]
             blocks = [token_ids[i * self.page_size : (i + 1) * self.page_size] for i in range(len(usable))]
             seq.pages = self.cache.pages.match_prefix(usable, blocks)
+            if self._stateful:  # resume from the last snapshot in the match; the rest is recomputed
+                keep = self.cache.resumable(seq.pages)
+                self.cache.pages.release(seq.pages[keep:])
+                seq.pages = seq.pages[:keep]
+                if keep:
+                    self.cache.resume_state(seq.state, seq.pages[-1])
             seq.num_computed = seq.num_cached = seq.num_registered = len(seq.pages) * self.page_size
         return seq
 
@@ -108,11 +127,19 @@ class Engine:
         first = seq.num_computed // self.page_size
         usable = (seq.num_tokens - 1) // self.page_size
         payloads = list(payloads)[: usable - first]
+        if self._stateful:  # up to the last block that carries a state: the sequence resumes there
+            carrying = [i for i, p in enumerate(payloads) if self.cache.payload_has_state(p.shape)]
+            payloads = payloads[: carrying[-1] + 1] if carrying else []
         if not payloads:
             return 0
         pages = self.cache.pages.allocate(len(payloads))
-        for page, payload in zip(pages, payloads):
-            self.cache.write_block(page, payload.view(self.cache.block_shape))
+        for i, (page, payload) in enumerate(zip(pages, payloads)):
+            if not self._stateful:
+                self.cache.write_block(page, payload.view(self.cache.block_shape))
+            elif i == len(payloads) - 1:
+                self.cache.write_block(page, payload, state=seq.state)
+            else:
+                self.cache.write_block(page, payload)
         seq.pages.extend(pages)
         added = len(payloads) * self.page_size
         seq.num_computed += added
@@ -139,8 +166,14 @@ class Engine:
         try:
             seq.pages = self.cache.pages.allocate(len(payloads), reserved=True)
             seq.reserved_pages -= len(payloads)
-            for page, payload in zip(seq.pages, payloads):
-                self.cache.write_block(page, payload)
+            if self._stateful:  # the last block carries the state after the last token; decode caches nothing
+                seq.state = self.cache.open_state()
+                for i, (page, payload) in enumerate(zip(seq.pages, payloads)):
+                    last = i == len(payloads) - 1
+                    self.cache.write_block(page, payload, state=seq.state if last else None, snapshot=False)
+            else:
+                for page, payload in zip(seq.pages, payloads):
+                    self.cache.write_block(page, payload)
         except BaseException:
             self.release(seq)
             raise
@@ -164,6 +197,9 @@ class Engine:
         child = Sequence(seq_id, [*seq.token_ids[:prompt], first_token], [], reserved_pages=own)
         child.pages = self.cache.pages.share(seq.pages[:full])
         try:
+            if self._stateful:
+                child.state = self.cache.open_state()
+                self.cache.copy_state(seq.state, child.state)
             if prompt % self.page_size:
                 (page,) = self.cache.pages.allocate(1, reserved=True)
                 child.reserved_pages -= 1
@@ -182,6 +218,9 @@ class Engine:
         self.cache.pages.unreserve(seq.reserved_pages)
         seq.pages = []
         seq.reserved_pages = 0
+        if seq.state is not None:
+            self.cache.close_state(seq.state)
+            seq.state = None
 
     # ---- forward steps ---------------------------------------------------------------------
 
@@ -236,7 +275,9 @@ class Engine:
                     seq.pages.extend(self.cache.pages.allocate(needed - drawn))
                 seq.pages.extend(self.cache.pages.allocate(drawn, reserved=True))
                 seq.reserved_pages -= drawn
-            chunks.append((SeqChunk(tuple(seq.pages), end, end - seq.num_computed), seq.token_ids[seq.num_computed : end]))
+            chunk = SeqChunk(tuple(seq.pages), end, end - seq.num_computed,
+                             -1 if seq.state is None else seq.state, seq.cacheable_prompt)
+            chunks.append((chunk, seq.token_ids[seq.num_computed : end]))
         batch = ForwardBatch.build(chunks, self.page_size)
         with torch.inference_mode():
             if logits_for is None:
@@ -259,7 +300,11 @@ class Engine:
     # ---- KV export -------------------------------------------------------------------------
 
     def block_payload(self, seq: Sequence, index: int, num_tokens: int | None = None) -> torch.Tensor:
-        """Block ``index`` of the sequence, of ``cache.payload_shape(num_tokens)`` (Llama: a view when full)."""
+        """Block ``index`` of the sequence, of ``cache.payload_shape(num_tokens)`` (Llama: a view when full).
+        A recurrent-state model's last computed block carries the sequence's live state (what a
+        handoff continues from); its other blocks carry their snapshots where they have one."""
+        if self._stateful and index == (seq.num_computed - 1) // self.page_size:
+            return self.cache.read_block(seq.pages[index], num_tokens, state=seq.state)
         return self.cache.read_block(seq.pages[index], num_tokens)
 
     # ---- single-process generation ---------------------------------------------------------

@@ -19,7 +19,7 @@ Plain allocations see only the pages nobody was promised.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -54,10 +54,14 @@ class _CachedBlock:
 class PageManager:
     """Allocation, reference counts and the prefix map of a fixed number of pages."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, on_reset: Callable[[int], None] | None = None) -> None:
+        """``on_reset(page)``: called when a page's content stops mattering — it is handed out
+        anew, or released while not in the prefix map (a cache with per-page extras, such as the
+        hybrid cache's state snapshots, frees them then)."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
+        self._on_reset = on_reset
         self._refcount = [0] * num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached pages, LRU first
@@ -112,6 +116,8 @@ class PageManager:
             else:
                 page, _ = self._evictable.popitem(last=False)
                 self._forget(page)
+            if self._on_reset is not None:
+                self._on_reset(page)
             self._refcount[page] = 1
             pages.append(page)
         return pages
@@ -161,6 +167,8 @@ class PageManager:
                     self._evictable[page] = None
                 else:
                     self._free.append(page)
+                    if self._on_reset is not None:
+                        self._on_reset(page)
 
     def drain_events(self) -> list[PageEvent]:
         events, self.events = self.events, []

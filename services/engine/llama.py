@@ -24,6 +24,8 @@ class SeqChunk:
     pages: tuple[int, ...]  # the sequence's page table, covering at least context_len tokens
     context_len: int
     num_new: int
+    state: int = -1         # models with a recurrent state (kimi_k3): the sequence's live state in the cache
+    prompt_tokens: int = 0  # ... and its prompt, whose full blocks may keep state snapshots (0: none)
 
 
 @dataclass(frozen=True, slots=True)

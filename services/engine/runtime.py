@@ -34,8 +34,11 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     source = resolve_model(settings.model)
     if source.kind == "kimi_k3":  # the hybrid family loads through its own package
         from crescent.services.engine.kimi_k3.loading import load_k3_model
+        from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 
-        model, model_id = load_k3_model(source, mxfp4_experts=settings.mxfp4_experts), source.model_id
+        policy = SnapshotPolicy(every_blocks=settings.state_snapshot_every_blocks, slots=settings.state_snapshots)
+        model = load_k3_model(source, mxfp4_experts=settings.mxfp4_experts, snapshots=policy)
+        model_id = source.model_id
     else:
         loaded = load_model(source, progress=progress)
         model, model_id = LlamaModel(loaded.config, loaded.weights), loaded.model_id
@@ -57,8 +60,9 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
 
         publish_expert_load(model)
         fp = footprint()
-        log.info("cache footprint: %d B of latents per token, %d B of recurrent state per sequence and per block",
-                 fp.kv_bytes_per_token, fp.snapshot_bytes_per_block)
+        log.info("cache footprint: %d B of latents per token, %d B of recurrent state per running sequence and per "
+                 "snapshot (%d snapshots at most)", fp.kv_bytes_per_token, fp.snapshot_bytes_per_block,
+                 model.snapshot_policy.slots)
     return engine
 
 

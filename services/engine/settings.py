@@ -28,6 +28,17 @@ class EngineSettings(StrictModel):
         description="routed experts stored in MXFP4: 'packed' keeps them packed in memory (4.25 bits per weight) "
                     "and multiplies through the MXFP4 matmul; 'dequantize' expands them to fp32 at load",
     )
+    state_snapshot_every_blocks: int = Field(
+        default=1, ge=0,
+        description="hybrid models (kimi_k3): the prefix cache keeps a KDA state snapshot at the end of every "
+                    "k-th block of a prompt (0: none of these), and always at the prompt's last full block; "
+                    "a prefix hit resumes from the last snapshot at or below the match and recomputes the rest",
+    )
+    state_snapshots: int = Field(
+        default=32, ge=0,
+        description="hybrid models (kimi_k3): KDA state snapshots the prefix cache holds at most (least recently "
+                    "used evicted); each is one sequence's whole KDA state (449 MB for the full Kimi K3)",
+    )
     max_batch_size: int = Field(
         default=16, ge=1, description="decode: sequences per step (more are accepted: they wait for a slot)"
     )

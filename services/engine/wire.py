@@ -49,13 +49,18 @@ def block_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.frombuffer(block.payload, dtype=torch.float32).view(shape)
 
 
-def block_matches(block: KvBlock, key: BlockKey | None, tokens: Sequence[int], shape: tuple[int, ...]) -> bool:
-    """Whether a fetched block is the one this prompt needs here (key, tokens, layout)."""
-    return (block.key == key and list(block.token_ids) == list(tokens) and tuple(block.shape) == shape
-            and block.dtype == KV_DTYPE)
+def block_matches(block: KvBlock, key: BlockKey | None, tokens: Sequence[int], cache) -> bool:
+    """Whether a fetched block is the one this prompt needs here (key, tokens, and a full block of
+    ``cache``'s layout: for a hybrid model, with or without a state snapshot)."""
+    if block.key != key or list(block.token_ids) != list(tokens) or block.dtype != KV_DTYPE:
+        return False
+    try:
+        return cache.payload_tokens(tuple(block.shape)) == cache.page_size
+    except ValueError:
+        return False
 
 
 def page_block(engine: Engine, page: int, key: BlockKey, parent: BlockKey | None, tokens: Sequence[int]) -> KvBlock:
     """A copy of one full cached page as a ``KvBlock`` (call on the engine thread)."""
-    payload = engine.cache.read_block(page).numpy().tobytes()
-    return KvBlock.build(key, parent, engine.model_id, KV_DTYPE, engine.cache.block_shape, tokens, payload)
+    payload = engine.cache.read_block(page)  # a hybrid model's block carries its snapshot if it has one
+    return KvBlock.build(key, parent, engine.model_id, KV_DTYPE, tuple(payload.shape), tokens, payload.numpy().tobytes())

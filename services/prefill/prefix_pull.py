@@ -188,7 +188,6 @@ class PrefixPuller:
 
     async def _fetch(self, address: str, keys: list[BlockKey], seq: Sequence, first: int) -> tuple[list[torch.Tensor], int]:
         page = self.engine.page_size
-        shape = self.engine.cache.block_shape
         request = prefill_pb2.FetchPrefixRequest(
             model_id=self.engine.model_id, block_keys=keys,
             token_ids=seq.token_ids[first * page : (first + len(keys)) * page],
@@ -206,21 +205,21 @@ class PrefixPuller:
                     continue
                 i = first + len(payloads)
                 if not self._usable(block, keys[len(payloads)] if len(payloads) < len(keys) else None,
-                                    seq.token_ids[i * page : (i + 1) * page], shape):
+                                    seq.token_ids[i * page : (i + 1) * page]):
                     break
-                payloads.append(block_tensor(block, shape))
+                payloads.append(block_tensor(block, tuple(block.shape)))
                 nbytes += block.nbytes
         finally:
             call.cancel()
         return payloads, nbytes
 
-    def _usable(self, block: KvBlock, key: BlockKey | None, tokens: list[int], shape: tuple[int, ...]) -> bool:
+    def _usable(self, block: KvBlock, key: BlockKey | None, tokens: list[int]) -> bool:
         try:
             block.verify(self.engine.model_id)
         except BlockIntegrityError as exc:
             log.warning("peer block rejected: %s", exc)
             return False
-        if not block_matches(block, key, tokens, shape):
+        if not block_matches(block, key, tokens, self.engine.cache):
             log.warning("peer block %s does not match the prompt; computing from there", block.key.hex())
             return False
         return True

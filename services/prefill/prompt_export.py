@@ -41,6 +41,7 @@ class PromptExport:
         self._engine, self._worker, self._seq = engine, worker, seq
         self.prompt_tokens = prompt_tokens
         self._payloads: dict[int, memoryview] = {}
+        self._shapes: dict[int, tuple[int, ...]] = {}  # a hybrid model's blocks differ (with or without a state)
         self._lock = asyncio.Lock()  # two readers asking at once: the second waits, then reuses
         self.copied_bytes = 0
 
@@ -52,6 +53,10 @@ class PromptExport:
         """Tokens of block ``index`` (the last one may be partial)."""
         return min(self._engine.page_size, self.prompt_tokens - index * self._engine.page_size)
 
+    def shape(self, index: int) -> tuple[int, ...]:
+        """The tensor shape of block ``index``'s payload (copied already)."""
+        return self._shapes[index]
+
     async def payloads(self, indices: Iterable[int]) -> list[memoryview]:
         """The payloads of blocks ``indices``, copied now where no reader asked before."""
         wanted = list(indices)
@@ -59,10 +64,11 @@ class PromptExport:
             missing = [i for i in wanted if i not in self._payloads]
             for start in range(0, len(missing), EXPORT_BLOCKS_PER_CALL):
                 batch = missing[start : start + EXPORT_BLOCKS_PER_CALL]
-                for i, payload in zip(batch, await self._worker.run(self._copy, batch)):
-                    self._payloads[i] = payload
+                for i, (payload, shape) in zip(batch, await self._worker.run(self._copy, batch)):
+                    self._payloads[i], self._shapes[i] = payload, shape
                     self.copied_bytes += len(payload)
         return [self._payloads[i] for i in wanted]
 
-    def _copy(self, indices: list[int]) -> list[memoryview]:  # on the engine thread
-        return [owned_bytes(self._engine.block_payload(self._seq, i, self.tokens_in(i))) for i in indices]
+    def _copy(self, indices: list[int]) -> list[tuple[memoryview, tuple[int, ...]]]:  # on the engine thread
+        tensors = [self._engine.block_payload(self._seq, i, self.tokens_in(i)) for i in indices]
+        return [(owned_bytes(t), tuple(t.shape)) for t in tensors]

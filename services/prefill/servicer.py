@@ -304,15 +304,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return 0
         start = time.perf_counter()
         blocks = await self.kvstore.get_prefix(keys, self.engine.model_id, lease_ms=self.lease_ms)
-        shape = self.engine.cache.block_shape
         first_block = seq.num_computed // self.engine.page_size
         usable = []
         for i, block in enumerate(blocks):
             expected = seq.token_ids[(first_block + i) * self.engine.page_size : (first_block + i + 1) * self.engine.page_size]
-            if not block_matches(block, keys[i], expected, shape):
+            if not block_matches(block, keys[i], expected, self.engine.cache):
                 log.warning("kvstore block %s does not match the prompt; recomputing from there", block.key.hex())
                 break
-            usable.append(block_tensor(block, shape))
+            usable.append(block_tensor(block, tuple(block.shape)))
         added = await self.worker.run(self.engine.attach_blocks, seq, usable) if usable else 0
         if added:
             nbytes = sum(b.nbytes for b in blocks[: len(usable)])
@@ -331,7 +330,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         payloads = await export.payloads(indices)
         return [
             KvBlock.build(seq.block_keys[i], seq.block_keys[i - 1] if i else None, self.engine.model_id, KV_DTYPE,
-                          self.engine.cache.block_shape, seq.token_ids[i * page : (i + 1) * page], payload)
+                          export.shape(i), seq.token_ids[i * page : (i + 1) * page], payload)
             for i, payload in zip(indices, payloads)
         ]
 
@@ -363,7 +362,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._count_copied(export)
         blocks = [
             (common_pb2.BlockMeta(key=f"{request.request_id}/{i}".encode(), model_id=self.engine.model_id,
-                                  dtype=KV_DTYPE, shape=list(self.engine.cache.payload_shape(export.tokens_in(i))),
+                                  dtype=KV_DTYPE, shape=list(export.shape(i)),
                                   nbytes=len(payload), found=True), payload)
             for i, payload in enumerate(payloads)
         ]

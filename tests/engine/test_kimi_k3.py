@@ -137,9 +137,9 @@ def test_blocks_round_trip_through_kvstore_bytes():
     a.prefill(seq)
     blocks = []
     for i, key in enumerate(seq.block_keys):
-        payload = a.block_payload(seq, i).numpy().tobytes()
-        sent = KvBlock.build(key, seq.block_keys[i - 1] if i else None, "k3-test", "float32", a.cache.block_shape,
-                             tokens[i * PAGE : (i + 1) * PAGE], payload)
+        payload = a.block_payload(seq, i)  # latents, and the state snapshot where the block keeps one
+        sent = KvBlock.build(key, seq.block_keys[i - 1] if i else None, "k3-test", "float32", tuple(payload.shape),
+                             tokens[i * PAGE : (i + 1) * PAGE], payload.numpy().tobytes())
         assembler = BlockAssembler()  # the kvstore's wire form: serialised chunks
         chunks = [decode_chunk(encode_chunk(c)) for c in chunks_of_block(sent, 4096)]
         received = [assembler.feed(c) for c in chunks][-1]

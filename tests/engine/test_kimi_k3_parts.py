@@ -204,24 +204,23 @@ def test_config_round_trips_and_rejects_unknown_fields():
 # ---- memory accounting -----------------------------------------------------------------------------
 
 
-def test_nano_footprint_matches_the_cache_the_engine_allocates():
+def test_nano_footprint_counts_latents_per_token_and_one_state():
     fp = k3_footprint(TEST_CFG)
     assert fp.kv_bytes_per_token == 2 * (32 + 16) * 4  # 2 MLA layers, c_kv + k_rope, fp32
     assert fp.state_bytes_per_sequence == 4 * (4 * 16 * 16 + (2 * 32 + 64) * 3) * 4  # 4 KDA layers
     engine = Engine(K3Model(TEST_CFG, _weights()), model_id="k3", kv_capacity_tokens=10 * 16, page_size=16)
-    assert engine.cache.page_bytes() == fp.block_bytes(16)
-    assert engine.cache.nbytes() == 10 * fp.block_bytes(16)
+    assert engine.cache.page_bytes() == 16 * fp.kv_bytes_per_token  # a page holds latents only
+    # (the whole cache against docs/k3.md's formula: tests/engine/test_kimi_k3_snapshots.py)
 
 
 def test_full_k3_caches_far_fewer_bytes_per_token_than_dense_gqa():
-    fp = k3_footprint(K3_FULL, kv_dtype_bytes=2)
+    fp = k3_footprint(K3_FULL)  # K3_FULL caches latents and conv tails in bf16
     assert fp.kv_bytes_per_token == 24 * (512 + 64) * 2
     assert fp.state_bytes_per_sequence == 69 * (96 * 128 * 128 * 4 + 3 * 96 * 128 * 3 * 2)
     dense = dense_gqa_kv_bytes_per_token(num_layers=93, num_kv_heads=8, head_dim=128, dtype_bytes=2)
     assert dense / fp.kv_bytes_per_token > 13
-    # snapshots in every block cost more than they save unless blocks are long
-    assert fp.bytes_per_cached_token(64) > dense
-    assert fp.bytes_per_cached_token(4096) < dense
+    # a 1M-token prefix cache with 32 snapshots stays well under dense GQA per token
+    assert fp.bytes_per_cached_token(1 << 20, 32) < dense / 8
 
 
 def test_expert_load_is_exposed_to_prometheus():

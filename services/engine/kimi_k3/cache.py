@@ -1,79 +1,204 @@
-"""The paged cache of a kimi_k3 model: MLA latents per token, KDA state snapshots per block.
+"""The paged cache of a kimi_k3 model: MLA latents per token in pages, one KDA state per running
+sequence, and a bounded pool of state snapshots for the prefix cache.
 
-A page is one block of ``page_size`` tokens, as for Llama, but holds two kinds of data:
+- ``latent[m, page, slot]``: layer m's (m-th MLA layer) c_kv and k_rope of one token, in the
+  config's ``cache_dtype``. Each layer's pages form one contiguous ``[pages, page_size, Dc + Dr]``
+  tensor, the layout the Triton MLA kernel reads. Pages hold nothing else.
+- Live states (``open_state``): each running sequence owns one ``KdaStates`` row — the KDA state
+  after its last computed token. The engine opens it with the sequence, fills it from a snapshot
+  (``resume_state``) or a received block (``write_block(..., state=)``), and closes it on release.
+- Snapshots (``snapshots.SnapshotPool``): copies of a sequence's state at the end of chosen full
+  pages (``SnapshotPolicy``), LRU-evicted from a fixed number of slots. A page leaving the prefix
+  map or handed out anew loses its snapshot (``PageManager``'s ``on_reset``).
 
-- ``latent[m, page, slot]``: layer m's (m-th MLA layer) c_kv and k_rope of one token. Each
-  layer's pages form one contiguous ``[pages, page_size, Dc + Dr]`` tensor, the layout the Triton
-  MLA kernel reads.
-- ``kda_state[page, j]`` and ``conv_tail[page, j]``: the j-th KDA layer's recurrent state
-  ``[HV, K, V]`` and short-convolution tail ``[conv_dim, W - 1]`` *after the last token written
-  to the page*. For a full page that is the state at the block boundary (the snapshot a prefix
-  hit resumes from); for a sequence's last, partial page it is the live state that the next
-  token continues. A token only ever writes the page it falls in, so pages shared through the
-  prefix cache (full, registered) are never modified.
+A prefix hit can only resume where a snapshot is: ``resumable(pages)`` is the length of the
+matched pages up to the last one with a snapshot; the engine recomputes the rest.
 
-A block payload (kvstore or handoff) is one flat fp32 tensor: the page's state region, then the
-latents token-major ``[tokens, mla_layers, Dc + Dr]``, so a partial block is a prefix of a full one.
+Block payloads (kvstore, peers, handoff) are fp32 (bf16 latents widen exactly): a block without
+a state is its latents token-major, shape ``(tokens, mla_layers * (Dc + Dr))``; a block with a
+state (a snapshot, or the live state of a sequence's last block in a handoff) is one flat
+``(state_floats + tokens * mla_layers * (Dc + Dr),)`` tensor, the state first. ``block_shape``,
+the layout's name, is a full block without a state.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from crescent.services.engine.kimi_k3.config import K3Config
+from crescent.services.engine.kimi_k3.memory import cache_torch_dtype
+from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy, SnapshotPool
 from crescent.services.engine.kv_cache import PageManager
+from crescent.services.engine.llama import ForwardBatch
+
+
+@dataclass(slots=True)
+class ChunkStates:
+    """What one chunk of a forward does with states: it continues ``live`` (row 0) and leaves
+    snapshots at these block boundaries (token position -> snapshot slot)."""
+
+    live: KdaStates
+    snapshots: dict[int, int] = field(default_factory=dict)
 
 
 class K3Cache:
-    def __init__(self, cfg: K3Config, num_pages: int, page_size: int, device: torch.device | str = "cpu") -> None:
-        self.page_size = page_size
-        self.pages = PageManager(num_pages)
-        n_mla, n_kda = len(cfg.mla_layers), len(cfg.kda_layers)
+    def __init__(self, cfg: K3Config, num_pages: int, page_size: int, device: torch.device | str = "cpu",
+                 policy: SnapshotPolicy = SnapshotPolicy()) -> None:
+        self.cfg, self.page_size, self.policy, self.device = cfg, page_size, policy, device
+        self.dtype = cache_torch_dtype(cfg)
+        self.pages = PageManager(num_pages, on_reset=self._page_reset)
         self._latent_dim = cfg.mla_latent_dim
-        self._token_floats = n_mla * cfg.mla_latent_dim
-        state_shape = (n_kda, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim)
-        tail_shape = (n_kda, cfg.kda_conv_dim, cfg.kda_conv_width - 1)
-        state_floats = state_shape[0] * state_shape[1] * state_shape[2] * state_shape[3]
-        self._state_floats = state_floats + tail_shape[0] * tail_shape[1] * tail_shape[2]
-        self.latent = torch.zeros((n_mla, num_pages, page_size, cfg.mla_latent_dim), device=device)
-        self.state = torch.zeros((num_pages, self._state_floats), device=device)
-        self.kda_state = self.state[:, :state_floats].view(num_pages, *state_shape)
-        self.conv_tail = self.state[:, state_floats:].view(num_pages, *tail_shape)
+        self._token_floats = len(cfg.mla_layers) * cfg.mla_latent_dim
+        self._state_floats = KdaStates.wire_floats(cfg)
+        self.latent = torch.zeros((len(cfg.mla_layers), num_pages, page_size, cfg.mla_latent_dim), dtype=self.dtype,
+                                  device=device)
+        self.snapshots = SnapshotPool(cfg, policy.slots, self.dtype, device)
+        self._live: dict[int, KdaStates] = {}
+        self._handles = itertools.count()
+        self.step: list[ChunkStates] = []  # the current forward's plan (``plan_forward``)
+
+    # ---- sizes ---------------------------------------------------------------------------------
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return self.payload_shape(self.page_size)
+        return self.payload_shape(self.page_size, with_state=False)
 
     @property
     def capacity_tokens(self) -> int:
         return self.pages.num_pages * self.page_size
 
+    @property
+    def running_states(self) -> int:
+        return len(self._live)
+
     def page_bytes(self) -> int:
-        return self.block_shape[0] * 4
+        """Cache bytes of one page (latents only: states are per sequence and per snapshot)."""
+        return self.latent[:, 0].numel() * self.latent.element_size()
 
     def nbytes(self) -> int:
-        return (self.latent.numel() + self.state.numel()) * 4
+        """Bytes allocated now: pages, the snapshot pool and the open live states."""
+        return (self.latent.untyped_storage().nbytes() + self.snapshots.states.nbytes()
+                + sum(s.nbytes() for s in self._live.values()))
 
-    def payload_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return (self._state_floats + num_tokens * self._token_floats,)
+    def payload_shape(self, num_tokens: int, *, with_state: bool = True) -> tuple[int, ...]:
+        if with_state:
+            return (self._state_floats + num_tokens * self._token_floats,)
+        return (num_tokens, self._token_floats)
 
     def payload_tokens(self, shape: Sequence[int]) -> int:
         shape = tuple(shape)
-        tokens = (shape[0] - self._state_floats) // max(self._token_floats, 1) if len(shape) == 1 else -1
-        if not 0 < tokens <= self.page_size or self.payload_shape(tokens) != shape:
-            raise ValueError(f"K3 block payload shape {shape} does not fit pages of shape {self.block_shape}")
+        if len(shape) == 2:
+            tokens = shape[0]
+        elif len(shape) == 1:
+            tokens = (shape[0] - self._state_floats) // max(self._token_floats, 1)
+        else:
+            tokens = -1
+        if not 0 < tokens <= self.page_size or self.payload_shape(tokens, with_state=len(shape) == 1) != shape:
+            raise ValueError(f"K3 block payload shape {shape} fits neither {self.block_shape} (latents) nor "
+                             f"{self.payload_shape(self.page_size)} (latents and a state) or a prefix of them")
         return tokens
 
-    def read_block(self, page: int, num_tokens: int | None = None) -> torch.Tensor:
-        n = self.page_size if num_tokens is None else num_tokens
-        latents = self.latent[:, page, :n].transpose(0, 1).reshape(-1)
-        return torch.cat([self.state[page], latents])
+    @staticmethod
+    def payload_has_state(shape: Sequence[int]) -> bool:
+        return len(shape) == 1
 
-    def write_block(self, page: int, payload: torch.Tensor) -> None:
+    # ---- blocks --------------------------------------------------------------------------------
+
+    def read_block(self, page: int, num_tokens: int | None = None, *, state: int | None = None) -> torch.Tensor:
+        """The page's first ``num_tokens`` latents, with the live state ``state`` if given, else with
+        the page's snapshot if it has one."""
+        n = self.page_size if num_tokens is None else num_tokens
+        latents = self.latent[:, page, :n].transpose(0, 1).reshape(n, -1).float()
+        if state is not None:
+            return torch.cat([self._live[state].read(0), latents.reshape(-1)])
+        slot = self.snapshots.slot(page) if n == self.page_size else None
+        if slot is None:
+            return latents
+        return torch.cat([self.snapshots.states.read(slot), latents.reshape(-1)])
+
+    def write_block(self, page: int, payload: torch.Tensor, *, state: int | None = None, snapshot: bool = True) -> None:
+        """Copy a (possibly partial) block payload into ``page``. A state in it goes to the live
+        state ``state`` if given, and (``snapshot``, full blocks) becomes the page's snapshot."""
         tokens = self.payload_tokens(payload.shape)
         flat = payload.reshape(-1)
-        self.state[page].copy_(flat[: self._state_floats])
-        latents = flat[self._state_floats :].view(tokens, -1, self._latent_dim)
+        if self.payload_has_state(payload.shape):
+            carried, flat = flat[: self._state_floats], flat[self._state_floats :]
+            if state is not None:
+                self._live[state].write(0, carried)
+            slot = self.snapshots.take(page) if snapshot and tokens == self.page_size else None
+            if slot is not None:
+                self.snapshots.states.write(slot, carried)
+        elif state is not None:
+            raise ValueError("a block that hands a sequence its state must carry one")
+        latents = flat.view(tokens, -1, self._latent_dim)
         self.latent[:, page, :tokens].copy_(latents.transpose(0, 1))
+
+    # ---- sequence states -----------------------------------------------------------------------
+
+    def open_state(self) -> int:
+        """A new sequence's live state (zeros: before its first token); returns its handle."""
+        handle = next(self._handles)
+        self._live[handle] = KdaStates(self.cfg, 1, self.dtype, self.device)
+        return handle
+
+    def close_state(self, handle: int) -> None:
+        del self._live[handle]
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self._live[dst].copy(0, self._live[src], 0)
+
+    def live(self, handle: int) -> KdaStates:
+        return self._live[handle]
+
+    def resumable(self, pages: Sequence[int]) -> int:
+        """How many of these matched prefix pages a sequence can resume after: up to the last one
+        with a snapshot."""
+        for i in range(len(pages), 0, -1):
+            if self.snapshots.slot(pages[i - 1]) is not None:
+                return i
+        return 0
+
+    def resume_state(self, handle: int, page: int) -> None:
+        """Load the snapshot at the end of ``page`` into the live state ``handle``."""
+        slot = self.snapshots.slot(page)
+        assert slot is not None, f"page {page} has no state snapshot"
+        self.snapshots.touch(page)
+        self._live[handle].copy(0, self.snapshots.states, slot)
+
+    # ---- a forward pass ------------------------------------------------------------------------
+
+    def plan_forward(self, batch: ForwardBatch) -> list[ChunkStates]:
+        """Per chunk: its live state and the snapshot slots its block boundaries fill (the
+        policy's, for blocks of the sequence's cacheable prompt). Kept in ``step`` for the layers."""
+        ps, plan = self.page_size, []
+        writer: dict[int, tuple[ChunkStates, int]] = {}  # slot -> who fills it in this forward
+        for chunk in batch.chunks:
+            if chunk.state < 0:
+                raise ValueError("a kimi_k3 forward needs every sequence's live state (SeqChunk.state)")
+            states = ChunkStates(self._live[chunk.state])
+            first = chunk.context_len - chunk.num_new
+            for end in range((first // ps + 1) * ps, chunk.context_len + 1, ps):
+                if self.policy.wants(end // ps - 1, chunk.prompt_tokens, ps):
+                    slot = self.snapshots.take(chunk.pages[end // ps - 1])
+                    if slot is None:
+                        continue
+                    if slot in writer:  # a pool smaller than this forward's snapshots: the last one keeps it
+                        earlier, position = writer[slot]
+                        del earlier.snapshots[position]
+                    states.snapshots[end] = slot
+                    writer[slot] = (states, end)
+            plan.append(states)
+        self.step = plan
+        return plan
+
+    def round_tail(self, tail: torch.Tensor) -> torch.Tensor:
+        """A conv tail as the cache keeps it: rounded to the cache dtype at every block boundary,
+        snapshot or not, so a resumed run and a cold one carry the very same values."""
+        return tail if self.dtype == torch.float32 else tail.to(self.dtype).float()
+
+    def _page_reset(self, page: int) -> None:
+        self.snapshots.drop(page)

@@ -20,6 +20,7 @@ from typing import Any
 from crescent.services.engine.model_config import ModelConfigError
 
 MODEL_TYPE = "kimi_k3"
+CACHE_DTYPES = ("float32", "bfloat16")  # torch dtype names a cache may hold latents and conv tails in
 KIMI_VOCAB_SIZE = 163840  # the Kimi tiktoken tokenizer's id space (regular + special tokens)
 
 
@@ -78,6 +79,9 @@ class K3Config:
     moe_num_groups: int = 1                 # grouped top-k (DeepSeek-V3 noaux_tc): expert groups
     moe_topk_groups: int = 1                # ... of which each token may use this many
     moe_layer_freq: int = 1                 # MoE on layers i >= first_dense_layers with i % freq == 0
+    # dtype of the cached MLA latents and KDA conv tails (KDA states are always fp32): the model's
+    # compute dtype. Crescent computes in fp32 (the default); K3_FULL, served in bf16, says bfloat16.
+    cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in ("kda", "mla")]
@@ -105,6 +109,8 @@ class K3Config:
             raise ModelConfigError(f"moe_topk_groups must be in [1, {self.moe_num_groups}]")
         if self.moe_layer_freq < 1:
             raise ModelConfigError("moe_layer_freq must be >= 1")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ModelConfigError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.moe_latent_norm and not self.moe_latent_size:
             raise ModelConfigError("moe_latent_norm needs a latent MoE (moe_latent_size > 0)")
 
@@ -201,6 +207,7 @@ K3_FULL = K3Config(
     moe_intermediate_size=3072, shared_intermediate_size=3072, routed_scaling_factor=2.5,
     attn_res_blocks=8, situ_beta_gate=4.0, situ_beta_up=25.0, rms_norm_eps=1e-6,
     max_position_embeddings=1 << 20, tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(),
+    cache_dtype="bfloat16",
 )
 
 NANO = K3Config(

@@ -8,10 +8,11 @@ Kimi-Linear's ``g = -exp(A_log)·softplus(f(x) + dt_bias)`` when it has none;
 sigmoid of the output gate (one full-rank ``g_proj`` in K3, ``g_b(g_a(x))`` in Kimi-Linear and
 Crescent's own presets); the output projection.
 
-A sequence's new tokens are cut at block boundaries into segments. Each segment starts from the
-state stored in the page of the token before it and leaves its final state (and conv tail) in
-the page of its own last token, so every full page ends up holding its block-boundary snapshot
-and a prefix hit, a chunked prefill and a single pass all run the very same segments.
+A sequence's new tokens are cut at block boundaries into segments. The first starts from the
+sequence's live state (``K3Cache``: zeros, a resumed snapshot, a received state, or where its
+last step left it); each boundary the cache's plan names keeps a snapshot; the last leaves the
+live state. The conv tail is rounded to the cache dtype at every boundary, snapshot or not, so a
+prefix hit, a chunked prefill and a single pass run the very same segments on the same values.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from crescent.kernels.kda.reference import gated_rms_norm_reference, kda_gate, kda_softplus_gate, short_conv_reference
-from crescent.services.engine.kimi_k3.cache import K3Cache
+from crescent.services.engine.kimi_k3.cache import ChunkStates, K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise
 from crescent.services.engine.llama import ForwardBatch
@@ -80,12 +81,12 @@ class KdaLayer:
         beta = pointwise(torch.sigmoid, linear(x, w.b))
         out = x.new_empty((n, hv, dv))
         singles, start = [], 0
-        for chunk in batch.chunks:
+        for chunk, plan in zip(batch.chunks, cache.step, strict=True):
             first = chunk.context_len - chunk.num_new
             if chunk.num_new == 1:
-                singles.append((start, first, chunk.pages))
+                singles.append((start, chunk.context_len, plan))
             else:
-                self._prefill(chunk.pages, first, chunk.context_len, slice(start, start + chunk.num_new),
+                self._prefill(plan, first, chunk.context_len, slice(start, start + chunk.num_new),
                               mixed, g, beta, out, cache)
             start += chunk.num_new
         if singles:
@@ -104,35 +105,26 @@ class KdaLayer:
         return q, k, v
 
     def _decode(self, singles, mixed, g, beta, out, cache: K3Cache) -> None:
+        """One token for each of several sequences, batched: from and back to their live states."""
+        j = self.slot
         rows = torch.tensor([r for r, _, _ in singles], dtype=torch.int64)
-        positions = [p for _, p, _ in singles]
-        pages = [pg for _, _, pg in singles]
-        state, tail = self._load_many(cache, pages, positions)
+        state = torch.stack([plan.live.state[0, j] for _, _, plan in singles])
+        tail = torch.stack([plan.live.tail[0, j] for _, _, plan in singles]).float()
         y, tail = conv_step(mixed[rows], self.w.conv, tail)
         q, k, v = self._split(y)
         o, state = self.ops.kda_step(q, k, v, g[rows], beta[rows], state, self.scale)
         out[rows] = o.to(out.dtype)
-        self._store_many(cache, pages, positions, state, tail)
+        for i, (_, end, plan) in enumerate(singles):
+            if end % cache.page_size == 0:
+                tail[i] = cache.round_tail(tail[i])
+            self._keep(plan, end, state[i], tail[i], cache)
 
-    def _load_many(self, cache: K3Cache, pages_list, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """State and conv tail after the token before each position (zeros at position 0)."""
-        ps = cache.page_size
-        src = torch.tensor([pg[(p - 1) // ps] if p else 0 for pg, p in zip(pages_list, positions)], dtype=torch.int64)
-        fresh = torch.tensor([p == 0 for p in positions], device=cache.state.device)[:, None, None]
-        state = cache.kda_state[src, self.slot].masked_fill(fresh[..., None], 0.0)
-        tail = cache.conv_tail[src, self.slot].masked_fill(fresh, 0.0)
-        return state, tail
-
-    def _store_many(self, cache: K3Cache, pages_list, positions: list[int], state, tail) -> None:
-        """Leave state/tail in the page of the token at each (last) position."""
-        dst = torch.tensor([pg[p // cache.page_size] for pg, p in zip(pages_list, positions)], dtype=torch.int64)
-        cache.kda_state[dst, self.slot] = state
-        cache.conv_tail[dst, self.slot] = tail
-
-    def _prefill(self, pages, first: int, end: int, rows: slice, mixed, g, beta, out, cache: K3Cache) -> None:
-        ps = cache.page_size
-        state, tail = self._load_many(cache, [pages], [first])
-        state, tail = state[0], tail[0]
+    def _prefill(self, plan: ChunkStates, first: int, end: int, rows: slice, mixed, g, beta, out,
+                 cache: K3Cache) -> None:
+        """Tokens ``first .. end`` of one sequence, cut at block boundaries: each segment continues
+        the state the previous one left, and a boundary the plan names keeps a snapshot of it."""
+        ps, j = cache.page_size, self.slot
+        state, tail = plan.live.state[0, j], plan.live.tail[0, j].float()
         a = first
         while a < end:
             b = min(end, (a // ps + 1) * ps)  # up to the next block boundary
@@ -143,8 +135,24 @@ class KdaLayer:
             else:
                 y, tail = short_conv_reference(mixed[r][None], self.w.conv, tail[None])
                 y, tail = y[0], tail[0]
+            if b % ps == 0:
+                tail = cache.round_tail(tail)
             q, k, v = self._split(y)
             o, state = self.ops.kda_segment(q, k, v, g[r], beta[r], state, self.scale)
             out[r] = o.to(out.dtype)
-            self._store_many(cache, [pages], [b - 1], state[None], tail[None])
+            if b in plan.snapshots and b < end:
+                self._snapshot(plan.snapshots[b], state, tail, cache)
             a = b
+        self._keep(plan, end, state, tail, cache)
+
+    def _keep(self, plan: ChunkStates, end: int, state: torch.Tensor, tail: torch.Tensor, cache: K3Cache) -> None:
+        """The state after token ``end - 1`` becomes the sequence's live state (and a snapshot
+        when the plan wants one there)."""
+        plan.live.state[0, self.slot] = state
+        plan.live.tail[0, self.slot] = tail
+        if end in plan.snapshots:
+            self._snapshot(plan.snapshots[end], state, tail, cache)
+
+    def _snapshot(self, slot: int, state: torch.Tensor, tail: torch.Tensor, cache: K3Cache) -> None:
+        cache.snapshots.states.state[slot, self.slot] = state
+        cache.snapshots.states.tail[slot, self.slot] = tail

@@ -34,6 +34,7 @@ from crescent.services.engine.kimi_k3.config import NANO, K3Config
 from crescent.services.engine.kimi_k3.hf_formats import RealFormat, is_real_kimi_config, parse_real_config
 from crescent.services.engine.kimi_k3.model import K3Model
 from crescent.services.engine.kimi_k3.real_checkpoint import read_tensors, real_name, to_crescent_names
+from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from crescent.services.engine.kimi_k3.weights import random_weights, weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.hf_loader import weight_files
@@ -47,16 +48,17 @@ _ROUTED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # wha
 
 
 def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu",
-                  mxfp4_experts: str = "packed") -> K3Model:
+                  mxfp4_experts: str = "packed", snapshots: SnapshotPolicy = SnapshotPolicy()) -> K3Model:
     """``mxfp4_experts``: "packed" keeps MXFP4 routed experts packed (``Mxfp4Tensor``), "dequantize"
-    expands them to fp32 at load (``EngineSettings.mxfp4_experts``)."""
+    expands them to fp32 at load (``EngineSettings.mxfp4_experts``). ``snapshots``: the prefix
+    cache's KDA state snapshot policy (``EngineSettings.state_snapshot_*``)."""
     if source.random_seed is not None:
         cfg = SEEDED_CONFIGS[source.model_id]
-        return K3Model(cfg, seeded_weights(cfg, source.random_seed), device=device)
+        return K3Model(cfg, seeded_weights(cfg, source.random_seed), device=device, snapshots=snapshots)
     cfg, real = read_any_config(source.path)
     weights = (load_real_weights(source.path, cfg, real, mxfp4_experts=mxfp4_experts) if real
                else load_weights(source.path, cfg, mxfp4_experts=mxfp4_experts))
-    return K3Model(cfg, weights, device=device)
+    return K3Model(cfg, weights, device=device, snapshots=snapshots)
 
 
 def seeded_weights(cfg: K3Config, seed: int) -> dict[str, torch.Tensor]:

@@ -1,35 +1,55 @@
-"""Memory accounting of a hybrid model's cache: what a cached token and a sequence cost.
+"""Memory accounting of a hybrid model's cache: what a cached token, a sequence and a snapshot cost.
 
-MLA layers keep, per token, the latent c_kv (``kv_lora_rank``) and the decoupled RoPE key
-(``qk_rope_head_dim``): the only per-token cache. KDA layers keep a fixed-size state per
-sequence — the ``HV x K x V`` recurrent state and the last ``W - 1`` inputs of the q/k/v short
-convolutions — and state-aware prefix caching stores one such snapshot in every block, so a
-cached block costs ``block_size * kv_bytes_per_token + snapshot_bytes``.
+MLA layers keep, per token, the latent c_kv (``kv_lora_rank``) and the decoupled key
+(``qk_rope_head_dim``): the only per-token cache. KDA layers keep a fixed-size state — the
+``HV x K x V`` recurrent state (fp32) and the last ``W - 1`` inputs of the q/k/v short
+convolutions (the model's dtype) — once per *running sequence*, plus the prefix cache's state
+snapshots, a bounded pool of ``snapshot_slots`` taken sparsely at block boundaries
+(``K3Cache``). So the whole cache is
+
+    cache_bytes = pages x page_size x kv_bytes_per_token
+                + (running sequences + snapshot_slots) x state_bytes
+
+which is what ``K3Cache`` allocates (tests/engine/test_kimi_k3_snapshots.py checks it byte for
+byte) and what docs/k3.md's memory section states.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from crescent.services.engine.kimi_k3.config import K3Config
+
+
+def cache_torch_dtype(cfg: K3Config) -> torch.dtype:
+    """The torch dtype of cached latents and conv tails (``cfg.cache_dtype``)."""
+    return getattr(torch, cfg.cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheFootprint:
     kv_bytes_per_token: int        # MLA latents of one token, all MLA layers
-    state_bytes_per_sequence: int  # KDA recurrent states + conv tails, all KDA layers
-    snapshot_bytes_per_block: int  # what every cached block carries besides its tokens' latents
+    state_bytes_per_sequence: int  # KDA recurrent states + conv tails, all KDA layers: one live state
+    snapshot_bytes_per_block: int  # one state snapshot (the same bytes), kept only at chosen blocks
 
-    def block_bytes(self, block_size: int) -> int:
-        return block_size * self.kv_bytes_per_token + self.snapshot_bytes_per_block
+    def cache_bytes(self, tokens: int, sequences: int, snapshots: int) -> int:
+        """Bytes of a cache holding ``tokens`` token slots, ``sequences`` running sequences and a
+        pool of ``snapshots`` state snapshots."""
+        return tokens * self.kv_bytes_per_token + (sequences + snapshots) * self.state_bytes_per_sequence
 
-    def bytes_per_cached_token(self, block_size: int) -> float:
-        """Bytes the prefix cache spends per cached token, snapshots amortised over the block."""
-        return self.block_bytes(block_size) / block_size
+    def bytes_per_cached_token(self, tokens: int, snapshots: int) -> float:
+        """Bytes per cached token of a prefix cache of ``tokens`` tokens and ``snapshots`` snapshots."""
+        return self.cache_bytes(tokens, 0, snapshots) / tokens
 
 
-def k3_footprint(cfg: K3Config, *, kv_dtype_bytes: int = 4, state_dtype_bytes: int = 4) -> CacheFootprint:
-    """The cache footprint of ``cfg``; the engine stores everything in fp32 (4 bytes)."""
+def k3_footprint(cfg: K3Config, *, kv_dtype_bytes: int | None = None, state_dtype_bytes: int = 4) -> CacheFootprint:
+    """The cache footprint of ``cfg``. ``kv_dtype_bytes``: bytes of a cached latent / conv-tail
+    element (default: the config's ``cache_dtype``); ``state_dtype_bytes``: of a KDA state element
+    (the kernels keep states in fp32)."""
+    if kv_dtype_bytes is None:
+        kv_dtype_bytes = cache_torch_dtype(cfg).itemsize
     n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
     kv = n_mla * cfg.mla_latent_dim * kv_dtype_bytes
     state = n_kda * cfg.kda_num_v_heads * cfg.kda_head_dim * cfg.kda_v_head_dim * state_dtype_bytes

@@ -79,7 +79,7 @@ class MlaLayer:
             cos, sin = (t.to(x.device) for t in rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta))
             q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None], cos, sin)[:, 0]
         layer_cache = cache.latent[self.slot]
-        layer_cache[batch.slot_pages, batch.slot_offsets] = torch.cat([c_kv, k_rope], dim=-1)
+        layer_cache[batch.slot_pages, batch.slot_offsets] = torch.cat([c_kv, k_rope], dim=-1).to(layer_cache.dtype)
 
         q_lat = torch.stack([linear(q_nope[:, i], w.w_uk[i]) for i in range(h)], dim=1)
         chunks = batch.chunks

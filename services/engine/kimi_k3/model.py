@@ -24,6 +24,7 @@ from crescent.services.engine.kimi_k3.kda_layer import KdaLayer, KdaWeights
 from crescent.services.engine.kimi_k3.memory import CacheFootprint, k3_footprint
 from crescent.services.engine.kimi_k3.mla_layer import MlaLayer, MlaWeights
 from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, linear, select_backend
+from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from crescent.services.engine.kimi_k3.weights import weight_shapes
 from crescent.services.engine.llama import ForwardBatch
 
@@ -32,7 +33,8 @@ class K3Model:
     """Weights and the forward pass. Inference only; call under ``torch.inference_mode()``."""
 
     def __init__(self, config: K3Config, weights: dict[str, torch.Tensor], *, backend: Backend | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", snapshots: SnapshotPolicy = SnapshotPolicy()) -> None:
+        """``snapshots``: where the prefix cache keeps KDA state snapshots, and how many (``K3Cache``)."""
         expected = weight_shapes(config)
         missing = sorted(expected.keys() - weights.keys())
         if missing:
@@ -44,6 +46,7 @@ class K3Model:
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
         self.config = config
+        self.snapshot_policy = snapshots
         self.device = torch.device(device)
         self.ops = K3Ops(backend or select_backend(self.device))
         w = {k: v.to(self.device, torch.float32).contiguous() for k, v in weights.items()}
@@ -70,7 +73,7 @@ class K3Model:
     # ---- what the engine asks of a model with its own cache layout ---------------------------
 
     def make_cache(self, num_pages: int, page_size: int) -> K3Cache:
-        return K3Cache(self.config, num_pages, page_size, self.device)
+        return K3Cache(self.config, num_pages, page_size, self.device, self.snapshot_policy)
 
     def footprint(self) -> CacheFootprint:
         return k3_footprint(self.config)
@@ -86,6 +89,7 @@ class K3Model:
         """Run the batch, writing latents and state snapshots into ``cache``; logits of the last
         token of each chunk listed in ``logits_for``, ``(len(logits_for), vocab)``."""
         cfg = self.config
+        cache.plan_forward(batch)
         x = self.embed[batch.token_ids.to(self.device)]
         h = self._attn_res_stack(x, batch, cache) if cfg.attn_res else self._residual_stack(x, batch, cache)
         if not logits_for:

@@ -128,7 +128,7 @@ class K3Ops:
         page, dc = cache.shape[1], q_lat.shape[-1]
         out = torch.empty_like(q_lat)
         for i, (length, a, b) in enumerate(zip(seq_lens.tolist(), cu_q[:-1].tolist(), cu_q[1:].tolist())):
-            lat = cache[block_table[i, : -(-length // page)]].reshape(-1, cache.shape[-1])[:length]
+            lat = cache[block_table[i, : -(-length // page)]].reshape(-1, cache.shape[-1])[:length].float()
             scores = torch.einsum("thc,lc->htl", q_lat[a:b], lat[:, :dc])
             scores = scores + torch.einsum("thr,lr->htl", q_rope[a:b], lat[:, dc:])
             pos = torch.arange(length - (b - a), length)[:, None]
