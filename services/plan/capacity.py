@@ -142,8 +142,10 @@ def min_gpus_to_fit(cfg: K3Config, weights: WeightBytes, seq: SequenceBytes, gpu
 
 
 def helm_values(model_id: str, gpus: int, gpu: GpuShape, best: LayoutPlan, context_tokens: int,
-                block_size: int) -> dict[str, Any]:
-    """prefill/decode values of the chart (helm/crescent/values.yaml) for one instance per pod."""
+                block_size: int, snapshots: int = 0) -> dict[str, Any]:
+    """prefill/decode values of the chart (helm/crescent/values.yaml) for one instance per pod.
+    Prefill's prefix cache gets the snapshot budget, ``snapshots`` per sequence, kept at turn
+    ends only — the policy docs/k3.md's trace replay favours for a pool this small."""
     def pool(**engine_extra: int) -> dict[str, Any]:  # a fresh dict per pool: YAML without anchors
         out: dict[str, Any] = {"gpus": gpus}
         if gpu.product_label:
@@ -152,7 +154,8 @@ def helm_values(model_id: str, gpus: int, gpu: GpuShape, best: LayoutPlan, conte
                                       "block_size": block_size, **engine_extra}}
         return out
 
-    return {"model": {"id": model_id}, "prefill": pool(), "decode": pool(max_batch_size=best.sequences)}
+    prefill = pool(state_snapshots=best.sequences * snapshots, state_snapshot_every_blocks=0) if snapshots else pool()
+    return {"model": {"id": model_id}, "prefill": prefill, "decode": pool(max_batch_size=best.sequences)}
 
 
 def as_dict(**parts: Any) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def plan_command(
     best = max(plans, key=lambda p: p.sequences)
     fits = best.fits
     one_node = n <= gpu.gpus_per_node
-    values = helm_values(model_id, n, gpu, best, tokens, block_size) if fits and one_node else None
+    values = helm_values(model_id, n, gpu, best, tokens, block_size, snapshots) if fits and one_node else None
     needed = None if fits else min_gpus_to_fit(cfg, weights, seq, gpu, memory_utilization)
 
     _print_tables(model_id, n, gpu, tokens, experts, snapshots, memory_utilization, weights, seq, plans,

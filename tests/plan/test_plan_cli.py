@@ -102,6 +102,9 @@ def test_helm_values_render_in_the_chart_and_load_in_the_decode_service(tmp_path
     assert values["decode"]["gpus"] == values["prefill"]["gpus"] == 8
     assert engine == {"kv_capacity_tokens": best["sequences"] * 131_072, "block_size": 64,
                       "max_batch_size": best["sequences"]}
+    # prefill's prefix cache: the snapshot budget (4 per sequence by default), at turn ends
+    prefill = values["prefill"]["settings"]["engine"]
+    assert (prefill["state_snapshots"], prefill["state_snapshot_every_blocks"]) == (4 * best["sequences"], 0)
     path = tmp_path / "plan-values.yaml"
     path.write_text(result.stdout)
     docs = render(values=[path])  # the chart's schema rejects unknown keys
@@ -113,6 +116,11 @@ def test_helm_values_render_in_the_chart_and_load_in_the_decode_service(tmp_path
     settings = load_settings(DecodeSettings, config, env_prefix=ENV_PREFIX, environ={})
     assert (settings.engine.kv_capacity_tokens, settings.engine.max_batch_size) == (
         best["sequences"] * 131_072, best["sequences"])
+    from crescent.services.prefill.config import ENV_PREFIX as PREFILL_PREFIX, PrefillSettings
+
+    config.write_text(by_kind(docs, "ConfigMap")["crescent-prefill"]["data"]["config.yaml"])
+    prefill_settings = load_settings(PrefillSettings, config, env_prefix=PREFILL_PREFIX, environ={})
+    assert prefill_settings.engine.state_snapshots == 4 * best["sequences"]
     decode = next(d for d in docs if d["kind"] == "Deployment" and "decode" in d["metadata"]["name"])
     assert decode["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] in (8, "8")
 
