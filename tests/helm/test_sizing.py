@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helm.tools import EXAMPLES, by_kind, render
+from tests.helm.tools import EXAMPLES, by_kind, helm_template, render
 
 SHAPES = yaml.safe_load((EXAMPLES / "node-shapes.yaml").read_text())
 UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -146,5 +146,6 @@ def test_node_cache_fetch_runs_once_then_skips(tmp_path: Path) -> None:
 
 def test_the_fetch_marker_changes_with_the_command() -> None:
     first = _fetch_command(render("--set", "model.weights.source=hostPath", "--set-json", 'model.weights.init.command=["a"]'))
+    assert "model.weights.init.command" in helm_template("--set", "model.weights.source=hostPath").stderr
     second = _fetch_command(render("--set", "model.weights.source=hostPath", "--set-json", 'model.weights.init.command=["b"]'))
     assert first[3] != second[3]

@@ -65,3 +65,13 @@ def rules_file(tmp_path: Path, *args: str) -> Path:
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False, width=10**6))
     return path
+
+
+def notes(*args: str, values: list[Path] = ()) -> str:
+    """NOTES.txt as `helm install` prints it (a client-side dry run: no cluster needed)."""
+    cmd = [tool("helm"), "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
+    for path in values:
+        cmd += ["-f", str(path)]
+    result = run(cmd + list(args))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("NOTES:", 1)[1]

@@ -30,6 +30,8 @@ metadata:
   labels:
     {{- include "crescent.componentLabels" $component | nindent 4 }}
     crescent.io/group: {{ .group.name }}
+  annotations:
+    crescent.io/pod-security-level: {{ include "crescent.enginePodSecurityLevel" $root }}
 spec:
   {{- if not (or $v.autoscaling.enabled $v.autoscaling.keda.enabled) }}
   replicas: {{ $v.replicas }}

@@ -30,3 +30,28 @@ hostPath). hostPaths.ownership decides how the pods' user gets to write them:
   volumeMounts:
     - {name: {{ .volume }}, mountPath: {{ .path }}}
 {{- end }}
+
+{{/* The kvstore's SSD tier volume: "hostPath", "ephemeral", or empty (no SSD tier). */}}
+{{- define "crescent.kvstoreSsdVolume" -}}
+{{- $ssd := .Values.kvstore.ssd }}
+{{- if eq $ssd.volume "ephemeral" }}ephemeral{{ else if $ssd.hostPath }}hostPath{{ end }}
+{{- end }}
+
+{{/*
+Pod Security Standards level a component's pods need: "privileged" when they mount a node
+directory (baseline forbids hostPath volumes), else "restricted" (non-root, no added
+capabilities, RuntimeDefault seccomp, only emptyDir/configMap/secret/PVC/ephemeral volumes).
+*/}}
+{{- define "crescent.kvstorePodSecurityLevel" -}}
+{{- if eq (include "crescent.kvstoreSsdVolume" .) "hostPath" }}privileged{{ else }}restricted{{ end }}
+{{- end }}
+
+{{- define "crescent.enginePodSecurityLevel" -}}
+{{- if eq .Values.model.weights.source "hostPath" }}privileged{{ else }}restricted{{ end }}
+{{- end }}
+
+{{/* The level the release's namespace must allow: the highest any enabled component needs. */}}
+{{- define "crescent.podSecurityLevel" -}}
+{{- $engines := or .Values.prefill.enabled .Values.decode.enabled }}
+{{- if or (and .Values.kvstore.enabled (eq (include "crescent.kvstorePodSecurityLevel" .) "privileged")) (and $engines (eq (include "crescent.enginePodSecurityLevel" .) "privileged")) }}privileged{{ else }}restricted{{ end }}
+{{- end }}

@@ -36,6 +36,9 @@ initContainers:
 {{- $w := $root.Values.model.weights }}
 {{- if or (eq $w.source "init") (eq $w.source "hostPath") }}
 {{- $onNode := include "crescent.weightsOnNode" . }}
+{{- if and (eq $w.source "hostPath") (not $w.init.command) }}
+{{- fail "model.weights.init.command: give the command that fetches the model into model.weights.mountPath (source hostPath runs it once per node)" }}
+{{- end }}
 {{- $command := $w.init.command }}
 {{- if and (eq .component "gateway") $w.init.gatewayCommand }}{{ $command = $w.init.gatewayCommand }}{{ end }}
 {{- if and $onNode (eq $root.Values.hostPaths.ownership "chown") }}
