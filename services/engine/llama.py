@@ -130,9 +130,11 @@ class LlamaModel:
             for chunk, table in zip(batch.chunks, page_tables):
                 end = start + chunk.num_new
                 # index_select, not layer_pool[table]: the same copy at half the cost (decode's
-                # largest non-GEMM op at batch 8; docs/benchmarks.md, decode step profile).
-                kv_pages = torch.index_select(layer_pool, 0, table)
-                attn[start:end] = paged_attention(q[start:end], kv_pages, chunk.context_len, self.scale)
+                # largest non-GEMM op at batch 8; docs/benchmarks.md, decode step profile). K and V
+                # apart, so each is one contiguous copy that attention takes as a view.
+                k_pages = torch.index_select(layer_pool[:, 0], 0, table)
+                v_pages = torch.index_select(layer_pool[:, 1], 0, table)
+                attn[start:end] = paged_attention(q[start:end], k_pages, v_pages, chunk.context_len, self.scale)
                 start = end
             h = h + layer.o(attn.view(n, -1))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)

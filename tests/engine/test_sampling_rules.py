@@ -93,3 +93,23 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
     together = sample_batch(logits, cfgs, steps, histories)
     alone = [sample_batch(logits[i:i + 1], cfgs[i:i + 1], steps[i:i + 1], histories[i:i + 1])[0] for i in range(4)]
     assert together == alone
+
+
+def test_draws_follow_the_probabilities_and_never_pick_an_excluded_token() -> None:
+    """The sampler's one-uniform inverse-CDF draw against the distribution it samples (chi-square
+    over 20,000 seeded draws) and against zero-probability tokens at either end and between."""
+    from crescent.services.engine.sampler import draw
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    generator = torch.Generator().manual_seed(1234)
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(20_000)]), minlength=7).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs.double() * 20_000
+    kept = probs > 0
+    chi2 = float((((counts - expected) ** 2)[kept] / expected[kept]).sum())
+    assert chi2 < 16.3, f"chi-square {chi2:.1f} with 3 degrees of freedom (p < 0.001 above 16.3)"
+    unnormalised = torch.tensor([3.0, 0.0, 1.0])
+    picks = {draw(unnormalised, torch.Generator().manual_seed(s)) for s in range(200)}
+    assert picks == {0, 2}, "weights need not sum to one; a zero weight is never drawn"
+    again = [draw(probs, torch.Generator().manual_seed(7)) for _ in range(5)]
+    assert len(set(again)) == 1, "the same seed draws the same token"
