@@ -11,11 +11,14 @@ Bit for bit what one prompt at a time gives: each prompt is cut into exactly the
 row of a mixed step is what it is alone (batch-invariant linear layers, per-sequence attention;
 ``tests/engine/test_mixed_step.py``). So first tokens and exported KV do not depend on what else
 was in the batch. A step holds up to ``max_batch_tokens`` prompt tokens, chunks taken oldest
-prompt first; the oldest always runs, so a chunk larger than the budget still runs (alone).
+prompt first; the oldest always runs, so a chunk larger than the budget still runs (alone), and
+``max_batch_tokens`` 0 computes one prompt at a time.
 
 Streaming order is kept: a prompt whose last chunk ran is answered at once (its first token
 sampled and its handoff started before the next step is queued); the others go on in the next
-step. A prompt whose caller left is dropped from the queue before its next chunk.
+step. (Before this batcher, each prompt's whole prefill went to the engine thread's queue on
+arrival, so a first token's sampling waited behind every prompt queued meanwhile.) A prompt
+whose caller left is dropped from the queue before its next chunk.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ class PrefillBatcher:
     """Owns the queue of prompts to compute and the task that runs their steps."""
 
     def __init__(self, engine: Engine, worker: EngineWorker, max_batch_tokens: int, metrics: EngineMetrics) -> None:
-        if max_batch_tokens <= 0:
-            raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+        if max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens must be 0 (one prompt per forward) or more, got {max_batch_tokens}")
         self.engine, self.worker, self.metrics = engine, worker, metrics
         self.max_batch_tokens = max_batch_tokens
         self._queue: deque[QueuedPrompt] = deque()  # oldest first

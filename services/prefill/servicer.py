@@ -100,7 +100,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                  on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None,
                  tls: PeerTls | None = None, max_batch_tokens: int = 0) -> None:
         """``max_batch_tokens``: prompt tokens per forward shared by queued prompts (``PrefillBatcher``);
-        0 computes one prompt at a time."""
+        0: one prompt per forward."""
         self.engine = engine
         self._tls = tls  # this process's key pair for its channels (None: plaintext)
         self.constraints = constraints
@@ -114,7 +114,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.running = 0  # Prefill calls open
         self.draining = False
         self.load = PrefillLoad()
-        self.batcher = PrefillBatcher(engine, worker, max_batch_tokens, self.metrics) if max_batch_tokens > 0 else None
+        self.batcher = PrefillBatcher(engine, worker, max_batch_tokens, self.metrics)
         self.puller = (PrefixPuller(engine, worker, self.metrics, PeerDirectory(scheduler_address, tls), tls)
                        if scheduler_address else None)
 
@@ -130,8 +130,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await channel.close()
         if self.puller is not None:
             await self.puller.close()
-        if self.batcher is not None:
-            await self.batcher.close()
+        await self.batcher.close()
 
     async def _constraint(self, sampling: common_pb2.SamplingParams, generated: list[int],
                           context: grpc.aio.ServicerContext) -> TokenConstraint | None:
@@ -260,15 +259,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """The Prefill call ended (handed off or not)."""
 
     async def _prompt_logits(self, seq: Sequence) -> torch.Tensor:
-        """Compute the prompt; its last token's logits (vocab,). Batched with other queued
-        prompts' chunks when batching is on, else alone (one forward per chunk)."""
-        if self.batcher is not None:
-            return await self.batcher.prefill(seq)
-        forwards = -(-(seq.num_tokens - seq.num_computed) // self.engine.prefill_chunk_tokens)
-        logits = await self.worker.run(self.engine.prefill, seq)
-        for _ in range(forwards):
-            self.metrics.batch_size.labels("prefill").observe(1)
-        return logits
+        """Compute the prompt (its chunks in forwards shared with other queued prompts'); its
+        last token's logits (vocab,)."""
+        return await self.batcher.prefill(seq)
 
     def _count(self, prompt: int, local_hit: int, remote_hit: int, peer_hit: int = 0) -> None:
         m = self.metrics

@@ -167,3 +167,15 @@ def test_a_prompt_whose_caller_left_gets_no_further_chunk_and_the_others_complet
         thread.join()
     assert torch.equal(logits, want)
     assert left.num_computed <= CHUNK, "no chunk of the cancelled prompt after the step it was in"
+
+
+def test_a_budget_of_zero_computes_one_prompt_at_a_time_in_arrival_order() -> None:
+    a, b = seq(100), seq(5)
+    assert [s.seq_id for s, _ in plan_step([a, b], CHUNK, max_batch_tokens=0, free_pages=100, page_size=PAGE)] == [a.seq_id]
+    base, prompts = workload(test_engine)
+    expected = one_at_a_time(test_engine, base, prompts)
+    before = prefill_steps()
+    got = batched(test_engine, base, prompts, max_batch_tokens=0)
+    forwards, prompts_in_them = (a - b for a, b in zip(prefill_steps(), before))
+    assert forwards == prompts_in_them, "one prompt per forward"
+    assert all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))
