@@ -238,6 +238,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return str(exc)
         if covered != prompt_len:
             return "KV blocks do not cover the prompt exactly"
+        has_state = getattr(self.engine.cache, "payload_has_state", None)  # recurrent-state models (kimi_k3)
+        if has_state is not None and not has_state(payloads[-1].shape):
+            return "the last KV block carries no recurrent state to continue from"
         return None
 
     async def StreamTokens(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):

@@ -227,3 +227,11 @@ def test_full_k3_at_1m_tokens_is_latents_plus_the_snapshot_budget():
     on_paper = 27_648 * tokens + slots * state  # "27.6 KB per token plus the bounded snapshot budget"
     assert abs(cache.nbytes() - on_paper) / on_paper < 0.05
     assert cache.page_bytes() == 64 * 27_648
+
+
+def test_a_handoff_whose_last_block_has_no_state_is_refused():
+    engine = make_engine()
+    latents_only = [torch.zeros(engine.cache.payload_shape(n, with_state=False)) for n in (PAGE, 5)]
+    with pytest.raises(ValueError, match="must carry one"):
+        engine.adopt_sequence("x", prompt(22), 21, latents_only)
+    assert engine.cache.running_states == 0 and engine.cache.pages.free_pages == 64  # nothing held
