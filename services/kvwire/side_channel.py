@@ -55,6 +55,7 @@ STRIPES = 2                    # connections per large transfer (best of 1-4 on 
 MAX_STRIPES = 8
 MIN_STRIPED_BYTES = 8 << 20    # below this one connection is as fast
 TOKEN_TIMEOUT_S = 5.0          # a connection that does not say who it is within this is closed
+CONNECT_TIMEOUT_S = 2.0        # no answer to connect within this: unreachable (a firewall drops it)
 _RECEIVE, _SEND = "receive", "send"
 
 Piece = tuple[int, int, int]  # payload index, start, end (bytes of that payload)
@@ -62,6 +63,11 @@ Piece = tuple[int, int, int]  # payload index, start, end (bytes of that payload
 
 class SideChannelError(ConnectionError):
     """A transfer that did not complete (refused, cut short, timed out)."""
+
+
+class SideChannelUnreachable(SideChannelError):
+    """The side channel cannot be reached at all from here (refused, or no answer to connect
+    within ``CONNECT_TIMEOUT_S``: a firewall or network policy in between)."""
 
 
 def tls_contexts(tls: PeerTls) -> tuple[ssl.SSLContext, ssl.SSLContext]:
@@ -325,8 +331,12 @@ class SideChannelServer:
 def _connect(address: str, hello: bytes, timeout_s: float, client_tls: ssl.SSLContext | None,
              server_name: str) -> socket.socket:
     host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=min(CONNECT_TIMEOUT_S, timeout_s))
+    except OSError as exc:
+        raise SideChannelUnreachable(f"cannot connect to the side channel at {address}: {exc!r}") from exc
+    try:
+        sock.settimeout(timeout_s)
         _tune(sock)
         if client_tls is not None:
             sock = client_tls.wrap_socket(sock, server_hostname=server_name or host.strip("[]"))

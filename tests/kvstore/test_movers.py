@@ -207,6 +207,24 @@ async def test_a_node_without_a_mover_is_served_the_next_way_and_the_choice_is_p
             await client.close()
 
 
+async def test_a_side_channel_this_client_cannot_reach_costs_one_fallback_not_one_per_call(kvstore_node) -> None:
+    # The node advertises an address nothing answers on (as behind a firewall or network policy).
+    node = kvstore_node({"side_channel": {"advertise_host": "127.0.0.2"}})
+    client = KvStoreClient(node.address)  # the default movers: tcp, then grpc
+    try:
+        for salt in (b"1", b"2"):
+            chain = make_chain(2, floats=MIB // 4, salt=salt)
+            assert (await client.put(chain)).stored == 2  # the first call falls back within itself
+            got = await client.get_prefix([b.key for b in chain], MODEL)
+            assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert client.mover == "grpc" and not client.movers[0].usable
+        assert client.errors["put_tcp"] == 1 and client.errors["get_tcp"] == 0, "given up after one try"
+        stat = await client.stat()
+        assert stat is not None and stat.tiers[0].reserved_bytes == 0  # the room reserved for it went back
+    finally:
+        await client.close()
+
+
 async def test_peer_nodes_fetch_from_each_other_over_the_side_channel(kvstore_node) -> None:
     a = kvstore_node(name="node-a")
     b = kvstore_node({"peers": {"node-a": a.address}}, name="node-b")

@@ -23,7 +23,12 @@ from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, re
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.kv_block import KvBlock
-from crescent.services.kvwire.side_channel import receive_payloads, send_payloads, tls_contexts
+from crescent.services.kvwire.side_channel import (
+    SideChannelUnreachable,
+    receive_payloads,
+    send_payloads,
+    tls_contexts,
+)
 
 MOVER = "tcp"
 GIVE_UP_AFTER = 3  # transfers failed in a row before the side channel is given up for this node
@@ -56,11 +61,12 @@ class TcpSideChannelMover(Mover):
 
     def _unreachable(self, operation: str, exc: BaseException) -> None:
         """A transfer failed: this call goes another way; the mover is dropped for good when the
-        side channel refuses us outright, or after a few failures in a row (a firewall between
-        the hosts), not for one slow transfer."""
+        side channel cannot be reached (refused, or a firewall drops the connect: seconds lost
+        once, not on every call) or its TLS fails, or after a few failures in a row — not for
+        one slow transfer."""
         self.link.failed(operation, exc)
         self._failures += 1
-        if isinstance(exc, (ConnectionRefusedError, ssl.SSLError)) or self._failures >= GIVE_UP_AFTER:
+        if isinstance(exc, (SideChannelUnreachable, ssl.SSLError)) or self._failures >= GIVE_UP_AFTER:
             self.give_up(f"cannot use the node's side channel: {exc!r}")
 
     # -- put ------------------------------------------------------------------------------------
