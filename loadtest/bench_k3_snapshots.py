@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from crescent.services.engine.kimi_k3 import K3_FULL, k3_footprint  # noqa: E402
+from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy  # noqa: E402
 from loadtest.simulator.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, load_trace  # noqa: E402
 
 
@@ -42,12 +43,8 @@ class Policy:
     every: int  # k: a snapshot after every k-th block; 0: turn ends only
 
     def wants(self, block: int, input_length: int) -> bool:
-        full = input_length // TRACE_BLOCK_TOKENS
-        if block >= full:
-            return False
-        if self.every and (block + 1) % self.every == 0:
-            return True
-        return block in (full - 1, (input_length - 1) // TRACE_BLOCK_TOKENS - 1)
+        """The engine's own rule (``SnapshotPolicy.wants``) at the trace's block size."""
+        return SnapshotPolicy(every_blocks=self.every).wants(block, input_length, TRACE_BLOCK_TOKENS)
 
 
 @dataclass(slots=True)
