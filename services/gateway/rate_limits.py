@@ -313,11 +313,22 @@ class RateLimiter:
     # ---- internals ---------------------------------------------------------------------------
 
     async def _sync_budget(self, scope: _Scope, key: str, month_left_s: float) -> None:
-        """Raise the budget counter ``key`` to what the ledger counts this month (see the module doc)."""
+        """Raise the budget counter ``key`` to what the ledger counts this month (see the module
+        doc): before the first admission under it, in the background after that."""
         now = time.monotonic()
-        if self._spent is None or now - self._synced.get(key, -math.inf) < _BUDGET_SYNC_S:
+        last = self._synced.get(key)
+        if self._spent is None or (last is not None and now - last < _BUDGET_SYNC_S):
             return
         self._synced[key] = now
+        if last is None:
+            await self._raise_to_ledger(scope, key, month_left_s)
+        else:
+            task = asyncio.get_running_loop().create_task(self._raise_to_ledger(scope, key, month_left_s))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _raise_to_ledger(self, scope: _Scope, key: str, month_left_s: float) -> None:
+        assert self._spent is not None
         wall = self._wall_clock()
         month_start = datetime(wall.year, wall.month, 1, tzinfo=UTC)
         try:
