@@ -1,7 +1,7 @@
 """Writes helm/crescent/values.schema.json from values.yaml plus the constraints below.
 
-    python helm/schema/generate.py          # regenerate the committed schema
-    python helm/schema/generate.py --check  # exit 1 if the committed schema is stale
+    python helm/schema/generate.py          # regenerate the committed schema and README table
+    python helm/schema/generate.py --check  # exit 1 if either is stale
 
 Types come from the defaults in values.yaml; every object rejects keys it does not list
 (additionalProperties: false) except the free-form Kubernetes objects named in FREE_FORM, so a
@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import values_table as readme  # noqa: E402 (beside this script)
 
 CHART = Path(__file__).resolve().parent.parent / "crescent"
 COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "kvstore")
@@ -37,6 +40,19 @@ PRICES = {"type": "object", "additionalProperties": False,
           "properties": {k: DOLLARS for k in ("cacheHitInput", "cacheMissInput", "output")}}
 LIMIT_VALUES = {"properties": {"rpm": {"type": "integer", "minimum": 1}, "tpm": {"type": "integer", "minimum": 1},
                                "maxConcurrent": {"type": "integer", "minimum": 1}, "budgetUsd": DOLLARS}}
+
+
+def _set_friendly(numbers: list[float]) -> dict[str, Any]:
+    """One of `numbers`, given as a number or as the string `helm --set` passes for a decimal."""
+    spelled: list[Any] = list(numbers)
+    for n in numbers:
+        spelled += [f"{n:g}"] + ([f"{n:g}.0"] if float(n).is_integer() else [])
+    return {"type": ["number", "string"], "enum": spelled}
+
+
+# A fraction given as a number or as a decimal string (`helm --set x=0.99` passes "0.99").
+FRACTION = {"type": ["number", "string"], "exclusiveMinimum": 0, "exclusiveMaximum": 1, "pattern": "^0?\\.[0-9]*[1-9][0-9]*$"}
+IMAGE_DIGEST = {"type": "string", "pattern": "^(sha256:[a-f0-9]{64})?$"}
 IMAGE_TAG = {"type": "string", "minLength": 1, "not": {"const": "latest"}}
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "imagePullSecrets": {"items": {"type": "string", "minLength": 1}},
@@ -49,9 +65,10 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "model.weights.pvc.accessModes": {"items": {"enum": ["ReadOnlyMany", "ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]}},
     "model.weights.init.command": {"items": {"type": "string"}},
     "model.weights.init.image.tag": IMAGE_TAG,
-    "slo.ttftSeconds": {"type": "number", "enum": LATENCY_BUCKETS},
-    "slo.tbtSeconds": {"type": "number", "enum": TOKEN_INTERVAL_BUCKETS},
-    "slo.objective": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "model.weights.init.image.digest": IMAGE_DIGEST,
+    "slo.ttftSeconds": _set_friendly(LATENCY_BUCKETS),
+    "slo.tbtSeconds": _set_friendly(TOKEN_INTERVAL_BUCKETS),
+    "slo.objective": FRACTION,
     "topology.mode": {"enum": ["zone", "nvlinkDomain"]},
     "topology.zoneLabel": {"minLength": 1},
     "topology.supernodeLabel": {"minLength": 1},
@@ -97,14 +114,15 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "kvstore.updateStrategy.type": {"enum": ["RollingUpdate", "OnDelete"]},
     "kvstore.updateStrategy.maxUnavailable": {"type": ["integer", "string"], "minimum": 1, "pattern": "^[0-9]+%$"},
     "kvstore.s3.capacityGiB": {"minimum": 1},
-    "monitoring.prometheusRule.rejectionRatio": {"exclusiveMinimum": 0, "maximum": 1},
-    "monitoring.prometheusRule.cacheHitRatioDropFraction": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "monitoring.prometheusRule.rejectionRatio": FRACTION,
+    "monitoring.prometheusRule.cacheHitRatioDropFraction": FRACTION,
     "monitoring.prometheusRule.instanceDownFor": {"pattern": "^[0-9]+[smh]$"},
     "monitoring.prometheusAdapter.namespace": {"pattern": "^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$"},
     "monitoring.serviceMonitor.interval": {"pattern": "^[0-9]+[smh]$"},
 }
 for _c in COMPONENTS:
     CONSTRAINTS[f"{_c}.image.tag"] = IMAGE_TAG
+    CONSTRAINTS[f"{_c}.image.digest"] = IMAGE_DIGEST
     CONSTRAINTS[f"{_c}.image.pullPolicy"] = {"enum": ["Always", "IfNotPresent", "Never"]}
     for _port in ("port",) if _c == "gateway" else ("grpcPort", "adminPort"):
         CONSTRAINTS[f"{_c}.{_port}"] = PORT
@@ -164,18 +182,25 @@ def _has_path(values: dict[str, Any], path: str) -> bool:
     return True
 
 
+def render_readme(schema_text: str) -> str:
+    values_text = (CHART / "values.yaml").read_text()
+    table = readme.values_table(values_text, yaml.safe_load(values_text), json.loads(schema_text))
+    return readme.with_table((CHART / "README.md").read_text(), table)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args()
-    target = CHART / "values.schema.json"
-    text = render()
+    schema_text = render()
+    outputs = {CHART / "values.schema.json": schema_text, CHART / "README.md": render_readme(schema_text)}
+    stale = [path for path, text in outputs.items() if not path.exists() or path.read_text() != text]
     if args.check:
-        if not target.exists() or target.read_text() != text:
-            print(f"{target} is stale: run python helm/schema/generate.py", file=sys.stderr)
-            return 1
-        return 0
-    target.write_text(text)
+        for path in stale:
+            print(f"{path} is stale: run python helm/schema/generate.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(outputs[path])
     return 0
 
 

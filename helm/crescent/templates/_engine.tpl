@@ -168,7 +168,7 @@ spec:
 {{- $ns := $root.Release.Namespace }}
 {{- $pods := printf "%s-.*" (include "crescent.engineGroupName" .) }}
 {{- $latency := ternary "ttft" "tbt" (eq .role "prefill") }}
-{{- $slo := ternary $root.Values.slo.ttftSeconds $root.Values.slo.tbtSeconds (eq .role "prefill") }}
+{{- $slo := ternary (float64 $root.Values.slo.ttftSeconds) (float64 $root.Values.slo.tbtSeconds) (eq .role "prefill") }}
 apiVersion: keda.sh/v1alpha1
 kind: ScaledObject
 metadata:

@@ -62,9 +62,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* repository:tag of a component's image. Call with the component's values. */}}
+{{/* A component's image: repository@digest when a digest is set (immutable), else repository:tag. Call with the component's values. */}}
 {{- define "crescent.image" -}}
-{{- printf "%s:%s" .image.repository .image.tag }}
+{{- if .image.digest }}{{ printf "%s@%s" .image.repository .image.digest }}{{ else }}{{ printf "%s:%s" .image.repository .image.tag }}{{ end }}
 {{- end }}
 
 {{- define "crescent.schedulerAddress" -}}
