@@ -175,10 +175,11 @@ def profile(
     model: Annotated[str, typer.Option(help="preset name, .gguf file or Hugging Face directory")] = DEFAULT_MODEL,
     out: Annotated[Path | None, typer.Option(help="write the YAML snippet here; default: print it on stdout")] = None,
     quick: Annotated[bool, typer.Option(help="a few small points (seconds): a smoke test, not a calibration")] = False,
-    threads: Annotated[int, typer.Option(min=1, help="torch threads, as the engine will serve")] = 2,
+    threads: Annotated[int, typer.Option(min=0, help="torch threads for every role; 0: as crescent up shares this machine's cores")] = 0,
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = DEFAULT_BLOCK_SIZE,
+    mode: Annotated[str, typer.Option(help="pools (prefill + decode), aggregated (mixed steps) or both")] = "both",
 ) -> None:
-    """Measure prefill and decode times of the engine here and fit the scheduler's cost models."""
+    """Measure prefill, decode and mixed-step times of the engine here and fit the scheduler's cost models."""
     import platform as host
 
     from rich.progress import Progress
@@ -186,20 +187,34 @@ def profile(
 
     from crescent.services.engine.runtime import build_engine
     from crescent.services.engine.settings import EngineSettings
-    from crescent.services.profile import DEFAULT_PLAN, QUICK_PLAN, cost_settings_yaml, fit_error, run_profile, table_rows
+    from crescent.services.cpu_share import available_cores, share_cores
+    from crescent.services.profile import (
+        DEFAULT_PLAN, MODES, QUICK_PLAN, ProfileThreads, cost_settings_yaml, fit_error, run_profile, table_rows,
+    )
 
+    if mode not in (*MODES, "both"):
+        say((f"unknown mode {mode!r};", "red"), f" choose {', '.join(MODES)} or both")
+        raise typer.Exit(2)
+    modes = MODES if mode == "both" else (mode,)
     plan = QUICK_PLAN if quick else DEFAULT_PLAN
+    if threads:
+        roles = ProfileThreads(prefill=threads, decode=threads, aggregated=threads)
+    else:  # what crescent up gives each engine: 1 prefill + 1 decode, or 1 aggregated engine
+        cores = available_cores()
+        pools, alone = share_cores(cores, 1, 1), share_cores(cores, 1, 0)
+        roles = ProfileThreads(prefill=pools.prefill, decode=pools.decode, aggregated=alone.threads("aggregated"))
     with console.status(f"loading {model}…"):
-        engine = build_engine(EngineSettings(model=model, threads=threads, block_size=block_size,
-                                             kv_capacity_tokens=plan.kv_tokens_needed(block_size)), progress=False)
+        engine = build_engine(EngineSettings(model=model, threads=max(roles.prefill, roles.decode, roles.aggregated),
+                                             block_size=block_size, kv_capacity_tokens=plan.kv_tokens_needed(block_size)),
+                              progress=False)
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("profiling", total=plan.points)
+        task = progress.add_task("profiling", total=plan.points_for(modes))
 
         def advance(what: str) -> None:
             progress.update(task, description=what)
             progress.advance(task)
 
-        result = run_profile(engine, plan, on_point=advance)
+        result = run_profile(engine, plan, on_point=advance, modes=modes, threads=roles)
     table = Table(title=f"{engine.model_id}: measured vs fitted")
     for column in ("kind", "point", "measured s", "fitted s"):
         table.add_column(column, justify="left" if column in ("kind", "point") else "right")
@@ -208,9 +223,13 @@ def profile(
         table.add_row(kind, point, f"{measured:.4f}", f"{fitted:.4f}")
     console.print(table)
     console.print(f"largest fit error: {fit_error(rows):.0%}")
-    header = (f"crescent profile{' --quick' if quick else ''}: {engine.model_id}, {threads} threads, "
+    measured = (([f"prefill {roles.prefill} threads", f"decode {roles.decode}"] if "pools" in modes else [])
+                + ([f"mixed steps (aggregated) {roles.aggregated}"] if "aggregated" in modes else []))
+    header = (f"crescent profile{' --quick' if quick else ''}: {engine.model_id}, {', '.join(measured)}, "
               f"block size {block_size}, on {host.node()} ({host.machine()}) at {time.strftime('%Y-%m-%d %H:%M')}\n"
-              "scheduler settings: put this under the scheduler's config (or merge its cost: section)")
+              + ("prefill/decode: derived from the mixed-step fit (aggregated only)\n" if "pools" not in modes else "")
+              + "scheduler settings: put this under the scheduler's config (or merge its cost: section);\n"
+              "loadtest/sim_vs_live.py --costs reads it as it is")
     snippet = cost_settings_yaml(result, header)
     if out is None:
         sys.stdout.write(snippet)

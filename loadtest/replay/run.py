@@ -12,6 +12,7 @@ from loadtest.replay.prompts import (
     build_prompt,
     parse_reason,
     percentile,
+    scaled_input_words,
     scaled_output,
     theoretical_cached_fraction,
     time_scale_for_rate,
@@ -33,6 +34,8 @@ class Outcome:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    max_tokens: int = 0     # output tokens asked for (the trace's, scaled)
+    prompt_words: int = 0   # words sent (the trace's input, scaled): the prompt size of a request cut off before its usage
     token_times: list[float] = field(default_factory=list, repr=False)
 
 
@@ -125,7 +128,8 @@ async def replay(cfg: ReplayConfig, trace: Sequence[TraceRequest], progress=None
                              timeout=httpx.Timeout(cfg.request_timeout, connect=30.0))
     client = openai.AsyncOpenAI(base_url=cfg.url.rstrip("/") + "/v1", api_key="replay", max_retries=0, http_client=http)
     model = cfg.model or await resolve_model(client)
-    outcomes = [Outcome(r.index, r.arrival_s - first) for r in reqs]
+    outcomes = [Outcome(r.index, r.arrival_s - first, max_tokens=scaled_output(r, cfg.output_scale),
+                        prompt_words=scaled_input_words(r, cfg.tokens_per_block)) for r in reqs]
     task_id = progress.add_task(f"{cfg.url} x{scale:g}", total=len(reqs)) if progress else None
     t0 = time.perf_counter()
     deadline = t0 + cfg.max_seconds
@@ -186,7 +190,7 @@ def summarize(outcomes: Sequence[Outcome], cfg: ReplayConfig, trace: Sequence[Tr
         "per_request": [  # for comparing with the simulator request by request
             {"index": o.index, "arrival_s": round(o.arrival_s, 4), "ok": o.ok, "status": o.status, "reason": o.reason,
              "ttft_s": o.ttft_s, "tbt_s": o.tbt_s, "output_tokens": o.output_tokens, "prompt_tokens": o.prompt_tokens,
-             "cached_tokens": o.cached_tokens}
+             "cached_tokens": o.cached_tokens, "max_tokens": o.max_tokens, "prompt_words": o.prompt_words}
             for o in outcomes
         ],
     }

@@ -46,6 +46,17 @@ class DecodeCostSettings(StrictModel):
     per_context_token_s: float = Field(default=1e-6, ge=0)
 
 
+class MixedStepCostSettings(StrictModel):
+    """An aggregated engine's step: fixed_s + per_prompt_token_s * Σu + attention_s * Σ(u*c + u*u/2)
+    + per_sequence_s * batch + per_context_token_s * total context (``crescent profile`` fits it)."""
+
+    fixed_s: float = Field(ge=0)
+    per_prompt_token_s: float = Field(ge=0)
+    attention_s: float = Field(ge=0)
+    per_sequence_s: float = Field(ge=0)
+    per_context_token_s: float = Field(ge=0)
+
+
 class TransferCostSettings(StrictModel):
     """Moving KV between nodes: bytes per token and bandwidth per source tier."""
 
@@ -65,6 +76,9 @@ class CostSettings(StrictModel):
     prefill: PrefillCostSettings = PrefillCostSettings()
     decode: DecodeCostSettings = DecodeCostSettings()
     transfer: TransferCostSettings = TransferCostSettings()
+    mixed: MixedStepCostSettings | None = Field(
+        default=None, description="aggregated engines' mixed steps (the simulator reads it; the Conductor does not yet)"
+    )
 
 
 class PolicySettings(StrictModel):

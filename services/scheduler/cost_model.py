@@ -1,7 +1,10 @@
-"""Cost models: prefill time, decode step time, KV transfer time — and fitting them to samples.
+"""Cost models: prefill time, decode step time, mixed step time, KV transfer time — and fitting
+them to samples.
 
-``crescent profile`` measures the engine and feeds ``fit_prefill_model`` / ``fit_decode_model``;
-the paper preset (``cost_presets.py``) derives the same models from a FLOP count and an MFU.
+``crescent profile`` measures the engine and feeds ``fit_prefill_model`` / ``fit_decode_model``
+(the two pools) and ``fit_mixed_step_model`` (an aggregated engine's steps: prompt chunks and
+decode rows in one forward); the paper preset (``cost_presets.py``) derives the prefill and
+decode models from a FLOP count and an MFU.
 """
 
 from __future__ import annotations
@@ -48,6 +51,45 @@ class DecodeCostModel:
 
 
 @dataclass(frozen=True, slots=True)
+class MixedStepCostModel:
+    """One forward of prompt chunks and decode rows together (``Engine.mixed_step``).
+
+    t = fixed_s + per_prompt_token_s·Σu + attention_s·Σ(u·c + u²/2)
+        + per_sequence_s·batch + per_context_token_s·context,
+    over the chunks (u new tokens after c computed ones each) and the decoding batch (context:
+    the batch's total context tokens). One fixed cost per step, however many rows share it:
+    that is what mixing saves over a prefill forward plus a decode forward.
+    """
+
+    fixed_s: float
+    per_prompt_token_s: float
+    attention_s: float
+    per_sequence_s: float
+    per_context_token_s: float
+
+    def step_seconds(self, chunks: Sequence[tuple[int, int]], batch_size: int = 0, context_tokens: int = 0) -> float:
+        """``chunks``: (new tokens, tokens before them) per prompt in the step."""
+        new = sum(u for u, _ in chunks if u > 0)
+        if new <= 0 and batch_size <= 0:
+            return 0.0
+        return (self.fixed_s + self.per_prompt_token_s * new + self.attention_s * attention_pairs(chunks)
+                + self.per_sequence_s * max(batch_size, 0) + self.per_context_token_s * context_tokens)
+
+    def prefill_model(self) -> PrefillCostModel:
+        """A step that is one prompt chunk alone."""
+        return PrefillCostModel(self.fixed_s, self.per_prompt_token_s, self.attention_s)
+
+    def decode_model(self) -> DecodeCostModel:
+        """A step that is decode rows alone."""
+        return DecodeCostModel(self.fixed_s, self.per_sequence_s, self.per_context_token_s)
+
+
+def attention_pairs(chunks: Sequence[tuple[int, int]]) -> float:
+    """Query-key pairs the chunks' new tokens see: Σ u·c + u²/2 (as ``PrefillCostModel``)."""
+    return float(sum(u * c + u * u / 2 for u, c in chunks if u > 0))
+
+
+@dataclass(frozen=True, slots=True)
 class TransferCostModel:
     """Moving KV blocks from a source tier to an instance: latency + bytes / bandwidth."""
 
@@ -74,6 +116,7 @@ class CostModels:
     prefill: PrefillCostModel
     decode: DecodeCostModel
     transfer: TransferCostModel
+    mixed: MixedStepCostModel | None = None  # an aggregated engine's steps, when profiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +130,15 @@ class PrefillSample:
 class DecodeSample:
     batch_size: int
     context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class MixedStepSample:
+    prompt_tokens: int       # new prompt tokens over the step's chunks
+    attention_pairs: float   # their Σ u·c + u²/2
+    batch_size: int          # decode rows
+    context_tokens: int      # the decode rows' total context
     seconds: float
 
 
@@ -131,6 +183,19 @@ def fit_decode_model(samples: Sequence[DecodeSample]) -> DecodeCostModel:
     features = np.stack([np.ones_like(b), b, ctx], axis=1)
     coef = _nonnegative_lstsq(features, np.array([s.seconds for s in samples], dtype=float))
     return DecodeCostModel(fixed_s=float(coef[0]), per_sequence_s=float(coef[1]), per_context_token_s=float(coef[2]))
+
+
+def fit_mixed_step_model(samples: Sequence[MixedStepSample]) -> MixedStepCostModel:
+    """Fit ``MixedStepCostModel`` to measured steps (vary chunk size, chunk context, batch and context)."""
+    if len(samples) < 5:
+        raise FitError(f"need at least 5 mixed-step samples, got {len(samples)}")
+    columns = [[1.0] * len(samples), [s.prompt_tokens for s in samples], [s.attention_pairs for s in samples],
+               [s.batch_size for s in samples], [s.context_tokens for s in samples]]
+    features = np.array(columns, dtype=float).T
+    if np.ptp(features[:, 1]) == 0 or np.ptp(features[:, 3]) == 0:
+        raise FitError("mixed-step samples must vary both the prompt tokens and the decode batch")
+    coef = _nonnegative_lstsq(features, np.array([s.seconds for s in samples], dtype=float))
+    return MixedStepCostModel(*(float(c) for c in coef))
 
 
 def fit_transfer_model(

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from crescent.services.scheduler.config import CostSettings
-from crescent.services.scheduler.cost_model import CostModels, DecodeCostModel, PrefillCostModel, TransferCostModel
+from crescent.services.scheduler.cost_model import (
+    CostModels, DecodeCostModel, MixedStepCostModel, PrefillCostModel, TransferCostModel,
+)
 from crescent.services.scheduler.datatypes import Tier
 
 GB = 1e9
@@ -69,7 +71,9 @@ def paper_cost_models(setting: PaperSetting = PaperSetting()) -> CostModels:
 def cost_models_from_settings(settings: CostSettings) -> CostModels:
     if settings.preset == "paper":
         return paper_cost_models()
-    p, d, t = settings.prefill, settings.decode, settings.transfer
+    p, d, t, m = settings.prefill, settings.decode, settings.transfer, settings.mixed
+    mixed = None if m is None else MixedStepCostModel(
+        m.fixed_s, m.per_prompt_token_s, m.attention_s, m.per_sequence_s, m.per_context_token_s)
     return CostModels(
         prefill=PrefillCostModel(fixed_s=p.fixed_s, per_token_s=p.per_token_s, attention_s=p.attention_s),
         decode=DecodeCostModel(fixed_s=d.fixed_s, per_sequence_s=d.per_sequence_s, per_context_token_s=d.per_context_token_s),
@@ -84,4 +88,5 @@ def cost_models_from_settings(settings: CostSettings) -> CostModels:
                 Tier.S3: t.s3_gbps * GB,
             },
         ),
+        mixed=mixed,
     )

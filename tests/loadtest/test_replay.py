@@ -171,6 +171,11 @@ def test_replay_against_a_fake_server(fake_server, tmp_path):
     assert report["ttft_attainment"] == pytest.approx(0.5)
     assert report["tbt_attainment"] == pytest.approx(0.75)
     assert report["effective_capacity"] == pytest.approx(0.5)
+    # Per-request rows carry what the simulator needs to replay the same requests (sim_vs_live.py).
+    rows_out = report["per_request"]
+    assert [r["max_tokens"] for r in rows_out] == [4, 5, 1, 3]
+    assert [r["prompt_words"] for r in rows_out] == [32, 32, 16, 48]
+    assert [r["status"] for r in rows_out] == ["", "", "429", ""]
 
     png = tmp_path / "sweep.png"
     plot_sweep([report | {"target": "fake"}, report | {"target": "fake", "offered_rps": 20.0}], png)
