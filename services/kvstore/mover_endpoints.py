@@ -27,7 +27,7 @@ class NixlTarget:
     """The host pool registered with this node's NIXL agent, for clients' one-sided writes."""
 
     def __init__(self, pool: memoryview) -> None:
-        self.engine = NixlEngine("kvstore")
+        self.engine = NixlEngine("kvstore", progress_thread=True)
         self.base = address_of(pool)
         self._registered = self.engine.register([(self.base, len(pool))])
         self.metadata = self.engine.metadata()

@@ -58,11 +58,14 @@ def address_of(view: bytes | memoryview) -> int:
 class NixlEngine:
     """One NIXL agent of this process."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, *, progress_thread: bool = False) -> None:
+        """``progress_thread``: the target of one-sided writes needs one (over UCX's TCP transport
+        nothing lands without it; it polls, ~half a core on this VM while idle); an initiator
+        progresses its transfers itself while it waits for them."""
         try:
             api = _import_api()
             self._agent = api.nixl_agent(f"crescent-{role}-{secrets.token_hex(4)}",
-                                         api.nixl_agent_config(backends=BACKENDS))
+                                         api.nixl_agent_config(backends=BACKENDS, enable_prog_thread=progress_thread))
         except Exception as exc:  # noqa: BLE001 - ImportError, OSError from native code, its own errors alike
             raise NixlUnavailable(f"NIXL cannot start here: {exc!r}") from exc
         self._remotes: dict[bytes, str] = {}
