@@ -134,6 +134,9 @@ for _role in ("prefill", "decode"):
     CONSTRAINTS[f"{_role}.gpus"] = {"minimum": 0}
     CONSTRAINTS[f"{_role}.autoscaling.minReplicas"] = {"minimum": 1}
     CONSTRAINTS[f"{_role}.autoscaling.maxReplicas"] = {"minimum": 1}
+    CONSTRAINTS[f"{_role}.multiNode.nodesPerInstance"] = {"minimum": 2}
+    CONSTRAINTS[f"{_role}.multiNode.workerArgs"] = {"items": {"type": "string"}}
+    CONSTRAINTS[f"{_role}.multiNode.startupPolicy"] = {"enum": ["LeaderCreated", "LeaderReady"]}
 
 
 def infer(value: Any, path: str) -> dict[str, Any]:

@@ -14,8 +14,11 @@ VALUES_FILES = {
     "one-supernode-8gpu": [EXAMPLES / "one-supernode-8gpu.yaml"],
     "four-supernodes": [EXAMPLES / "four-supernodes.yaml"],
 }
-# Kinds the Kubernetes schemas cannot know: custom resources of the Prometheus Operator and KEDA.
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer"}  # + cert-manager's
+# Kinds the Kubernetes schemas cannot know: custom resources of the Prometheus Operator, KEDA,
+# cert-manager and LeaderWorkerSet. kubernetes-validate bundles only built-in kinds and no CRD
+# schema for them is installable here, so their fields are checked by the tests of their
+# templates instead (LeaderWorkerSet: tests/helm/test_multinode.py).
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer", "LeaderWorkerSet"}
 # Everything optional switched on, so validation sees every template.
 ALL_ON = [
     "--set", "gateway.ingress.enabled=true",
@@ -25,6 +28,8 @@ ALL_ON = [
     "--set", "prefill.autoscaling.enabled=true",
     "--set", "monitoring.prometheusAdapter.enabled=true",
     "--set", "decode.autoscaling.keda.enabled=true",
+    "--set", "decode.multiNode.enabled=true",
+    "--set-json", 'decode.multiNode.workerArgs=["decode-worker"]',
     "--set", "model.weights.source=pvc",
     "--set", "model.weights.pvc.create=true",
     "--set", "internalTls.certManager.enabled=true",

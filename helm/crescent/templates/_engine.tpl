@@ -17,12 +17,6 @@ crescent.io/group: {{ .group.name }}
 {{- $root := .root }}
 {{- $v := index $root.Values .role }}
 {{- $component := dict "root" $root "component" .role }}
-{{- $resources := deepCopy $v.resources }}
-{{- if gt (int $v.gpus) 0 }}
-{{- $limits := get $resources "limits" | default dict }}
-{{- $_ := set $limits "nvidia.com/gpu" (int $v.gpus) }}
-{{- $_ = set $resources "limits" $limits }}
-{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -40,83 +34,19 @@ spec:
     matchLabels:
       {{- include "crescent.engineGroupSelector" . | nindent 6 }}
   template:
-    metadata:
-      labels:
-        {{- include "crescent.componentLabels" $component | nindent 8 }}
-        crescent.io/group: {{ .group.name }}
-        crescent.io/group-key: {{ include "crescent.groupKey" . }}
-      annotations:
-        checksum/config: {{ include (print $root.Template.BasePath (printf "/%s-configmap.yaml" .role)) $root | sha256sum }}
-        {{- with $v.podAnnotations }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-    spec:
-      {{- include "crescent.podSpecCommon" $root | nindent 6 }}
-      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
-      {{- with include "crescent.engineNodeSelector" . }}
-      nodeSelector:
-        {{- . | nindent 8 }}
-      {{- end }}
-      {{- with $v.tolerations }}
-      tolerations:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      affinity:
-        {{- include "crescent.engineAffinity" . | nindent 8 }}
-      {{- with include "crescent.weightsInitContainers" (dict "root" $root "component" .role) }}{{ . | trim | nindent 6 }}{{ end }}
-      containers:
-        - name: {{ .role }}
-          image: {{ include "crescent.image" $v }}
-          imagePullPolicy: {{ $v.image.pullPolicy }}
-          args: [{{ .role }}, --config, /etc/crescent/config.yaml]
-          ports:
-            - name: grpc
-              containerPort: {{ $v.grpcPort }}
-            - name: admin
-              containerPort: {{ $v.adminPort }}
-          env:
-            {{- include "crescent.baseEnv" $root | nindent 12 }}
-            - name: CRESCENT_GROUP
-              value: {{ .group.name | quote }}
-            # Each pod registers with the scheduler under its own name and pod IP.
-            # The id EndpointSlice discovery derives for this pod, so both name one instance.
-            - name: CRESCENT_{{ upper .role }}__INSTANCE_ID
-              value: {{ .role }}-$(POD_NAME)-{{ $v.grpcPort }}
-            - name: CRESCENT_{{ upper .role }}__ADVERTISE_ADDRESS
-              value: $(POD_IP):{{ $v.grpcPort }}
-            {{- with $v.extraEnv }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
-          {{- include "crescent.probes" (dict "port" "admin" "startupFailures" 900) | nindent 10 }}
-          {{- include "crescent.preStop" $v | nindent 10 }}
-          resources:
-            {{- toYaml $resources | nindent 12 }}
-          securityContext:
-            {{- toYaml $root.Values.securityContext | nindent 12 }}
-          volumeMounts:
-            - {name: config, mountPath: /etc/crescent, readOnly: true}
-            - {name: tmp, mountPath: /tmp}
-            - {name: dshm, mountPath: /dev/shm}
-            {{- with include "crescent.weightsVolumeMount" (dict "root" $root "component" .role) }}{{ . | trim | nindent 12 }}{{ end }}
-            {{- with include "crescent.tlsVolumeMount" $root }}{{ . | trim | nindent 12 }}{{ end }}
-            {{- with $v.extraVolumeMounts }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
-      volumes:
-        - name: config
-          configMap:
-            name: {{ include "crescent.componentName" $component }}
-        - name: tmp
-          emptyDir: {}
-        - name: dshm
-          emptyDir:
-            medium: Memory
-            sizeLimit: {{ $v.sharedMemorySize }}
-        {{- with include "crescent.weightsVolume" (dict "root" $root "component" .role) }}{{ . | trim | nindent 8 }}{{ end }}
-        {{- with include "crescent.tlsVolume" $component }}{{ . | trim | nindent 8 }}{{ end }}
-        {{- with $v.extraVolumes }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
+    {{- include "crescent.enginePodTemplate" . | nindent 4 }}
+{{- end }}
+
+{{/* What an autoscaler scales: the group's Deployment, or its LeaderWorkerSet (scale subresource: instances). */}}
+{{- define "crescent.engineScaleTargetRef" -}}
+{{- if (index .root.Values .role).multiNode.enabled }}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+{{- else }}
+apiVersion: apps/v1
+kind: Deployment
+{{- end }}
+name: {{ include "crescent.engineGroupName" . }}
 {{- end }}
 
 {{/* The per-pod metric and target each role scales on. */}}
@@ -140,9 +70,7 @@ metadata:
     crescent.io/group: {{ .group.name }}
 spec:
   scaleTargetRef:
-    apiVersion: apps/v1
-    kind: Deployment
-    name: {{ include "crescent.engineGroupName" . }}
+    {{- include "crescent.engineScaleTargetRef" . | trim | nindent 4 }}
   minReplicas: {{ $a.minReplicas }}
   maxReplicas: {{ $a.maxReplicas }}
   metrics:
@@ -178,7 +106,7 @@ metadata:
     crescent.io/group: {{ .group.name }}
 spec:
   scaleTargetRef:
-    name: {{ include "crescent.engineGroupName" . }}
+    {{- include "crescent.engineScaleTargetRef" . | trim | nindent 4 }}
   minReplicaCount: {{ $a.minReplicas }}
   maxReplicaCount: {{ $a.maxReplicas }}
   cooldownPeriod: 600

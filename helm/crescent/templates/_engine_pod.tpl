@@ -1,0 +1,107 @@
+{{/*
+The pod of an engine group: a Deployment's pods, or a LeaderWorkerSet's leader (worker false)
+and workers (worker true). The leader is the instance: it runs the role's service and registers
+one instance with the scheduler. Workers carry the component label "<role>-worker", so the
+role's headless Service, discovery, PDB and ServiceMonitor never count them as instances; they
+run multiNode.workerArgs, and LeaderWorkerSet gives every pod LWS_LEADER_ADDRESS,
+LWS_GROUP_SIZE and LWS_WORKER_INDEX. Call with (dict "root" $ "role" "prefill" "group" <group>
+"worker" false).
+*/}}
+{{- define "crescent.enginePodTemplate" -}}
+{{- $root := .root }}
+{{- $v := index $root.Values .role }}
+{{- $component := dict "root" $root "component" .role }}
+{{- $labels := dict "root" $root "component" (ternary (printf "%s-worker" .role) .role (.worker | default false)) }}
+{{- $resources := deepCopy $v.resources }}
+{{- if gt (int $v.gpus) 0 }}
+{{- $limits := get $resources "limits" | default dict }}
+{{- $_ := set $limits "nvidia.com/gpu" (int $v.gpus) }}
+{{- $_ = set $resources "limits" $limits }}
+{{- end -}}
+metadata:
+  labels:
+    {{- include "crescent.componentLabels" $labels | nindent 4 }}
+    crescent.io/group: {{ .group.name }}
+    crescent.io/group-key: {{ include "crescent.groupKey" . }}
+  annotations:
+    checksum/config: {{ include (print $root.Template.BasePath (printf "/%s-configmap.yaml" .role)) $root | sha256sum }}
+    {{- with $v.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  {{- include "crescent.podSpecCommon" $root | nindent 2 }}
+  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  {{- with include "crescent.engineNodeSelector" . }}
+  nodeSelector:
+    {{- . | nindent 4 }}
+  {{- end }}
+  {{- with $v.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  affinity:
+    {{- include "crescent.engineAffinity" . | nindent 4 }}
+  {{- with include "crescent.weightsInitContainers" (dict "root" $root "component" .role) }}{{ . | trim | nindent 2 }}{{ end }}
+  containers:
+    - name: {{ .role }}
+      image: {{ include "crescent.image" $v }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      {{- if .worker }}
+      args:
+        {{- toYaml $v.multiNode.workerArgs | nindent 8 }}
+      {{- else }}
+      args: [{{ .role }}, --config, /etc/crescent/config.yaml]
+      {{- end }}
+      ports:
+        - name: grpc
+          containerPort: {{ $v.grpcPort }}
+        - name: admin
+          containerPort: {{ $v.adminPort }}
+      env:
+        {{- include "crescent.baseEnv" $root | nindent 8 }}
+        - name: CRESCENT_GROUP
+          value: {{ .group.name | quote }}
+        {{- if not .worker }}
+        # Each pod registers with the scheduler under its own name and pod IP.
+        # The id EndpointSlice discovery derives for this pod, so both name one instance.
+        - name: CRESCENT_{{ upper .role }}__INSTANCE_ID
+          value: {{ .role }}-$(POD_NAME)-{{ $v.grpcPort }}
+        - name: CRESCENT_{{ upper .role }}__ADVERTISE_ADDRESS
+          value: $(POD_IP):{{ $v.grpcPort }}
+        {{- end }}
+        {{- with $v.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- if not .worker }}
+      {{- include "crescent.probes" (dict "port" "admin" "startupFailures" 900) | nindent 6 }}
+      {{- include "crescent.preStop" $v | nindent 6 }}
+      {{- end }}
+      resources:
+        {{- toYaml $resources | nindent 8 }}
+      securityContext:
+        {{- toYaml $root.Values.securityContext | nindent 8 }}
+      volumeMounts:
+        - {name: config, mountPath: /etc/crescent, readOnly: true}
+        - {name: tmp, mountPath: /tmp}
+        - {name: dshm, mountPath: /dev/shm}
+        {{- with include "crescent.weightsVolumeMount" (dict "root" $root "component" .role) }}{{ . | trim | nindent 8 }}{{ end }}
+        {{- with include "crescent.tlsVolumeMount" $root }}{{ . | trim | nindent 8 }}{{ end }}
+        {{- with $v.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: config
+      configMap:
+        name: {{ include "crescent.componentName" $component }}
+    - name: tmp
+      emptyDir: {}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $v.sharedMemorySize }}
+    {{- with include "crescent.weightsVolume" (dict "root" $root "component" .role) }}{{ . | trim | nindent 4 }}{{ end }}
+    {{- with include "crescent.tlsVolume" $component }}{{ . | trim | nindent 4 }}{{ end }}
+    {{- with $v.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
