@@ -204,9 +204,10 @@ def profile(
         pools, alone = share_cores(cores, 1, 1), share_cores(cores, 1, 0)
         roles = ProfileThreads(prefill=pools.prefill, decode=pools.decode, aggregated=alone.threads("aggregated"))
     with console.status(f"loading {model}…"):
+        # min_cached_prompt_tokens 0: the profile's short prefixes must stay cached to time prefix hits
         engine = build_engine(EngineSettings(model=model, threads=max(roles.prefill, roles.decode, roles.aggregated),
-                                             block_size=block_size, kv_capacity_tokens=plan.kv_tokens_needed(block_size)),
-                              progress=False)
+                                             block_size=block_size, kv_capacity_tokens=plan.kv_tokens_needed(block_size),
+                                             min_cached_prompt_tokens=0), progress=False)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("profiling", total=plan.points_for(modes))
 

@@ -147,16 +147,21 @@ class FitError(ValueError):
 
 
 def _nonnegative_lstsq(features: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients ≥ 0: refit without any coefficient that came out negative."""
-    active = list(range(features.shape[1]))
-    coef = np.zeros(features.shape[1])
-    while active:
+    """Least squares with coefficients ≥ 0 (non-negative least squares). With a handful of
+    coefficients every subset of them can be tried: the best fit whose coefficients are all
+    non-negative is the answer (a greedy drop of the most negative one can drop the wrong one)."""
+    n = features.shape[1]
+    best, best_residual = np.zeros(n), float(np.sum(target**2))
+    for mask in range(1, 1 << n):
+        active = [i for i in range(n) if mask >> i & 1]
         sol, *_ = np.linalg.lstsq(features[:, active], target, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            return coef
-        del active[int(np.argmin(sol))]
-    return coef
+        if (sol < 0).any():
+            continue
+        residual = float(np.sum((features[:, active] @ sol - target) ** 2))
+        if residual < best_residual - 1e-18:
+            best, best_residual = np.zeros(n), residual
+            best[active] = sol
+    return best
 
 
 def fit_prefill_model(samples: Sequence[PrefillSample]) -> PrefillCostModel:
@@ -194,7 +199,12 @@ def fit_mixed_step_model(samples: Sequence[MixedStepSample]) -> MixedStepCostMod
     features = np.array(columns, dtype=float).T
     if np.ptp(features[:, 1]) == 0 or np.ptp(features[:, 3]) == 0:
         raise FitError("mixed-step samples must vary both the prompt tokens and the decode batch")
-    coef = _nonnegative_lstsq(features, np.array([s.seconds for s in samples], dtype=float))
+    seconds = np.array([s.seconds for s in samples], dtype=float)
+    if (seconds <= 0).any():
+        raise FitError("mixed-step samples must have positive times")
+    # Relative errors: a 30 ms decode step weighs as much as a 300 ms chunk, since an aggregated
+    # engine runs many more of the former and each one delays every first token behind it.
+    coef = _nonnegative_lstsq(features / seconds[:, None], np.ones_like(seconds))
     return MixedStepCostModel(*(float(c) for c in coef))
 
 
