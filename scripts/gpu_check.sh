@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# One GPU check of Crescent in under 10 minutes on one GPU (docs/benchmarks.md, "GPU runs"):
+#   preflight     nvidia-smi, torch/CUDA/Triton versions, the device's peak bf16 TFLOP/s and HBM GB/s
+#   env           a Python that imports torch (CUDA), Triton and Crescent; installs carried wheels
+#   kernel_tests  pytest tests/kernels/test_gpu.py (CUDA kernel tests; skips count as failures)
+#   bench         loadtest/bench_gpu_kernels.py: KDA vs fla-core chunk_kda, MLA paged decode,
+#                 MoE grouped matmul, MXFP4 matmul, as fractions of the peaks (one JSON line)
+#   smoke         scripts/gpu_serving_smoke.py: crescent up with the kvstore's GPU tier, a chat
+#                 request and a prefix served back from the GPU tier
+# Each stage has a timeout, capped by what is left of GPU_CHECK_BUDGET_S (default 560 s). Everything
+# goes to ${OUT:-./gpu-check-out}: gpu_check.log, summary.txt, bench_gpu_kernels.json, smoke.json,
+# smoke-up.log, kernel_tests.xml. Exits non-zero when any stage failed.
+#
+#   scripts/gpu_check.sh              on the GPU machine, from anywhere in the repo
+#   scripts/gpu_check.sh --prepare    on a machine with PyPI: fetch the wheels (.whl/) and the Kimi
+#                                     vocabulary (.gpu-carry/) an offline GPU machine needs
+#   scripts/gpu_check.sh --dry-run    no GPU: the same stages on the CPU (Triton interpreter, tiny
+#                                     shapes, host tier): checks this script, measures nothing
+# Environment: GPU_CHECK_STAGES=preflight,env,kernel_tests,bench,smoke (a subset runs only those),
+# CRESCENT_PYTHON (use this interpreter as it is), GPU_CHECK_WHEELS (default .whl),
+# GPU_CHECK_MAKE_INSTALL=1 (no wheels and no usable .venv: run `make install`, needs PyPI).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+OUT=${OUT:-./gpu-check-out}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+CARRY=.gpu-carry
+SITE=${GPU_CHECK_SITE:-/tmp/crescent-gpu-site}
+STAGES=${GPU_CHECK_STAGES:-preflight,env,kernel_tests,bench,smoke}
+DRY_RUN=0
+
+prepare() {
+    local platforms=() n
+    for n in 17 24 27 28 31 34 35 39; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" --platform manylinux2014_x86_64 -d "$WHEELS" -r scripts/gpu_wheels.txt || return 1
+    mkdir -p "$CARRY"
+    if [ -d ../shared/kimi-tokenizer ]; then cp -r ../shared/kimi-tokenizer "$CARRY/"; fi
+    grep -qx '/.gpu-carry/' .git/info/exclude 2>/dev/null || echo '/.gpu-carry/' >>.git/info/exclude
+    du -sh "$WHEELS" "$CARRY"
+    echo "carry [\"$WHEELS\", \"$CARRY\"] and run: bash scripts/gpu_check.sh"
+}
+
+case "${1:-}" in
+    --prepare) prepare; exit $? ;;
+    --dry-run) DRY_RUN=1 ;;
+    "") ;;
+    *) echo "usage: $0 [--prepare | --dry-run]" >&2; exit 2 ;;
+esac
+
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+: >"$OUT/summary.txt"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+START=$(date +%s)
+FAILED=0
+PY=${CRESCENT_PYTHON:-python3}
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+# run_stage NAME TIMEOUT_S FUNCTION: runs FUNCTION under what is left of the budget, records PASS/FAIL
+run_stage() {
+    local name=$1 limit=$2 fn=$3 left t0 rc
+    wanted "$name" || return 0
+    left=$((BUDGET_S - ($(date +%s) - START)))
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 15 ]; then
+        note "FAIL  $name: not started, the ${BUDGET_S} s budget is spent"; FAILED=1; return
+    fi
+    echo "=== $name (timeout ${limit} s) ==="
+    t0=$(date +%s)
+    STAGE_LIMIT=$limit "$fn"
+    rc=$?
+    if [ "$rc" -eq 0 ]; then note "PASS  $name ($(($(date +%s) - t0)) s)"
+    else
+        [ "$rc" -eq 124 ] && rc="timed out after ${limit} s"
+        note "FAIL  $name ($(($(date +%s) - t0)) s): $rc"; FAILED=1
+    fi
+}
+
+stage_preflight() {
+    local ok=0
+    date -u +"time: %Y-%m-%dT%H:%M:%SZ"
+    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    if command -v nvidia-smi >/dev/null; then
+        timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv || ok=1
+    else
+        echo "nvidia-smi: not found"; [ $DRY_RUN -eq 1 ] || ok=1
+    fi
+    timeout "$STAGE_LIMIT" "$PY" - "$DRY_RUN" <<'EOF' || ok=1
+import subprocess, sys
+import torch
+print(f"python {sys.version.split()[0]} at {sys.executable}")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()}")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except ImportError:
+    print("triton: not importable")
+if torch.cuda.is_available():
+    name = torch.cuda.get_device_name()
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs, "
+          f"capability {props.major}.{props.minor}")
+    subprocess.run([sys.executable, "loadtest/gpu_peaks.py", name], check=True)
+elif sys.argv[1] != "1":
+    sys.exit("torch sees no CUDA device")
+EOF
+    return $ok
+}
+
+stage_env() {
+    if [ -n "${CRESCENT_PYTHON:-}" ]; then
+        echo "using CRESCENT_PYTHON=$PY as it is"
+    elif [ -x .venv/bin/python ] && .venv/bin/python -c 'import torch, crescent.kernels; assert torch.cuda.is_available()' 2>/dev/null; then
+        PY=.venv/bin/python; echo "using .venv (torch sees CUDA)"
+    elif compgen -G "$WHEELS/*.whl" >/dev/null; then
+        echo "installing $(ls "$WHEELS"/*.whl | wc -l) carried wheels and Crescent into $SITE for $PY"
+        timeout "$STAGE_LIMIT" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" "$WHEELS"/*.whl || return 1
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+        timeout "$STAGE_LIMIT" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+            --upgrade --target "$SITE" . || return 1
+    elif [ "${GPU_CHECK_MAKE_INSTALL:-0}" = 1 ]; then
+        timeout "$STAGE_LIMIT" make install || return 1
+        PY=.venv/bin/python
+    else
+        echo "no usable .venv and no wheels in $WHEELS: run scripts/gpu_check.sh --prepare on a machine with" \
+             "PyPI and carry $WHEELS and $CARRY, or set GPU_CHECK_MAKE_INSTALL=1 where PyPI is reachable"
+        return 1
+    fi
+    [ -d "$CARRY/kimi-tokenizer" ] && export CRESCENT_KIMI_TOKENIZER_DIR="$PWD/$CARRY/kimi-tokenizer"
+    # every module the later stages import, so a missing package is named here and not mid-run
+    timeout 120 "$PY" - <<'EOF'
+import importlib
+missing = []
+for module in ("torch", "triton", "crescent.kernels.kda", "crescent.kernels.mla", "crescent.kernels.moe",
+               "crescent.kernels.mxfp4", "fla.ops.kda", "pytest", "httpx", "crescent.services.cli",
+               "crescent.services.kvstore.server", "crescent.services.gateway.server",
+               "crescent.services.prefill.server", "crescent.services.decode.server",
+               "crescent.services.scheduler.server"):
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - report every missing piece at once
+        missing.append(f"{module} ({type(exc).__name__}: {exc})")
+print("\n".join(f"cannot import {m}" for m in missing) or "every module imports")
+raise SystemExit(1 if missing else 0)
+EOF
+}
+
+stage_kernel_tests() {
+    local log="$OUT/kernel_tests.out"
+    timeout "$STAGE_LIMIT" "$PY" -m pytest tests/kernels/test_gpu.py -q -rs -p no:cacheprovider \
+        --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 0 ] && grep -q " skipped" "$log" && [ $DRY_RUN -eq 0 ]; then
+        echo "tests were skipped on a GPU machine (reasons above): that check did not run"; rc=1
+    fi
+    rm -f "$log"
+    return "$rc"
+}
+
+stage_bench() {
+    local args=(--json "$OUT/bench_gpu_kernels.json")
+    [ $DRY_RUN -eq 1 ] && args+=(--dry-run)
+    timeout "$STAGE_LIMIT" "$PY" loadtest/bench_gpu_kernels.py "${args[@]}"
+}
+
+stage_smoke() {
+    local tier=gpu
+    [ $DRY_RUN -eq 1 ] && tier=host
+    timeout "$STAGE_LIMIT" "$PY" scripts/gpu_serving_smoke.py --out "$OUT" --tier "$tier" --timeout $((STAGE_LIMIT - 15))
+}
+
+echo "gpu_check: stages $STAGES, budget ${BUDGET_S} s, output in $OUT$([ $DRY_RUN -eq 1 ] && echo ', DRY RUN (CPU)')"
+run_stage preflight 60 stage_preflight
+run_stage env 150 stage_env
+run_stage kernel_tests 150 stage_kernel_tests
+run_stage bench 210 stage_bench
+run_stage smoke 200 stage_smoke
+
+# the figures worth reading first, from the benchmark's JSON
+if [ -s "$OUT/bench_gpu_kernels.json" ]; then
+    "$PY" - "$OUT/bench_gpu_kernels.json" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"bench: {r['device']} ({r['kda_compared_with']}); KDA prefill >= fla-core chunk_kda: {r['kda_prefill_ge_fla']}")
+for kernel in ("kda", "mla", "moe", "mxfp4"):
+    for row in r.get(kernel, []):
+        fla = f", x{row['speedup_vs_fla']} vs fla" if "speedup_vs_fla" in row else ""
+        print(f"  {kernel} {row['case']}: {row.get('ms')} ms, {row.get('tflops')} TFLOP/s "
+              f"({row.get('frac_peak_tflops')} of peak), {row.get('gbs')} GB/s ({row.get('frac_peak_gbs')}){fla}"
+              f"{'' if row.get('ok') else ' FAILED: ' + str(row.get('error', 'check'))}")
+EOF
+fi
+note "total $(($(date +%s) - START)) s; $([ $FAILED -eq 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED')"
+echo "=== summary ($OUT/summary.txt) ==="
+cat "$OUT/summary.txt"
+exit $FAILED
