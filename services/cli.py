@@ -202,14 +202,17 @@ def profile(
     else:  # what crescent up gives each engine: 1 prefill + 1 decode, or 1 aggregated engine
         cores = available_cores()
         pools, alone = share_cores(cores, 1, 1), share_cores(cores, 1, 0)
-        roles = ProfileThreads(prefill=pools.prefill, decode=pools.decode, aggregated=alone.threads("aggregated"))
+        # Pools sharing too few cores: prefill also timed on the threads decode leaves it.
+        beside = max(1, cores - pools.decode) if pools.prefill_passive else 0
+        roles = ProfileThreads(prefill=pools.prefill, decode=pools.decode, aggregated=alone.threads("aggregated"),
+                               prefill_beside_decode=beside if beside != pools.prefill else 0)
     with console.status(f"loading {model}…"):
         # min_cached_prompt_tokens 0: the profile's short prefixes must stay cached to time prefix hits
         engine = build_engine(EngineSettings(model=model, threads=max(roles.prefill, roles.decode, roles.aggregated),
                                              block_size=block_size, kv_capacity_tokens=plan.kv_tokens_needed(block_size),
                                              min_cached_prompt_tokens=0), progress=False)
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("profiling", total=plan.points_for(modes))
+        task = progress.add_task("profiling", total=plan.points_for(modes, roles))
 
         def advance(what: str) -> None:
             progress.update(task, description=what)
@@ -224,7 +227,8 @@ def profile(
         table.add_row(kind, point, f"{measured:.4f}", f"{fitted:.4f}")
     console.print(table)
     console.print(f"largest fit error: {fit_error(rows):.0%}")
-    measured = (([f"prefill {roles.prefill} threads", f"decode {roles.decode}"] if "pools" in modes else [])
+    beside_note = [f"prefill beside decode {roles.prefill_beside_decode}"] if roles.prefill_beside_decode else []
+    measured = (([f"prefill {roles.prefill} threads", *beside_note, f"decode {roles.decode}"] if "pools" in modes else [])
                 + ([f"mixed steps (aggregated) {roles.aggregated}"] if "aggregated" in modes else []))
     header = (f"crescent profile{' --quick' if quick else ''}: {engine.model_id}, {', '.join(measured)}, "
               f"block size {block_size}, on {host.node()} ({host.machine()}) at {time.strftime('%Y-%m-%d %H:%M')}\n"

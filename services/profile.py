@@ -6,7 +6,9 @@ Both ways ``crescent up`` serves, each with the threads it gives its engines (``
   prefix length), the prefix computed first so the timed run attaches it from the engine's
   cache, as a prefix hit does in service; decode is timed per step over (batch size, context per
   sequence), the sequences' KV zero-filled rather than computed, since a step's time does not
-  depend on the values it reads.
+  depend on the values it reads. When the two processes share too few cores, prefill is timed
+  again on the threads decode leaves it (``prefill_beside_decode``): what a prompt costs while
+  decode is stepping.
 - **aggregated** (one engine doing both): ``Engine.mixed_step`` is timed over (chunk tokens,
   tokens before the chunk, decode batch, context per decoding sequence), the steps an aggregated
   engine runs when it mixes prompt chunks into decode steps.
@@ -61,9 +63,10 @@ class ProfilePlan:
         batch = max([b for b, _ in self.decode] + [b for *_, b, _ in self.mixed])
         return max(prefill, decode, mixed) + 2 * page_size * (batch + 1)
 
-    def points_for(self, modes: Sequence[str]) -> int:
+    def points_for(self, modes: Sequence[str], threads: ProfileThreads | None = None) -> int:
         """Measurements in all for these modes (what a progress bar counts)."""
-        pools = self.prefill_repeats * len(self.prefill) + len(self.decode)
+        prefill_runs = 2 if threads and threads.prefill_beside_decode else 1
+        pools = prefill_runs * self.prefill_repeats * len(self.prefill) + len(self.decode)
         return (pools if "pools" in modes else 0) + (len(self.mixed) if "aggregated" in modes else 0)
 
     @property
@@ -82,6 +85,7 @@ class ProfileThreads:
     prefill: int
     decode: int
     aggregated: int
+    prefill_beside_decode: int = 0  # what prefill gets while decode steps on the same cores; 0: not measured
 
 
 # About a minute for the default model on 2 CPU cores; --quick takes seconds.
@@ -111,6 +115,8 @@ class ProfileResult:
     mixed_samples: tuple[MixedStepSample, ...] = ()
     mixed_model: MixedStepCostModel | None = None
     threads: ProfileThreads | None = None
+    prefill_beside_decode_samples: tuple[PrefillSample, ...] = ()
+    prefill_beside_decode_model: PrefillCostModel | None = None
 
 
 class Profiler:
@@ -254,31 +260,40 @@ def run_profile(engine: Engine, plan: ProfilePlan, on_point: Callable[[str], Non
         assert mixed_model is not None
         return ProfileResult((), (), mixed_model.prefill_model(), mixed_model.decode_model(), kv_bytes_per_token,
                              mixed_samples, mixed_model, threads)
-    prefill, decode = pools
+    prefill, decode, beside = pools
     return ProfileResult(tuple(prefill), tuple(decode), fit_prefill_model(prefill), fit_decode_model(decode),
-                         kv_bytes_per_token, mixed_samples, mixed_model, threads)
+                         kv_bytes_per_token, mixed_samples, mixed_model, threads,
+                         tuple(beside), fit_prefill_model(beside) if beside else None)
 
 
-def _profile_pools(engine: Engine, plan: ProfilePlan, on_point: Callable[[str], None],
-                   threads: ProfileThreads | None) -> tuple[list[PrefillSample], list[DecodeSample]]:
+def _profile_pools(engine: Engine, plan: ProfilePlan, on_point: Callable[[str], None], threads: ProfileThreads | None
+                   ) -> tuple[list[PrefillSample], list[DecodeSample], list[PrefillSample]]:
     if threads:
         torch.set_num_threads(threads.prefill)
     profiler = Profiler(engine)
     profiler.prefill(min(p for p, _ in plan.prefill), 0)  # warm-up: first calls allocate and load code
-    # Repeats go round all points in turn, so a burst of load elsewhere cannot spoil every run of one point.
-    runs: list[list[PrefillSample]] = [[] for _ in plan.prefill]
-    for _ in range(plan.prefill_repeats):
-        for i, (prompt, cached) in enumerate(plan.prefill):
-            on_point(f"prefill {prompt} tokens, {cached} cached")
-            runs[i].append(profiler.prefill(prompt, cached))
-    prefill = [min(point_runs, key=lambda sample: sample.seconds) for point_runs in runs]
+    prefill = _prefill_points(profiler, plan, on_point, "prefill")
+    beside: list[PrefillSample] = []
+    if threads and threads.prefill_beside_decode:
+        torch.set_num_threads(threads.prefill_beside_decode)
+        beside = _prefill_points(profiler, plan, on_point, f"prefill on {threads.prefill_beside_decode} threads")
     if threads:
         torch.set_num_threads(threads.decode)
     decode = []
     for batch, context in plan.decode:
         on_point(f"decode batch {batch}, {context} context tokens each")
         decode.append(profiler.decode(batch, context, plan.decode_steps))
-    return prefill, decode
+    return prefill, decode, beside
+
+
+def _prefill_points(profiler: Profiler, plan: ProfilePlan, on_point: Callable[[str], None], label: str) -> list[PrefillSample]:
+    # Repeats go round all points in turn, so a burst of load elsewhere cannot spoil every run of one point.
+    runs: list[list[PrefillSample]] = [[] for _ in plan.prefill]
+    for _ in range(plan.prefill_repeats):
+        for i, (prompt, cached) in enumerate(plan.prefill):
+            on_point(f"{label} {prompt} tokens, {cached} cached")
+            runs[i].append(profiler.prefill(prompt, cached))
+    return [min(point_runs, key=lambda sample: sample.seconds) for point_runs in runs]
 
 
 def cost_settings_yaml(result: ProfileResult, header: str = "") -> str:
@@ -290,6 +305,10 @@ def cost_settings_yaml(result: ProfileResult, header: str = "") -> str:
                    "per_context_token_s": _round(d.per_context_token_s)},
         "transfer": {"kv_bytes_per_token": result.kv_bytes_per_token},
     }}
+    if result.prefill_beside_decode_model is not None:
+        b = result.prefill_beside_decode_model
+        doc["cost"]["prefill_beside_decode"] = {
+            "fixed_s": _round(b.fixed_s), "per_token_s": _round(b.per_token_s), "attention_s": _round(b.attention_s)}
     if m is not None:
         doc["cost"]["mixed"] = {name: _round(getattr(m, name)) for name in (
             "fixed_s", "per_prompt_token_s", "attention_s", "per_sequence_s", "per_context_token_s")}
@@ -305,6 +324,10 @@ def table_rows(result: ProfileResult) -> list[tuple[str, str, float, float]]:
     """(kind, point, measured s, fitted s) for every sample."""
     rows = [("prefill", f"{s.new_tokens} new + {s.cached_tokens} cached", s.seconds,
              result.prefill_model.seconds(s.new_tokens, s.cached_tokens)) for s in result.prefill_samples]
+    if result.prefill_beside_decode_model is not None:
+        model = result.prefill_beside_decode_model
+        rows += [("prefill beside decode", f"{s.new_tokens} new + {s.cached_tokens} cached", s.seconds,
+                  model.seconds(s.new_tokens, s.cached_tokens)) for s in result.prefill_beside_decode_samples]
     rows += [("decode step", f"batch {s.batch_size}, {s.context_tokens} context", s.seconds,
               result.decode_model.step_seconds(s.batch_size, s.context_tokens)) for s in result.decode_samples]
     if result.mixed_model is not None:

@@ -15,13 +15,15 @@ through the step plans the live engines use and times every step with the profil
   ``max_batch_tokens`` (0: one prompt per step; the oldest always runs); a prompt's first token
   is out when the step with its last chunk ends, and its KV then moves to decode (the transfer
   model), where continuous batching runs decode steps. Prefill steps cost the prefill model with
-  one fixed cost per step; decode steps the decode model.
+  one fixed cost per step, or ``prefill_beside_decode`` (prefill timed on the threads decode
+  leaves it) for a step that starts while decode has sequences; decode steps the decode model.
 
 The prefix cache is what the server reported: a request computes its prompt less its cached
 tokens, so the comparison tests the cost models and the queueing, not a cache model. One instance
 per role, so placement is trivial, and admission is the live run's: requests it refused are not
-replayed. Not modelled: the two pools' processes contending for the same cores (each cost model
-was measured alone), and the gateway's and gRPC's time per request.
+replayed. Not modelled: decode's steps slowed by a prefill beside them (TTFT does not wait for
+them), the gateway's, scheduler's and gRPC's time per request and the Python time of each live
+step around its forward pass (sampling, streaming).
 """
 
 from __future__ import annotations
@@ -197,7 +199,9 @@ class _Pools:
     def _start_steps(self) -> None:
         if not self.prefill_busy and self.prompts:
             chunks = prefill_chunks(self.prompts, self.setup.prefill_chunk_tokens, self.setup.max_batch_tokens)
-            p = self.costs.prefill
+            # Decode stepping on the same cores leaves prefill fewer threads (when profiled so).
+            contended = self.decode_busy or bool(self.decoding)
+            p = self.costs.prefill_beside_decode if contended and self.costs.prefill_beside_decode else self.costs.prefill
             seconds = p.fixed_s + sum(p.seconds(end - job.computed, job.computed) - p.fixed_s for job, end in chunks)
             self.prefill_busy = True
             self._at(self.now + seconds, self._PREFILL_DONE, chunks)

@@ -76,6 +76,10 @@ class CostSettings(StrictModel):
     prefill: PrefillCostSettings = PrefillCostSettings()
     decode: DecodeCostSettings = DecodeCostSettings()
     transfer: TransferCostSettings = TransferCostSettings()
+    prefill_beside_decode: PrefillCostSettings | None = Field(
+        default=None,
+        description="a prefill engine's prompts while a decode engine steps on the same cores (the simulator reads it)",
+    )
     mixed: MixedStepCostSettings | None = Field(
         default=None, description="aggregated engines' mixed steps (the simulator reads it; the Conductor does not yet)"
     )

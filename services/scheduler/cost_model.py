@@ -117,6 +117,7 @@ class CostModels:
     decode: DecodeCostModel
     transfer: TransferCostModel
     mixed: MixedStepCostModel | None = None  # an aggregated engine's steps, when profiled
+    prefill_beside_decode: PrefillCostModel | None = None  # prefill while decode shares its cores, when profiled
 
 
 @dataclass(frozen=True, slots=True)

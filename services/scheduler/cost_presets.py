@@ -71,7 +71,7 @@ def paper_cost_models(setting: PaperSetting = PaperSetting()) -> CostModels:
 def cost_models_from_settings(settings: CostSettings) -> CostModels:
     if settings.preset == "paper":
         return paper_cost_models()
-    p, d, t, m = settings.prefill, settings.decode, settings.transfer, settings.mixed
+    p, d, t, m, b = settings.prefill, settings.decode, settings.transfer, settings.mixed, settings.prefill_beside_decode
     mixed = None if m is None else MixedStepCostModel(
         m.fixed_s, m.per_prompt_token_s, m.attention_s, m.per_sequence_s, m.per_context_token_s)
     return CostModels(
@@ -89,4 +89,5 @@ def cost_models_from_settings(settings: CostSettings) -> CostModels:
             },
         ),
         mixed=mixed,
+        prefill_beside_decode=None if b is None else PrefillCostModel(b.fixed_s, b.per_token_s, b.attention_s),
     )

@@ -62,6 +62,18 @@ def test_pools_overlapping_requests_queue_or_share_a_step() -> None:
     assert ttft == pytest.approx({0: 0.6, 1: 1.0})
 
 
+def test_pools_prefill_beside_a_decoding_batch_costs_the_contended_model() -> None:
+    beside = PrefillCostModel(fixed_s=0.1, per_token_s=0.002, attention_s=0.0)  # half the threads: twice per token
+    costs = CostModels(PREFILL, DECODE, TRANSFER, prefill_beside_decode=beside)
+    # Request 0: 0.2 s of prefill, handoff (0.1 ms), then two decode steps (0.06 s each) to 0.3201 s.
+    # Request 1 arrives at 0.25 while decode steps: its prefill runs on the contended model.
+    ttft = simulate_pools([req(0, 0.0, 100, output=3), req(1, 0.25, 100)], costs)
+    assert ttft == pytest.approx({0: 0.2, 1: 0.1 + 0.2})
+    # Decode idle by 1.0 s: the model measured alone again.
+    ttft = simulate_pools([req(0, 0.0, 100, output=3), req(1, 1.0, 100)], costs)
+    assert ttft == pytest.approx({0: 0.2, 1: 0.2})
+
+
 def test_pools_long_prompt_is_cut_into_prefill_chunks() -> None:
     ttft = simulate_pools([req(0, 0.0, 5000)], COSTS, PoolsSetup(prefill_chunk_tokens=2048))
     assert ttft[0] == pytest.approx(3 * 0.1 + 5.0)  # 2048 + 2048 + 904, a fixed cost each

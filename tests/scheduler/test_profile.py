@@ -111,18 +111,22 @@ def test_both_modes_in_one_snippet_with_each_roles_threads(engine: Engine, tmp_p
         progress.append(what)
         seen.append(torch.get_num_threads())
 
-    result = run_profile(engine, MIXED_PLAN, on_point=on_point, threads=ProfileThreads(prefill=2, decode=1, aggregated=2))
-    assert len(progress) == MIXED_PLAN.points == len(PLAN.prefill) + len(PLAN.decode) + len(MIXED_PLAN.mixed)
-    pools = len(PLAN.prefill)
-    assert set(seen[:pools]) == {2} and set(seen[pools : pools + len(PLAN.decode)]) == {1}
-    assert set(seen[pools + len(PLAN.decode):]) == {2}
+    threads = ProfileThreads(prefill=2, decode=1, aggregated=2, prefill_beside_decode=1)
+    result = run_profile(engine, MIXED_PLAN, on_point=on_point, threads=threads)
+    n_prefill, n_decode, n_mixed = len(PLAN.prefill), len(PLAN.decode), len(MIXED_PLAN.mixed)
+    assert len(progress) == MIXED_PLAN.points_for(("pools", "aggregated"), threads) == 2 * n_prefill + n_decode + n_mixed
+    # Prefill on its threads, prefill again on what decode leaves it, decode, then the aggregated engine's.
+    assert seen == [2] * n_prefill + [1] * n_prefill + [1] * n_decode + [2] * n_mixed
     assert torch.get_num_threads() == 1  # put back as it was
     path = tmp_path / "costs.yaml"
     path.write_text(cost_settings_yaml(result))
     models = cost_models_from_settings(load_scheduler_settings(path).cost)
     assert models.mixed is not None and result.mixed_model is not None
     assert models.mixed.per_sequence_s == pytest.approx(result.mixed_model.per_sequence_s, rel=1e-3, abs=1e-12)
-    assert sum(kind == "mixed step" for kind, *_ in table_rows(result)) == len(MIXED_PLAN.mixed)
+    assert models.prefill_beside_decode is not None and result.prefill_beside_decode_model is not None
+    assert models.prefill_beside_decode.fixed_s == pytest.approx(result.prefill_beside_decode_model.fixed_s, rel=1e-3, abs=1e-12)
+    kinds = [kind for kind, *_ in table_rows(result)]
+    assert (kinds.count("mixed step"), kinds.count("prefill beside decode")) == (n_mixed, n_prefill)
     # The aggregated mode alone: the scheduler's prefill and decode models come from the mixed fit.
     only = run_profile(engine, MIXED_PLAN, modes=("aggregated",))
     assert only.prefill_samples == () and only.mixed_model is not None
