@@ -37,7 +37,8 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 
         policy = SnapshotPolicy(every_blocks=settings.state_snapshot_every_blocks, slots=settings.state_snapshots)
-        model = load_k3_model(source, mxfp4_experts=settings.mxfp4_experts, snapshots=policy)
+        dtype = None if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
+        model = load_k3_model(source, mxfp4_experts=settings.mxfp4_experts, snapshots=policy, cache_dtype=dtype)
         model_id = source.model_id
     else:
         loaded = load_model(source, progress=progress)

@@ -13,7 +13,7 @@ MLA's latent is shared by all heads, so under attention TP every GPU of a group 
 latent cache of the group's sequences; KDA states split by value head.
 
 Per sequence (docs/k3.md, ``memory.k3_footprint``): the MLA latents of every token (bf16), one
-live KDA state (fp32 states, bf16 conv tails) and a bounded snapshot budget — at most
+live KDA state (fp32 states and conv tails) and a bounded snapshot budget (fp32 states, bf16 tails) — at most
 ``snapshots`` KDA state snapshots of its cached prefix (every k-th block and turn ends).
 """
 
@@ -83,7 +83,7 @@ def weight_bytes(cfg: K3Config, expert_format: str = "mxfp4") -> WeightBytes:
 class SequenceBytes:
     context_tokens: int
     latent_bytes: int     # MLA latents of every token
-    state_bytes: int      # the one live KDA state (+ conv tails)
+    state_bytes: int      # the one live KDA state (+ conv tails, fp32)
     snapshot_bytes: int   # the bounded snapshot budget
 
     @property
@@ -94,7 +94,7 @@ class SequenceBytes:
 def sequence_bytes(cfg: K3Config, context_tokens: int, snapshots: int) -> SequenceBytes:
     fp = k3_footprint(cfg, kv_dtype_bytes=LATENT_BYTES, state_dtype_bytes=STATE_BYTES)
     return SequenceBytes(context_tokens, context_tokens * fp.kv_bytes_per_token, fp.state_bytes_per_sequence,
-                         snapshots * fp.state_bytes_per_sequence)
+                         snapshots * fp.snapshot_bytes_per_block)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,13 +5,37 @@ at once, the delta rule token by token, MLA expanded (not absorbed) with an expl
 It computes in float64, so it gives the exact logits of the fp32 weights: an fp32 run of the same
 math differs from them by its own rounding (up to ~8e-5 relative on the tiny K3 checkpoint).
 
+A serving engine that *stores* some values in a narrower dtype reads them back rounded. With
+``storage=Storage(torch.bfloat16, page_size)`` the reference rounds exactly what such a cache
+stores and re-reads, where it re-reads it:
+
+- every MLA layer's cached latent — the normed ``c_kv`` and the (NoPE) decoupled key — for every
+  token, the current ones included (attention reads them all from the cache);
+- the KDA short convolutions' inputs that reach a token through the stored conv tail: those of
+  an earlier block (the tail is stored at each block boundary); a token's own block's inputs
+  stay exact. KDA recurrent states are never rounded (they are kept in fp32).
+
     logits = reference_logits(text_config, weights, token_ids)   # [T, vocab], float64
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What a cache stores in a narrower dtype: MLA latents and conv tails in ``dtype``, the
+    tail stored at every ``page_size``-token block boundary."""
+
+    dtype: torch.dtype
+    page_size: int
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype).to(x.dtype)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,18 +60,30 @@ def _glu(t: dict, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up
 
 
-def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv (nn.Conv1d weight [C, 1, W], left padding W-1) then SiLU: x [T, C]."""
+def _short_conv(x: torch.Tensor, weight: torch.Tensor, storage: Storage | None) -> torch.Tensor:
+    """Causal depthwise conv (nn.Conv1d weight [C, 1, W], left padding W-1) then SiLU: x [T, C].
+    With ``storage``, token i reads the inputs of earlier blocks rounded (from the stored tail)."""
     width = weight.shape[-1]
-    y = F.conv1d(x.T[None], weight, padding=width - 1, groups=x.shape[1])[0, :, : x.shape[0]]
-    return F.silu(y).T
+    if storage is None:
+        y = F.conv1d(x.T[None], weight, padding=width - 1, groups=x.shape[1])[0, :, : x.shape[0]]
+        return F.silu(y).T
+    rounded = storage.round(x)
+    y = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        for tap in range(width):
+            j = i - (width - 1) + tap
+            if j >= 0:
+                earlier_block = j // storage.page_size < i // storage.page_size
+                y[i] += weight[:, 0, tap] * (rounded[j] if earlier_block else x[j])
+    return F.silu(y)
 
 
-def _kda(t: dict, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+def _kda(t: dict, w: dict, p: str, x: torch.Tensor, storage: Storage | None) -> torch.Tensor:
     la = t["linear_attn_config"]
     h, k = la["num_heads"], la["head_dim"]
     n = x.shape[0]
-    q, kk, v = (_short_conv(_lin(x, w[p + f"{c}_proj.weight"]), w[p + f"{c}_conv1d.weight"]).view(n, h, k) for c in "qkv")
+    q, kk, v = (_short_conv(_lin(x, w[p + f"{c}_proj.weight"]), w[p + f"{c}_conv1d.weight"], storage).view(n, h, k)
+                for c in "qkv")
     f = _lin(_lin(x, w[p + "f_a_proj.weight"]), w[p + "f_b_proj.weight"]).view(n, h, k) + w[p + "dt_bias"].view(h, k)
     a = w[p + "A_log"].reshape(-1)[:h].view(h, 1).exp()  # K3 pads the buffer past H with zeros
     if la.get("gate_lower_bound") is None:
@@ -72,7 +108,7 @@ def _kda(t: dict, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
     return _lin(o.reshape(n, h * k), w[p + "o_proj.weight"])
 
 
-def _mla(t: dict, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+def _mla(t: dict, w: dict, p: str, x: torch.Tensor, storage: Storage | None) -> torch.Tensor:
     n, heads = x.shape[0], t["num_attention_heads"]
     dn, dr, dv, dc = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"], t["kv_lora_rank"]
     latent_eps = 1e-6  # q_a_layernorm / kv_a_layernorm keep the RMSNorm class default
@@ -82,9 +118,12 @@ def _mla(t: dict, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
         q = _lin(x, w[p + "q_proj.weight"])
     q = q.view(n, heads, dn + dr)
     kv = _lin(x, w[p + "kv_a_proj_with_mqa.weight"])
-    k_pass = _lin(_rms(kv[:, :dc], w[p + "kv_a_layernorm.weight"], latent_eps), w[p + "kv_b_proj.weight"]).view(n, heads, dn + dv)
+    latent, k_rope = _rms(kv[:, :dc], w[p + "kv_a_layernorm.weight"], latent_eps), kv[:, dc:]
+    if storage is not None:  # what a cache keeps per token, read back for every query
+        latent, k_rope = storage.round(latent), storage.round(k_rope)
+    k_pass = _lin(latent, w[p + "kv_b_proj.weight"]).view(n, heads, dn + dv)
     # NoPE: the "rope" halves of q and k join the scores unrotated; k's is shared by all heads
-    keys = torch.cat([k_pass[..., :dn], kv[:, None, dc:].expand(n, heads, dr)], dim=-1)
+    keys = torch.cat([k_pass[..., :dn], k_rope[:, None].expand(n, heads, dr)], dim=-1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * (dn + dr) ** -0.5
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), k_pass[..., dn:]).reshape(n, heads * dv)
@@ -127,7 +166,8 @@ def _attn_res(v: list[torch.Tensor], proj: torch.Tensor, norm: torch.Tensor, eps
     return (probs[..., None] * stack).sum(1)
 
 
-def reference_logits(t: dict, w: dict[str, torch.Tensor], token_ids: list[int]) -> torch.Tensor:
+def reference_logits(t: dict, w: dict[str, torch.Tensor], token_ids: list[int],
+                     storage: Storage | None = None) -> torch.Tensor:
     w = {name: v.double() for name, v in w.items()}
     eps = t["rms_norm_eps"]
     kda = set(t["linear_attn_config"]["kda_layers"])
@@ -140,7 +180,7 @@ def reference_logits(t: dict, w: dict[str, torch.Tensor], token_ids: list[int]) 
         moe = i >= t["first_k_dense_replace"] and i % t.get("moe_layer_freq", 1) == 0
         ffn = (lambda z: _moe(t, w, p + "block_sparse_moe.", z)) if moe else (lambda z: _mlp(t, w, p + "mlp.", z))
         if not block:  # Kimi-Linear: a plain pre-norm residual stream
-            hidden = hidden + attn(t, w, p + "self_attn.", _rms(hidden, w[p + "input_layernorm.weight"], eps))
+            hidden = hidden + attn(t, w, p + "self_attn.", _rms(hidden, w[p + "input_layernorm.weight"], eps), storage)
             hidden = hidden + ffn(_rms(hidden, w[p + "post_attention_layernorm.weight"], eps))
             continue
         prefix = hidden  # K3: the partial sum of the current block
@@ -148,7 +188,7 @@ def reference_logits(t: dict, w: dict[str, torch.Tensor], token_ids: list[int]) 
                       w[p + "self_attention_res_norm.weight"], eps) if blocks else prefix
         if i % block == 0:
             blocks, prefix = blocks + [prefix], None
-        y = attn(t, w, p + "self_attn.", _rms(x, w[p + "input_layernorm.weight"], eps))
+        y = attn(t, w, p + "self_attn.", _rms(x, w[p + "input_layernorm.weight"], eps), storage)
         prefix = y if prefix is None else prefix + y
         x = _attn_res(blocks + [prefix], w[p + "mlp_res_proj.weight"], w[p + "mlp_res_norm.weight"], eps)
         hidden = prefix + ffn(_rms(x, w[p + "post_attention_layernorm.weight"], eps))

@@ -216,7 +216,8 @@ def test_nano_footprint_counts_latents_per_token_and_one_state():
 def test_full_k3_caches_far_fewer_bytes_per_token_than_dense_gqa():
     fp = k3_footprint(K3_FULL)  # K3_FULL caches latents and conv tails in bf16
     assert fp.kv_bytes_per_token == 24 * (512 + 64) * 2
-    assert fp.state_bytes_per_sequence == 69 * (96 * 128 * 128 * 4 + 3 * 96 * 128 * 3 * 2)
+    assert fp.snapshot_bytes_per_block == 69 * (96 * 128 * 128 * 4 + 3 * 96 * 128 * 3 * 2)
+    assert fp.state_bytes_per_sequence == 69 * (96 * 128 * 128 * 4 + 3 * 96 * 128 * 3 * 4)  # a live tail is fp32
     dense = dense_gqa_kv_bytes_per_token(num_layers=93, num_kv_heads=8, head_dim=128, dtype_bytes=2)
     assert dense / fp.kv_bytes_per_token > 13
     # a 1M-token prefix cache with 32 snapshots stays well under dense GQA per token

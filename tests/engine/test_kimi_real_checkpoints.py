@@ -3,9 +3,12 @@
 Tiny checkpoints written here in exactly the real formats (``kimi_k3`` nested with MXFP4
 experts and vision tensors, ``kimi_linear`` flat, see kimi_real_format.py) are served through
 the Engine — prefill, decode across a block boundary, a prefix hit — and every logit row is held
-to an independent reference written from Moonshot's modeling code (kimi_real_reference.py) at
-fp32 rounding. Negative controls show the tolerance would catch each config-chosen numeric
-being wrong; bad configs fail naming the field.
+to an independent reference written from Moonshot's modeling code (kimi_real_reference.py).
+Each runs twice: with the checkpoint's own cache dtype (its ``torch_dtype``, bf16: MLA latents and
+conv tails stored in bf16, the reference rounding the same values at the same points) and with
+the ``float32`` override (fp32 rounding). Negative controls show the tolerance would catch each
+config-chosen numeric being wrong, and the bf16 storage not being modeled; bad configs fail
+naming the field.
 """
 
 from __future__ import annotations
@@ -24,17 +27,26 @@ from crescent.services.engine.kimi_k3.loading import load_k3_model, load_real_we
 from crescent.services.engine.kimi_k3.model import K3Model
 from crescent.services.engine.kimi_k3.weights import weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
+from crescent.services.engine.runtime import build_engine
+from crescent.services.engine.settings import EngineSettings
 from crescent.services.model.model_source import resolve_model
 from tests.engine.kimi_real_format import (
     K3_CONFIG, KIMI_LINEAR_CONFIG, real_tensors, reference_weights, text_config, with_changes, write_checkpoint,
 )
-from tests.engine.kimi_real_reference import reference_logits
+from tests.engine.kimi_real_reference import Storage, reference_logits
 
 PAGE = 16
 # Relative L2 error of a logit row against the float64 reference. Measured: 5e-7..2e-5; the fp32
 # reference itself is up to 8e-5 off on the tiny K3 checkpoint, so this is fp32 rounding.
 TOLERANCE = 5e-5
+# With a bf16 cache the reference rounds what the engine stores, but where a stored value lies
+# within the fp32 engine's own error of a bf16 rounding tie, the two round it apart (one bf16 ulp;
+# measured on the tiny K3 checkpoint, whose fp32 error is the larger: 3 of 1,600 latents in its
+# first MLA layer, 18 in its second). Measured: K3 up to 1.6e-4, Kimi-Linear 1.4e-6 — both far
+# below what bf16 storage itself moves the logits (7e-3 and 2e-3 on the last row: ``test_bf16_storage_is_modeled``).
+BF16_TOLERANCE = {"kimi_k3": 5e-4, "kimi_linear": TOLERANCE}
 CONFIGS = {"kimi_k3": K3_CONFIG, "kimi_linear": KIMI_LINEAR_CONFIG}
+CACHES = ["checkpoint", "float32"]  # the checkpoint's torch_dtype (bf16), or the fp32 override
 
 
 @functools.cache
@@ -48,13 +60,21 @@ def root(tmp_path_factory) -> Path:
 
 
 @functools.cache
-def _model(path: Path) -> K3Model:
-    return load_k3_model(resolve_model(str(path)))
+def _model(path: Path, cache: str = "checkpoint") -> K3Model:
+    return load_k3_model(resolve_model(str(path)), cache_dtype=None if cache == "checkpoint" else cache)
 
 
 @functools.cache
-def _reference(path: Path, kind: str, tokens: tuple[int, ...]) -> torch.Tensor:
-    return reference_logits(text_config(CONFIGS[kind]), reference_weights(path), list(tokens))
+def _reference(path: Path, kind: str, tokens: tuple[int, ...], storage: Storage | None = None) -> torch.Tensor:
+    return reference_logits(text_config(CONFIGS[kind]), reference_weights(path), list(tokens), storage)
+
+
+def _expected(path: Path, kind: str, cache: str, tokens: list[int]) -> tuple[torch.Tensor, float]:
+    """The reference logits for this cache, and the tolerance to hold the engine to."""
+    if cache == "float32":
+        return _reference(path, kind, tuple(tokens)), TOLERANCE
+    assert _model(path, cache).config.cache_dtype == "bfloat16"  # the checkpoints' torch_dtype
+    return _reference(path, kind, tuple(tokens), Storage(torch.bfloat16, PAGE)), BF16_TOLERANCE[kind]
 
 
 def _engine(model: K3Model) -> Engine:
@@ -70,34 +90,68 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("kind", CONFIGS)
-def test_prefill_and_decode_match_the_modeling_code(kind: str, root: Path):
+def test_prefill_and_decode_match_the_modeling_code(kind: str, cache: str, root: Path):
     path = _checkpoint(kind, root)
     tokens = _prompt(40, seed=1)
-    reference = _reference(path, kind, tuple(tokens))
-    engine = _engine(_model(path))
+    reference, tolerance = _expected(path, kind, cache, tokens)
+    engine = _engine(_model(path, cache))
     seq = engine.add_sequence("a", tokens[:29])  # one full block and a partial one
-    assert rel_err(engine.prefill(seq), reference[28]) < TOLERANCE
+    assert rel_err(engine.prefill(seq), reference[28]) < tolerance
     for i in range(29, len(tokens)):  # decode token by token, across the block boundary at 32
         seq.token_ids.append(tokens[i])
-        assert rel_err(engine.decode_step([seq])[0], reference[i]) < TOLERANCE, f"position {i}"
+        assert rel_err(engine.decode_step([seq])[0], reference[i]) < tolerance, f"position {i}"
 
 
+def _prefill_and_decode(engine: Engine, tokens: list[int], decode: int,
+                        *, use_cache: bool = True) -> tuple[int, list[torch.Tensor]]:
+    """Prefill all but the last ``decode`` tokens, then decode those one by one: (tokens taken
+    from the cache, every logit row)."""
+    seq = engine.add_sequence("s", tokens[:-decode], use_cache=use_cache)
+    rows = [engine.prefill(seq)]
+    for token in tokens[-decode:]:
+        seq.token_ids.append(token)
+        rows.append(engine.decode_step([seq])[0])
+    return seq.num_cached, rows
+
+
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("kind", CONFIGS)
-def test_a_prefix_hit_gives_the_modeling_code_logits(kind: str, root: Path):
+def test_a_prefix_hit_gives_the_modeling_code_logits(kind: str, cache: str, root: Path):
     path = _checkpoint(kind, root)
-    engine = _engine(_model(path))
+    engine = _engine(_model(path, cache))
     first = engine.add_sequence("a", _prompt(40, seed=1))
     engine.prefill(first)
     engine.release(first)
     tokens = _prompt(40, seed=1)[:2 * PAGE] + _prompt(9, seed=2)
-    reference = _reference(path, kind, tuple(tokens))
-    second = engine.add_sequence("b", tokens[:-3])
-    assert second.num_cached == 2 * PAGE  # resumed from the block-boundary state snapshot
-    assert rel_err(engine.prefill(second), reference[len(tokens) - 4]) < TOLERANCE
-    for i in range(len(tokens) - 3, len(tokens)):
-        second.token_ids.append(tokens[i])
-        assert rel_err(engine.decode_step([second])[0], reference[i]) < TOLERANCE, f"position {i}"
+    reference, tolerance = _expected(path, kind, cache, tokens)
+    cached, warm = _prefill_and_decode(engine, tokens, 3)
+    assert cached == 2 * PAGE  # resumed from the block-boundary state snapshot
+    for row, i in zip(warm, range(len(tokens) - 4, len(tokens)), strict=True):
+        assert rel_err(row, reference[i]) < tolerance, f"position {i}"
+    # resumed and cold round the very same stored values: they agree to fp32 rounding, bf16 or not
+    _, cold = _prefill_and_decode(_engine(_model(path, cache)), tokens, 3, use_cache=False)
+    for row, cold_row in zip(warm, cold, strict=True):
+        assert rel_err(row, cold_row.double()) < 1e-6
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_bf16_storage_is_modeled(kind: str, root: Path):
+    """The bf16 reference is not the fp32 one within the tolerance: the engine's match to it shows
+    it stores (and rounds) latents and conv tails where the reference says, and nowhere else."""
+    path = _checkpoint(kind, root)
+    tokens = _prompt(40, seed=1)
+    engine = _engine(_model(path))
+    logits = engine.prefill(engine.add_sequence("a", tokens))
+    tolerance = BF16_TOLERANCE[kind]
+    assert rel_err(logits, _reference(path, kind, tuple(tokens), Storage(torch.bfloat16, PAGE))[-1]) < tolerance
+    assert rel_err(logits, _reference(path, kind, tuple(tokens))[-1]) > 10 * tolerance  # fp32 storage
+    every_token = Storage(torch.bfloat16, 1)  # conv tails rounded after every token, not per block
+    assert rel_err(logits, _reference(path, kind, tuple(tokens), every_token)[-1]) > 10 * tolerance
+    assert _model(path, "float32").config.cache_dtype == "float32"  # the override
+    assert _engine(_model(path, "float32")).cache.latent.dtype == torch.float32
+    assert engine.cache.latent.dtype == torch.bfloat16
 
 
 # Each numeric the config chooses, set the other way on the same weights: the logits move far
@@ -140,6 +194,12 @@ def test_configs_translate_to_the_real_numerics():
         False, "silu", None, False)
     assert (linear.moe_latent_size, linear.q_lora_rank, linear.mla_output_gate, linear.mla_rope) == (0, 0, False, False)
     assert linear.routed_scaling_factor == 2.446
+    # the cache keeps latents and conv tails in the checkpoint's torch_dtype: the text config's, else the top level's
+    assert k3.cache_dtype == linear.cache_dtype == "bfloat16"
+    no_text_dtype = with_changes(K3_CONFIG, torch_dtype="float32")
+    del no_text_dtype["text_config"]["torch_dtype"]
+    assert parse_real_config(no_text_dtype)[0].cache_dtype == "float32"
+    assert parse_real_config(with_changes(KIMI_LINEAR_CONFIG, {"torch_dtype": None}))[0].cache_dtype == "float32"
 
 
 def test_vision_tensors_are_skipped_with_one_log_line(root: Path, caplog):
@@ -158,6 +218,7 @@ BAD_CONFIGS = [
     (with_changes(KIMI_LINEAR_CONFIG, {"swa_window": 128}), "'swa_window'"),
     (with_changes(KIMI_LINEAR_CONFIG, {"mla_use_nope": False}), "mla_use_nope"),
     (with_changes(KIMI_LINEAR_CONFIG, {"hidden_act": "gelu"}), "hidden_act"),
+    (with_changes(K3_CONFIG, {"torch_dtype": "float8_e4m3fn"}), "text_config.torch_dtype"),
     (with_changes(K3_CONFIG, quantization_config={"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}),
      "quantization_config.format"),
 ]
@@ -188,3 +249,11 @@ def test_a_padded_a_log_must_pad_with_zeros(tmp_path: Path):
     path = write_checkpoint(tmp_path / "k3", K3_CONFIG, tensors)
     with pytest.raises(ModelLoadError, match=r"layers\.0\.self_attn\.A_log.*zero"):
         load_k3_model(resolve_model(str(path)))
+
+
+@pytest.mark.parametrize(("setting", "dtype"), [("auto", torch.bfloat16), ("float32", torch.float32)])
+def test_the_engine_setting_chooses_the_cache_dtype(setting: str, dtype: torch.dtype, root: Path):
+    engine = build_engine(EngineSettings(model=str(_checkpoint("kimi_k3", root)), kv_cache_dtype=setting,
+                                         kv_capacity_tokens=4 * PAGE, block_size=PAGE, threads=1))
+    assert engine.cache.latent.dtype == engine.cache.snapshots.states.tail.dtype == dtype
+    assert engine.cache.snapshots.states.state.dtype == torch.float32  # KDA states: fp32 always

@@ -25,7 +25,8 @@ MILLION = 1 << 20             # "1M" context = max_position_embeddings = 2**20
 # 3 x 3072 x 3584 (latent MoE) in the other 92; MLA latent 512 + RoPE key 64; KDA 96 heads of 128.
 ROUTED_PARAMS = 92 * 896 * 3 * 3072 * 3584
 LATENT_PER_TOKEN = 24 * (512 + 64) * 2                                 # bf16: 27,648 B
-KDA_STATE = 69 * (96 * 128 * 128 * 4 + (3 * 96 * 128) * 3 * 2)       # fp32 state + bf16 conv tails
+KDA_STATE = 69 * (96 * 128 * 128 * 4 + (3 * 96 * 128) * 3 * 2)       # a snapshot: fp32 state + bf16 conv tails
+LIVE_STATE = 69 * (96 * 128 * 128 * 4 + (3 * 96 * 128) * 3 * 4)      # a running sequence's: conv tails in fp32
 
 
 def plan(*args: str) -> tuple[int, dict[str, Any], str]:
@@ -51,9 +52,9 @@ def test_k3_sequence_at_1m_tokens_is_latents_plus_one_state_plus_the_snapshot_bu
     s = f["sequence"]
     assert LATENT_PER_TOKEN == 27_648 and KDA_STATE == 449_372_160  # docs/k3.md's figures
     assert s["latent_bytes"] == MILLION * LATENT_PER_TOKEN            # 29.0 GB
-    assert s["state_bytes"] == KDA_STATE
+    assert s["state_bytes"] == LIVE_STATE == 464_633_856
     assert s["snapshot_bytes"] == 4 * KDA_STATE
-    assert s["total_bytes"] == MILLION * 27_648 + 5 * KDA_STATE
+    assert s["total_bytes"] == MILLION * 27_648 + LIVE_STATE + 4 * KDA_STATE
 
 
 def test_k3_on_16_h200_layouts_and_sequences_by_hand() -> None:
@@ -62,7 +63,7 @@ def test_k3_on_16_h200_layouts_and_sequences_by_hand() -> None:
     layouts = {lay["name"]: lay for lay in f["layouts"]}
     routed, other = f["weights"]["routed_bytes"], 2 * f["weights"]["other_params"]
     usable = int(H200 * 0.9)
-    states = 5 * KDA_STATE  # live state + 4 snapshots, split by value head under attention TP
+    states = LIVE_STATE + 4 * KDA_STATE  # live state + 4 snapshots, split by value head under attention TP
 
     tp = layouts["TP16"]
     assert tp["weights_per_gpu"] == math.ceil((routed + other) / 16)             # 96.8 GB

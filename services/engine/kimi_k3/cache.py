@@ -5,10 +5,11 @@ sequence, and a bounded pool of state snapshots for the prefix cache.
   config's ``cache_dtype``. Each layer's pages form one contiguous ``[pages, page_size, Dc + Dr]``
   tensor, the layout the Triton MLA kernel reads. Pages hold nothing else.
 - Live states (``open_state``): each running sequence owns one ``KdaStates`` row — the KDA state
-  after its last computed token. The engine opens it with the sequence, fills it from a snapshot
+  after its last computed token, all fp32 (its conv tail too: see ``round_tail``). The engine opens it with the sequence, fills it from a snapshot
   (``resume_state``) or a received block (``write_block(..., state=)``), and closes it on release.
 - Snapshots (``snapshots.SnapshotPool``): copies of a sequence's state at the end of chosen full
-  pages (``SnapshotPolicy``), LRU-evicted from a fixed number of slots. A page leaving the prefix
+  pages (``SnapshotPolicy``), LRU-evicted from a fixed number of slots; fp32 states, conv tails
+  in the cache dtype (exact: a tail is rounded to it at every block boundary). A page leaving the prefix
   map or handed out anew loses its snapshot (``PageManager``'s ``on_reset``).
 
 A prefix hit can only resume where a snapshot is: ``resumable(pages)`` is the length of the
@@ -142,7 +143,10 @@ class K3Cache:
     def open_state(self) -> int:
         """A new sequence's live state (zeros: before its first token); returns its handle."""
         handle = next(self._handles)
-        self._live[handle] = KdaStates(self.cfg, 1, self.dtype, self.device)
+        # fp32 tails: a running sequence's tail is rounded to the cache dtype only at block
+        # boundaries (``round_tail``), never at the end of a forward, so how a prompt is cut into
+        # forwards (chunked prefill, batching, decode steps, a handoff) changes no value
+        self._live[handle] = KdaStates(self.cfg, 1, torch.float32, self.device)
         return handle
 
     def close_state(self, handle: int) -> None:
@@ -197,7 +201,8 @@ class K3Cache:
 
     def round_tail(self, tail: torch.Tensor) -> torch.Tensor:
         """A conv tail as the cache keeps it: rounded to the cache dtype at every block boundary,
-        snapshot or not, so a resumed run and a cold one carry the very same values."""
+        snapshot or not, so a resumed run and a cold one carry the very same values (and nowhere
+        else: the conv inputs of a token's own block stay fp32)."""
         return tail if self.dtype == torch.float32 else tail.to(self.dtype).float()
 
     def _page_reset(self, page: int) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from crescent.services.engine.model_config import ModelConfigError
 
 MODEL_TYPE = "kimi_k3"
-CACHE_DTYPES = ("float32", "bfloat16")  # torch dtype names a cache may hold latents and conv tails in
+CACHE_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names a cache may hold latents and conv tails in
 KIMI_VOCAB_SIZE = 163840  # the Kimi tiktoken tokenizer's id space (regular + special tokens)
 
 
@@ -79,8 +79,10 @@ class K3Config:
     moe_num_groups: int = 1                 # grouped top-k (DeepSeek-V3 noaux_tc): expert groups
     moe_topk_groups: int = 1                # ... of which each token may use this many
     moe_layer_freq: int = 1                 # MoE on layers i >= first_dense_layers with i % freq == 0
-    # dtype of the cached MLA latents and KDA conv tails (KDA states are always fp32): the model's
-    # compute dtype. Crescent computes in fp32 (the default); K3_FULL, served in bf16, says bfloat16.
+    # dtype the cache stores MLA latents and snapshot conv tails in (KDA states are always fp32;
+    # compute stays fp32, upcasting on read): the model's dtype. Real checkpoints take their
+    # torch_dtype (bf16), K3_FULL says bfloat16; Crescent's presets keep the fp32 default.
+    # EngineSettings.kv_cache_dtype overrides it.
     cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:

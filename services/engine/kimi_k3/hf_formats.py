@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from crescent.services.engine.kimi_k3.config import K3Config
+from crescent.services.engine.kimi_k3.config import CACHE_DTYPES, K3Config
 from crescent.services.engine.model_config import ModelConfigError
 
 KIMI_LINEAR = "kimi_linear"
@@ -114,6 +114,19 @@ def _compressed_mxfp4(quant: Any, where: str) -> bool:
     return True
 
 
+def _cache_dtype(t: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> str:
+    """The model's dtype (``torch_dtype``, or ``dtype`` in newer transformers; the text config's,
+    else the top level's): the cache keeps MLA latents and KDA conv tails in it, as the model is
+    served (bf16 in the public configs). No dtype at all: float32, what Crescent computes in."""
+    for cfg, prefix in ((t, where), (top, "")):
+        for key in ("torch_dtype", "dtype"):
+            if cfg.get(key) is not None:
+                value = str(cfg[key]).removeprefix("torch.")
+                _check(value in CACHE_DTYPES, f"{prefix}{key}", cfg[key], f"one of {', '.join(CACHE_DTYPES)}")
+                return value
+    return "float32"
+
+
 def _need(cfg: Mapping[str, Any], key: str, where: str) -> Any:
     if cfg.get(key) is None:
         raise ModelConfigError(f"config.json lacks {where}{key}")
@@ -157,6 +170,7 @@ def _text_config(t: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> K3
     block = t.get("attn_res_block_size")
     heads, head_dim = int(_need(la, "num_heads", la_where)), int(_need(la, "head_dim", la_where))
     eos = t.get("eos_token_id", top.get("eos_token_id"))
+    cache_dtype = _cache_dtype(t, where, top)
     first_dense = int(t.get("first_k_dense_replace") or 0)
     return K3Config(
         vocab_size=int(_need(t, "vocab_size", where)), hidden_size=int(_need(t, "hidden_size", where)),
@@ -187,4 +201,5 @@ def _text_config(t: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> K3
         # the modeling code renormalises only when a token has more than one expert
         moe_renormalize=bool(t.get("moe_renormalize", True)) and top_k > 1,
         moe_num_groups=groups, moe_topk_groups=topk_groups, moe_layer_freq=int(t.get("moe_layer_freq") or 1),
+        cache_dtype=cache_dtype,
     )

@@ -18,6 +18,7 @@ weight) and run through the MXFP4 matmul (``K3Ops.expert_linear``), unless
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -48,17 +49,24 @@ _ROUTED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # wha
 
 
 def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu",
-                  mxfp4_experts: str = "packed", snapshots: SnapshotPolicy = SnapshotPolicy()) -> K3Model:
+                  mxfp4_experts: str = "packed", snapshots: SnapshotPolicy = SnapshotPolicy(),
+                  cache_dtype: str | None = None) -> K3Model:
     """``mxfp4_experts``: "packed" keeps MXFP4 routed experts packed (``Mxfp4Tensor``), "dequantize"
     expands them to fp32 at load (``EngineSettings.mxfp4_experts``). ``snapshots``: the prefix
-    cache's KDA state snapshot policy (``EngineSettings.state_snapshot_*``)."""
+    cache's KDA state snapshot policy (``EngineSettings.state_snapshot_*``). ``cache_dtype``:
+    overrides the config's ``cache_dtype`` (``EngineSettings.kv_cache_dtype``; None keeps it)."""
     if source.random_seed is not None:
-        cfg = SEEDED_CONFIGS[source.model_id]
+        cfg = _with_cache_dtype(SEEDED_CONFIGS[source.model_id], cache_dtype)
         return K3Model(cfg, seeded_weights(cfg, source.random_seed), device=device, snapshots=snapshots)
     cfg, real = read_any_config(source.path)
+    cfg = _with_cache_dtype(cfg, cache_dtype)
     weights = (load_real_weights(source.path, cfg, real, mxfp4_experts=mxfp4_experts) if real
                else load_weights(source.path, cfg, mxfp4_experts=mxfp4_experts))
     return K3Model(cfg, weights, device=device, snapshots=snapshots)
+
+
+def _with_cache_dtype(cfg: K3Config, cache_dtype: str | None) -> K3Config:
+    return cfg if cache_dtype is None else dataclasses.replace(cfg, cache_dtype=cache_dtype)
 
 
 def seeded_weights(cfg: K3Config, seed: int) -> dict[str, torch.Tensor]:
