@@ -29,12 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the checkout
 
-import yaml  # noqa: E402
-
-from crescent.services.scheduler.config import CostSettings  # noqa: E402
 from crescent.services.scheduler.cost_model import CostModels  # noqa: E402
-from crescent.services.scheduler.cost_presets import cost_models_from_settings  # noqa: E402
 from loadtest.replay.prompts import percentile  # noqa: E402
+from loadtest.simulator.cost_file import load_cost_file  # noqa: E402
 from loadtest.simulator.one_machine import (  # noqa: E402
     AggregatedSetup, PoolsSetup, ReplayedRequest, simulate_aggregated, simulate_pools,
 )
@@ -45,20 +42,6 @@ RAN_UNFINISHED = ("timeout", "unfinished")  # statuses of requests that ran but 
 
 class InputError(ValueError):
     """A live report or cost file this script cannot use; the message says what to change."""
-
-
-def load_costs(path: Path) -> CostModels:
-    """The ``cost:`` section of a ``crescent profile`` snippet (or of a scheduler settings file)."""
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise InputError(f"{path}: cannot read the cost file: {exc}") from None
-    if not isinstance(doc, dict) or "cost" not in doc:
-        raise InputError(f"{path}: no 'cost:' section; write one with `crescent profile --out {path}`")
-    try:
-        return cost_models_from_settings(CostSettings.model_validate(doc["cost"]))
-    except ValueError as exc:
-        raise InputError(f"{path}: invalid cost section: {exc}") from None
 
 
 def load_live(path: Path, run: int | None) -> dict:
@@ -173,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = load_live(args.live, args.run)
-        costs = load_costs(args.costs)
+        costs = load_cost_file(args.costs)
         requests, live, refused = replayed_requests(report["per_request"])
         result = compare(simulate(args, costs, requests), live, args.path_overhead_s, args.tolerance)
     except (InputError, ValueError) as exc:

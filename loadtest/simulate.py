@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=30.0)
     p.add_argument("--slo-tbt", type=float, default=0.1)
     p.add_argument("--chunk-tokens", type=int, default=8192)
+    p.add_argument("--costs", type=Path, default=None,
+                   help="cost models from `crescent profile --out` (default: the paper's LLaMA3-70B on 8xA800)")
     p.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     p.add_argument("--json", action="store_true", help="one JSON line per run instead of a table")
     return p.parse_args(argv)
@@ -46,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trace = load_trace(args.trace, args.limit)
+    costs = None
+    if args.costs:
+        from loadtest.simulator.cost_file import CostFileError, load_cost_file
+
+        try:
+            costs = load_cost_file(args.costs)
+        except CostFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if args.time_scale != 1.0:
         trace = rescale(trace, args.time_scale)
     base = SimConfig(
@@ -61,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, list[RequestRecord]] = {}
     for label, config in runs:
         start = time.perf_counter()
-        recs = simulate(trace, config)
+        recs = simulate(trace, config, costs)
         elapsed = time.perf_counter() - start
         summary = summarize(label, recs, config.slo_ttft_s, config.slo_tbt_s)
         summaries.append(summary)

@@ -209,3 +209,18 @@ def test_script_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     costs.write_text("slo: {}\n")
     assert sim_vs_live.main(["--live", str(live), "--costs", str(costs)]) == 2
     assert "no 'cost:' section" in capsys.readouterr().err
+
+
+def test_cluster_simulator_takes_the_profiled_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtest import simulate
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}) + "\n")
+    _, costs = _write(tmp_path, [])
+    argv = ["--trace", str(trace), "--policies", "kvcache_centric", "--prefill", "1", "--decode", "1", "--json"]
+    assert simulate.main([*argv, "--costs", str(costs)]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["ttft_avg"] == pytest.approx(0.1 + 1.024)  # one prompt, alone: its prefill cost
+    (tmp_path / "bad.yaml").write_text("cost: {prefill: {fixed_s: -1}}\n")
+    assert simulate.main([*argv, "--costs", str(tmp_path / "bad.yaml")]) == 2
+    assert "invalid cost section" in capsys.readouterr().err
