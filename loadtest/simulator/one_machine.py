@@ -33,7 +33,15 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from crescent.services.aggregated.config import AggregatedSettings
+from crescent.services.engine.settings import EngineSettings
+from crescent.services.prefill.config import PrefillSettings
 from crescent.services.scheduler.cost_model import CostModels, MixedStepCostModel
+
+
+def _live_default(settings: type, name: str) -> int:
+    """A live setting's default, so the simulated engines follow it when it changes."""
+    return settings.model_fields[name].default
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +59,18 @@ class ReplayedRequest:
 class AggregatedSetup:
     """The aggregated engine's settings that shape its steps (``crescent serve aggregated``)."""
 
-    chunk_tokens: int = 256   # chunk_tokens
-    block_size: int = 64      # engine.block_size
-    max_batch: int = 16       # engine.max_batch_size
+    chunk_tokens: int = _live_default(AggregatedSettings, "chunk_tokens")
+    block_size: int = _live_default(EngineSettings, "block_size")
+    max_batch: int = _live_default(EngineSettings, "max_batch_size")
 
 
 @dataclass(frozen=True, slots=True)
 class PoolsSetup:
     """The prefill and decode engines' settings that shape their steps."""
 
-    prefill_chunk_tokens: int = 2048  # engine.prefill_chunk_tokens
-    max_batch_tokens: int = 2048      # prefill's max_batch_tokens
-    max_batch: int = 16               # decode's engine.max_batch_size
+    prefill_chunk_tokens: int = _live_default(EngineSettings, "prefill_chunk_tokens")
+    max_batch_tokens: int = _live_default(PrefillSettings, "max_batch_tokens")
+    max_batch: int = _live_default(EngineSettings, "max_batch_size")  # decode's
 
 
 class _Job:

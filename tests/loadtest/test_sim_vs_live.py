@@ -34,6 +34,9 @@ MIXED = MixedStepCostModel(fixed_s=0.1, per_prompt_token_s=0.001, attention_s=0.
                            per_context_token_s=0.0)
 TRANSFER = TransferCostModel(kv_bytes_per_token=1000, latency_s=0.0, bytes_per_s={t: 1e9 for t in Tier})
 COSTS = CostModels(PREFILL, DECODE, TRANSFER, MIXED)
+# The live engines' settings as these cases assume them (the simulator's defaults follow the live ones).
+POOLS = PoolsSetup(prefill_chunk_tokens=2048, max_batch_tokens=2048, max_batch=16)
+AGGREGATED = AggregatedSetup(chunk_tokens=256, block_size=64, max_batch=16)
 
 
 def req(index: int, arrival: float, prompt: int, cached: int = 0, output: int = 1) -> ReplayedRequest:
@@ -44,7 +47,7 @@ def req(index: int, arrival: float, prompt: int, cached: int = 0, output: int = 
 
 def test_pools_requests_far_apart_take_their_prefill_cost() -> None:
     costs = CostModels(PrefillCostModel(0.1, 0.001, 1e-6), DECODE, TRANSFER)
-    ttft = simulate_pools([req(0, 0.0, 500, output=4), req(1, 100.0, 300, cached=128)], costs)
+    ttft = simulate_pools([req(0, 0.0, 500, output=4), req(1, 100.0, 300, cached=128)], costs, POOLS)
     assert ttft[0] == pytest.approx(0.1 + 0.5 + 1e-6 * 500**2 / 2)
     # 172 new tokens after 128 cached: each sees the cached ones and the new ones before it.
     assert ttft[1] == pytest.approx(0.1 + 0.172 + 1e-6 * (172 * 128 + 172**2 / 2))
@@ -52,13 +55,16 @@ def test_pools_requests_far_apart_take_their_prefill_cost() -> None:
 
 def test_pools_overlapping_requests_queue_or_share_a_step() -> None:
     # The second arrives while the first's step runs: it waits for the step to end.
-    ttft = simulate_pools([req(0, 0.0, 500), req(1, 0.1, 300)], COSTS)
+    ttft = simulate_pools([req(0, 0.0, 500), req(1, 0.1, 300)], COSTS, POOLS)
     assert ttft == pytest.approx({0: 0.6, 1: 0.6 + 0.4 - 0.1})
     # Queued together: one step with one fixed cost (prefill batching) ...
-    ttft = simulate_pools([req(0, 0.0, 500), req(1, 0.0, 300)], COSTS)
+    ttft = simulate_pools([req(0, 0.0, 500), req(1, 0.0, 300)], COSTS, POOLS)
     assert ttft == pytest.approx({0: 0.9, 1: 0.9})
     # ... or one prompt per step with max_batch_tokens 0.
-    ttft = simulate_pools([req(0, 0.0, 500), req(1, 0.0, 300)], COSTS, PoolsSetup(max_batch_tokens=0))
+    ttft = simulate_pools([req(0, 0.0, 500), req(1, 0.0, 300)], COSTS, PoolsSetup(2048, 0, 16))
+    assert ttft == pytest.approx({0: 0.6, 1: 1.0})
+    # ... or queued together beyond max_batch_tokens: the oldest runs, the next waits for the step after.
+    ttft = simulate_pools([req(0, 0.0, 500), req(1, 0.0, 300)], COSTS, PoolsSetup(2048, 512, 16))
     assert ttft == pytest.approx({0: 0.6, 1: 1.0})
 
 
@@ -67,15 +73,15 @@ def test_pools_prefill_beside_a_decoding_batch_costs_the_contended_model() -> No
     costs = CostModels(PREFILL, DECODE, TRANSFER, prefill_beside_decode=beside)
     # Request 0: 0.2 s of prefill, handoff (0.1 ms), then two decode steps (0.06 s each) to 0.3201 s.
     # Request 1 arrives at 0.25 while decode steps: its prefill runs on the contended model.
-    ttft = simulate_pools([req(0, 0.0, 100, output=3), req(1, 0.25, 100)], costs)
+    ttft = simulate_pools([req(0, 0.0, 100, output=3), req(1, 0.25, 100)], costs, POOLS)
     assert ttft == pytest.approx({0: 0.2, 1: 0.1 + 0.2})
     # Decode idle by 1.0 s: the model measured alone again.
-    ttft = simulate_pools([req(0, 0.0, 100, output=3), req(1, 1.0, 100)], costs)
+    ttft = simulate_pools([req(0, 0.0, 100, output=3), req(1, 1.0, 100)], costs, POOLS)
     assert ttft == pytest.approx({0: 0.2, 1: 0.2})
 
 
 def test_pools_long_prompt_is_cut_into_prefill_chunks() -> None:
-    ttft = simulate_pools([req(0, 0.0, 5000)], COSTS, PoolsSetup(prefill_chunk_tokens=2048))
+    ttft = simulate_pools([req(0, 0.0, 5000)], COSTS, POOLS)
     assert ttft[0] == pytest.approx(3 * 0.1 + 5.0)  # 2048 + 2048 + 904, a fixed cost each
 
 
@@ -83,7 +89,7 @@ def test_pools_long_prompt_is_cut_into_prefill_chunks() -> None:
 
 def test_aggregated_prompt_runs_in_block_aligned_chunks() -> None:
     # 600 tokens, 128 cached, blocks of 64, chunks of 256: 128→384, then 384→600.
-    ttft = simulate_aggregated([req(0, 0.0, 600, cached=128)], MIXED, AggregatedSetup(256, 64, 16))
+    ttft = simulate_aggregated([req(0, 0.0, 600, cached=128)], MIXED, AGGREGATED)
     assert ttft[0] == pytest.approx((0.1 + 0.256) + (0.1 + 0.216))
 
 
@@ -91,7 +97,7 @@ def test_aggregated_prompt_waits_for_the_step_and_shares_it_with_decode() -> Non
     # Request 0: 100-token prompt (0.2 s), then decode steps of batch 1 (0.11 s) for tokens 2 and 3.
     # Request 1 arrives at 0.25, inside the first decode step (0.2–0.31): its 200-token prompt
     # runs in the next step beside request 0's last token: 0.1 + 0.2 + 0.01 = 0.31 s.
-    ttft = simulate_aggregated([req(0, 0.0, 100, output=3), req(1, 0.25, 200)], MIXED)
+    ttft = simulate_aggregated([req(0, 0.0, 100, output=3), req(1, 0.25, 200)], MIXED, AGGREGATED)
     assert ttft[0] == pytest.approx(0.2)
     assert ttft[1] == pytest.approx(0.31 + 0.31 - 0.25)
 
@@ -99,7 +105,7 @@ def test_aggregated_prompt_waits_for_the_step_and_shares_it_with_decode() -> Non
 def test_aggregated_chunk_budget_is_shared_oldest_first() -> None:
     # Both queued at 0 with 256 tokens per step: the first's 200, and the 56 left are less than
     # a 64-token block (a chunk that does not end its prompt ends on a block): the second waits.
-    ttft = simulate_aggregated([req(0, 0.0, 200), req(1, 0.0, 100)], MIXED, AggregatedSetup(256, 64, 16))
+    ttft = simulate_aggregated([req(0, 0.0, 200), req(1, 0.0, 100)], MIXED, AGGREGATED)
     assert ttft[0] == pytest.approx(0.3)
     assert ttft[1] == pytest.approx(0.3 + 0.2)
 
@@ -167,7 +173,8 @@ def _write(tmp_path: Path, rows: list[dict], costs: CostModels = COSTS) -> tuple
 def test_script_compares_the_same_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     live, costs = _write(tmp_path, LIVE_ROWS)
     out = tmp_path / "result.json"
-    assert sim_vs_live.main(["--live", str(live), "--costs", str(costs), "--mode", "pools", "--json", str(out)]) == 0
+    assert sim_vs_live.main(["--live", str(live), "--costs", str(costs), "--mode", "pools", "--json", str(out),
+                             "--max-batch-tokens", "2048", "--prefill-chunk-tokens", "2048"]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert (result["requests"], result["replayed"], result["refused_live"]) == (3, 4, 1)
@@ -189,8 +196,8 @@ def test_script_says_when_the_simulator_disagrees(tmp_path: Path, capsys: pytest
     # The aggregated mode on the same requests, with the mixed model: request 0 runs in chunks of
     # 256 and 244 tokens; request 1's 100 cached tokens count as one 64-token block (hits are whole
     # blocks), so it computes 236; request 4 again queues behind request 3 (0.35 s).
-    assert sim_vs_live.main(["--live", str(live), "--costs", str(costs), "--mode", "aggregated",
-                             "--json", str(tmp_path / "agg.json")]) == 0
+    assert sim_vs_live.main(["--live", str(live), "--costs", str(costs), "--mode", "aggregated", "--chunk-tokens", "256",
+                             "--block-size", "64", "--json", str(tmp_path / "agg.json")]) == 0
     result = json.loads((tmp_path / "agg.json").read_text())
     assert result["simulated"]["mean"] == pytest.approx((0.356 + 0.344 + 0.336 + 0.35) / 3)
 
@@ -224,3 +231,15 @@ def test_cluster_simulator_takes_the_profiled_costs(tmp_path: Path, capsys: pyte
     (tmp_path / "bad.yaml").write_text("cost: {prefill: {fixed_s: -1}}\n")
     assert simulate.main([*argv, "--costs", str(tmp_path / "bad.yaml")]) == 2
     assert "invalid cost section" in capsys.readouterr().err
+
+
+def test_simulated_engines_default_to_the_live_settings() -> None:
+    from crescent.services.aggregated.config import AggregatedSettings
+    from crescent.services.engine.settings import EngineSettings
+    from crescent.services.prefill.config import PrefillSettings
+
+    engine = EngineSettings()
+    prefill = PrefillSettings(scheduler_address="x:1")
+    aggregated = AggregatedSettings(scheduler_address="x:1")
+    assert AggregatedSetup() == AggregatedSetup(aggregated.chunk_tokens, engine.block_size, engine.max_batch_size)
+    assert PoolsSetup() == PoolsSetup(engine.prefill_chunk_tokens, prefill.max_batch_tokens, engine.max_batch_size)
