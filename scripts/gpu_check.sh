@@ -37,7 +37,6 @@ prepare() {
         "${platforms[@]}" --platform manylinux2014_x86_64 -d "$WHEELS" -r scripts/gpu_wheels.txt || return 1
     mkdir -p "$CARRY"
     if [ -d ../shared/kimi-tokenizer ]; then cp -r ../shared/kimi-tokenizer "$CARRY/"; fi
-    grep -qx '/.gpu-carry/' .git/info/exclude 2>/dev/null || echo '/.gpu-carry/' >>.git/info/exclude
     du -sh "$WHEELS" "$CARRY"
     echo "carry [\"$WHEELS\", \"$CARRY\"] and run: bash scripts/gpu_check.sh"
 }
