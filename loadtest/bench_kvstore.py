@@ -416,7 +416,10 @@ def main() -> None:
             S3_ENDPOINT = s3_endpoint
         try:
             for tier in args.tiers:
-                for size_mib, mtls in [(size, mtls) for size in args.sizes_mib for mtls in modes]:
+                # NIXL gets a node of its own: its agent's progress thread polls, and would slow the others.
+                groups = [[m for m in args.movers if m != "nixl"], [m for m in args.movers if m == "nixl"]]
+                groups = [g for g in groups if g] if tier == "host" else [["grpc"]]
+                for size_mib, mtls, group in [(size, mtls, g) for size in args.sizes_mib for mtls in modes for g in groups]:
                     size = size_mib * MIB
                     count = max(2, args.total_mib // size_mib)
                     port, admin = free_port(), free_port()
@@ -424,14 +427,14 @@ def main() -> None:
                     config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin}
                     if mtls:
                         config["tls"] = node_tls
-                    config["nixl"] = tier == "host" and "nixl" in args.movers  # the node serves it where it can
+                    config["nixl"] = group == ["nixl"]  # the node serves it where it can
                     path = workdir / f"{tier}.yaml"
                     path.write_text(yaml.safe_dump(config))
                     node = start([sys.executable, "-m", "crescent.services.kvstore.server", "--config", str(path)],
                                  workdir / f"{tier}.log")
                     try:
                         wait_http(f"http://127.0.0.1:{admin}/health")
-                        paths = [m for m in args.movers if m != "shm" or not mtls] if tier == "host" else ["grpc"]
+                        paths = [m for m in group if m != "shm" or not mtls]
                         for mover in paths:
                             per_call = max(1, args.batch_mib // size_mib)
                             case = asyncio.run(
