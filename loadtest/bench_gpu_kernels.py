@@ -97,7 +97,8 @@ class Bench:
 
 
 def rel_rms(a, b) -> float:
-    a, b = a.double(), b.double()
+    """Relative RMS difference of a from b, computed on a's device."""
+    a, b = a.double(), b.to(a.device).double()
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
@@ -147,9 +148,10 @@ def kda_cases(b: Bench, fla_chunk_kda: Callable | None) -> list[dict]:
             o_ref = theirs()[0]
             row["fla_ms"] = round(fla_seconds * 1e3, 4)
             row["speedup_vs_fla"] = round(fla_seconds / seconds, 3)  # >= 1: ours at least as fast
-        else:
-            o_ref, _ = chunk_kda_reference(q, k, v, g, beta, cu_seqlens=cu)
-        rows.append(b.check(row, rel_rms(o.float(), o_ref.float())))
+        else:  # the reference is a CPU loop over chunks, in fp32
+            o_ref, _ = chunk_kda_reference(*(x.cpu().float() for x in (q, k, v, g, beta)),
+                                           cu_seqlens=None if cu is None else cu.cpu())
+        rows.append(b.check(row, rel_rms(o, o_ref)))
     return rows
 
 
@@ -227,8 +229,9 @@ def mxfp4_cases(b: Bench) -> list[dict]:
     from crescent.kernels.mxfp4 import dequantize_mxfp4, mxfp4_matmul, quantize_mxfp4
 
     n, k, ms = (32, 64, (1, 8)) if b.dry_run else (6144, 3584, (1, 32, 2048))
-    blocks, scales = quantize_mxfp4(torch.randn(n, k, device=b.device))
-    w = dequantize_mxfp4(blocks, scales).float()  # [N, K]
+    blocks, scales = quantize_mxfp4(torch.randn(n, k))  # packing is load-time CPU work
+    w = dequantize_mxfp4(blocks, scales).to(b.device)  # [N, K] fp32, the check's weight
+    blocks, scales = blocks.to(b.device), scales.to(b.device)
     rows = []
     for m in ms:
         x = b.rnd(m, k)
