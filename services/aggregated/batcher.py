@@ -184,6 +184,10 @@ class MixedBatcher(Batcher):
         for job, logits in zip(jobs, prompt_logits):
             if logits is not None:
                 self._drop(job, None, logits)
+        if any(logits is not None for logits in prompt_logits):
+            # Prompts answered by this step queue their first tokens' sampling on the engine
+            # thread before the next step is queued: otherwise each first token waits a step more.
+            await asyncio.sleep(0)
         return results
 
     def _plan_chunks(self) -> list[tuple[PromptJob, int]]:
