@@ -8,8 +8,9 @@ through the step plans the live engines use and times every step with the profil
 - **aggregated** (``services/aggregated/batcher.py``): each step runs every decoding sequence
   (up to ``max_batch``, first come first served) and up to ``chunk_tokens`` prompt tokens from
   the queued prompts, oldest first; a chunk that does not end its prompt ends on a block
-  boundary. A prompt's first token is out when the step with its last chunk ends, and it decodes
-  from the next step on. Steps cost ``MixedStepCostModel``.
+  boundary. A prompt's first token is out when the step with its last chunk ends (sampled before
+  the next step runs), and it decodes from the step after next (its handover to the decode loop
+  happens while the next step runs). Steps cost ``MixedStepCostModel``.
 - **pools** (``services/prefill/batcher.py``, the decode batcher): a prefill step takes each
   queued prompt's next chunk of up to ``prefill_chunk_tokens``, oldest first, within
   ``max_batch_tokens`` (0: one prompt per step; the oldest always runs); a prompt's first token
@@ -137,22 +138,29 @@ def simulate_aggregated(requests: Sequence[ReplayedRequest], model: MixedStepCos
     arrivals = _check(requests)
     prompts: list[_Job] = []
     decoding: list[_Job] = []  # first come first served; the first max_batch run each step
+    joining: list[_Job] = []   # prompts done in the last step: handed over while the next one runs
     ttft: dict[int, float] = {}
     now, next_arrival = 0.0, 0
-    while next_arrival < len(arrivals) or prompts or decoding:
-        if not prompts and not decoding:  # idle until the next request
+    while next_arrival < len(arrivals) or prompts or decoding or joining:
+        if not prompts and not decoding and not joining:  # idle until the next request
             now = max(now, arrivals[next_arrival].arrival_s)
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now:
             prompts.append(_Job(arrivals[next_arrival], setup.block_size))
             next_arrival += 1
         chunks = aggregated_chunks(prompts, setup.chunk_tokens, setup.block_size)
         batch = decoding[: setup.max_batch]
-        now += model.step_seconds([(end - job.computed, job.computed) for job, end in chunks],
-                                  len(batch), sum(job.context for job in batch))
+        if chunks or batch:
+            now += model.step_seconds([(end - job.computed, job.computed) for job, end in chunks],
+                                      len(batch), sum(job.context for job in batch))
         for job in batch:
             job.generated += 1
             if job.generated >= job.req.output_tokens:
                 decoding.remove(job)
+        # The live batcher queues its next step before a finished prompt's request is handed
+        # over to its decode loop, so that request decodes from the step after next (or at once
+        # when the engine would otherwise be idle).
+        decoding.extend(joining)
+        joining = []
         for job, end in chunks:
             job.computed = end
             if end == job.req.prompt_tokens:  # its first token is sampled from this step's logits
@@ -160,7 +168,7 @@ def simulate_aggregated(requests: Sequence[ReplayedRequest], model: MixedStepCos
                 ttft[job.req.index] = now - job.req.arrival_s
                 job.generated = 1
                 if job.req.output_tokens > 1:
-                    decoding.append(job)
+                    joining.append(job)
     return ttft
 
 

@@ -102,6 +102,14 @@ def test_aggregated_prompt_waits_for_the_step_and_shares_it_with_decode() -> Non
     assert ttft[1] == pytest.approx(0.31 + 0.31 - 0.25)
 
 
+def test_aggregated_finished_prompt_decodes_from_the_step_after_next() -> None:
+    # Step 1 (0.328 s): the first prompt's 100 tokens and 128 of the second's (256 tokens, the
+    # second's chunk ending on a block). Step 2 (0.272 s): the second's last 172 tokens, without a
+    # decode row: the first request is handed over to decoding while step 2 runs.
+    ttft = simulate_aggregated([req(0, 0.0, 100, output=5), req(1, 0.0, 300)], MIXED, AGGREGATED)
+    assert ttft == pytest.approx({0: 0.328, 1: 0.328 + 0.272})
+
+
 def test_aggregated_chunk_budget_is_shared_oldest_first() -> None:
     # Both queued at 0 with 256 tokens per step: the first's 200, and the 56 left are less than
     # a 64-token block (a chunk that does not end its prompt ends on a block): the second waits.
