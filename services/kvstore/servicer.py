@@ -209,7 +209,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             for key in keys:
                 self.store.unpin(key)
             raise
-        reply.side_token = self.endpoints.send_then_unpin(self.store, keys, payloads, self.reservations.lifetime_s)
+        if keys:  # nothing found: nothing to send, no token
+            reply.side_token = self.endpoints.send_then_unpin(self.store, keys, payloads, self.reservations.lifetime_s)
         return reply
 
     def _reply_from_pool(self, host: HostTier, request: kvstore_pb2.GetRequest, reply: kvstore_pb2.ShmGetReply) -> bool:

@@ -48,7 +48,7 @@ class NixlMover(Mover):
             if refused(exc):
                 self.give_up("the node has no NIXL engine")
                 return None
-            self.link.failed("put_nixl", exc)
+            self.link.failed("put", exc)  # the node itself did not answer: no other way will do better
             return PutResult(0, len(blocks), failed=True)
         granted = [i for i, slot in enumerate(reply.slots) if slot.granted]
         others = [b for b, slot in zip(blocks, reply.slots) if not slot.granted and not slot.held]
@@ -62,9 +62,13 @@ class NixlMover(Mover):
                     written[i] = True
             except NixlUnavailable as exc:
                 self.give_up(str(exc))
-        committed = await self.link.stub.CommitShm(
-            kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written), timeout=self.link.timeout_s,
-        )
+        try:
+            committed = await self.link.stub.CommitShm(
+                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written), timeout=self.link.timeout_s,
+            )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            self.link.failed("put", exc)
+            return PutResult(0, len(blocks), failed=True)
         if granted and not any(written):
             return None  # the room went back: this put goes another way
         rest = await self._rest.put(others) if others else PutResult(0, 0)

@@ -61,7 +61,6 @@ class SharedMemoryMover(Mover):
                   corrupt: list[BlockKey]) -> dict[BlockKey, KvBlock] | None:
         return await self._get_shm(request, model_id, corrupt)
 
-
     def _segment(self, size: int) -> shm.ShmSegment:
         for i, segment in enumerate(self._free_segments):
             if segment.size >= size:
