@@ -244,16 +244,13 @@ def mxfp4_cases(b: Bench) -> list[dict]:
     return rows
 
 
-def print_table(result: dict) -> None:
-    print(f"device: {result['device']}  peaks: {result['peak_bf16_tflops']} TFLOP/s bf16, "
-          f"{result['peak_hbm_gbs']} GB/s  |  {result['kda_compared_with']}")
-    for kernel in ("kda", "mla", "moe", "mxfp4"):
-        for row in result.get(kernel, []):
-            extra = f"  vs fla x{row['speedup_vs_fla']}" if "speedup_vs_fla" in row else ""
-            status = "ok" if row.get("ok") else f"FAIL {row.get('error', '')}"
-            print(f"{kernel:>6} {row['case']:<28} {row.get('ms', '-'):>10} ms {row.get('tflops', '-'):>9} TFLOP/s "
-                  f"{row.get('gbs', '-'):>8} GB/s  peak {row.get('frac_peak_tflops')}/{row.get('frac_peak_gbs')}"
-                  f"{extra}  {status}")
+def print_rows(kernel: str, rows: list[dict]) -> None:
+    for row in rows:
+        extra = f"  vs fla x{row['speedup_vs_fla']}" if "speedup_vs_fla" in row else ""
+        status = "ok" if row.get("ok") else f"FAIL {row.get('error', 'check')}"
+        print(f"{kernel:>6} {row['case']:<28} {row.get('ms', '-'):>10} ms {row.get('tflops', '-'):>9} TFLOP/s "
+              f"{row.get('gbs', '-'):>8} GB/s  peak {row.get('frac_peak_tflops')}/{row.get('frac_peak_gbs')}"
+              f"{extra}  {status}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,16 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--only: unknown kernels {unknown}; choose from {sorted(cases)}", file=sys.stderr)
         return 2
+    print(f"device: {b.name}  peaks: {b.peak_tflops} TFLOP/s bf16, {b.peak_gbs} GB/s  |  {fla_note}", flush=True)
     for name in wanted:
         try:
             result[name] = cases[name]()
         except Exception as exc:  # noqa: BLE001 - one broken kernel must not hide the others' figures
             result[name] = [{"case": "all", "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}]
+        print_rows(name, result[name])
+        if args.json:  # what is done so far survives a stage timeout
+            args.json.write_text(json.dumps({**result, "complete": False}) + "\n")
     kda_speedups = [row["speedup_vs_fla"] for row in result.get("kda", []) if "speedup_vs_fla" in row]
     # the issue's figure: KDA prefill at least as fast as fla-core's chunk_kda on the same shapes
     result["kda_prefill_ge_fla"] = min(kda_speedups) >= 1.0 if kda_speedups else None
     result["ok"] = all(row.get("ok") for name in wanted for row in result[name])
-    print_table(result)
+    result["complete"] = True
     line = json.dumps(result)
     if args.json:
         args.json.write_text(line + "\n")

@@ -186,13 +186,23 @@ if [ -s "$OUT/bench_gpu_kernels.json" ]; then
     "$PY" - "$OUT/bench_gpu_kernels.json" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"bench: {r['device']} ({r['kda_compared_with']}); KDA prefill >= fla-core chunk_kda: {r['kda_prefill_ge_fla']}")
+print(f"bench{'' if r.get('complete') else ' (INCOMPLETE)'}: {r['device']} ({r['kda_compared_with']}); "
+      f"KDA prefill >= fla-core chunk_kda: {r.get('kda_prefill_ge_fla')}")
 for kernel in ("kda", "mla", "moe", "mxfp4"):
     for row in r.get(kernel, []):
         fla = f", x{row['speedup_vs_fla']} vs fla" if "speedup_vs_fla" in row else ""
         print(f"  {kernel} {row['case']}: {row.get('ms')} ms, {row.get('tflops')} TFLOP/s "
               f"({row.get('frac_peak_tflops')} of peak), {row.get('gbs')} GB/s ({row.get('frac_peak_gbs')}){fla}"
               f"{'' if row.get('ok') else ' FAILED: ' + str(row.get('error', 'check'))}")
+EOF
+fi
+if [ -s "$OUT/smoke.json" ]; then
+    "$PY" - "$OUT/smoke.json" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"smoke: {r['model']}, kvstore {r['tier']} tier: {'ok' if r['ok'] else 'FAILED: ' + r.get('error', '?')}; "
+      f"startup {r.get('startup_s')} s, blocks in the tier {r.get('kvstore_blocks_in_tier')}, "
+      f"cached prompt tokens {r.get('warm_cached_tokens')}, reads from the tier {r.get('kvstore_hits_in_tier')}")
 EOF
 fi
 note "total $(($(date +%s) - START)) s; $([ $FAILED -eq 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED')"

@@ -44,7 +44,7 @@ def test_dry_run_prints_one_json_line_with_every_kernel_checked(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == json.loads(out.read_text())
-    assert result["dry_run"] and result["ok"] and result["device"] == "cpu-interpreter"
+    assert result["dry_run"] and result["ok"] and result["complete"] and result["device"] == "cpu-interpreter"
     assert result["peak_bf16_tflops"] is None and result["kda_prefill_ge_fla"] is None  # nothing measured
     assert "fp32 reference" in result["kda_compared_with"]  # says what KDA was compared with
     for kernel in ("kda", "mla", "moe", "mxfp4"):
