@@ -50,6 +50,7 @@ esac
 
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
+rm -f "$OUT"/{gpu_check.log,bench_gpu_kernels.json,smoke.json,smoke-up.log,kernel_tests.xml}  # a last run's
 : >"$OUT/summary.txt"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 START=$(date +%s)
