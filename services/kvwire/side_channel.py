@@ -163,6 +163,7 @@ class _Transfer:
     checksums: list[int]             # receive: what each payload's CRC must be
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future = field(init=False)
+    token: bytes = b""
     stripes: int = 0                 # set by the first connection
     opened: set[int] = field(default_factory=set)
     finished: int = 0
@@ -208,10 +209,17 @@ class SideChannelServer:
     # -- registering transfers (on the event loop) ---------------------------------------------
 
     def _register(self, transfer: _Transfer) -> bytes:
-        token = secrets.token_bytes(TOKEN_BYTES)
+        transfer.token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
-            self._pending[token] = transfer
-        return token
+            self._pending[transfer.token] = transfer
+        return transfer.token
+
+    def _forget(self, transfer: _Transfer) -> None:
+        """A transfer that ended (done or failed) opens nothing more: a late stripe must not
+        write into room that may belong to another block by then."""
+        with self._lock:
+            if self._pending.get(transfer.token) is transfer:
+                del self._pending[transfer.token]
 
     def expect_receive(self, buffers: Sequence[memoryview], checksums: Sequence[int]) -> tuple[bytes, asyncio.Future]:
         """A transfer into ``buffers``; its future gives one bool per payload (CRC as expected)."""
@@ -291,6 +299,7 @@ class SideChannelServer:
                 self._stripe_done(transfer, [])
         except (OSError, ssl.SSLError, ValueError) as exc:
             if opened is not None:
+                self._forget(opened[0])
                 opened[0].finish(error=SideChannelError(f"side channel transfer failed: {exc}"))
             else:
                 self._on_refused()
@@ -308,6 +317,7 @@ class SideChannelServer:
             last = transfer.finished == transfer.stripes
         if not last:
             return
+        self._forget(transfer)
         if transfer.kind == _RECEIVE:
             crcs = joined_crcs(len(transfer.buffers), transfer.parts)
             results = [crc == want for crc, want in zip(crcs, transfer.checksums)]

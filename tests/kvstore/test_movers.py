@@ -22,7 +22,7 @@ from crescent.protos import kvstore_pb2
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers import nixl as nixl_mover
 from crescent.services.kvwire.fused_copy import crc32
-from crescent.services.kvwire.side_channel import joined_crcs, stripe_pieces
+from crescent.services.kvwire.side_channel import SideChannelServer, joined_crcs, stripe_pieces
 
 from .helpers import MODEL, make_chain
 
@@ -258,3 +258,23 @@ def test_stripes_cover_every_byte_once_and_their_crcs_join(sizes: list[int], str
     assert [bytes(c) for c in covered] == payloads
     assert sum(b - a for (_, a, b), _ in parts) == sum(sizes)
     assert joined_crcs(len(sizes), parts[::-1]) == [crc32(p) for p in payloads]
+
+
+async def test_a_stripe_arriving_after_its_transfer_failed_writes_nothing() -> None:
+    """Once a transfer has ended, its room may hold another block: a late stripe is refused."""
+    refused = []
+    server = SideChannelServer("127.0.0.1", on_refused=lambda: refused.append(1))
+    room = bytearray(16 * MIB)
+    try:
+        token, landed = server.expect_receive([memoryview(room)], [0])
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(token + bytes([0, 2]) + b"x" * 1000)  # stripe 0 of 2, cut short
+        with pytest.raises(ConnectionError):
+            await landed
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(token + bytes([1, 2]) + b"y" * MIB)  # stripe 1 arrives late
+            assert _closed_without_answer(sock)
+        assert refused == [1]
+        assert b"y" not in room  # nothing written by the late stripe
+    finally:
+        server.close()
