@@ -38,6 +38,7 @@ from crescent.services.scheduler.cost_model import (
     MixedStepSample,
     PrefillCostModel,
     PrefillSample,
+    attention_pairs,
     fit_decode_model,
     fit_mixed_step_model,
     fit_prefill_model,
@@ -182,7 +183,7 @@ class Profiler:
         try:
             for _ in range(batch_size):
                 sizes = [min(page, context_tokens - i) for i in range(0, context_tokens, page)]
-                payloads = [torch.zeros(engine.cache.payload_shape(n)) for n in sizes]
+                payloads = [torch.zeros(engine.cache.payload_shape(n), dtype=engine.cache.wire_dtype) for n in sizes]
                 seqs.append(engine.adopt_sequence(self._name(), self._tokens(context_tokens + 1), context_tokens, payloads))
         except BaseException:
             for seq in seqs:
@@ -220,7 +221,7 @@ class Profiler:
         finally:
             for seq in seqs:
                 engine.release(seq)
-        return MixedStepSample(prompt_tokens=chunk_tokens, attention_pairs=chunk_tokens * chunk_context + chunk_tokens**2 / 2,
+        return MixedStepSample(prompt_tokens=chunk_tokens, attention_pairs=attention_pairs([(chunk_tokens, chunk_context)]),
                                batch_size=batch_size, context_tokens=round(batch_size * (context_tokens + 1 + steps / 2)),
                                seconds=statistics.median(times[1:]))
 
@@ -332,13 +333,9 @@ def table_rows(result: ProfileResult) -> list[tuple[str, str, float, float]]:
               result.decode_model.step_seconds(s.batch_size, s.context_tokens)) for s in result.decode_samples]
     if result.mixed_model is not None:
         rows += [("mixed step", f"{s.prompt_tokens}-token chunk, batch {s.batch_size}, {s.context_tokens} context", s.seconds,
-                  _mixed_fitted(result.mixed_model, s)) for s in result.mixed_samples]
+                  result.mixed_model.seconds(s.prompt_tokens, s.attention_pairs, s.batch_size, s.context_tokens))
+                 for s in result.mixed_samples]
     return rows
-
-
-def _mixed_fitted(model: MixedStepCostModel, s: MixedStepSample) -> float:
-    return (model.fixed_s + model.per_prompt_token_s * s.prompt_tokens + model.attention_s * s.attention_pairs
-            + model.per_sequence_s * s.batch_size + model.per_context_token_s * s.context_tokens)
 
 
 def fit_error(rows: Sequence[tuple[str, str, float, float]]) -> float:

@@ -69,10 +69,13 @@ class MixedStepCostModel:
 
     def step_seconds(self, chunks: Sequence[tuple[int, int]], batch_size: int = 0, context_tokens: int = 0) -> float:
         """``chunks``: (new tokens, tokens before them) per prompt in the step."""
-        new = sum(u for u, _ in chunks if u > 0)
-        if new <= 0 and batch_size <= 0:
+        return self.seconds(sum(u for u, _ in chunks if u > 0), attention_pairs(chunks), batch_size, context_tokens)
+
+    def seconds(self, prompt_tokens: int, pairs: float, batch_size: int, context_tokens: int) -> float:
+        """A step of ``prompt_tokens`` chunk tokens seeing ``pairs`` query-key pairs, and decode rows."""
+        if prompt_tokens <= 0 and batch_size <= 0:
             return 0.0
-        return (self.fixed_s + self.per_prompt_token_s * new + self.attention_s * attention_pairs(chunks)
+        return (self.fixed_s + self.per_prompt_token_s * prompt_tokens + self.attention_s * pairs
                 + self.per_sequence_s * max(batch_size, 0) + self.per_context_token_s * context_tokens)
 
     def prefill_model(self) -> PrefillCostModel:
