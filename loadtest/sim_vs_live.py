@@ -77,14 +77,14 @@ def replayed_requests(rows: Sequence[dict]) -> tuple[list[ReplayedRequest], dict
             prompt, cached, output = row["prompt_tokens"], row["cached_tokens"] or 0, row["output_tokens"]
         elif row["status"] in RAN_UNFINISHED:
             prompt, cached, output = row["prompt_tokens"], row["cached_tokens"] or 0, row.get("max_tokens") or 1
-            if not prompt:  # cut off before the server reported its usage
-                if not row.get("prompt_words") or not template:
-                    raise InputError(f"request {row['index']} was cut off with no prompt size: replay it with a newer "
-                                     "loadtest.replay (its rows keep prompt_words)")
-                prompt, cached = row["prompt_words"] + round(statistics.median(template)), 0
         else:
             refused += 1
             continue
+        if not prompt:  # cut off before the server reported its usage (or it reports none)
+            if not row.get("prompt_words") or not template:
+                raise InputError(f"request {row['index']} has no prompt size: the server reported no usage, and "
+                                 "rows without prompt_words come from an older loadtest.replay")
+            prompt, cached = row["prompt_words"] + round(statistics.median(template)), 0
         requests.append(ReplayedRequest(row["index"], float(row["arrival_s"]), int(prompt), int(cached), max(int(output), 1)))
     return requests, live, refused
 

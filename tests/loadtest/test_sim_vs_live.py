@@ -221,6 +221,10 @@ def test_script_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     live.write_text(json.dumps({"per_request": [{"index": 0, "ok": True}]}))
     assert sim_vs_live.main(["--live", str(live), "--costs", str(costs), "--mode", "pools"]) == 2
     assert "lacks arrival_s" in capsys.readouterr().err
+    no_size = [_row(0, 0.0, ttft=0.5, prompt=0, words=0)]  # no usage reported, an old replay's row
+    live.write_text(json.dumps({"per_request": no_size}))
+    assert sim_vs_live.main(["--live", str(live), "--costs", str(costs), "--mode", "pools"]) == 2
+    assert "request 0 has no prompt size" in capsys.readouterr().err
     costs.write_text("slo: {}\n")
     assert sim_vs_live.main(["--live", str(live), "--costs", str(costs)]) == 2
     assert "no 'cost:' section" in capsys.readouterr().err
