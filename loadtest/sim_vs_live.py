@@ -101,8 +101,11 @@ def compare(simulated: dict[int, float], live: dict[int, float], overhead_s: flo
     sim_stats, live_stats = stats(sims), stats(lives)
     error = {k: (sim_stats[k] - live_stats[k]) / live_stats[k] if live_stats[k] else float("inf") for k in STATS}
     within = {k: abs(error[k]) <= tolerance for k in STATS}
+    # Where they disagree most, request by request: what to look at when the totals do not agree.
+    worst = sorted(((i, s, l) for i, s, l in zip(ids, sims, lives)), key=lambda t: -abs(t[1] - t[2]))[:5]
     return {"requests": len(ids), "simulated": sim_stats, "live": live_stats, "relative_error": error,
-            "within": within, "all_within": all(within.values()), "tolerance": tolerance}
+            "within": within, "all_within": all(within.values()), "tolerance": tolerance,
+            "largest_differences": [{"index": i, "simulated_s": s, "live_s": l} for i, s, l in worst]}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -166,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     title = (f"{args.mode}: {result['requests']} requests completed live ({len(requests)} replayed, "
              f"{refused} refused live)")
     print(render(result, title), end="")
+    print("largest differences (request: simulated / live s): "
+          + ", ".join(f"{d['index']}: {d['simulated_s']:.2f} / {d['live_s']:.2f}" for d in result["largest_differences"]))
     verdict = "within" if result["all_within"] else "NOT within"
     print(f"simulated TTFT {verdict} {args.tolerance:.0%} of live on every statistic")
     if args.json:

@@ -192,6 +192,7 @@ def test_script_compares_the_same_requests(tmp_path: Path, capsys: pytest.Captur
     assert result["simulated"]["p50"] == pytest.approx(0.35) and result["live"]["p50"] == pytest.approx(0.36)
     assert result["relative_error"]["p50"] == pytest.approx(0.35 / 0.36 - 1)
     assert result["all_within"] is True
+    assert result["largest_differences"][0] == {"index": 1, "simulated_s": pytest.approx(0.3), "live_s": 0.36}
     assert "within 25% of live" in printed and "NOT" not in printed
 
 
