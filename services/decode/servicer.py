@@ -29,7 +29,7 @@ from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
 from crescent.services.engine.engine import Sequence
-from crescent.services.engine.wire import KV_DTYPE, block_tensor, logprob_message, sampling_config
+from crescent.services.engine.wire import block_tensor, kv_dtype, logprob_message, sampling_config
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         prompt_len = len(header.prompt_token_ids)
         if prompt_len == 0 or prompt_len + 1 >= cfg.max_position_embeddings:
             return f"prompt of {prompt_len} tokens does not fit the context window"
-        if header.kv_dtype != KV_DTYPE or tuple(header.kv_block_shape) != self.engine.cache.block_shape:
+        if header.kv_dtype != kv_dtype(self.engine.cache) or tuple(header.kv_block_shape) != self.engine.cache.block_shape:
             return f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} != {self.engine.cache.block_shape}"
         firsts = _first_tokens(header)
         n = max(header.sampling.n, 1)

@@ -33,7 +33,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.kv_cache import PageEventKind
 from crescent.services.engine.runtime import EngineWorker, FatalServiceError, ShutdownSignals, build_engine
 from crescent.services.engine.settings import EngineSettings
-from crescent.services.engine.wire import KV_DTYPE
+from crescent.services.engine.wire import kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,8 @@ class EngineInstance:
             instance_id=self._instance_id or f"{self.role_name}-{socket.gethostname()}-{port}",
             role=ROLES[self.role_name], address=address, model_id=self.engine.model_id,
             block_size=self.engine.page_size, kv_capacity_tokens=self.engine.cache.capacity_tokens,
-            max_batch_size=self.engine_settings.max_batch_size, kv_format=kv_format(self.engine), kv_dtype=KV_DTYPE,
+            max_batch_size=self.engine_settings.max_batch_size, kv_format=kv_format(self.engine),
+            kv_dtype=kv_dtype(self.engine.cache),
         )
 
     def _load_message(self) -> scheduler_pb2.InstanceLoad:

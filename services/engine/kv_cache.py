@@ -194,7 +194,7 @@ class PagedKvCache:
     """The pool tensor plus its ``PageManager``.
 
     The engine reaches pages only through ``pages`` and the block methods below (``block_shape``,
-    ``payload_shape``, ``payload_tokens``, ``read_block``, ``write_block``, ``nbytes``), so a model
+    ``wire_dtype``, ``payload_shape``, ``payload_tokens``, ``read_block``, ``write_block``, ``nbytes``), so a model
     with another page layout (the hybrid ``kimi_k3`` family) supplies its own cache class with
     the same methods through ``model.make_cache(num_pages, page_size)``.
     """
@@ -206,6 +206,11 @@ class PagedKvCache:
         self.page_size = page_size
         self.pool = torch.zeros((num_pages, num_layers, 2, page_size, kv_heads, head_dim), dtype=dtype)
         self.pages = PageManager(num_pages)
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of block payloads (``read_block``/``write_block``): the pool's."""
+        return self.pool.dtype
 
     @property
     def block_shape(self) -> tuple[int, ...]:

@@ -38,21 +38,29 @@ def logprob_message(entry: TokenLogprob) -> common_pb2.TokenLogprob:
                                    top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
 
 
-# KV travels as float32 bytes (the engine's cache dtype), whatever the hop.
-KV_DTYPE = "float32"
+def kv_dtype(cache) -> str:
+    """The dtype KV blocks of ``cache`` travel in, whatever the hop, by name ("float32",
+    "bfloat16"): its ``wire_dtype`` — the cache's own, so nothing widens on the wire. An engine
+    registers it (``kv_dtype``), and blocks and handoffs of another dtype are refused."""
+    return str(cache.wire_dtype).removeprefix("torch.")
+
+
+def payload_bytes(payload: torch.Tensor) -> bytes:
+    """A block payload's raw little-endian bytes (numpy has no bfloat16: read them as bytes)."""
+    return payload.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def block_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
-    """A received block's payload as a tensor of ``shape``, without copying it."""
+    """A received block's payload as a tensor of ``shape`` and its dtype, without copying it."""
     with warnings.catch_warnings():  # read-only buffers are fine: the engine copies them into its pool
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(block.payload, dtype=torch.float32).view(shape)
+        return torch.frombuffer(block.payload, dtype=getattr(torch, block.dtype)).view(shape)
 
 
 def block_matches(block: KvBlock, key: BlockKey | None, tokens: Sequence[int], cache) -> bool:
-    """Whether a fetched block is the one this prompt needs here (key, tokens, and a full block of
-    ``cache``'s layout: for a hybrid model, with or without a state snapshot)."""
-    if block.key != key or list(block.token_ids) != list(tokens) or block.dtype != KV_DTYPE:
+    """Whether a fetched block is the one this prompt needs here (key, tokens, the cache's dtype,
+    and a full block of ``cache``'s layout: for a hybrid model, with or without a state snapshot)."""
+    if block.key != key or list(block.token_ids) != list(tokens) or block.dtype != kv_dtype(cache):
         return False
     try:
         return cache.payload_tokens(tuple(block.shape)) == cache.page_size
@@ -63,4 +71,5 @@ def block_matches(block: KvBlock, key: BlockKey | None, tokens: Sequence[int], c
 def page_block(engine: Engine, page: int, key: BlockKey, parent: BlockKey | None, tokens: Sequence[int]) -> KvBlock:
     """A copy of one full cached page as a ``KvBlock`` (call on the engine thread)."""
     payload = engine.cache.read_block(page)  # a hybrid model's block carries its snapshot if it has one
-    return KvBlock.build(key, parent, engine.model_id, KV_DTYPE, tuple(payload.shape), tokens, payload.numpy().tobytes())
+    return KvBlock.build(key, parent, engine.model_id, kv_dtype(engine.cache), tuple(payload.shape), tokens,
+                         payload_bytes(payload))

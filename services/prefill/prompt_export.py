@@ -28,7 +28,8 @@ def owned_bytes(tensor: torch.Tensor) -> memoryview:
     Llama block is a view of the cache, whose page is reused later)."""
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.untyped_storage().nbytes() == nbytes:
-        return memoryview(tensor.numpy()).cast("B").toreadonly()  # the array keeps the tensor alive
+        # the array keeps the tensor alive; bytes, as numpy has no bfloat16
+        return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B").toreadonly()
     out = empty_buffer(nbytes)
     torch.frombuffer(out, dtype=tensor.dtype).view(tensor.shape).copy_(tensor)
     return out.toreadonly()

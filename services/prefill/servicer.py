@@ -47,9 +47,9 @@ from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, ba
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.engine.sampler import sample_batch
 from crescent.services.engine.wire import (
-    KV_DTYPE,
     block_matches,
     block_tensor,
+    kv_dtype,
     logprob_message,
     sampling_config,
 )
@@ -322,8 +322,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         indices = range(already_cached // page, len(seq.block_keys))
         payloads = await export.payloads(indices)
         return [
-            KvBlock.build(seq.block_keys[i], seq.block_keys[i - 1] if i else None, self.engine.model_id, KV_DTYPE,
-                          export.shape(i), seq.token_ids[i * page : (i + 1) * page], payload)
+            KvBlock.build(seq.block_keys[i], seq.block_keys[i - 1] if i else None, self.engine.model_id,
+                          kv_dtype(self.engine.cache), export.shape(i), seq.token_ids[i * page : (i + 1) * page], payload)
             for i, payload in zip(indices, payloads)
         ]
 
@@ -355,7 +355,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._count_copied(export)
         blocks = [
             (common_pb2.BlockMeta(key=f"{request.request_id}/{i}".encode(), model_id=self.engine.model_id,
-                                  dtype=KV_DTYPE, shape=list(export.shape(i)),
+                                  dtype=kv_dtype(self.engine.cache), shape=list(export.shape(i)),
                                   nbytes=len(payload), found=True), payload)
             for i, payload in enumerate(payloads)
         ]
@@ -374,7 +374,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         finished: list[int]) -> decode_pb2.HandoffHeader:
         return decode_pb2.HandoffHeader(
             request_id=request.request_id, model_id=self.engine.model_id, prompt_token_ids=request.token_ids,
-            first_token_id=firsts[0], sampling=request.sampling, kv_dtype=KV_DTYPE,
+            first_token_id=firsts[0], sampling=request.sampling, kv_dtype=kv_dtype(self.engine.cache),
             kv_block_shape=list(self.engine.cache.block_shape), num_blocks=-(-len(request.token_ids) // self.engine.page_size),
             first_token_ids=firsts if len(firsts) > 1 else [], finished_choices=finished,
         )

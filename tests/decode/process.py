@@ -23,7 +23,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
 from crescent.services.model.model_source import DEFAULT_MODEL, resolve_model
-from crescent.services.engine.wire import KV_DTYPE
+from crescent.services.engine.wire import kv_dtype, payload_bytes
 from tests.ports import free_port
 
 BLOCK = 64
@@ -171,20 +171,20 @@ class PromptKv:
             seq = self.engine.add_sequence(request_id, tokens, use_cache=False)
             try:
                 first = int(torch.argmax(self.engine.prefill(seq)))
-                blobs = [self.engine.block_payload(seq, i, min(BLOCK, len(tokens) - i * BLOCK)).numpy().tobytes()
+                blobs = [payload_bytes(self.engine.block_payload(seq, i, min(BLOCK, len(tokens) - i * BLOCK)))
                          for i in range(-(-len(tokens) // BLOCK))]
             finally:
                 self.engine.release(seq)
         sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         parts = [decode_pb2.HandoffPart(header=decode_pb2.HandoffHeader(
             request_id=request_id, model_id=self.engine.model_id, prompt_token_ids=tokens, first_token_id=first,
-            sampling=sampling, kv_dtype=KV_DTYPE, kv_block_shape=list(self.engine.cache.block_shape),
+            sampling=sampling, kv_dtype=kv_dtype(self.engine.cache), kv_block_shape=list(self.engine.cache.block_shape),
             num_blocks=len(blobs),
         ))]
         for i, blob in enumerate(blobs):
             shape = list(self.engine.cache.payload_shape(min(BLOCK, len(tokens) - i * BLOCK)))
             meta = common_pb2.BlockMeta(key=f"{request_id}/{i}".encode(), model_id=self.engine.model_id,
-                                        dtype=KV_DTYPE, shape=shape, nbytes=len(blob), found=True)
+                                        dtype=kv_dtype(self.engine.cache), shape=shape, nbytes=len(blob), found=True)
             # Built with the generated code: the reference the decode server's own codec must read.
             parts.append(decode_pb2.HandoffPart(block=common_pb2.BlockChunk(meta=meta, data=blob, last=True)))
         return first, parts

@@ -1,5 +1,6 @@
 """``crescent up --aggregated 1 --model kimi-k3-nano``: the hybrid model (recurrent KDA state and
-MLA) prefilled in chunks mixed into decode steps, replies equal to a single-process run."""
+MLA) prefilled in chunks mixed into decode steps, replies equal to a single-process run — with
+the preset's fp32 cache and with a bf16 one (``engine.kv_cache_dtype``)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.stack import Stack, start_stack, stop_stack
-from tests.e2e.test_kimi_k3_path import BLOCK, CONTEXT, MODEL, ask, k3_reference, reference_reply, reply_text  # noqa: F401
+from tests.e2e.test_kimi_k3_path import (  # noqa: F401 (fixtures)
+    BLOCK, CONTEXT, MODEL, ask, cache_dtype, k3_reference, reference_reply, reply_text,
+)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def k3_aggregated(tmp_path_factory: pytest.TempPathFactory) -> Stack:
-    env = {"CRESCENT_AGGREGATED__CHUNK_TOKENS": str(2 * BLOCK), "CRESCENT_AGGREGATED__ENGINE__THREADS": "1"}
+def k3_aggregated(tmp_path_factory: pytest.TempPathFactory, cache_dtype: str) -> Stack:
+    env = {"CRESCENT_AGGREGATED__CHUNK_TOKENS": str(2 * BLOCK), "CRESCENT_AGGREGATED__ENGINE__THREADS": "1",
+           "CRESCENT_AGGREGATED__ENGINE__KV_CACHE_DTYPE": cache_dtype}
     running = start_stack(tmp_path_factory.mktemp("k3-aggregated"), "--aggregated", "1", "--model", MODEL,
                           "--block-size", str(BLOCK), "--kv-capacity-tokens", "2048", env=env)
     yield running

@@ -17,7 +17,10 @@ from crescent.services.engine.kimi_k3 import K3_FULL, k3_footprint
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.loading import seeded_weights
 from crescent.services.engine.kimi_k3.model import K3Model
-from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
+from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy
+from crescent.services.engine.wire import block_matches, block_tensor, kv_dtype, payload_bytes
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.kv_block import KvBlock
 from tests.engine.k3_reference import TEST_CFG, dense_k3_logits
 
 PAGE = 16
@@ -169,6 +172,51 @@ def test_handoff_carries_the_live_state_in_the_last_block_only():
         adopted.token_ids.append(out[-1])
     assert out == expected
     assert len(target.cache.snapshots) == 0  # decode keeps no snapshots
+
+
+def _through_the_wire(engine: Engine, payload: torch.Tensor, index: int, tokens: list[int] = ()) -> KvBlock:
+    """A payload as it travels (kvstore, peers, handoff): raw bytes under the cache's dtype."""
+    key = BlockKey(bytes([index]) * 32)
+    return KvBlock.build(key, None, "k3-test", kv_dtype(engine.cache), tuple(payload.shape), tokens,
+                         payload_bytes(payload))
+
+
+def test_bf16_blocks_travel_in_bf16_with_the_state_in_fp32():
+    """Latents cross the wire in the cache dtype (half the fp32 bytes); a state travels as its fp32
+    bytes in front of them, so a handed-off live tail arrives unrounded: decode continues exactly."""
+    tokens = prompt(3 * PAGE + 5)
+    expected = make_engine(cfg=BF16_CFG).generate(tokens, max_tokens=6, stop_token_ids=[])
+    source, target = make_engine(every=0, cfg=BF16_CFG), make_engine(cfg=BF16_CFG)
+    seq = source.add_sequence("a", tokens)
+    first = int(torch.argmax(source.prefill(seq)))
+    blocks = [_through_the_wire(source, source.block_payload(seq, i, min(PAGE, len(tokens) - i * PAGE)), i)
+              for i in range(4)]
+    latent_bytes = len(BF16_CFG.mla_layers) * BF16_CFG.mla_latent_dim * 2  # per token, bf16
+    state_bytes = KdaStates.wire_floats(BF16_CFG) * 4                     # fp32, tails included
+    assert all(b.dtype == "bfloat16" for b in blocks)
+    assert [b.nbytes for b in blocks] == [PAGE * latent_bytes] * 2 + [state_bytes + PAGE * latent_bytes,
+                                                                      state_bytes + 5 * latent_bytes]
+    for b in blocks:
+        b.verify("k3-test")
+    adopted = target.adopt_sequence("a", tokens + [first], len(tokens), [block_tensor(b, b.shape) for b in blocks])
+    assert torch.equal(target.cache.live(adopted.state).tail, source.cache.live(seq.state).tail)  # fp32, unrounded
+    out = [first]
+    while len(out) < 6:
+        out.append(int(torch.argmax(target.decode_step([adopted])[0])))
+        adopted.token_ids.append(out[-1])
+    assert out == expected
+
+
+def test_a_block_of_another_dtype_does_not_match():
+    bf16, fp32 = make_engine(cfg=BF16_CFG), make_engine()
+    tokens = prompt(PAGE + 3)
+    seq = bf16.add_sequence("a", tokens)
+    bf16.prefill(seq)
+    block = _through_the_wire(bf16, bf16.block_payload(seq, 0), 0, tokens[:PAGE])
+    assert block_matches(block, block.key, tokens[:PAGE], bf16.cache)
+    assert not block_matches(block, block.key, tokens[:PAGE], fp32.cache)  # an fp32 engine recomputes
+    with pytest.raises(ValueError, match="dtype"):
+        fp32.cache.write_block(0, block_tensor(block, block.shape))
 
 
 def test_fetched_blocks_attach_up_to_the_last_one_with_a_state():

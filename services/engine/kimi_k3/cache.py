@@ -15,11 +15,14 @@ sequence, and a bounded pool of state snapshots for the prefix cache.
 A prefix hit can only resume where a snapshot is: ``resumable(pages)`` is the length of the
 matched pages up to the last one with a snapshot; the engine recomputes the rest.
 
-Block payloads (kvstore, peers, handoff) are fp32 (bf16 latents widen exactly): a block without
-a state is its latents token-major, shape ``(tokens, mla_layers * (Dc + Dr))``; a block with a
-state (a snapshot, or the live state of a sequence's last block in a handoff) is one flat
-``(state_floats + tokens * mla_layers * (Dc + Dr),)`` tensor, the state first. ``block_shape``,
-the layout's name, is a full block without a state.
+Block payloads (kvstore, peers, handoff) are tensors of the cache dtype (``wire_dtype``), so
+bf16 latents travel as bf16. A block without a state is its latents token-major, shape
+``(tokens, mla_layers * (Dc + Dr))``; a block with a state (a snapshot, or the live state of a
+sequence's last block in a handoff) is one flat ``(state_elements + tokens * mla_layers * (Dc + Dr),)``
+tensor, the state first: the state's fp32 bytes (states stay fp32 on the wire, tails too, so a
+live tail is handed off unrounded) reinterpreted as ``state_elements = state_floats * 4 / itemsize``
+elements of the cache dtype, then the latents. ``block_shape``, the layout's name, is a full
+block without a state.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class K3Cache:
         self.pages = PageManager(num_pages, on_reset=self._page_reset)
         self._latent_dim = cfg.mla_latent_dim
         self._token_floats = len(cfg.mla_layers) * cfg.mla_latent_dim
-        self._state_floats = KdaStates.wire_floats(cfg)
+        # a state's fp32 floats, counted in elements of the cache dtype (its bytes, reinterpreted)
+        self._state_elements = KdaStates.wire_floats(cfg) * 4 // self.dtype.itemsize
         self.latent = torch.zeros((len(cfg.mla_layers), num_pages, page_size, cfg.mla_latent_dim), dtype=self.dtype,
                                   device=device)
         self.snapshots = SnapshotPool(cfg, policy.slots, self.dtype, device)
@@ -63,6 +67,11 @@ class K3Cache:
         self.step: list[ChunkStates] = []  # the current forward's plan (``plan_forward``)
 
     # ---- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of block payloads (``read_block``/``write_block``): the cache's."""
+        return self.dtype
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -87,7 +96,7 @@ class K3Cache:
 
     def payload_shape(self, num_tokens: int, *, with_state: bool = True) -> tuple[int, ...]:
         if with_state:
-            return (self._state_floats + num_tokens * self._token_floats,)
+            return (self._state_elements + num_tokens * self._token_floats,)
         return (num_tokens, self._token_floats)
 
     def payload_tokens(self, shape: Sequence[int]) -> int:
@@ -95,7 +104,7 @@ class K3Cache:
         if len(shape) == 2:
             tokens = shape[0]
         elif len(shape) == 1:
-            tokens = (shape[0] - self._state_floats) // max(self._token_floats, 1)
+            tokens = (shape[0] - self._state_elements) // max(self._token_floats, 1)
         else:
             tokens = -1
         if not 0 < tokens <= self.page_size or self.payload_shape(tokens, with_state=len(shape) == 1) != shape:
@@ -113,21 +122,26 @@ class K3Cache:
         """The page's first ``num_tokens`` latents, with the live state ``state`` if given, else with
         the page's snapshot if it has one."""
         n = self.page_size if num_tokens is None else num_tokens
-        latents = self.latent[:, page, :n].transpose(0, 1).reshape(n, -1).float()
+        latents = torch.empty((n, self.latent.shape[0], self._latent_dim), dtype=self.dtype, device=self.device)
+        latents.copy_(self.latent[:, page, :n].transpose(0, 1))  # a copy of its own: the page is reused later
         if state is not None:
-            return torch.cat([self._live[state].read(0), latents.reshape(-1)])
-        slot = self.snapshots.slot(page) if n == self.page_size else None
-        if slot is None:
-            return latents
-        return torch.cat([self.snapshots.states.read(slot), latents.reshape(-1)])
+            carried = self._live[state].read(0)
+        else:
+            slot = self.snapshots.slot(page) if n == self.page_size else None
+            if slot is None:
+                return latents.view(n, -1)
+            carried = self.snapshots.states.read(slot)
+        return torch.cat([carried.view(self.dtype), latents.view(-1)])
 
     def write_block(self, page: int, payload: torch.Tensor, *, state: int | None = None, snapshot: bool = True) -> None:
         """Copy a (possibly partial) block payload into ``page``. A state in it goes to the live
         state ``state`` if given, and (``snapshot``, full blocks) becomes the page's snapshot."""
+        if payload.dtype != self.dtype:
+            raise ValueError(f"K3 block payload of dtype {payload.dtype}, the cache's is {self.dtype}")
         tokens = self.payload_tokens(payload.shape)
         flat = payload.reshape(-1)
         if self.payload_has_state(payload.shape):
-            carried, flat = flat[: self._state_floats], flat[self._state_floats :]
+            carried, flat = flat[: self._state_elements].view(torch.float32), flat[self._state_elements :]
             if state is not None:
                 self._live[state].write(0, carried)
             slot = self.snapshots.take(page) if snapshot and tokens == self.page_size else None
