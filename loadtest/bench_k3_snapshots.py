@@ -146,13 +146,13 @@ def main() -> None:
           f"{sum(r.input_length for r in trace) / len(trace):,.0f} prompt tokens on average; "
           f"blocks of {TRACE_BLOCK_TOKENS} tokens; latents {args.cache_tokens:,} tokens "
           f"({args.cache_tokens * fp.kv_bytes_per_token / 1e9:.1f} GB); "
-          f"{fp.state_bytes_per_sequence / 1e6:.0f} MB per snapshot; full K3 bytes")
+          f"{fp.snapshot_bytes_per_block / 1e6:.0f} MB per snapshot; full K3 bytes")
     print(f"{'policy':<18} {'slots':>9} {'hit ratio':>9} {'latents alone':>13} {'snapshots taken':>15} "
           f"{'B / cached token':>16}")
     for slots in args.snapshots:
         for k in args.every:
             policy = Policy("turn ends only" if k == 0 else "every block" if k == 1 else f"every {k}th block", k)
-            r = replay(trace, policy, args.cache_tokens, slots, fp.kv_bytes_per_token, fp.state_bytes_per_sequence)
+            r = replay(trace, policy, args.cache_tokens, slots, fp.kv_bytes_per_token, fp.snapshot_bytes_per_block)
             print(f"{policy.name:<18} {slots if slots >= 0 else 'unbounded':>9} {r.hit_ratio:>9.3f} "
                   f"{r.latent_hit_ratio:>13.3f} {r.snapshots_taken:>15,} {r.bytes_per_cached_token:>16,.0f}")
     print(f"({time.perf_counter() - start:.1f} s on {platform.machine()}, Python {platform.python_version()})")
