@@ -31,5 +31,7 @@ class PrefillSettings(PrefillBaseSettings):
     max_batch_tokens: int = Field(
         default=2048, ge=0,
         description="prefill batching: prompt tokens per forward pass, shared by the chunks of several queued "
-                    "prompts (each cut into engine.prefill_chunk_tokens chunks, as alone); 0: one prompt at a time",
+                    "prompts (each cut into engine.prefill_chunk_tokens chunks, as alone; the oldest prompt's chunk "
+                    "always runs); 0: one prompt at a time. The default is the default chunk, so no forward is "
+                    "larger than one long prompt's; on one quiet CPU thread 512 does better (docs/prefill.md)",
     )
