@@ -9,7 +9,7 @@ import torch
 
 from crescent.protos import common_pb2
 from crescent.services.kvwire.block_keys import BlockKey
-from crescent.services.kvwire.kv_block import KvBlock
+from crescent.services.kvwire.kv_block import BlockFormatError, KvBlock
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from crescent.services.engine.sampler import SamplingConfig
@@ -50,11 +50,18 @@ def payload_bytes(payload: torch.Tensor) -> bytes:
     return payload.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
+# The dtypes a cache may keep KV in, by the name blocks carry (``kv_dtype``).
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def block_tensor(block: KvBlock, shape: tuple[int, ...]) -> torch.Tensor:
     """A received block's payload as a tensor of ``shape`` and its dtype, without copying it."""
+    dtype = _TORCH_DTYPES.get(block.dtype)
+    if dtype is None:
+        raise BlockFormatError(f"KV block of dtype {block.dtype!r}: an engine's cache holds {', '.join(_TORCH_DTYPES)}")
     with warnings.catch_warnings():  # read-only buffers are fine: the engine copies them into its pool
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(block.payload, dtype=getattr(torch, block.dtype)).view(shape)
+        return torch.frombuffer(block.payload, dtype=dtype).view(shape)
 
 
 def block_matches(block: KvBlock, key: BlockKey | None, tokens: Sequence[int], cache) -> bool:

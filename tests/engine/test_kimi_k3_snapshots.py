@@ -20,7 +20,7 @@ from crescent.services.engine.kimi_k3.model import K3Model
 from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy
 from crescent.services.engine.wire import block_matches, block_tensor, kv_dtype, payload_bytes
 from crescent.services.kvwire.block_keys import BlockKey
-from crescent.services.kvwire.kv_block import KvBlock
+from crescent.services.kvwire.kv_block import BlockFormatError, KvBlock
 from tests.engine.k3_reference import TEST_CFG, dense_k3_logits
 
 PAGE = 16
@@ -217,6 +217,9 @@ def test_a_block_of_another_dtype_does_not_match():
     assert not block_matches(block, block.key, tokens[:PAGE], fp32.cache)  # an fp32 engine recomputes
     with pytest.raises(ValueError, match="dtype"):
         fp32.cache.write_block(0, block_tensor(block, block.shape))
+    odd = dataclasses.replace(block, dtype="int8")
+    with pytest.raises(BlockFormatError, match="'int8'"):  # a dtype no cache holds: a malformed handoff
+        block_tensor(odd, odd.shape)
 
 
 def test_fetched_blocks_attach_up_to_the_last_one_with_a_state():
