@@ -114,15 +114,20 @@ class PrefillBatcher:
     # ---- the loop -------------------------------------------------------------------------------
 
     async def _run_steps(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await asyncio.sleep(0)  # prompts whose prefix was attached in this same turn join the first step
-            while self._queue:
-                await self._step()
-                # Prompts answered by this step sample their first tokens (and start their
-                # handoffs) on the engine thread before the next step is queued behind them.
-                await asyncio.sleep(0)
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                await asyncio.sleep(0)  # prompts whose prefix was attached in this same turn join the first step
+                while self._queue:
+                    await self._step()
+                    # Prompts answered by this step sample their first tokens (and start their
+                    # handoffs) on the engine thread before the next step is queued behind them.
+                    await asyncio.sleep(0)
+        except Exception as exc:  # noqa: BLE001 - a bug here: the waiting prompts fail rather than hang
+            log.exception("the prefill batcher stopped; the next prompt starts it again")
+            for job in list(self._queue):
+                self._finish(job, error=exc)
 
     async def _step(self) -> None:
         pages = self.engine.cache.pages

@@ -179,3 +179,35 @@ def test_a_budget_of_zero_computes_one_prompt_at_a_time_in_arrival_order() -> No
     forwards, prompts_in_them = (a - b for a, b in zip(prefill_steps(), before))
     assert forwards == prompts_in_them, "one prompt per forward"
     assert all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))
+
+
+def test_a_failing_step_ends_its_prompts_with_the_error_and_the_next_prompts_still_run() -> None:
+    engine = test_engine.make_engine(chunk=CHUNK)
+    tokens = test_engine.prompt(40, seed=9)
+    expected = test_engine.make_engine(chunk=CHUNK)
+    want = expected.prefill(expected.add_sequence("e", tokens, use_cache=False))
+    worker = EngineWorker("prefill")
+    thread = threading.Thread(target=worker.serve_forever)
+    thread.start()
+    real_step = engine.mixed_step
+
+    def broken_once(chunks, decoding):
+        engine.mixed_step = real_step
+        raise RuntimeError("kernel failed")
+
+    async def scenario() -> torch.Tensor:
+        batcher = PrefillBatcher(engine, worker, 4 * CHUNK, engine_metrics("prefill"))
+        try:
+            engine.mixed_step = broken_once
+            with pytest.raises(RuntimeError, match="kernel failed"):
+                await batcher.prefill(engine.add_sequence("a", test_engine.prompt(30, seed=10), use_cache=False))
+            return await batcher.prefill(engine.add_sequence("b", tokens, use_cache=False))
+        finally:
+            await batcher.close()
+
+    try:
+        logits = asyncio.run(scenario())
+    finally:
+        worker.shutdown()
+        thread.join()
+    assert torch.equal(logits, want)
