@@ -60,3 +60,42 @@ def test_default_images_are_the_release_the_dockerfiles_build() -> None:
     for variant, path in DOCKERFILES.items():
         tag = version if variant == "cpu" else f"{version}-cuda"
         assert f"{values['gateway']['image']['repository']}:{tag}" in path.read_text()
+
+
+WORKFLOW = REPO / ".github" / "workflows" / "release.yml"
+
+
+def test_release_workflow_builds_pushes_signs_and_attaches_sboms() -> None:
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    job = workflow["jobs"]["images"]
+    variants = {v["variant"]: v for v in job["strategy"]["matrix"]["include"]}
+    assert (REPO / variants["cpu"]["dockerfile"]) == DOCKERFILES["cpu"]
+    assert (REPO / variants["cuda"]["dockerfile"]) == DOCKERFILES["cuda"]
+    assert set(variants["cpu"]["platforms"].split(",")) == {"linux/amd64", "linux/arm64"}
+    assert variants["cuda"]["platforms"] == "linux/amd64"
+    # The tags the chart's default images name: <version> and <version>-cuda at its repository.
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert workflow["env"]["IMAGE"] == values["gateway"]["image"]["repository"]
+    assert (variants["cpu"]["suffix"], variants["cuda"]["suffix"]) == ("", "-cuda")
+    assert job["permissions"] == {"contents": "read", "packages": "write", "id-token": "write"}
+    steps = {s.get("name", s.get("uses", "")): s for s in job["steps"]}
+    build = steps["Build and push"]
+    assert build["uses"].startswith("docker/build-push-action@")
+    assert build["with"]["push"] is True and build["with"]["sbom"] is True
+    assert build["with"]["platforms"] == "${{ matrix.platforms }}"
+    # Signed and attested by digest, never by a tag that could move.
+    for name in ("Sign by digest", "SBOM as a signed attestation"):
+        assert "$IMAGE@$DIGEST" in steps[name]["run"]
+        assert steps[name]["env"]["DIGEST"] == "${{ steps.build.outputs.digest }}"
+    assert "cosign sign --yes" in steps["Sign by digest"]["run"]
+    assert "cosign attest --yes --type spdxjson" in steps["SBOM as a signed attestation"]["run"]
+    # Every action is pinned to a release.
+    for step in job["steps"]:
+        if "uses" in step:
+            assert re.search(r"@v\d+", step["uses"]), step["uses"]
+
+
+def test_release_tag_must_match_the_version() -> None:
+    text = WORKFLOW.read_text()
+    assert 'tomllib.load(open("pyproject.toml", "rb"))["project"]["version"]' in text
+    assert '"$GITHUB_REF_NAME" != "v$version"' in text

@@ -43,7 +43,11 @@ ids = [m.get("id") for m in (models or {}).get("data", [])]
 check(MODEL in ids, "GET /v1/models lists %s (got %s)" % (MODEL, ids))
 if os.environ.get("CRESCENT_TEST_CHAT") == "1":
     body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Say hello."}]}
-    status, answer = call("/v1/chat/completions", body)
+    for attempt in range(60):  # 503 while no engine instance has registered yet
+        status, answer = call("/v1/chat/completions", body)
+        if status != 503:
+            break
+        time.sleep(2)
     check(status == 200, "POST /v1/chat/completions answers 200 (got %s)" % status)
     choice = ((answer or {}).get("choices") or [{}])[0]
     text = (choice.get("message") or {}).get("content") or ""
