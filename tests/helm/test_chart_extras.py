@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helm.test_pod_security import restricted_violations
 from tests.helm.tools import by_kind, helm_template, render
 
 DIGEST = "sha256:" + "ab" * 32
@@ -141,6 +142,5 @@ def test_helm_test_pod_without_a_key_checks_that_auth_refuses(gateway: str) -> N
 
 def test_helm_test_pod_is_restricted_and_can_be_left_out() -> None:
     (pod,) = [d for d in render() if d["kind"] == "Pod"]
-    from tests.helm.test_pod_security import restricted_violations
     assert restricted_violations(pod["spec"]) == []
     assert [d for d in render("--set", "helmTest.enabled=false") if d["kind"] == "Pod"] == []

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.helm.test_placement import _Cluster, _matches, _nvl72
-from tests.helm.tools import by_kind, helm_template, render, run, tool, CHART
+from tests.helm.tools import CHART, by_kind, helm_template, render, run, tool
 
 WORKER = ["prefill-worker", "--config", "/etc/crescent/config.yaml"]
 MULTI = ["--set", "topology.mode=nvlinkDomain", "--set", "prefill.multiNode.enabled=true",
