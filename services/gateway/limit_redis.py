@@ -9,19 +9,21 @@ so Redis holds only what is in use.
 Any Redis failure (refused connection, timeout, script error) raises ``LimitStoreError``; the
 client does not retry, the limiter decides (``limits.on_store_error``).
 
-``send_settle`` writes the settle script's call to a pooled connection and returns: the bytes are
-in Redis's socket before the gateway sends the response's last bytes, so Redis runs the settle
-before any request the client sends after reading them. A task reads the answer. This takes a
-round trip off every response (on an idle VM a round trip costs ~0.5 ms of wake-ups).
+``send_settle`` writes the settle script's call on the pipe (``limit_pipe.py``: one connection
+for calls not waited for) and returns: the bytes are in Redis's socket before the gateway sends
+the response's last bytes, so Redis runs the settle before any request the client sends after
+reading them. A task reads the answer. This takes a round trip off every response (on an idle VM
+a round trip costs ~0.5 ms of wake-ups). Admissions far from every limit go the same way,
+answered from the gateway's view of Redis (``limit_view.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
+from redis.commands.core import AsyncScript
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
@@ -35,6 +37,8 @@ from crescent.services.gateway.limit_store import (
     Settlement,
     Verdict,
 )
+from crescent.services.gateway.limit_pipe import RedisPipe
+from crescent.services.gateway.limit_view import LimitView
 
 _NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 _STATE = """
@@ -45,11 +49,13 @@ end
 """
 
 # KEYS: rate keys, slot keys, budget keys. ARGV: #rates, #slots, #budgets, period_s, lease_s,
-# lease id, then (limit, cost) per rate, limit per slot, (limit, period_left_s) per budget.
+# lease id, force (1: take even if refused: a gateway admitted it from its view), then (limit,
+# cost) per rate, limit per slot, (limit, period_left_s) per budget. Returns the refusal, then
+# (remaining, reset) per rate, leases held per slot, nano-dollars spent per budget.
 ADMIT = _NOW + _STATE + f"""
 local nr, ns, nb = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local period, lease_s, lease = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
-local a = 7
+local period, lease_s, lease, force = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7] == '1'
+local a = 8
 local refused, longest = 0, 0
 local limits, tats, news = {{}}, {{}}, {{}}
 for i = 1, nr do
@@ -74,7 +80,7 @@ for k = 1, nb do
   local v = redis.call('GET', key)
   if (v and tonumber(v) or 0) >= limit and wait > longest then refused, longest = nr + ns + k, wait end
 end
-if refused == 0 then
+if refused == 0 or force then
   for i = 1, nr do
     tats[i] = news[i]
     redis.call('SET', KEYS[i], string.format('%.6f', news[i]), 'PX', math.ceil((news[i] - now) * 1000) + 1000)
@@ -89,6 +95,12 @@ for i = 1, nr do
   local remaining, reset = state(tats[i], limits[i], period)
   out[#out + 1] = remaining
   out[#out + 1] = reset
+end
+for j = 1, ns do
+  out[#out + 1] = redis.call('ZCARD', KEYS[nr + j])
+end
+for k = 1, nb do
+  out[#out + 1] = tonumber(redis.call('GET', KEYS[nr + ns + k]) or '0')
 end
 return out
 """
@@ -156,6 +168,19 @@ return 1
 """
 
 
+def _admit_call(checks: Checks, period_s: float, lease_s: float, *, force: bool) -> tuple[list[str], list[object]]:
+    """The ADMIT script's keys and arguments."""
+    keys = [r.key for r in checks.rates] + [s.key for s in checks.slots] + [b.key for b in checks.budgets]
+    args: list[object] = [len(checks.rates), len(checks.slots), len(checks.budgets), period_s, lease_s,
+                          checks.lease_id, 1 if force else 0]
+    for rate in checks.rates:
+        args += [rate.limit, rate.cost]
+    args += [slot.limit for slot in checks.slots]
+    for budget in checks.budgets:
+        args += [budget.limit, budget.period_left_s]
+    return keys, args
+
+
 def _settle_call(settlement: Settlement, period_s: float) -> tuple[list[str], list[object]]:
     """The SETTLE script's keys and arguments."""
     keys = [k for k, _, _ in settlement.rates] + list(settlement.slots) + [k for k, _, _ in settlement.budgets]
@@ -175,7 +200,7 @@ def _states(flat: Sequence[object]) -> tuple[RateState, ...]:
 class RedisLimitStore:
     """``LimitStore`` on a Redis server at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
 
-    def __init__(self, url: str, period_s: float, lease_s: float, timeout_s: float) -> None:
+    def __init__(self, url: str, period_s: float, lease_s: float, timeout_s: float, *, fast_admit: bool = True) -> None:
         self.period_s = period_s
         self.lease_s = lease_s
         self._redis = aioredis.Redis.from_url(
@@ -185,56 +210,74 @@ class RedisLimitStore:
         self._peek = self._redis.register_script(PEEK)
         self._renew = self._redis.register_script(RENEW)
         self._seed = self._redis.register_script(SEED)
+        self.view = LimitView(period_s) if fast_admit else LimitView(period_s, max_age_s=-1.0)
+        self.on_background_error: Callable[[LimitStoreError], None] | None = None
+        self._answers: set[asyncio.Task[None]] = set()
+        self._pipe = RedisPipe(self._redis.connection_pool)
 
-    async def _call(self, script, keys: list[str], args: list[object]) -> object:  # noqa: ANN001 - an AsyncScript
+    async def _call(self, script: AsyncScript, keys: list[str], args: list[object]) -> object:
         try:
             return await script(keys=keys, args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
 
     async def admit(self, checks: Checks) -> Verdict:
-        keys = [r.key for r in checks.rates] + [s.key for s in checks.slots] + [b.key for b in checks.budgets]
-        args: list[object] = [len(checks.rates), len(checks.slots), len(checks.budgets), self.period_s, self.lease_s,
-                              checks.lease_id]
-        for rate in checks.rates:
-            args += [rate.limit, rate.cost]
-        args += [slot.limit for slot in checks.slots]
-        for budget in checks.budgets:
-            args += [budget.limit, budget.period_left_s]
-        reply = await self._call(self._admit, keys, args)
+        seq = self.view.next_seq()
+        taken = self.view.take(checks, seq)
+        keys, args = _admit_call(checks, self.period_s, self.lease_s, force=taken is not None)
+        if taken is not None:  # far from every limit: counted in Redis, its answer not waited for
+            await self._send(self._admit, keys, args, lambda reply: self._learn(checks, seq, reply))
+            return Verdict(None, 0.0, taken)
+        return self._learn(checks, seq, await self._call(self._admit, keys, args))
+
+    def _learn(self, checks: Checks, seq: int, reply: object) -> Verdict:
         refused, longest, *flat = reply  # type: ignore[misc]
-        return Verdict(int(refused) - 1 if int(refused) else None, float(longest), _states(flat))
+        nr, ns = 2 * len(checks.rates), len(checks.slots)
+        rates = _states(flat[:nr])
+        self.view.learn(checks, seq, rates, tuple(int(n) for n in flat[nr: nr + ns]),
+                        tuple(int(n) for n in flat[nr + ns:]))
+        return Verdict(int(refused) - 1 if int(refused) else None, float(longest), rates)
 
     async def settle(self, settlement: Settlement) -> None:
+        self.view.settled(settlement.slots, settlement.budgets)
         await self._call(self._settle, *_settle_call(settlement, self.period_s))
 
     async def send_settle(self, settlement: Settlement) -> Awaitable[None]:
-        keys, args = _settle_call(settlement, self.period_s)
-        pool = self._redis.connection_pool
-        try:
-            connection = await pool.get_connection()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
-        try:
-            await connection.send_command("EVALSHA", self._settle.sha, len(keys), *keys, *args)
-        except BaseException as exc:
-            await connection.disconnect()
-            await pool.release(connection)
-            if isinstance(exc, (RedisError, OSError, TimeoutError)):
-                raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
-            raise
-        return asyncio.get_running_loop().create_task(self._settled(connection, keys, args))
+        self.view.settled(settlement.slots, settlement.budgets)
+        return await self._send(self._settle, *_settle_call(settlement, self.period_s))
 
-    async def _settled(self, connection: AbstractConnection, keys: list[str], args: list[object]) -> None:
-        """The answer of a sent settle; a Redis that lost its scripts (restarted) gets it again, loaded."""
+    async def _send(self, script: AsyncScript, keys: list[str], args: list[object],
+                    on_reply: Callable[[object], object] | None = None) -> asyncio.Task[None]:
+        """Write a script's call on the pipe and return: Redis has it ahead of anything sent after.
+        A task takes the answer (``on_reply``); it raises ``LimitStoreError``."""
         try:
-            await connection.read_response()
-        except NoScriptError:
-            await self._call(self._settle, keys, args)
+            answer = await self._pipe.send("EVALSHA", script.sha, len(keys), *keys, *args)
         except (RedisError, OSError, TimeoutError) as exc:
+            self.view.forget()
             raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
-        finally:
-            await self._redis.connection_pool.release(connection)
+        task = asyncio.get_running_loop().create_task(self._answer(answer, script, keys, args, on_reply))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+        return task
+
+    async def _answer(self, answer: asyncio.Future[object], script: AsyncScript, keys: list[str],
+                      args: list[object], on_reply: Callable[[object], object] | None) -> None:
+        """The answer of a sent call; a Redis that lost its scripts (restarted) gets it again, loaded."""
+        try:
+            try:
+                reply = await answer
+            except NoScriptError:
+                reply = await self._call(script, keys, args)
+            except (RedisError, OSError, TimeoutError) as exc:
+                raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
+            if on_reply is not None:
+                on_reply(reply)
+        except LimitStoreError as exc:
+            self.view.forget()
+            if self.on_background_error is not None and on_reply is not None:  # a settle's caller hears it itself
+                self.on_background_error(exc)
+                return
+            raise
 
     async def peek(self, rates: Sequence[RateCheck]) -> tuple[RateState, ...]:
         reply = await self._call(self._peek, [r.key for r in rates], [self.period_s, *(r.limit for r in rates)])
@@ -248,4 +291,6 @@ class RedisLimitStore:
             await self._call(self._renew, [k for k, _ in leases], [self.lease_s, *(lease for _, lease in leases)])
 
     async def close(self) -> None:
+        await asyncio.gather(*self._answers, return_exceptions=True)
+        await self._pipe.close()
         await self._redis.aclose()

@@ -182,7 +182,10 @@ class RateLimiter:
             parts = urlsplit(settings.store)
             log.info("rate limits: counters in Redis at %s (shared by every gateway on it; on_store_error=%s)",
                      parts.hostname or parts.path, settings.on_store_error)
-        return cls(settings, store, book, prices, cache_s=cache_s, spent=spent)
+        limiter = cls(settings, store, book, prices, cache_s=cache_s, spent=spent)
+        if hasattr(store, "on_background_error"):  # admissions answered after the request went on
+            store.on_background_error = limiter._store_failed
+        return limiter
 
     def start(self) -> None:
         self._renewing = asyncio.get_running_loop().create_task(self._renew_leases())

@@ -176,3 +176,49 @@ async def test_seeding_a_budget_raises_it_never_lowers_it(make_store: StoreFacto
     assert (await store.admit(check)).refused == 0, "raised to what the ledger counts"
     await store.seed_budget(spend, 5, 60.0)
     assert (await store.admit(check)).refused == 0, "a smaller sum (rows not yet committed) lowers nothing"
+
+
+async def test_two_gateways_admitting_from_their_views_hold_the_limit(redis: RedisServer) -> None:
+    """Most admissions far from a limit are answered from each gateway's view of Redis (no round
+    trip); near the limit both wait for Redis. Two stores on one Redis, 40 concurrent callers
+    each, take a bucket of 600 in a 60 s period: what passes is the bucket and its refill, within
+    the 5% the limits promise across gateways (the callers loop without waiting for anything, so
+    each gateway has many admissions in flight the other has not seen)."""
+    stores = [RedisLimitStore(redis.url, 60.0, 30.0, timeout_s=2.0) for _ in range(2)]
+    rpm, limit = key("rpm"), 600
+    admitted = 0
+    fast = 0
+    started = time.monotonic()
+
+    async def caller(store: RedisLimitStore) -> None:
+        nonlocal admitted, fast
+        while True:
+            sent = store._answers.copy()
+            verdict = await store.admit(Checks(rates=(RateCheck(rpm, limit, 1),)))
+            if verdict.refused is not None:
+                return
+            admitted += 1
+            fast += len(store._answers - sent) > 0
+
+    await asyncio.gather(*(caller(store) for store in stores for _ in range(40)))
+    refill = limit / 60.0 * (time.monotonic() - started)
+    assert limit <= admitted <= 1.05 * (limit + refill), (admitted, refill)
+    assert fast > limit / 2, f"only {fast} of {admitted} admissions skipped the round trip"
+    for store in stores:
+        await store.close()
+
+
+async def test_a_view_too_old_or_too_near_the_limit_waits_for_redis() -> None:
+    from crescent.services.gateway.limit_store import RateState
+    from crescent.services.gateway.limit_view import LimitView
+
+    now = [0.0]
+    view = LimitView(60.0, max_age_s=1.0, clock=lambda: now[0])
+    check = Checks(rates=(RateCheck("k", 100, 1),))
+    assert view.take(check, view.next_seq()) is None, "nothing heard yet"
+    view.learn(check, view.next_seq(), (RateState(50, 30.0),), (), ())
+    assert view.take(check, view.next_seq()) is not None
+    now[0] = 1.5
+    assert view.take(check, view.next_seq()) is None, "heard too long ago"
+    view.learn(check, view.next_seq(), (RateState(10, 54.0),), (), ())
+    assert view.take(check, view.next_seq()) is None, "within 10% of the limit"
