@@ -90,6 +90,23 @@ class Mover:
     async def put(self, blocks: Sequence[KvBlock]) -> PutResult | None:
         raise NotImplementedError
 
+    async def reserve(self, blocks: Sequence[KvBlock], mover: int,
+                      missing: str) -> kvstore_pb2.ShmReserveReply | PutResult | None:
+        """Room for ``blocks`` in the node's pool, for a mover that writes there itself: the reply,
+        or what ``put`` returns instead — None when the node cannot do it (``missing`` says why:
+        the client stops asking this mover), a failed result when the node did not answer."""
+        try:
+            return await self.link.stub.ReserveShm(
+                kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks], mover=mover),
+                timeout=self.link.timeout_s,
+            )
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            if refused(exc):
+                self.give_up(missing)
+                return None
+            self.link.failed("put", exc)  # the node itself did not answer: no other way will do better
+            return PutResult(0, len(blocks), failed=True)
+
     async def get(self, request: kvstore_pb2.GetRequest, model_id: str | None,
                   corrupt: list[BlockKey]) -> dict[BlockKey, KvBlock] | None:
         raise NotImplementedError

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import grpc
 
 from crescent.protos import kvstore_pb2
-from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, refused
+from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.nixl_engine import NixlEngine, NixlUnavailable, address_of
@@ -39,17 +39,9 @@ class NixlMover(Mover):
     async def put(self, blocks: Sequence[KvBlock]) -> PutResult | None:
         if self._engine is None:
             return None
-        try:
-            reply = await self.link.stub.ReserveShm(
-                kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks], mover=MOVER),
-                timeout=self.link.timeout_s,
-            )
-        except (grpc.aio.AioRpcError, OSError) as exc:
-            if refused(exc):
-                self.give_up("the node has no NIXL engine")
-                return None
-            self.link.failed("put", exc)  # the node itself did not answer: no other way will do better
-            return PutResult(0, len(blocks), failed=True)
+        reply = await self.reserve(blocks, MOVER, "the node has no NIXL engine")
+        if not isinstance(reply, kvstore_pb2.ShmReserveReply):
+            return reply
         granted = [i for i, slot in enumerate(reply.slots) if slot.granted]
         others = [b for b, slot in zip(blocks, reply.slots) if not slot.granted and not slot.held]
         written = [False] * len(reply.slots)

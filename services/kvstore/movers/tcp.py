@@ -72,17 +72,9 @@ class TcpSideChannelMover(Mover):
     # -- put ------------------------------------------------------------------------------------
 
     async def put(self, blocks: Sequence[KvBlock]) -> PutResult | None:
-        try:
-            reply = await self.link.stub.ReserveShm(
-                kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks], mover=MOVER),
-                timeout=self.link.timeout_s,
-            )
-        except (grpc.aio.AioRpcError, OSError) as exc:
-            if refused(exc):
-                self.give_up("the node serves no TCP side channel")
-                return None
-            self.link.failed("put", exc)  # the node itself did not answer: no other way will do better
-            return PutResult(0, len(blocks), failed=True)
+        reply = await self.reserve(blocks, MOVER, "the node serves no TCP side channel")
+        if not isinstance(reply, kvstore_pb2.ShmReserveReply):
+            return reply
         granted = [i for i, slot in enumerate(reply.slots) if slot.granted]
         others = [b for b, slot in zip(blocks, reply.slots) if not slot.granted and not slot.held]
         written = [False] * len(reply.slots)
