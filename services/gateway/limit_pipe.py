@@ -22,14 +22,17 @@ class RedisPipe:
         self._connection: AbstractConnection | None = None
         self._waiting: deque[asyncio.Future[object]] = deque()
         self._reader: asyncio.Task[None] | None = None
+        self._connecting = asyncio.Lock()  # two first sends must not open two connections
 
     async def send(self, *args: object) -> asyncio.Future[object]:
         """Write one command; on return Redis has it ahead of anything sent later. The future is
         its answer (a Redis error reply, e.g. NOSCRIPT, as its exception)."""
         if self._connection is None:
-            connection = self._pool.make_connection()
-            await connection.connect()
-            self._connection = connection
+            async with self._connecting:
+                if self._connection is None:
+                    fresh = self._pool.make_connection()
+                    await fresh.connect()
+                    self._connection = fresh
         connection = self._connection
         answer: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._waiting.append(answer)  # before the write: the answer may be read as soon as it is sent
