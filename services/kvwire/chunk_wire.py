@@ -63,27 +63,32 @@ def encode_chunk(chunk: WireChunk, field: int | None = None) -> bytes:
 def message_fields(raw: bytes | memoryview) -> dict[int, memoryview]:
     """The length-delimited fields of a message, as slices of ``raw`` (the last of a repeated
     one); other fields are skipped. Raises ``ValueError`` on malformed bytes."""
-    view = memoryview(raw)
-    fields: dict[int, memoryview] = {}
+    return {field: value for field, value in _fields(memoryview(raw)) if isinstance(value, memoryview)}
+
+
+def _fields(view: memoryview) -> Iterator[tuple[int, int | memoryview | None]]:
+    """Each field of a message in order: a varint's value, a length-delimited field's slice of
+    ``view``, None for a fixed-width one. Raises ``ValueError`` on malformed bytes."""
     pos = 0
     while pos < len(view):
         tag, pos = _read_varint(view, pos)
         field, wire_type = tag >> 3, tag & 7
         if wire_type == _VARINT:
-            _, pos = _read_varint(view, pos)
+            value, pos = _read_varint(view, pos)
+            yield field, value
         elif wire_type == _LENGTH_DELIMITED:
             length, pos = _read_varint(view, pos)
             if pos + length > len(view):
                 raise ValueError(f"field {field} runs {pos + length - len(view)} bytes past the message")
-            fields[field] = view[pos : pos + length]
+            yield field, view[pos : pos + length]
             pos += length
         elif wire_type in (_FIXED64, _FIXED32):
             pos += 8 if wire_type == _FIXED64 else 4
             if pos > len(view):
                 raise ValueError("truncated fixed-width field")
+            yield field, None
         else:
             raise ValueError(f"wire type {wire_type} of field {field} is not valid here")
-    return fields
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -101,34 +106,16 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
 
 def decode_chunk(raw: bytes) -> WireChunk:
     chunk = WireChunk()
-    view = memoryview(raw)
-    pos = 0
     try:
-        while pos < len(view):
-            tag, pos = _read_varint(view, pos)
-            field, wire_type = tag >> 3, tag & 7
-            if wire_type == _VARINT:
-                value, pos = _read_varint(view, pos)
-                if field == 3:
-                    chunk.last = bool(value)
-            elif wire_type == _LENGTH_DELIMITED:
-                length, pos = _read_varint(view, pos)
-                end = pos + length
-                if end > len(view):
-                    raise ValueError(f"field {field} runs {end - len(view)} bytes past the message")
-                if field == 1:
-                    if chunk.meta is None:
-                        chunk.meta = common_pb2.BlockMeta()
-                    chunk.meta.MergeFromString(view[pos:end])  # protobuf merges a repeated message field
-                elif field == 2:
-                    chunk.data = view[pos:end]
-                pos = end
-            elif wire_type in (_FIXED64, _FIXED32):
-                pos += 8 if wire_type == _FIXED64 else 4
-                if pos > len(view):
-                    raise ValueError("truncated fixed-width field")
-            else:
-                raise ValueError(f"wire type {wire_type} of field {field} is not valid here")
+        for field, value in _fields(memoryview(raw)):
+            if field == 3 and isinstance(value, int):
+                chunk.last = bool(value)
+            elif field == 1 and isinstance(value, memoryview):
+                if chunk.meta is None:
+                    chunk.meta = common_pb2.BlockMeta()
+                chunk.meta.MergeFromString(value)  # protobuf merges a repeated message field
+            elif field == 2 and isinstance(value, memoryview):
+                chunk.data = value
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError among them; reported, not raised
         return WireChunk(error=f"malformed BlockChunk: {exc}")
     return chunk
