@@ -19,12 +19,9 @@ from crescent.services.model.kimi_tokenizer import (
 )
 from crescent.services.model.model_source import ModelSource, resolve_model
 from crescent.services.model.tokenizer import TokenizerError
+from tests.model.kimi_vocab import SHARED, needs_vocabulary
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
-pytestmark = pytest.mark.skipif(
-    not (SHARED / "tiktoken.model").is_file(),
-    reason=f"the Kimi vocabulary is not at {SHARED} (it is read from ../shared/, never committed)",
-)
+pytestmark = needs_vocabulary
 
 SYSTEM = f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM_PROMPT}<|im_end|>"
 # Two finished turns with reasoning, then a third question.

@@ -20,12 +20,9 @@ from crescent.services.model.kimi_tokenizer import (
 )
 from crescent.services.model.model_source import ModelSource, resolve_model
 from crescent.services.model.tokenizer import TokenizerError
+from tests.model.kimi_vocab import SHARED, needs_vocabulary
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
-pytestmark = pytest.mark.skipif(
-    not (SHARED / "tiktoken.model").is_file(),
-    reason=f"the Kimi vocabulary is not at {SHARED} (it is read from ../shared/, never committed)",
-)
+pytestmark = needs_vocabulary
 
 TEXTS = [
     "Hello, world! I'm Kimi; we'll see.",
