@@ -52,12 +52,6 @@ def gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> I
     assert gw.stop() == 0, "the gateway did not stop cleanly on SIGTERM"
 
 
-@pytest.fixture
-def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=10) as c:
-        yield c
-
-
 def ledger_row(gw: Gateway, request_id: str) -> dict[str, int]:
     """The ledger's token counts for one request (committed before the client got its last bytes)."""
     reply = httpx.get(f"{gw.url}/admin/usage", params={"format": "csv"}, timeout=10,
