@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 import torch
@@ -21,6 +23,19 @@ from tests.engine import test_engine, test_kimi_k3
 PAGE = 16
 CHUNK = 2 * PAGE  # engine.prefill_chunk_tokens: long prompts take several chunks, alone or batched
 FAMILIES = {"llama": test_engine, "kimi_k3": test_kimi_k3}
+T = TypeVar("T")
+
+
+def on_engine_thread(scenario: Callable[[EngineWorker], Awaitable[T]]) -> T:
+    """Run ``scenario`` (given the engine thread's worker, as a prefill process has one) to its end."""
+    worker = EngineWorker("prefill")
+    thread = threading.Thread(target=worker.serve_forever)
+    thread.start()
+    try:
+        return asyncio.run(scenario(worker))
+    finally:
+        worker.shutdown()
+        thread.join()
 
 
 # ---- the plan of one step ----------------------------------------------------------------------
@@ -98,22 +113,15 @@ def batched(module, base: list[int], prompts: list[list[int]], max_batch_tokens:
     engine = module.make_engine(chunk=CHUNK)
     engine.prefill(engine.add_sequence("base", base))
     seqs = [engine.add_sequence(f"p{i}", tokens) for i, tokens in enumerate(prompts)]
-    worker = EngineWorker("prefill")
-    thread = threading.Thread(target=worker.serve_forever)
-    thread.start()
 
-    async def scenario() -> list[torch.Tensor]:
+    async def scenario(worker: EngineWorker) -> list[torch.Tensor]:
         batcher = PrefillBatcher(engine, worker, max_batch_tokens, engine_metrics("prefill"))
         try:
             return await asyncio.gather(*(batcher.prefill(s) for s in seqs))
         finally:
             await batcher.close()
 
-    try:
-        logits = asyncio.run(scenario())
-    finally:
-        worker.shutdown()
-        thread.join()
+    logits = on_engine_thread(scenario)
     return [(s.num_cached, row, exported(engine, s)) for s, row in zip(seqs, logits)]
 
 
@@ -143,11 +151,8 @@ def test_a_prompt_whose_caller_left_gets_no_further_chunk_and_the_others_complet
     expected = test_engine.make_engine(chunk=CHUNK)
     want = expected.prefill(expected.add_sequence("o", other, use_cache=False))
     left, stays = engine.add_sequence("left", long_prompt), engine.add_sequence("stays", other)
-    worker = EngineWorker("prefill")
-    thread = threading.Thread(target=worker.serve_forever)
-    thread.start()
 
-    async def scenario() -> torch.Tensor:
+    async def scenario(worker: EngineWorker) -> torch.Tensor:
         batcher = PrefillBatcher(engine, worker, 4 * CHUNK, engine_metrics("prefill"))
         try:
             leaving = asyncio.create_task(batcher.prefill(left))
@@ -160,11 +165,7 @@ def test_a_prompt_whose_caller_left_gets_no_further_chunk_and_the_others_complet
         finally:
             await batcher.close()
 
-    try:
-        logits = asyncio.run(scenario())
-    finally:
-        worker.shutdown()
-        thread.join()
+    logits = on_engine_thread(scenario)
     assert torch.equal(logits, want)
     assert left.num_computed <= CHUNK, "no chunk of the cancelled prompt after the step it was in"
 
@@ -186,16 +187,13 @@ def test_a_failing_step_ends_its_prompts_with_the_error_and_the_next_prompts_sti
     tokens = test_engine.prompt(40, seed=9)
     expected = test_engine.make_engine(chunk=CHUNK)
     want = expected.prefill(expected.add_sequence("e", tokens, use_cache=False))
-    worker = EngineWorker("prefill")
-    thread = threading.Thread(target=worker.serve_forever)
-    thread.start()
     real_step = engine.mixed_step
 
     def broken_once(chunks, decoding):
         engine.mixed_step = real_step
         raise RuntimeError("kernel failed")
 
-    async def scenario() -> torch.Tensor:
+    async def scenario(worker: EngineWorker) -> torch.Tensor:
         batcher = PrefillBatcher(engine, worker, 4 * CHUNK, engine_metrics("prefill"))
         try:
             engine.mixed_step = broken_once
@@ -205,9 +203,5 @@ def test_a_failing_step_ends_its_prompts_with_the_error_and_the_next_prompts_sti
         finally:
             await batcher.close()
 
-    try:
-        logits = asyncio.run(scenario())
-    finally:
-        worker.shutdown()
-        thread.join()
+    logits = on_engine_thread(scenario)
     assert torch.equal(logits, want)
