@@ -13,7 +13,7 @@ import pytest
 
 from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.e2e.stack import start_stack, stop_stack
-from tests.e2e.test_request_path import LONG_CONTEXT, QUESTIONS, _shared_prefix_blocks, reference_reply
+from tests.e2e.test_request_path import LONG_CONTEXT, LONG_REPLY, QUESTIONS, _shared_prefix_blocks, reference_reply
 
 pytestmark = pytest.mark.slow
 
@@ -77,13 +77,13 @@ def test_a_shared_prefix_is_reused_from_the_engine_cache(aggregated, reference):
 
 
 def test_a_client_that_leaves_mid_stream_gives_its_kv_back(aggregated, reference):
-    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Count from one to five hundred."}],
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": LONG_REPLY}],
             "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{aggregated.url}/v1/chat/completions", json=body) as response:
-            for i, _ in enumerate(response.iter_lines()):
-                if i > 5:
-                    break  # leave with ~390 tokens still to come
+            lines = response.iter_lines()  # held: a dropped line iterator closes the response (the client leaves)
+            for _ in range(7):
+                next(lines)  # the role, the first tokens; ~390 still to come
             held = aggregated.metric("aggregated-0", "crescent_engine_kv_used_tokens", {"role": "decode"})
             assert held > 0, "while it streams, its KV is held"
     messages = [{"role": "user", "content": QUESTIONS[0]}]

@@ -90,4 +90,6 @@ def test_prefix_pushed_to_disk_and_s3_is_served_from_there(tiered_stack, referen
     assert text == cold_text
     assert stack.metric("kvstore", "crescent_kvstore_hits_total", {"tier": "s3"}) > 0
     assert stack.metric("kvstore", "crescent_kvstore_hits_total", {"tier": "disk"}) > 0
-    assert warm_ttft < 0.6 * cold_ttft, f"warm TTFT {warm_ttft:.2f} s vs cold {cold_ttft:.2f} s"
+    # Here warm is 0.25-0.4 of cold (quiet or loaded); CI once saw 0.62. A miss served by recompute
+    # would be about 1.0: 0.75 still tells the two apart.
+    assert warm_ttft < 0.75 * cold_ttft, f"warm TTFT {warm_ttft:.2f} s vs cold {cold_ttft:.2f} s"

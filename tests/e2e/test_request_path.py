@@ -36,6 +36,11 @@ LONG_CONTEXT = (
 ) * 4
 
 
+# Greedy, the default model counts "1. 1\n2. 2\n..." for hundreds of tokens: a stream still running
+# when a test looks. ("Count from one to five hundred." gets a 19-token answer about disasters.)
+LONG_REPLY = "Count from 1 to 500, separated by commas."
+
+
 def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -133,7 +138,7 @@ def test_prefix_evicted_from_prefill_is_served_from_kvstore(stack, reference):
 
 
 def test_client_disconnect_frees_decode_slot_and_kv(stack):
-    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Count from one to five hundred."}],
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": LONG_REPLY}],
             "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as response:
