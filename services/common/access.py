@@ -29,6 +29,7 @@ from crescent.services.common.certs import SPIFFE_PREFIX
 log = logging.getLogger(__name__)
 
 GATEWAY, SCHEDULER, PREFILL, DECODE, KVSTORE, ADMIN = "gateway", "scheduler", "prefill", "decode", "kvstore", "admin"
+PROXY = "proxy"  # the Gateway API proxy (Envoy) that asks the scheduler's endpoint picker where to route
 AGGREGATED = "aggregated"  # an engine that prefills and decodes: what either may do
 ENGINES = frozenset({PREFILL, DECODE, AGGREGATED})
 PREFILLERS = frozenset({PREFILL, AGGREGATED})  # what prefills, so hands off and pulls prefixes
@@ -107,11 +108,15 @@ DECODE_RULES = {
     "StreamTokens": rule(GATEWAY),
     "Abort": rule(GATEWAY),
 }
+# Envoy's ext_proc, served by the scheduler's endpoint picker (scheduler/ext_proc.py) on its own port.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+EXT_PROC_RULES = {"Process": rule(PROXY)}
 ACCESS: dict[str, dict[str, Rule]] = {
     _service(scheduler_pb2, "Scheduler"): SCHEDULER_RULES,
     _service(kvstore_pb2, "KvStore"): KVSTORE_RULES,
     _service(prefill_pb2, "Prefill"): PREFILL_RULES,
     _service(decode_pb2, "Decode"): DECODE_RULES,
+    EXT_PROC_SERVICE: EXT_PROC_RULES,
 }
 
 

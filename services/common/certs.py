@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-ROLES = ("gateway", "scheduler", "prefill", "decode", "aggregated", "kvstore", "admin")
+ROLES = ("gateway", "scheduler", "prefill", "decode", "aggregated", "kvstore", "admin", "proxy")
 SPIFFE_PREFIX = "spiffe://crescent/"
 # Names servers are dialled by on one machine; add others with ``hosts``.
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")

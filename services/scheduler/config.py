@@ -105,6 +105,24 @@ class IndexSettings(StrictModel):
     max_blocks: int = Field(default=4_000_000, gt=0, description="bounded memory: oldest entries are forgotten first")
 
 
+class EndpointPickerSettings(StrictModel):
+    """The Gateway API Inference Extension endpoint picker (ext_proc gRPC), docs/operators.md."""
+
+    enabled: bool = Field(default=False, description="serve Envoy's ext_proc on port, for an InferencePool")
+    port: int = Field(default=9002, ge=0, le=65535, description="the picker's gRPC port (9002: the extension's default)")
+    gateways: str = Field(
+        default="", description="host:port of the gateway pods the pool routes to; the host resolves to each pod "
+                                "(a headless Service), e.g. crescent-gateway-pods.serving.svc:8000",
+    )
+    refresh_s: float = Field(default=2.0, gt=0, description="re-resolve the gateways' name after this long")
+
+    @model_validator(mode="after")
+    def _gateways_given(self) -> EndpointPickerSettings:
+        if self.enabled and not self.gateways:
+            raise ValueError("endpoint_picker.gateways must name the gateway pods (host:port) when the picker is enabled")
+        return self
+
+
 class SchedulerSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
     tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
@@ -115,6 +133,7 @@ class SchedulerSettings(StrictModel):
     cost: CostSettings = CostSettings()
     index: IndexSettings = IndexSettings()
     discovery: DiscoverySettings = DiscoverySettings()
+    endpoint_picker: EndpointPickerSettings = EndpointPickerSettings()
     assumed_prompt_tokens: int = Field(
         default=512, gt=0, description="prompt size assumed for queued requests when an instance reports no token count"
     )

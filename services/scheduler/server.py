@@ -10,7 +10,8 @@ from typing import Any
 import grpc
 
 from crescent.protos import scheduler_pb2_grpc
-from crescent.services.common.grpc_service import GrpcService
+from crescent.services.common.access import interceptors
+from crescent.services.common.grpc_service import GRPC_OPTIONS, GrpcService
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.scheduler.conductor import Conductor
@@ -36,6 +37,8 @@ class SchedulerService:
             self.membership = DiscoveredMembership(self.conductor, settings.discovery)
         self.grpc = GrpcService("scheduler", settings.listen, self._setup, self._cleanup, details=self._details,
                                 tls=settings.tls)
+        self.picker_server: grpc.aio.Server | None = None
+        self.picker_port = 0
 
     async def _setup(self, server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
@@ -43,6 +46,27 @@ class SchedulerService:
         if self.membership is not None:
             watcher = EndpointSliceWatcher(self.settings.discovery, self._discovered)
             self._discovery = asyncio.create_task(watcher.run(), name="scheduler-discovery")
+        if self.settings.endpoint_picker.enabled:
+            await self._start_picker()
+
+    async def _start_picker(self) -> None:
+        """The Inference Extension's endpoint picker: its own port (the proxy dials it, not the
+        engines), the same key pair and access control as the scheduler's port (role ``proxy``)."""
+        from crescent.services.scheduler.endpoint_picker import EndpointPicker, GatewayEndpoints
+        from crescent.services.scheduler.ext_proc import ExternalProcessorServicer, pb_grpc
+
+        s = self.settings.endpoint_picker
+        picker = EndpointPicker(self.conductor, GatewayEndpoints(s.gateways, s.refresh_s))
+        tls = self.grpc.tls
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors(tls is not None))
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(picker), server)
+        address = f"{self.settings.listen.host}:{s.port}"
+        bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.server_credentials())
+        if bound == 0:
+            raise RuntimeError(f"scheduler: cannot listen on {address} (endpoint_picker.port)")
+        await server.start()
+        self.picker_server, self.picker_port = server, bound
+        log.info("endpoint picker (ext_proc) on :%d, routing to the gateways at %s", bound, s.gateways)
 
     def _discovered(self, endpoints: dict[InstanceId, DiscoveredEndpoint]) -> None:
         assert self.membership is not None
@@ -50,6 +74,9 @@ class SchedulerService:
         self.servicer.refresh_gauges()
 
     async def _cleanup(self) -> None:
+        if self.picker_server is not None:
+            await self.picker_server.stop(1.0)
+            self.picker_server = None
         await cancel_and_wait(self._discovery, self._reaper)
         self._reaper = self._discovery = None
 
@@ -69,6 +96,7 @@ class SchedulerService:
             "prefill_instances": len(registry.live(Role.PREFILL)),
             "decode_instances": len(registry.live(Role.DECODE)),
             "indexed_blocks": len(self.conductor.index),
+            "endpoint_picker_port": self.picker_port or None,
         }
 
 

@@ -23,7 +23,7 @@ from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 SERVICES = [(scheduler_pb2, "Scheduler"), (kvstore_pb2, "KvStore"), (prefill_pb2, "Prefill"), (decode_pb2, "Decode")]
 # The name each role's certificate carries (engines and kvstores register under it).
 NAMES = {"gateway": "gateway", "scheduler": "scheduler", "prefill": "prefill-0", "decode": "decode-0",
-         "aggregated": "aggregated-0", "kvstore": "kvstore-0", "admin": "admin"}
+         "aggregated": "aggregated-0", "kvstore": "kvstore-0", "admin": "admin", "proxy": "envoy"}
 
 
 def all_methods() -> list[MethodDescriptor]:

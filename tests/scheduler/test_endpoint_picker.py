@@ -1,0 +1,152 @@
+"""The scheduler's Inference Extension endpoint picker, asked the way Envoy asks it: an ext_proc
+``Process`` stream (the xds-protos stub) to a real scheduler process on loopback, with engines
+registered through the scheduler's own gRPC."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import json_format
+
+from .support import free_port, instance
+
+pytestmark = pytest.mark.timeout(60)
+
+GATEWAY_PORT = 8123
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+
+
+def _headers(end_of_stream: bool, mode: int = processing_mode_pb2.ProcessingMode.BUFFERED) -> pb.ProcessingRequest:
+    values = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
+              ((":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json"))]
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=values), end_of_stream=end_of_stream),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode),
+    )
+
+
+def _body(data: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def ask(port: int, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    """One HTTP request through the picker, as a proxy sends it; the picker's answers."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages), timeout=10))
+
+
+def destination(response: pb.ProcessingResponse, phase: str) -> tuple[str, str]:
+    """The endpoint a response names in its header mutation and in the envoy.lb metadata."""
+    common = getattr(response, phase).response
+    (header,) = common.header_mutation.set_headers
+    assert header.header.key == "x-gateway-destination-endpoint"
+    metadata = json_format.MessageToDict(response.dynamic_metadata)
+    return header.header.raw_value.decode(), metadata["envoy.lb"]["x-gateway-destination-endpoint"]
+
+
+def refusal(response: pb.ProcessingResponse) -> tuple[int, dict[str, str], dict]:
+    immediate = response.immediate_response
+    headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    return immediate.status.code, headers, json.loads(immediate.body)["error"]
+
+
+@pytest.fixture
+def picker(start_scheduler) -> Iterator[tuple[object, int]]:
+    port = free_port()
+    sched = start_scheduler(no_instance_retry_after_s=3, endpoint_picker={
+        "enabled": True, "port": port, "gateways": f"127.0.0.1:{GATEWAY_PORT}"})
+    yield sched, port
+
+
+def test_routes_a_chat_request_to_a_gateway_pod_once_engines_serve_its_model(picker) -> None:
+    sched, port = picker
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d0", "decode"))
+    first, second = ask(port, _headers(end_of_stream=False), _body(json.dumps(CHAT).encode()))
+    assert first.WhichOneof("response") == "request_headers"  # buffered: headers continue, body decides
+    assert not first.request_headers.response.header_mutation.set_headers
+    assert destination(second, "request_body") == (f"127.0.0.1:{GATEWAY_PORT}",) * 2
+
+
+def test_full_duplex_answers_headers_after_the_body_and_hands_the_body_back(picker) -> None:
+    sched, port = picker
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d0", "decode"))
+    body = json.dumps(CHAT).encode()
+    mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    headers, returned = ask(port, _headers(False, mode), _body(body[:10], False), _body(body[10:], True))
+    assert destination(headers, "request_headers")[0] == f"127.0.0.1:{GATEWAY_PORT}"
+    streamed = returned.request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and streamed.end_of_stream
+
+
+def test_a_request_without_a_body_is_routed_on_its_headers(picker) -> None:
+    _, port = picker
+    (only,) = ask(port, _headers(end_of_stream=True))  # e.g. GET /v1/models: no engine needed
+    assert destination(only, "request_headers")[0] == f"127.0.0.1:{GATEWAY_PORT}"
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    (b"{not json", "invalid_json"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), "missing_model"),
+    (json.dumps({"model": "m"}).encode(), "missing_prompt"),
+    (json.dumps({**CHAT, "max_tokens": -1}).encode(), "invalid_max_tokens"),
+])
+def test_a_bad_body_is_answered_at_once_with_400_and_its_reason(picker, body: bytes, code: str) -> None:
+    _, port = picker
+    _, answer = ask(port, _headers(end_of_stream=False), _body(body))
+    status, headers, error = refusal(answer)
+    assert (status, error["code"], headers["x-crescent-refusal"]) == (400, code, code)
+    assert error["message"]
+
+
+def test_no_engine_for_the_model_is_a_503_naming_the_missing_role(picker) -> None:
+    sched, port = picker
+    _, answer = ask(port, _headers(False), _body(json.dumps(CHAT).encode()))
+    status, headers, error = refusal(answer)
+    assert (status, error["code"], headers["retry-after"]) == (503, "no_prefill_instance", "3")
+    assert "'m'" in error["message"]
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d-other", "decode", model_id="other"))  # another model's decode does not count
+    _, answer = ask(port, _headers(False), _body(json.dumps(CHAT).encode()))
+    assert refusal(answer)[2]["code"] == "no_decode_instance"
+
+
+def test_gateway_name_that_resolves_to_nothing_is_a_503_naming_it(start_scheduler) -> None:
+    port = free_port()
+    sched = start_scheduler(endpoint_picker={"enabled": True, "port": port, "gateways": "no-such-host.invalid:8000"})
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d0", "decode"))
+    _, answer = ask(port, _headers(False), _body(json.dumps(CHAT).encode()))
+    status, _, error = refusal(answer)
+    assert (status, error["code"]) == (503, "no_gateway_endpoint") and "no-such-host.invalid" in error["message"]
+
+
+def test_the_picker_port_takes_the_schedulers_mutual_tls_and_admits_only_the_proxy_role(start_scheduler, tmp_path) -> None:
+    from tests.security.support import make_test_pki
+
+    pki = make_test_pki(tmp_path / "pki")
+    port = free_port()
+    start_scheduler(tls=pki.server["scheduler"],
+                    endpoint_picker={"enabled": True, "port": port, "gateways": f"127.0.0.1:{GATEWAY_PORT}"})
+    messages = (_headers(False), _body(json.dumps(CHAT).encode()))
+
+    def ask_as(role: str) -> list[pb.ProcessingResponse]:
+        with grpc.secure_channel(f"127.0.0.1:{port}", pki.by_role[role].channel_credentials()) as channel:
+            return list(pb_grpc.ExternalProcessorStub(channel).Process(iter(messages), timeout=10))
+
+    answers = ask_as("proxy")  # let through: the picker itself answers (no engine registered)
+    assert refusal(answers[-1])[2]["code"] == "no_prefill_instance"
+    with pytest.raises(grpc.RpcError) as refused:
+        ask_as("gateway")
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as plaintext:
+        ask(port, *messages)
+    assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
