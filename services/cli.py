@@ -151,7 +151,7 @@ def up(
 @app.command()
 def certs(
     directory: Annotated[Path, typer.Argument(help="holds ca.pem and ca-key.pem (made here if absent) and the new files")],
-    role: Annotated[str, typer.Argument(help="gateway, scheduler, prefill, decode, kvstore or admin")],
+    role: Annotated[str, typer.Argument(help="gateway, scheduler, prefill, decode, kvstore, admin or proxy (the Gateway API proxy that asks the endpoint picker)")],
     name: Annotated[str, typer.Option(help="instance id the holder registers as (empty: any of its role)")] = "",
     host: Annotated[list[str] | None, typer.Option(help="DNS name or IP servers are dialled by (repeat; default: loopback)")] = None,
     days: Annotated[int, typer.Option(min=1, help="validity of the certificate (and of a new CA)")] = 365,

@@ -22,7 +22,11 @@ async def _nothing(server) -> None:
 
 
 def test_every_method_in_the_protos_has_a_rule_and_every_rule_a_method() -> None:
-    names = {full_name(m) for m in all_methods()}
+    from envoy.service.ext_proc.v3 import external_processor_pb2
+
+    # Crescent's services, and Envoy's ext_proc that the scheduler's endpoint picker serves.
+    ext_proc = external_processor_pb2.DESCRIPTOR.services_by_name["ExternalProcessor"]
+    names = {full_name(m) for m in all_methods()} | {full_name(m) for m in ext_proc.methods}
     assert sorted(n for n in names if rule_for(n) is None) == []
     ruled = {f"/{service}/{method}" for service, rules in rules_table().items() for method in rules}
     assert ruled == names
@@ -92,7 +96,7 @@ def test_the_table_in_docs_security_md_is_the_access_table() -> None:
     documented = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0] in ("Scheduler", "KvStore", "Prefill", "Decode"):
+        if len(cells) == 3 and cells[0] in ("Scheduler", "KvStore", "Prefill", "Decode", "ExternalProcessor"):
             roles = cells[2].replace(" (as itself)", "")
             documented[(cells[0], cells[1])] = (frozenset(r.strip() for r in roles.split(",")),
                                                 "(as itself)" in cells[2])
