@@ -28,7 +28,7 @@ TOKEN_INTERVAL_BUCKETS = [0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 
 
 # Keys holding Kubernetes or service objects the chart passes through unchanged.
 FREE_FORM = {"resources", "nodeSelector", "affinity", "podAnnotations", "settings", "annotations", "labels",
-             "podSecurityContext", "securityContext", "metricsNamespaceSelector"}
+             "podSecurityContext", "securityContext", "metricsNamespaceSelector", "proxyNamespaceSelector"}
 # List keys whose items are Kubernetes objects.
 OBJECT_LISTS = {"extraEnv", "extraVolumes", "extraVolumeMounts", "tolerations"}
 
@@ -70,6 +70,8 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "slo.tbtSeconds": _set_friendly(TOKEN_INTERVAL_BUCKETS),
     "slo.objective": FRACTION,
     "topology.mode": {"enum": ["zone", "nvlinkDomain"]},
+    "inferenceExtension.port": PORT,
+    "inferenceExtension.failureMode": {"enum": ["FailClose", "FailOpen"]},
     "topology.zoneLabel": {"minLength": 1},
     "topology.supernodeLabel": {"minLength": 1},
     "topology.groups": {
@@ -106,6 +108,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "gateway.limits.leaseSeconds": {"exclusiveMinimum": 0, "maximum": 3600},
     "gateway.service.type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
     "kvstore.hostMemoryGiB": {"minimum": 1},
+    "kvstore.sideChannel.port": PORT,
     "kvstore.ssd.capacityGiB": {"minimum": 1},
     "kvstore.ssd.volume": {"enum": ["hostPath", "ephemeral"]},
     "kvstore.ssd.hostPath": {"pattern": "^(/.*)?$"},

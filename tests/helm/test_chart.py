@@ -15,10 +15,11 @@ VALUES_FILES = {
     "four-supernodes": [EXAMPLES / "four-supernodes.yaml"],
 }
 # Kinds the Kubernetes schemas cannot know: custom resources of the Prometheus Operator, KEDA,
-# cert-manager and LeaderWorkerSet. kubernetes-validate bundles only built-in kinds and no CRD
-# schema for them is installable here, so their fields are checked by the tests of their
-# templates instead (LeaderWorkerSet: tests/helm/test_multinode.py).
-CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer", "LeaderWorkerSet"}
+# cert-manager, LeaderWorkerSet and the Inference Extension. kubernetes-validate bundles only
+# built-in kinds, so their fields are checked by the tests of their templates instead
+# (LeaderWorkerSet: tests/helm/test_multinode.py, InferencePool: test_inference_extension.py).
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer", "LeaderWorkerSet",
+                "InferencePool"}
 # Everything optional switched on, so validation sees every template.
 ALL_ON = [
     "--set", "gateway.ingress.enabled=true",
@@ -34,6 +35,7 @@ ALL_ON = [
     "--set", "model.weights.pvc.create=true",
     "--set", "internalTls.certManager.enabled=true",
     "--set", "internalTls.certManager.adminCertificate=true",
+    "--set", "inferenceExtension.enabled=true",
 ]
 
 

@@ -83,7 +83,7 @@ def test_cert_manager_issues_a_certificate_per_role_and_every_pod_uses_its_own(t
 
 
 def test_every_role_the_access_table_names_has_a_certificate_in_the_chart() -> None:
-    docs = render(*CERT_MANAGER)
+    docs = render(*CERT_MANAGER, "--set", "inferenceExtension.enabled=true")  # the proxy role's is issued with it
     issued = {uri.rsplit("/", 1)[-1] for c in by_kind(docs, "Certificate").values() for uri in c["spec"].get("uris", [])}
     needed = {role for rules in ACCESS.values() for rule in rules.values() for role in rule.roles}
     # The chart deploys the prefill and decode pools; aggregated engines are `crescent up`'s for

@@ -170,6 +170,16 @@ spec:
 {{- end }}
 
 {{/* Distinct admin ports of the enabled gRPC components, as a JSON list. */}}
+{{/* The kvstore's TCP side-channel port as its config ends up (kvstore.settings may override
+sideChannel); empty when the kvstore or its side channel is off. */}}
+{{- define "crescent.kvstoreSideChannelPort" -}}
+{{- $v := .Values.kvstore }}
+{{- $over := get $v.settings "side_channel" | default dict }}
+{{- if and $v.enabled (ternary $over.enabled $v.sideChannel.enabled (hasKey $over "enabled")) }}
+{{- ternary $over.port $v.sideChannel.port (hasKey $over "port") | int }}
+{{- end }}
+{{- end }}
+
 {{- define "crescent.adminPorts" -}}
 {{- $ports := list }}
 {{- range $c := list "scheduler" "prefill" "decode" "kvstore" }}

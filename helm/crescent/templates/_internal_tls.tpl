@@ -73,6 +73,11 @@ spec:
     - {{ include "crescent.tlsServerName" . }}
     - {{ $name }}
     - {{ $name }}.{{ $root.Release.Namespace }}.svc
+    {{- if and (eq .component "scheduler") $root.Values.inferenceExtension.enabled }}
+    {{- $picker := include "crescent.componentName" (dict "root" $root "component" "endpoint-picker") }}
+    - {{ $picker }}
+    - {{ $picker }}.{{ $root.Release.Namespace }}.svc
+    {{- end }}
   duration: {{ $cm.duration }}
   renewBefore: {{ $cm.renewBefore }}
   privateKey:
