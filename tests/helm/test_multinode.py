@@ -1,6 +1,7 @@
 """Engine instances that span nodes: one LeaderWorkerSet per group and role, chosen by
 <role>.multiNode.enabled. kubernetes-validate has no schema for this custom resource (see
-CUSTOM_KINDS in test_chart.py), so its fields are checked here, as the LWS controller reads them."""
+CUSTOM_KINDS in test_chart.py): test_crd_schemas.py checks it against the LWS CRD's schema, and
+the tests here check what the LWS controller does with its fields."""
 
 from __future__ import annotations
 
