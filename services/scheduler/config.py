@@ -111,8 +111,9 @@ class EndpointPickerSettings(StrictModel):
     enabled: bool = Field(default=False, description="serve Envoy's ext_proc on port, for an InferencePool")
     port: int = Field(default=9002, ge=0, le=65535, description="the picker's gRPC port (9002: the extension's default)")
     gateways: str = Field(
-        default="", description="host:port of the gateway pods the pool routes to; the host resolves to each pod "
-                                "(a headless Service), e.g. crescent-gateway-pods.serving.svc:8000",
+        default="", description="host:port of the gateway pods the pool routes to (comma-separated for several); "
+                                "a host may resolve to many pods (a headless Service), e.g. "
+                                "crescent-gateway-pods.serving.svc:8000",
     )
     refresh_s: float = Field(default=2.0, gt=0, description="re-resolve the gateways' name after this long")
 

@@ -98,14 +98,15 @@ def parse_body(body: bytes) -> RequestFacts | Refusal:
 
 
 class GatewayEndpoints:
-    """The gateway pods, from a name that resolves to each of them (a headless Service: the
-    cluster DNS answers with the ready pods' addresses), re-resolved every ``refresh_s``."""
+    """The gateway pods, from ``host:port`` targets (comma-separated) whose hosts resolve to each
+    of them (in a cluster, one headless Service: its DNS name answers with the ready pods'
+    addresses), re-resolved every ``refresh_s``."""
 
-    def __init__(self, target: str, refresh_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        host, sep, port = target.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"endpoint_picker.gateways must be host:port, got {target!r}")
-        self.host, self.port = host.strip("[]"), int(port)
+    def __init__(self, targets: str, refresh_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.targets = [_host_port(t.strip()) for t in targets.split(",") if t.strip()]
+        if not self.targets:
+            raise ValueError("endpoint_picker.gateways names no host:port")
+        self.names = ", ".join(host for host, _ in self.targets)
         self.refresh_s = refresh_s
         self._clock = clock
         self._addresses: list[str] = []
@@ -115,18 +116,27 @@ class GatewayEndpoints:
     async def current(self) -> list[str]:
         async with self._lock:
             if self._clock() - self._resolved_at >= self.refresh_s:
-                self._addresses = await self._resolve()
-                self._resolved_at = self._clock()
+                found: set[str] = set()
+                for host, port in self.targets:
+                    found.update(await _resolve(host, port))
+                self._addresses, self._resolved_at = sorted(found), self._clock()
         return self._addresses
 
-    async def _resolve(self) -> list[str]:
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            log.warning("cannot resolve the gateways' name %s: %s", self.host, exc)
-            return []  # an empty pool answers 503 no_gateway_endpoint, naming the host
-        addresses = sorted({info[4][0] for info in infos})
-        return [f"[{a}]:{self.port}" if ":" in a else f"{a}:{self.port}" for a in addresses]
+
+def _host_port(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint_picker.gateways: each target must be host:port, got {target!r}")
+    return host.strip("[]"), int(port)
+
+
+async def _resolve(host: str, port: int) -> list[str]:
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        log.warning("cannot resolve the gateways' name %s: %s", host, exc)
+        return []  # an empty pool answers 503 no_gateway_endpoint, naming the host
+    return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in {info[4][0] for info in infos}]
 
 
 class EndpointPicker:
@@ -148,7 +158,7 @@ class EndpointPicker:
                 return refusal
         endpoints = await self.gateways.current()
         if not endpoints:
-            return Refusal(503, "no_gateway_endpoint", f"no ready gateway pod behind {self.gateways.host}",
+            return Refusal(503, "no_gateway_endpoint", f"no ready gateway pod behind {self.gateways.names}",
                            self.conductor.settings.no_instance_retry_after_s)
         chosen = min(endpoints, key=lambda e: (self.in_flight.get(e, 0), e))
         return Pick(chosen)

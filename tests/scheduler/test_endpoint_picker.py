@@ -5,6 +5,7 @@ registered through the scheduler's own gRPC."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -93,18 +94,24 @@ def test_a_request_without_a_body_is_routed_on_its_headers(picker) -> None:
     assert destination(only, "request_headers")[0] == f"127.0.0.1:{GATEWAY_PORT}"
 
 
-@pytest.mark.parametrize(("body", "code"), [
+BAD_BODIES = [
     (b"{not json", "invalid_json"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), "missing_model"),
     (json.dumps({"model": "m"}).encode(), "missing_prompt"),
+    (json.dumps({**CHAT, "messages": []}).encode(), "invalid_messages"),
     (json.dumps({**CHAT, "max_tokens": -1}).encode(), "invalid_max_tokens"),
-])
-def test_a_bad_body_is_answered_at_once_with_400_and_its_reason(picker, body: bytes, code: str) -> None:
-    _, port = picker
-    _, answer = ask(port, _headers(end_of_stream=False), _body(body))
-    status, headers, error = refusal(answer)
-    assert (status, error["code"], headers["x-crescent-refusal"]) == (400, code, code)
-    assert error["message"]
+]
+
+
+def test_a_bad_body_is_answered_at_once_with_400_and_its_reason(picker) -> None:
+    sched, port = picker
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d0", "decode"))  # servable: only the body is wrong
+    for body, code in BAD_BODIES:
+        _, answer = ask(port, _headers(end_of_stream=False), _body(body))
+        status, headers, error = refusal(answer)
+        assert (status, error["code"], headers["x-crescent-refusal"]) == (400, code, code), body
+        assert error["message"]
 
 
 def test_no_engine_for_the_model_is_a_503_naming_the_missing_role(picker) -> None:
@@ -150,3 +157,31 @@ def test_the_picker_port_takes_the_schedulers_mutual_tls_and_admits_only_the_pro
     with pytest.raises(grpc.RpcError) as plaintext:
         ask(port, *messages)
     assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_requests_go_to_the_gateway_with_the_fewest_in_flight(start_scheduler) -> None:
+    """A proxy keeps a request's ext_proc stream open until its response ends, so an open stream
+    is a request in flight at the gateway it was routed to."""
+    port = free_port()
+    sched = start_scheduler(endpoint_picker={"enabled": True, "port": port,
+                                             "gateways": f"127.0.0.1:{GATEWAY_PORT},127.0.0.2:{GATEWAY_PORT}"})
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d0", "decode"))
+    first_gw, second_gw = f"127.0.0.1:{GATEWAY_PORT}", f"127.0.0.2:{GATEWAY_PORT}"
+    body = json.dumps(CHAT).encode()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        release = threading.Event()
+
+        def held() -> Iterator[pb.ProcessingRequest]:
+            yield _headers(False)
+            yield _body(body)
+            release.wait(10)  # the response is still streaming: the stream stays open
+
+        long_running = stub.Process(held(), timeout=15)
+        next(long_running)
+        assert destination(next(long_running), "request_body")[0] == first_gw  # a tie: the first
+        assert destination(ask(port, _headers(False), _body(body))[1], "request_body")[0] == second_gw
+        release.set()
+        assert list(long_running) == []
+    assert destination(ask(port, _headers(False), _body(body))[1], "request_body")[0] == first_gw
