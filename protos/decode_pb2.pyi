@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices", "num_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class HandoffHeader(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -29,15 +30,54 @@ class HandoffHeader(_message.Message):
     num_blocks: int
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished_choices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class LayerSliceMeta(_message.Message):
+    __slots__ = ("layer", "first_block", "num_blocks", "last_block_tokens", "nbytes")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    first_block: int
+    num_blocks: int
+    last_block_tokens: int
+    nbytes: int
+    def __init__(self, layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., last_block_tokens: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class LayerSlice(_message.Message):
+    __slots__ = ("meta", "data", "last")
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    meta: LayerSliceMeta
+    data: bytes
+    last: bool
+    def __init__(self, meta: _Optional[_Union[LayerSliceMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class HandoffTail(_message.Message):
+    __slots__ = ("first_token_id", "first_token_ids", "finished_choices")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished_choices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffPart(_message.Message):
-    __slots__ = ("header", "block")
+    __slots__ = ("header", "block", "layer", "tail")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     header: HandoffHeader
     block: _common_pb2.BlockChunk
-    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ...) -> None: ...
+    layer: LayerSlice
+    tail: HandoffTail
+    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ..., layer: _Optional[_Union[LayerSlice, _Mapping]] = ..., tail: _Optional[_Union[HandoffTail, _Mapping]] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
     __slots__ = ("accepted",)

@@ -44,7 +44,8 @@ class AggregatedPrefillServicer(PrefillServicer):
     def _prompt_left(self, request_id: str) -> None:
         self.batcher.release_prompt(request_id)
 
-    async def _prompt_logits(self, seq: Sequence) -> torch.Tensor:
+    async def _prompt_logits(self, seq: Sequence, on_layer=None) -> torch.Tensor:  # noqa: ANN001
+        assert on_layer is None, "an aggregated instance hands off in process, not layer-wise"
         return await self.batcher.prefill(seq)
 
     async def _hand_off(self, request: prefill_pb2.PrefillRequest, seq: Sequence, firsts: list[int],

@@ -107,8 +107,9 @@ class EngineMetrics:
     generated_tokens: Counter  # decode: tokens sampled
     kv_used_tokens: Gauge      # token slots held in the paged KV cache
     kv_capacity_tokens: Gauge
-    transfer_bytes: Counter    # KV bytes moved, by direction: to_kvstore, from_kvstore, handoff_out, handoff_in
-    transfer_seconds: Histogram
+    transfer_bytes: Counter    # KV bytes moved, by direction: to_kvstore, from_kvstore, handoff_out, handoff_in,
+    #                            handoff_hidden (of handoff_out, sent layer-wise before the last layer was computed)
+    transfer_seconds: Histogram  # ... and handoff_exposed: last layer computed -> decode replied (prompt waits)
     requests: Counter          # finished requests by outcome: ok, aborted, error
 
 

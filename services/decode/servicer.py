@@ -23,6 +23,7 @@ from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
+from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import Batcher
@@ -120,6 +121,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         start = time.perf_counter()
         header: decode_pb2.HandoffHeader | None = None
         assembler = BlockAssembler()
+        layers: LayerAssembler | None = None  # a layer-wise handoff's (header.num_layers > 0)
+        tail: decode_pb2.HandoffTail | None = None
         payloads: list[torch.Tensor] = []
         received = 0
         try:
@@ -132,13 +135,36 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     header = part.header
                     request_id_var.set(header.request_id)
                     await self._refuse_early(header, context)  # before its KV crosses the wire
+                    if header.num_layers:
+                        layers = self._layer_assembler(header)
                     continue
                 if header is None:
                     raise BlockFormatError("KV block before the handoff header")
+                if tail is not None:
+                    raise BlockFormatError("a handoff part after the tail")
+                if part.tail is not None or part.layer is not None:
+                    if layers is None:
+                        raise BlockFormatError("a layer slice or tail in a handoff that is not layer-wise")
+                    if part.tail is not None:
+                        tail = part.tail
+                    else:
+                        layers.feed(part.layer)
+                    continue
+                if layers is not None:
+                    raise BlockFormatError("a whole block in a layer-wise handoff")
                 block = assembler.feed(part.block)
                 if block is not None:
                     received += block.nbytes
                     payloads.append(block_tensor(block, block.shape))
+            if layers is not None:
+                if tail is None:
+                    raise BlockFormatError("a layer-wise handoff without its tail (the first tokens)")
+                assert header is not None
+                header.first_token_id = tail.first_token_id
+                header.first_token_ids[:] = tail.first_token_ids
+                header.finished_choices[:] = tail.finished_choices
+                payloads = self._layer_payloads(header, layers.payloads())  # every layer of every block, or an error
+                received = layers.received
         except BlockFormatError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed handoff: {exc}")
         if header is None:
@@ -210,6 +236,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, never_fits_message(
                 len(header.prompt_token_ids), _max_tokens(header), reserve, choices,
                 self.engine.cache.capacity_tokens))
+
+    def _layer_assembler(self, header: decode_pb2.HandoffHeader) -> LayerAssembler:
+        """Where a layer-wise handoff's slices land; its layout must be this cache's."""
+        cache = self.engine.cache
+        if not hasattr(cache, "copy_layer"):
+            raise BlockFormatError("this decode instance's cache takes no layer-wise handoff")
+        if (header.kv_dtype != kv_dtype(cache) or tuple(header.kv_block_shape) != cache.block_shape
+                or header.num_layers != cache.num_layers):
+            raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
+                                   f"{header.num_layers} layers != {cache.block_shape}")
+        return LayerAssembler(header.num_layers, len(header.prompt_token_ids), self.engine.page_size,
+                              cache.token_layer_bytes())
+
+    def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
+        cache, prompt = self.engine.cache, len(header.prompt_token_ids)
+        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(
+                    cache.payload_shape(block_tokens(i, prompt, self.engine.page_size)))
+                for i, buffer in enumerate(buffers)]
 
     def _check(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
         cfg = self.engine.config

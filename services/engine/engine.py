@@ -11,6 +11,7 @@ Engine methods are blocking and not thread-safe: a service calls them from one w
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -24,6 +25,9 @@ from crescent.services.engine.constraints import TokenConstraint
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 
 log = logging.getLogger(__name__)
+
+# ``prefill``'s per-layer hook: (layer, end) once that layer's KV of the first ``end`` tokens is final.
+LayerHook = Callable[[int, int], None]
 
 
 @dataclass(slots=True)
@@ -224,12 +228,14 @@ class Engine:
 
     # ---- forward steps ---------------------------------------------------------------------
 
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Compute every not-yet-computed token, in chunks; return the last token's logits (vocab,)."""
+    def prefill(self, seq: Sequence, on_layer: LayerHook | None = None) -> torch.Tensor:
+        """Compute every not-yet-computed token, in chunks; return the last token's logits (vocab,).
+        ``on_layer(layer, end)``: layer ``layer``'s KV of the sequence's first ``end`` tokens is final."""
         logits = None
         while seq.num_computed < seq.num_tokens:
             end = min(seq.num_tokens, seq.num_computed + self.prefill_chunk_tokens)
-            logits = self._run([(seq, end)], want_logits=end == seq.num_tokens)
+            hook = None if on_layer is None else (lambda layer, end=end: on_layer(layer, end))
+            logits = self._run([(seq, end)], want_logits=end == seq.num_tokens, on_layer=hook)
         assert logits is not None, "prefill of a fully computed sequence"
         self._register_full_blocks(seq)
         return logits[0]
@@ -240,14 +246,15 @@ class Engine:
             assert seq.num_computed == seq.num_tokens - 1, f"{seq.seq_id}: decode needs exactly one new token"
         return self._run([(seq, seq.num_tokens) for seq in seqs], want_logits=True)
 
-    def mixed_step(self, chunks: Seq[tuple[Sequence, int]], decoding: Seq[Sequence]
-                   ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    def mixed_step(self, chunks: Seq[tuple[Sequence, int]], decoding: Seq[Sequence],
+                   on_layer: Callable[[int], None] | None = None) -> tuple[list[torch.Tensor | None], torch.Tensor]:
         """One forward of prompt chunks and decode tokens together (chunked prefill, several
         prompts at once). ``chunks``: (sequence, compute up to this token) pairs of prompts being
         prefilled, one per sequence; ``decoding``: sequences each computing their one new token.
         Returns each chunk's last-token logits (vocab,) when it completes its prompt, else None,
         and the decoding sequences' logits (len(decoding), vocab). Every row is what it would be
-        alone: the linear layers are batch-invariant and attention runs per sequence."""
+        alone: the linear layers are batch-invariant and attention runs per sequence.
+        ``on_layer(layer)``: that layer's KV of every row is in the cache (see ``LlamaModel.forward``)."""
         for seq in decoding:
             assert seq.num_computed == seq.num_tokens - 1, f"{seq.seq_id}: decode needs exactly one new token"
         for seq, end in chunks:
@@ -255,7 +262,7 @@ class Engine:
         completes = [end == seq.num_tokens for seq, end in chunks]
         work = [*chunks, *((seq, seq.num_tokens) for seq in decoding)]
         wanted = [i for i, done in enumerate(completes) if done] + list(range(len(chunks), len(work)))
-        logits = self._run(work, logits_for=wanted)
+        logits = self._run(work, logits_for=wanted, on_layer=on_layer)
         prompt_logits: list[torch.Tensor | None] = [None] * len(chunks)
         for row, i in enumerate(i for i, done in enumerate(completes) if done):
             prompt_logits[i] = logits[row]
@@ -263,7 +270,7 @@ class Engine:
         return prompt_logits, logits[sum(completes):]
 
     def _run(self, work: list[tuple[Sequence, int]], want_logits: bool = False,
-             logits_for: list[int] | None = None) -> torch.Tensor:
+             logits_for: list[int] | None = None, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute each sequence up to its end; logits of every one (``want_logits``) or of
         those at ``logits_for`` indices, in that order."""
         chunks = []
@@ -282,7 +289,7 @@ class Engine:
         with torch.inference_mode():
             if logits_for is None:
                 logits_for = list(range(len(work))) if want_logits else []
-            logits = self.model.forward(batch, self.cache, logits_for)
+            logits = self.model.forward(batch, self.cache, logits_for, on_layer)
         for seq, end in work:
             seq.num_computed = end
         return logits

@@ -245,6 +245,25 @@ class PagedKvCache:
             return self.pool[page]
         return self.pool[page][:, :, :num_tokens].contiguous()
 
+    # ---- a layer at a time (a layer-wise handoff: kvwire/layer_wire.py) -----------------------
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of a payload, which lie back to back in it (layer 0 first)."""
+        return self.pool.shape[1]
+
+    def token_layer_bytes(self) -> int:
+        """One token's bytes of one layer in a payload."""
+        return self.pool[0, 0, :, 0].numel() * self.pool.element_size()
+
+    def copy_layer(self, page: int, layer: int, num_tokens: int, out: memoryview) -> None:
+        """Copy layer ``layer`` of the page's first ``num_tokens`` tokens into ``out`` (that
+        layer's bytes of a payload). Another thread may compute later layers meanwhile: a
+        finished layer's memory is not written again."""
+        _, _, two, _, heads, dim = self.pool.shape
+        dst = torch.frombuffer(out, dtype=self.pool.dtype).view(two, num_tokens, heads, dim)
+        dst.copy_(self.pool[page, layer, :, :num_tokens])
+
     def write_block(self, page: int, payload: torch.Tensor) -> None:
         """Copy a (possibly partial) block payload into ``page``."""
         tokens = self.payload_tokens(payload.shape)

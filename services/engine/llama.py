@@ -8,11 +8,13 @@ attention runs per sequence over its pages.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from crescent.kernels.reference import InvariantLinear, apply_rope, paged_attention, rms_norm, rope_tables, silu_and_mul
+from crescent.kernels.reference.cpu_ext import paged_decode_ops
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.model_config import LlamaConfig
 
@@ -101,11 +103,17 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._q_width = config.num_heads * config.head_dim
         self._kv_width = config.num_kv_heads * config.head_dim
+        # Decode rows (one new token) attend through the C++ op over the pages, where it applies.
+        kernel_fits = config.head_dim == 64 and config.num_heads // config.num_kv_heads <= 16
+        self._decode_ops = paged_decode_ops() if kernel_fits else None
 
-    def forward(self, batch: ForwardBatch, cache: PagedKvCache, logits_for: list[int]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: PagedKvCache, logits_for: list[int],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run the batch, writing its KV into ``cache``; return logits (len(logits_for), vocab).
 
-        ``logits_for`` lists chunk indices whose last token's logits are wanted.
+        ``logits_for`` lists chunk indices whose last token's logits are wanted. ``on_layer(i)``
+        is called once layer i's K and V of the batch are in the cache (they change no more in
+        this forward): a layer-wise handoff sends them while later layers compute.
         """
         cfg = self.config
         n = batch.token_ids.shape[0]
@@ -114,6 +122,7 @@ class LlamaModel:
         page_tables = [
             torch.tensor(c.pages[: -(-c.context_len // page_size)], dtype=torch.int64) for c in batch.chunks
         ]
+        decode = self._decode_rows(batch, page_tables, cache)
         h = self.embed[batch.token_ids]
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
@@ -125,12 +134,25 @@ class LlamaModel:
             layer_pool = cache.pool[:, index]
             layer_pool[:, 0][batch.slot_pages, batch.slot_offsets] = k
             layer_pool[:, 1][batch.slot_pages, batch.slot_offsets] = v
+            if on_layer is not None:
+                on_layer(index)
             attn = torch.empty_like(q)
+            if decode is not None:
+                rows, tables, lens = decode
+                q_rows = q if rows is None else q[rows]
+                out = self._decode_ops.paged_decode_attention(q_rows, layer_pool[:, 0], layer_pool[:, 1], tables,
+                                                              lens, self.scale)
+                if rows is None:
+                    attn = out
+                else:
+                    attn[rows] = out
             start = 0
             for chunk, table in zip(batch.chunks, page_tables):
                 end = start + chunk.num_new
-                # index_select, not layer_pool[table]: the same copy at half the cost (decode's
-                # largest non-GEMM op at batch 8; docs/benchmarks.md, decode step profile). K and V
+                if decode is not None and chunk.num_new == 1:
+                    start = end
+                    continue
+                # index_select, not layer_pool[table]: the same copy at half the cost. K and V
                 # apart, so each is one contiguous copy that attention takes as a view.
                 k_pages = torch.index_select(layer_pool[:, 0], 0, table)
                 v_pages = torch.index_select(layer_pool[:, 1], 0, table)
@@ -144,3 +166,22 @@ class LlamaModel:
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
         last = h[ends[torch.tensor(logits_for)]]
         return self.lm_head(rms_norm(last, self.norm, cfg.rms_norm_eps))
+
+    def _decode_rows(self, batch: ForwardBatch, page_tables: list[torch.Tensor],
+                     cache: PagedKvCache) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+        """(flat rows or None for all, padded page tables, context lengths) of the batch's decode
+        rows for the C++ op; None when it does not apply (no op, no decode row, not an fp32 cache)."""
+        if self._decode_ops is None or cache.pool.dtype != torch.float32:
+            return None
+        picked = [i for i, c in enumerate(batch.chunks) if c.num_new == 1]
+        if not picked:
+            return None
+        widest = max(page_tables[i].numel() for i in picked)
+        tables = torch.zeros((len(picked), widest), dtype=torch.int64)
+        for row, i in enumerate(picked):
+            tables[row, : page_tables[i].numel()] = page_tables[i]
+        lens = torch.tensor([batch.chunks[i].context_len for i in picked], dtype=torch.int64)
+        if len(picked) == len(batch.chunks) == batch.token_ids.shape[0]:
+            return None, tables, lens  # a pure decode step: every row
+        offsets = torch.cumsum(torch.tensor([0] + [c.num_new for c in batch.chunks[:-1]]), 0)
+        return offsets[picked], tables, lens

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from google.protobuf.message import Message
+
 from crescent.protos import common_pb2
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, KvBlock, meta_of
 
@@ -29,8 +31,8 @@ _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 
 @dataclass(slots=True)
 class WireChunk:
-    meta: common_pb2.BlockMeta | None = None
-    data: bytes | memoryview = b""
+    meta: Message | None = None  # a BlockMeta; a LayerSliceMeta in a layer-wise handoff's LayerSlice
+    data: bytes | memoryview | tuple[bytes | memoryview, ...] = b""  # a tuple: pieces joined on sending
     last: bool = False
     error: str = ""  # set by ``decode_chunk`` on a malformed message
 
@@ -51,8 +53,10 @@ def encode_chunk(chunk: WireChunk, field: int | None = None) -> bytes:
     if chunk.meta is not None:
         header = chunk.meta.SerializeToString()
         parts += [_META_TAG, _varint(len(header)), header]
-    if len(chunk.data):
-        parts += [_DATA_TAG, _varint(len(chunk.data)), chunk.data]
+    pieces = chunk.data if isinstance(chunk.data, tuple) else (chunk.data,)
+    size = sum(len(p) for p in pieces)
+    if size:
+        parts += [_DATA_TAG, _varint(size), *pieces]
     if chunk.last:
         parts.append(_LAST_TRUE)
     if field is not None:
@@ -104,7 +108,8 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def decode_chunk(raw: bytes) -> WireChunk:
+def decode_chunk(raw: bytes, meta_type: type[Message] = common_pb2.BlockMeta) -> WireChunk:
+    """A ``BlockChunk`` (or a message of the same fields whose meta is ``meta_type``)."""
     chunk = WireChunk()
     try:
         for field, value in _fields(memoryview(raw)):
@@ -112,7 +117,7 @@ def decode_chunk(raw: bytes) -> WireChunk:
                 chunk.last = bool(value)
             elif field == 1 and isinstance(value, memoryview):
                 if chunk.meta is None:
-                    chunk.meta = common_pb2.BlockMeta()
+                    chunk.meta = meta_type()
                 chunk.meta.MergeFromString(value)  # protobuf merges a repeated message field
             elif field == 2 and isinstance(value, memoryview):
                 chunk.data = value

@@ -1,8 +1,9 @@
 """The prefill -> decode handoff stream (``HandoffPart``) through ``chunk_wire``'s codec.
 
-A ``HandoffPart`` is either the request's header or one ``BlockChunk`` of its KV (field 2).
-Headers are small and go through protobuf; a block chunk is written by ``chunk_wire`` as that
-field, so the payload is joined once on sending and sliced, not copied, on receiving — the
+A ``HandoffPart`` is the request's header, one ``BlockChunk`` of its KV (field 2), or, in a
+layer-wise handoff (``layer_wire``), one ``LayerSlice`` (field 3, BlockChunk's field numbers)
+or the ``HandoffTail`` (field 4). Headers and tails are small and go through protobuf; a block
+chunk or layer slice is written by ``chunk_wire`` as that field, so the payload is joined once on sending and sliced, not copied, on receiving — the
 same codec as kvstore puts and gets. The bytes are exactly protobuf's, so a client or server
 built from the generated code interoperates.
 
@@ -19,20 +20,26 @@ from crescent.protos import common_pb2, decode_pb2
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
 
-_HEADER_FIELD, _BLOCK_FIELD = 1, 2  # HandoffPart's oneof in decode.proto
+_HEADER_FIELD, _BLOCK_FIELD, _LAYER_FIELD, _TAIL_FIELD = 1, 2, 3, 4  # HandoffPart's oneof in decode.proto
 
 
 @dataclass(slots=True)
 class HandoffWirePart:
     header: decode_pb2.HandoffHeader | None = None
     block: chunk_wire.WireChunk | None = None
+    layer: chunk_wire.WireChunk | None = None  # a LayerSlice: its meta a LayerSliceMeta
+    tail: decode_pb2.HandoffTail | None = None
     error: str = ""  # set by ``decode_part`` on a malformed message
 
 
 def encode_part(part: HandoffWirePart) -> bytes:
     if part.header is not None:
         return decode_pb2.HandoffPart(header=part.header).SerializeToString()
-    assert part.block is not None, "a handoff part is a header or a block chunk"
+    if part.tail is not None:
+        return decode_pb2.HandoffPart(tail=part.tail).SerializeToString()
+    if part.layer is not None:
+        return chunk_wire.encode_chunk(part.layer, field=_LAYER_FIELD)
+    assert part.block is not None, "a handoff part is a header, a block chunk, a layer slice or a tail"
     return chunk_wire.encode_chunk(part.block, field=_BLOCK_FIELD)
 
 
@@ -41,8 +48,13 @@ def decode_part(raw: bytes) -> HandoffWirePart:
         fields = chunk_wire.message_fields(raw)
         if _HEADER_FIELD in fields:
             return HandoffWirePart(header=decode_pb2.HandoffHeader.FromString(fields[_HEADER_FIELD]))
+        if _TAIL_FIELD in fields:
+            return HandoffWirePart(tail=decode_pb2.HandoffTail.FromString(fields[_TAIL_FIELD]))
+        if _LAYER_FIELD in fields:
+            layer = chunk_wire.decode_chunk(fields[_LAYER_FIELD], decode_pb2.LayerSliceMeta)
+            return HandoffWirePart(layer=layer, error=layer.error)
         if _BLOCK_FIELD not in fields:
-            return HandoffWirePart(error="malformed HandoffPart: neither a header nor a block")
+            return HandoffWirePart(error="malformed HandoffPart: neither a header, a block, a layer slice nor a tail")
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError among them; reported, not raised
         return HandoffWirePart(error=f"malformed HandoffPart: {exc}")
     chunk = chunk_wire.decode_chunk(fields[_BLOCK_FIELD])

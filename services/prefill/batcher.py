@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crescent.services.common.metrics import EngineMetrics
-from crescent.services.engine.engine import Engine, Sequence
+from crescent.services.engine.engine import Engine, LayerHook, Sequence
 from crescent.services.engine.runtime import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class QueuedPrompt:
 
     seq: Sequence
     done: asyncio.Future[torch.Tensor] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    on_layer: LayerHook | None = None  # a layer-wise handoff's (``Engine.prefill``)
 
 
 def plan_step(prompts: Iterable[Sequence], chunk_tokens: int, max_batch_tokens: int, free_pages: int,
@@ -84,10 +85,11 @@ class PrefillBatcher:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
-    async def prefill(self, seq: Sequence) -> torch.Tensor:
+    async def prefill(self, seq: Sequence, on_layer: LayerHook | None = None) -> torch.Tensor:
         """Compute the prompt's tokens not computed yet, in steps shared with other queued prompts;
-        its last token's logits (vocab,). Cancelled: no further chunk of it is computed."""
-        job = QueuedPrompt(seq)
+        its last token's logits (vocab,). Cancelled: no further chunk of it is computed.
+        ``on_layer(layer, end)``: called on the engine thread as in ``Engine.prefill``."""
+        job = QueuedPrompt(seq, on_layer=on_layer)
         self._queue.append(job)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._run_steps(), name="prefill-batcher")
@@ -134,8 +136,17 @@ class PrefillBatcher:
         step = plan_step((job.seq for job in self._queue), self.engine.prefill_chunk_tokens, self.max_batch_tokens,
                          pages.unpromised_pages, self.engine.page_size)
         jobs = [next(job for job in self._queue if job.seq is seq) for seq, _ in step]
+        hooked = [(job.on_layer, end) for job, (_, end) in zip(jobs, step) if job.on_layer is not None]
+
+        def on_layer(layer: int) -> None:  # on the engine thread
+            for hook, end in hooked:
+                hook(layer, end)
+
         try:
-            prompt_logits, _ = await self.worker.run(self.engine.mixed_step, step, [])
+            if hooked:
+                prompt_logits, _ = await self.worker.run(self.engine.mixed_step, step, [], on_layer=on_layer)
+            else:
+                prompt_logits, _ = await self.worker.run(self.engine.mixed_step, step, [])
         except Exception as exc:  # noqa: BLE001 - handed to each prompt of the step, whose call ends with it
             log.warning("prefill step of %d prompts failed: %s", len(jobs), exc)
             for job in jobs:

@@ -35,3 +35,10 @@ class PrefillSettings(PrefillBaseSettings):
                     "always runs); 0: one prompt at a time. The default is the default chunk, so no forward is "
                     "larger than one long prompt's; on one quiet CPU thread 512 does better (docs/prefill.md)",
     )
+    layerwise_handoff: bool = Field(
+        default=True,
+        description="send the prompt's KV to decode a layer at a time while the prompt is computed (Mooncake's "
+                    "layer-wise transfer), so most of the handoff hides behind the forward passes; off: the whole "
+                    "KV after the prompt is computed. Models whose cache is not layer-major (kimi_k3) always send "
+                    "it whole (docs/prefill.md, \"Layer-wise handoff\")",
+    )

@@ -44,6 +44,7 @@ class PromptExport:
         self._payloads: dict[int, memoryview] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}  # a hybrid model's blocks differ (with or without a state)
         self._lock = asyncio.Lock()  # two readers asking at once: the second waits, then reuses
+        self._filling: asyncio.Event | None = None  # a layer-wise handoff copying blocks meanwhile
         self.copied_bytes = 0
 
     @property
@@ -58,9 +59,21 @@ class PromptExport:
         """The tensor shape of block ``index``'s payload (copied already)."""
         return self._shapes[index]
 
+    def filled_by(self, done: asyncio.Event) -> None:
+        """Blocks are being copied out by someone else (a layer-wise handoff, which ``adopt``s
+        them): readers wait for ``done``, then copy only what is still missing."""
+        self._filling = done
+
+    def adopt(self, index: int, payload: memoryview, shape: tuple[int, ...]) -> None:
+        """Block ``index``'s payload, copied out by the layer-wise handoff."""
+        self._payloads[index], self._shapes[index] = payload, shape
+        self.copied_bytes += len(payload)
+
     async def payloads(self, indices: Iterable[int]) -> list[memoryview]:
         """The payloads of blocks ``indices``, copied now where no reader asked before."""
         wanted = list(indices)
+        if self._filling is not None:
+            await self._filling.wait()
         async with self._lock:
             missing = [i for i in wanted if i not in self._payloads]
             for start in range(0, len(missing), EXPORT_BLOCKS_PER_CALL):

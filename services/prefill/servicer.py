@@ -55,6 +55,7 @@ from crescent.services.engine.wire import (
 )
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.batcher import PrefillBatcher
+from crescent.services.prefill.layerwise import LayerwiseHandoff, supports_layerwise
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prompt_export import PromptExport
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
@@ -98,15 +99,17 @@ class _PageHold:
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
                  on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None,
-                 tls: PeerTls | None = None, max_batch_tokens: int = 0) -> None:
+                 tls: PeerTls | None = None, max_batch_tokens: int = 0, layerwise_handoff: bool = False) -> None:
         """``max_batch_tokens``: prompt tokens per forward shared by queued prompts (``PrefillBatcher``);
-        0: one prompt per forward."""
+        0: one prompt per forward. ``layerwise_handoff``: send the KV to decode a layer at a time
+        while the prompt computes (``layerwise.py``), where the model's cache allows it."""
         self.engine = engine
         self._tls = tls  # this process's key pair for its channels (None: plaintext)
         self.constraints = constraints
         self.worker = worker
         self.kvstore = kvstore
         self.lease_ms = lease_ms
+        self.layerwise_handoff = layerwise_handoff and supports_layerwise(engine)
         self._on_blocks_stored = on_blocks_stored
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -179,6 +182,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.load.admit(request.request_id, len(tokens))
         seq: Sequence | None = None
         hold: _PageHold | None = None
+        streamed: LayerwiseHandoff | None = None
         try:
             await self._admit_prompt(request, context)
             seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt,
@@ -197,8 +201,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             cfgs = [replace(sampling, seed=choice_seed(sampling.seed, i)) for i in range(n)]
             self.load.computing(request.request_id)
             mask = submit_masks([constraint]) if constraint is not None else None  # computed while the forward runs
+            export = PromptExport(self.engine, self.worker, seq, len(tokens))  # one copy for kvstore and handoff
+            if self.layerwise_handoff and request.decode_address and request.sampling.max_tokens != 1:
+                streamed = LayerwiseHandoff(self.engine, seq, export, self._handoff_header(request, [0], []))
+                streamed.start(self._handoff_call(request.decode_address))
 
-            logits = await self._prompt_logits(seq)
+            logits = await self._prompt_logits(seq, streamed.on_layer if streamed is not None else None)
 
             def sample_firsts() -> tuple[list[int], list[TokenLogprob | None]]:
                 rows = logits[None].repeat(n, 1)
@@ -211,7 +219,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
             finished = [i for i, first in enumerate(firsts) if first in stop_ids or request.sampling.max_tokens <= 1]
-            export = PromptExport(self.engine, self.worker, seq, len(tokens))  # one copy for kvstore and handoff
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
                 hold.acquire()
@@ -227,7 +234,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 )
             if len(finished) < n:
                 try:
-                    await self._hand_off(request, seq, firsts, finished, hold, export)
+                    if streamed is not None:
+                        await self._finish_layerwise(streamed, firsts, finished)
+                    else:
+                        await self._hand_off(request, seq, firsts, finished, hold, export)
                 except grpc.aio.AioRpcError as exc:
                     self.metrics.requests.labels("prefill", "error").inc()
                     code = _HANDOFF_FAILURES.get(exc.code(), grpc.StatusCode.UNAVAILABLE)
@@ -247,6 +257,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.running -= 1
             self.load.left(request.request_id)
             self.metrics.queue_depth.labels("prefill").set(self.worker.pending)
+            if streamed is not None:
+                await streamed.close()  # before the pages go back: the stream reads them
             if hold is not None:
                 hold.release()
 
@@ -258,10 +270,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _prompt_left(self, request_id: str) -> None:
         """The Prefill call ended (handed off or not)."""
 
-    async def _prompt_logits(self, seq: Sequence) -> torch.Tensor:
+    async def _prompt_logits(self, seq: Sequence, on_layer=None) -> torch.Tensor:  # noqa: ANN001
         """Compute the prompt (its chunks in forwards shared with other queued prompts'); its
-        last token's logits (vocab,)."""
-        return await self.batcher.prefill(seq)
+        last token's logits (vocab,). ``on_layer``: a layer-wise handoff's hook."""
+        return await self.batcher.prefill(seq, on_layer)
 
     def _count(self, prompt: int, local_hit: int, remote_hit: int, peer_hit: int = 0) -> None:
         m = self.metrics
@@ -363,6 +375,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self._handoff_call(request.decode_address)(parts, timeout=60)
         self.metrics.transfer_bytes.labels("prefill", "handoff_out").inc(sum(len(p) for p in payloads))
         self.metrics.transfer_seconds.labels("prefill", "handoff_out").observe(time.perf_counter() - start)
+        self.metrics.transfer_seconds.labels("prefill", "handoff_exposed").observe(time.perf_counter() - start)
+
+    async def _finish_layerwise(self, streamed: LayerwiseHandoff, firsts: list[int], finished: list[int]) -> None:
+        """A layer-wise handoff's end: the first tokens, then decode's reply. Metrics: every byte
+        (``handoff_out``), those sent before the last layer was computed (``handoff_hidden``),
+        and the seconds from here (the first token is out) to the reply (``handoff_exposed``:
+        what the request waits for after its first token, the whole handoff in the other path)."""
+        start = time.perf_counter()
+        await streamed.finish(firsts, finished)
+        self._count_copied(streamed.export)
+        m = self.metrics
+        m.transfer_bytes.labels("prefill", "handoff_out").inc(streamed.bytes_sent)
+        m.transfer_bytes.labels("prefill", "handoff_hidden").inc(streamed.bytes_early)
+        m.transfer_seconds.labels("prefill", "handoff_exposed").observe(time.perf_counter() - start)
 
     def _count_copied(self, export: PromptExport) -> None:
         """KV bytes copied out of the cache since the last count (each block once, whoever asked)."""

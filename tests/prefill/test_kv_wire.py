@@ -18,12 +18,13 @@ import grpc
 import pytest
 import torch
 
-from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.runtime import EngineWorker
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part
+from crescent.services.kvwire.layer_wire import layer_slice
 from crescent.services.prefill.prefix_pull import PrefixPuller
 from crescent.services.prefill.servicer import PrefillServicer, add_prefill_to_server
 from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
@@ -58,7 +59,7 @@ def test_handoff_parts_are_byte_for_byte_the_generated_messages() -> None:
 
 
 def test_a_malformed_handoff_part_is_an_error_not_an_exception() -> None:
-    assert "neither a header nor a block" in decode_part(b"").error
+    assert "neither a header, a block" in decode_part(b"").error
     assert "malformed" in decode_part(b"\x12\x05ab").error  # a block field longer than the message
     broken_block = b"\x12\x03\x0a\x7f\x00"  # a meta inside the block running past its end
     assert decode_part(broken_block).error
@@ -120,13 +121,14 @@ def test_a_pulled_prefix_is_the_peer_s_blocks_byte_for_byte() -> None:
 # ---- the handoff between real processes, and one copy of a cold prompt's KV ----------------------
 
 @pytest.mark.slow
-def test_a_cold_prompt_is_copied_once_and_decode_continues_it_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_a_cold_prompt_is_copied_once_and_decode_continues_it_exactly(tmp_path, layerwise) -> None:
     prompts = PromptKv()
     scheduler = SchedulerStandIn()
     kvstore = start_node({"shared_memory": True}, tmp_path, "kv")
     decode = DecodeProcess(tmp_path, scheduler.address, 8 * BLOCK)
     prefill = DecodeProcess(tmp_path, scheduler.address, 8 * BLOCK, role="prefill",
-                            extra={"kvstore_address": kvstore.address})
+                            extra={"kvstore_address": kvstore.address, "layerwise_handoff": layerwise})
     try:
         decode.start()
         prefill.start()
@@ -155,8 +157,45 @@ def test_a_cold_prompt_is_copied_once_and_decode_continues_it_exactly(tmp_path) 
         assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="to_kvstore") == 4 * BLOCK * per_token
         assert copied == len(tokens) * per_token, "each block copied out of the cache once, for both readers"
         assert kvstore.metric("crescent_kvstore_blocks", tier="host") == 4
+        hidden = prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_hidden")
+        assert (0 <= hidden <= len(tokens) * per_token) if layerwise else hidden == 0
+        if layerwise:
+            refused_broken_layerwise_handoffs(decode.address, prompts, tokens)
     finally:
         prefill.stop()
         decode.stop()
         kvstore.stop()
         scheduler.stop()
+
+
+def refused_broken_layerwise_handoffs(address: str, prompts: PromptKv, tokens: list[int]) -> None:
+    """A real decode process refuses a layer-wise stream with a layer missing, repeated or
+    without its tail (INVALID_ARGUMENT) and takes no request from it."""
+    engine = prompts.engine
+    per_token, layers = engine.cache.token_layer_bytes(), engine.config.num_layers
+    blocks = -(-len(tokens) // BLOCK)
+
+    def parts(request_id: str, order: list[tuple[int, int]], tail: bool = True):
+        yield HandoffWirePart(header=decode_pb2.HandoffHeader(
+            request_id=request_id, model_id=engine.model_id, prompt_token_ids=tokens, num_layers=layers,
+            sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True), kv_dtype="float32",
+            kv_block_shape=list(engine.cache.block_shape), num_blocks=blocks))
+        for layer, block in order:
+            size = min(BLOCK, len(tokens) - block * BLOCK)
+            yield HandoffWirePart(layer=layer_slice(layer, block, [memoryview(bytes(size * per_token))], size))
+        if tail:
+            yield HandoffWirePart(tail=decode_pb2.HandoffTail(first_token_id=1))
+
+    every = [(layer, b) for layer in range(layers) for b in range(blocks)]
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_unary("/crescent.v1.Decode/Handoff", request_serializer=encode_part,
+                                    response_deserializer=decode_pb2.HandoffReply.FromString)
+        for name, order, tail, says in [("missing", every[:-1], True, "never arrived"),
+                                        ("twice", [*every[:2], every[0]], True, "arrived again"),
+                                        ("no-tail", every, False, "without its tail")]:
+            with pytest.raises(grpc.RpcError) as caught:
+                call(parts(name, order, tail), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in caught.value.details()
+            with pytest.raises(grpc.RpcError) as gone:  # nothing was accepted
+                list(decode_pb2_grpc.DecodeStub(channel).StreamTokens(decode_pb2.StreamRequest(request_id=name), timeout=10))
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND

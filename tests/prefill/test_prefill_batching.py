@@ -11,6 +11,7 @@ concurrent phase.
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent import futures
 
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from crescent.services.kvwire.chunk_wire import WireChunk
+from crescent.services.kvwire.layer_wire import LayerAssembler
 from tests.decode.process import BLOCK, DecodeProcess, SchedulerStandIn
 
 pytestmark = pytest.mark.slow  # a real process: a model load
@@ -42,7 +45,8 @@ PROMPTS = [
 
 
 class RecordingDecode:
-    """Decode's Handoff, answered ``accepted`` after keeping each request's block payloads."""
+    """Decode's Handoff, answered ``accepted`` after keeping each request's block payloads
+    (assembled from their layer slices: prefill hands off layer-wise by default)."""
 
     def __init__(self) -> None:
         self.blocks: dict[str, list[bytes]] = {}
@@ -57,14 +61,19 @@ class RecordingDecode:
         self.server.start()
 
     def _handoff(self, parts, context) -> decode_pb2.HandoffReply:
-        header, blobs = None, []
+        header, blobs, layers = None, [], None
         for part in parts:
             if part.HasField("header"):
                 header = part.header
-            else:
+                layer_floats = math.prod(header.kv_block_shape[1:]) // header.kv_block_shape[2]  # float32
+                layers = LayerAssembler(header.num_layers, len(header.prompt_token_ids), BLOCK, 4 * layer_floats) \
+                    if header.num_layers else None
+            elif part.HasField("layer"):
+                layers.feed(WireChunk(meta=part.layer.meta, data=part.layer.data, last=part.layer.last))
+            elif part.HasField("block"):
                 blobs.append(part.block.data)  # one chunk per block here: blocks are < 1 MB
         assert header is not None
-        self.blocks[header.request_id] = blobs
+        self.blocks[header.request_id] = [bytes(b) for b in layers.payloads()] if layers is not None else blobs
         return decode_pb2.HandoffReply(accepted=True)
 
     def stop(self) -> None:

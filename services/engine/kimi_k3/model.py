@@ -14,6 +14,8 @@ engine's flat variable-length ``ForwardBatch``, with the cache from ``make_cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from crescent.kernels.reference import rms_norm
@@ -69,6 +71,7 @@ class K3Model:
             if config.attn_res:
                 self.mix += [(w[p + f"{s}.query"], w[p + f"{s}.norm.weight"]) for s in ("attn_res", "mlp_res")]
         self.final_mix = (w["model.final_res.query"], w["model.final_res.norm.weight"]) if config.attn_res else None
+        self._on_layer: Callable[[int], None] | None = None  # the current forward's (``forward``)
 
     # ---- what the engine asks of a model with its own cache layout ---------------------------
 
@@ -85,13 +88,20 @@ class K3Model:
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def forward(self, batch: ForwardBatch, cache: K3Cache, logits_for: list[int]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: K3Cache, logits_for: list[int],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run the batch, writing latents and state snapshots into ``cache``; logits of the last
-        token of each chunk listed in ``logits_for``, ``(len(logits_for), vocab)``."""
+        token of each chunk listed in ``logits_for``, ``(len(logits_for), vocab)``. ``on_layer(i)``
+        is called once layer i's attention sublayer ran: its MLA latents (or its KDA state and
+        the snapshots it leaves) for the batch are final."""
         cfg = self.config
         cache.plan_forward(batch)
         x = self.embed[batch.token_ids.to(self.device)]
-        h = self._attn_res_stack(x, batch, cache) if cfg.attn_res else self._residual_stack(x, batch, cache)
+        self._on_layer = on_layer
+        try:
+            h = self._attn_res_stack(x, batch, cache) if cfg.attn_res else self._residual_stack(x, batch, cache)
+        finally:
+            self._on_layer = None
         if not logits_for:
             return x.new_empty((0, cfg.vocab_size))
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
@@ -102,7 +112,12 @@ class K3Model:
     def _sublayer(self, index: int, h: torch.Tensor, batch: ForwardBatch, cache: K3Cache) -> torch.Tensor:
         x = rms_norm(h, self.norms[index], self.config.rms_norm_eps)
         layer = index // 2
-        return self.attn[layer].forward(x, batch, cache) if index % 2 == 0 else self.ffn[layer].forward(x)
+        if index % 2:
+            return self.ffn[layer].forward(x)
+        out = self.attn[layer].forward(x, batch, cache)
+        if self._on_layer is not None:
+            self._on_layer(layer)
+        return out
 
     def _residual_stack(self, x: torch.Tensor, batch: ForwardBatch, cache: K3Cache):
         """Pre-norm residual stream; returns the final hidden rows as a function of row indices."""

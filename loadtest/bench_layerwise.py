@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Layer-wise handoff on and off (issue 16, item 3), between real prefill and decode processes.
+
+    .venv/bin/python loadtest/bench_layerwise.py [--tokens 2048 8064] [--rounds 3]
+
+Starts two prefill processes (``layerwise_handoff`` on and off), one decode process and a
+stand-in scheduler on 127.0.0.1, all with the default model (SmolLM2-135M, float32) and one
+torch thread each. Each round sends, to each prefill in turn, a cold prompt of random tokens
+(a fresh cache salt: no prefix hit) with ``max_tokens`` 2, handed to the decode process; the
+decode stream is read to its end so the next round starts from an empty decode.
+
+From the prefill's metrics, per prompt: the prefill time (``step_seconds``: the forwards and the
+first token's sampling), the handoff time the request waits for after its first token
+(``handoff_exposed``: off, the whole handoff; on, what is left of it: the last slices, the
+tail with the first tokens and decode's reply), and
+the bytes sent before the last layer was computed (``handoff_hidden``). Prints medians over
+rounds and the share of the handoff hidden behind compute: 1 - exposed(on) / handoff(off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the real-process fixtures of tests/
+from tests.decode.process import BLOCK, DecodeProcess, SchedulerStandIn  # noqa: E402
+
+VOCAB = 49152  # the default model's (SmolLM2-135M)
+METRIC_BYTES, METRIC_SECONDS = "crescent_engine_kv_transfer_bytes_total", "crescent_engine_kv_transfer_seconds_sum"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(10, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def snapshot(prefill: DecodeProcess) -> dict[str, float]:
+    return {
+        "prefill_s": prefill.metric("crescent_engine_step_seconds_sum", role="prefill"),
+        "exposed_s": prefill.metric(METRIC_SECONDS, direction="handoff_exposed"),
+        "out_bytes": prefill.metric(METRIC_BYTES, direction="handoff_out"),
+        "hidden_bytes": prefill.metric(METRIC_BYTES, direction="handoff_hidden"),
+    }
+
+
+def one_prompt(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, tokens: list[int]) -> dict[str, float]:
+    """Send one prompt through prefill to decode; the metric deltas it caused, and its TTFT."""
+    before = snapshot(prefill)
+    start = time.perf_counter()
+    ttft = 0.0
+    with grpc.insecure_channel(prefill.address) as channel:
+        for event in prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
+                request_id=request_id, token_ids=tokens, cache_salt=request_id.encode(), decode_address=decode.address,
+                sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)), timeout=600):
+            if event.WhichOneof("event") == "first_token":
+                ttft = time.perf_counter() - start
+    with grpc.insecure_channel(decode.address) as channel:
+        for _ in decode_pb2_grpc.DecodeStub(channel).StreamTokens(decode_pb2.StreamRequest(request_id=request_id), timeout=120):
+            pass
+    after = snapshot(prefill)
+    return {k: after[k] - before[k] for k in after} | {"ttft_s": ttft}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8064], help="prompt lengths (< 8192, the context)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped by ``timeout``: stop the processes too
+    os.environ["OMP_NUM_THREADS"] = "1"
+    capacity = max(args.tokens) + 2 * BLOCK
+    scheduler = SchedulerStandIn()
+    processes: dict[str, DecodeProcess] = {}
+    results: dict[tuple[int, str], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for name, extra in [("decode", None), ("on", {"layerwise_handoff": True}), ("off", {"layerwise_handoff": False})]:
+                run_dir = Path(tmp) / name
+                run_dir.mkdir()
+                role = "decode" if name == "decode" else "prefill"
+                processes[name] = DecodeProcess(run_dir, scheduler.address, capacity, role=role, extra=extra)
+                processes[name].start()
+            decode = processes["decode"]
+            for mode in ("on", "off"):  # warm-up
+                one_prompt(processes[mode], decode, f"warm-{mode}", prompt(256, 0))
+            for r in range(args.rounds):
+                for n in args.tokens:
+                    tokens = prompt(n, 1000 * r + n)
+                    for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):  # alternate who goes first
+                        results.setdefault((n, mode), []).append(
+                            one_prompt(processes[mode], decode, f"r{r}-{n}-{mode}", tokens))
+        finally:
+            for process in processes.values():
+                process.stop()
+            scheduler.stop()
+
+    load = os.getloadavg()
+    print(f"default model, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
+          f"{load[1]:.2f}; median of {args.rounds} rounds")
+    print(f"{'tokens':>6} {'KV MB':>6} {'prefill s':>9} {'handoff off s':>13} {'exposed on s':>12} {'hidden':>7}"
+          f" {'bytes early':>11} {'TTFT off':>8} {'TTFT on':>7}  exposed on / off per round")
+    for n in args.tokens:
+        off, on = results[(n, "off")], results[(n, "on")]
+
+        def med(rows: list[dict[str, float]], key: str) -> float:
+            return statistics.median(row[key] for row in rows)
+
+        before, after = med(off, "exposed_s"), med(on, "exposed_s")
+        early = statistics.median(row["hidden_bytes"] / row["out_bytes"] for row in on)
+        rounds = " ".join(f"{a['exposed_s']:.3f}/{b['exposed_s']:.3f}" for a, b in zip(on, off))
+        print(f"{n:>6} {med(on, 'out_bytes') / 1e6:6.1f} {med(off, 'prefill_s'):9.2f} {before:13.3f} {after:12.3f}"
+              f" {1 - after / before:7.0%} {early:11.0%} {med(off, 'ttft_s'):8.2f} {med(on, 'ttft_s'):7.2f}  {rounds}")
+
+
+if __name__ == "__main__":
+    main()
