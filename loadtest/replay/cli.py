@@ -91,6 +91,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
     p.add_argument("--rate", type=float, help="target request rate (req/s); overrides --time-scale")
     p.add_argument("--max-requests", type=int, default=100)
+    p.add_argument("--skip", type=int, default=0,
+                   help="start at this request of the trace (a window where turns share prefixes: 3800 of the shared one)")
     p.add_argument("--max-seconds", type=float, default=600.0, help="bound on a run; in-flight requests are then cut off")
     p.add_argument("--ttft-slo", type=float, default=10.0, help="seconds")
     p.add_argument("--tbt-slo", type=float, default=1.0, help="seconds (Mooncake TBT)")
@@ -119,7 +121,11 @@ async def amain(args: argparse.Namespace) -> list[dict]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    trace = load_trace(args.trace, args.max_requests)
+    if args.skip < 0:
+        raise SystemExit("--skip must be >= 0")
+    trace = load_trace(args.trace, args.skip + args.max_requests)[args.skip:]
+    if not trace:
+        raise SystemExit(f"--skip {args.skip}: the trace has no requests past that")
     reports: list[dict] = []
 
     def progress() -> Progress:
@@ -130,7 +136,7 @@ async def amain(args: argparse.Namespace) -> list[dict]:
     elif not args.sweep:
         with progress() as bar:
             report = await replay(config_from(args, args.url, args.time_scale, args.seed, args.rate), trace, bar)
-        report["machine"] = machine()
+        report |= {"machine": machine(), "trace_skip": args.skip}
         print_report(report)
         reports.append(report)
     else:
@@ -146,7 +152,7 @@ async def amain(args: argparse.Namespace) -> list[dict]:
             for name, url in targets:
                 with progress() as bar:
                     report = await replay(config_from(args, url, scale, args.seed + level, rate), trace, bar)
-                report |= {"target": name, "machine": machine()}
+                report |= {"target": name, "machine": machine(), "trace_skip": args.skip}
                 reports.append(report)
                 console.print(f"{name} level {level}: {report['completed']}/{report['requests']} completed, "
                               f"effective capacity {_f(report['effective_capacity'], '.0%')}")

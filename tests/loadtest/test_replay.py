@@ -216,3 +216,23 @@ def test_tokens_without_text_count_as_completed(fake_server, tmp_path):
     assert report["completed"] == 1 and report["output_tokens"] == 6
     assert report["ttft_s"]["p50"] >= FIRST_DELAY + 5 * GAP  # bounded by the end of the stream
     assert report["per_request"][0]["ok"] and report["per_request"][0]["prompt_tokens"] == 16
+
+
+def test_skip_starts_at_a_window_of_the_trace(fake_server, tmp_path):
+    from loadtest.replay.cli import main
+
+    url, seen = fake_server
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 1000 + 100 * i, "input_length": 512 * (i + 1), "output_length": 2,
+                                        "hash_ids": list(range(i + 1))}) + "\n" for i in range(6)))
+    out = tmp_path / "window.json"
+    assert main(["--trace", str(path), "--url", url, "--skip", "3", "--max-requests", "2", "--output-scale", "1",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    # requests 3 and 4 only (4 and 5 blocks): the first sent at once, not after the skipped ones' time
+    assert [len(b["messages"][0]["content"].split()) for b in seen] == [64, 80]
+    assert report["requests"] == 2 and report["trace_skip"] == 3 and report["wall_s"] < 5
+    # the window's own sharing: request 4 repeats request 3's four blocks
+    assert report["theoretical_cached_fraction"]["blocks"] == pytest.approx(4 / 9)
+    with pytest.raises(SystemExit, match="no requests past"):
+        main(["--trace", str(path), "--url", url, "--skip", "6"])
