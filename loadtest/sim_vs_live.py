@@ -89,6 +89,18 @@ def replayed_requests(rows: Sequence[dict]) -> tuple[list[ReplayedRequest], dict
     return requests, live, refused
 
 
+def path_overhead_from(path: Path, mode: str) -> float:
+    """The median path overhead that loadtest/path_overhead.py measured for ``mode``."""
+    try:
+        doc = json.loads(path.read_text())
+        measured, seconds = doc["mode"], float(doc["path_overhead_s"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path}: not a loadtest/path_overhead.py --json result ({exc})") from None
+    if measured != mode:
+        raise InputError(f"{path} measured the {measured} mode's path, not {mode}'s")
+    return seconds
+
+
 def compare(simulated: dict[int, float], live: dict[int, float], overhead_s: float, tolerance: float) -> dict:
     """TTFT statistics of both over the requests completed live, relative errors, verdicts."""
     ids = sorted(live)
@@ -124,6 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=pools.max_batch_tokens, help="pools: prefill's max_batch_tokens")
     p.add_argument("--path-overhead-s", type=float, default=0.0,
                    help="added to every simulated TTFT: the gateway's and gRPC's time, which the cost models leave out")
+    p.add_argument("--path-overhead-from", type=Path,
+                   help="take --path-overhead-s from loadtest/path_overhead.py --json (measured apart, same mode)")
     p.add_argument("--tolerance", type=float, default=0.25, help="largest relative error that agrees")
     p.add_argument("--json", type=Path, help="write the comparison here")
     return p.parse_args(argv)
@@ -160,12 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = load_live(args.live, args.run)
         costs = load_cost_file(args.costs)
+        if args.path_overhead_from:
+            args.path_overhead_s = path_overhead_from(args.path_overhead_from, args.mode)
         requests, live, refused = replayed_requests(report["per_request"])
         result = compare(simulate(args, costs, requests), live, args.path_overhead_s, args.tolerance)
     except (InputError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result |= {"mode": args.mode, "replayed": len(requests), "refused_live": refused}
+    result |= {"mode": args.mode, "path_overhead_s": args.path_overhead_s, "replayed": len(requests), "refused_live": refused}
     title = (f"{args.mode}: {result['requests']} requests completed live ({len(requests)} replayed, "
              f"{refused} refused live)")
     print(render(result, title), end="")
