@@ -76,7 +76,14 @@ def test_decode_assembles_exactly_the_bytes_in_prefill_s_cache(chunk) -> None:
     tokens = [(5 * i + 3) % 97 for i in range(23)]  # 5 full blocks and a partial one; 3 chunks of 8 or one
     parts, seq, export = stream(engine, tokens)
     expected = prompt_bytes(engine, seq, len(tokens))
-    assert assemble(engine, parts, len(tokens)) == expected
+    received = assemble(engine, parts, len(tokens))
+    assert received == expected
+    # decode adopts them (as its servicer does) and holds, page for page, prefill's bytes
+    decode = make_engine(chunk)
+    payloads = [torch.frombuffer(bytearray(b), dtype=torch.float32).view(
+        decode.cache.payload_shape(block_tokens(i, len(tokens), PAGE))) for i, b in enumerate(received)]
+    adopted = decode.adopt_sequence("d", tokens, len(tokens), payloads)
+    assert prompt_bytes(decode, adopted, len(tokens)) == expected
     # the kvstore export reads the same buffers: nothing copied twice
     assert export.copied_bytes == sum(len(b) for b in expected)
     assert [bytes(p) for p in asyncio.run(export.payloads(range(len(expected))))] == expected
