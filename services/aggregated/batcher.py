@@ -130,6 +130,14 @@ class MixedBatcher(Batcher):
     def _idle(self, batch: list[tuple[DecodeRequest, Choice]]) -> bool:
         return not batch and not self.prompts
 
+    def _update_gauges(self) -> None:
+        super()._update_gauges()
+        # Prompts without their first token yet: waiting for KV room or for their chunks. Prefill's
+        # own gauge counts jobs on the engine thread, which here are mostly decode steps; the
+        # chart's autoscalers sum every role's queue depth per pod.
+        unanswered = len(self._reserving) + sum(not job.done.done() for job in self.prompts)
+        self.metrics.queue_depth.labels("aggregated").set(unanswered)
+
     async def _admit_waiting(self) -> None:
         await self._adopt_local()
         await super()._admit_waiting()

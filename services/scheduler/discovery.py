@@ -1,7 +1,7 @@
-"""Discovering prefill and decode instances from Kubernetes EndpointSlices.
+"""Discovering engine instances (prefill, decode, aggregated) from Kubernetes EndpointSlices.
 
 Registration (instances call ``Register`` and heartbeat) works anywhere; in a cluster the
-scheduler can also learn membership from the EndpointSlices of the prefill and decode Services:
+scheduler can also learn membership from the EndpointSlices of the engines' Services:
 
 - a ready endpoint that is not registered yet is registered with the details in the settings
   (model, block size), so it can take requests before its own registration arrives; its own
@@ -48,14 +48,23 @@ class DiscoverySettings(StrictModel):
 
     enabled: bool = False
     kubeconfig: str = Field(default="", description="kubeconfig file; empty: the pod's service account")
-    namespace: str = Field(default="default", description="namespace of the prefill and decode Services")
+    namespace: str = Field(default="default", description="namespace of the engines' Services")
     prefill_service: str = Field(default="crescent-prefill", description="Service whose endpoints are prefill instances")
     decode_service: str = Field(default="crescent-decode", description="Service whose endpoints are decode instances")
+    aggregated_service: str = Field(default="crescent-aggregated",
+                                    description="Service whose endpoints are aggregated instances")
     port_name: str = Field(default="grpc", description="name of the gRPC port in the EndpointSlices")
     model_id: str = Field(default="", description="model assumed for a discovered instance until it registers")
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0, description="assumed until the instance registers")
     watch_timeout_s: float = Field(default=60.0, gt=0, description="re-list after this long without an event")
     retry_delay_s: float = Field(default=2.0, gt=0, description="wait after a failed list or watch")
+
+
+def watched_services(settings: DiscoverySettings) -> dict[str, Role]:
+    """Service name -> the role of its endpoints (a name left empty is not watched)."""
+    named = ((settings.prefill_service, Role.PREFILL), (settings.decode_service, Role.DECODE),
+             (settings.aggregated_service, Role.AGGREGATED))
+    return {name: role for name, role in named if name}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +98,7 @@ class SliceTracker:
     """The slices of the watched Services, kept current from list results and watch events."""
 
     def __init__(self, settings: DiscoverySettings) -> None:
-        self._roles = {settings.prefill_service: Role.PREFILL, settings.decode_service: Role.DECODE}
+        self._roles = watched_services(settings)
         self._port_name = settings.port_name
         self._slices: dict[str, list[DiscoveredEndpoint]] = {}
 
@@ -178,7 +187,7 @@ class EndpointSliceWatcher:
         return client.ApiClient(configuration)
 
     def _selector(self) -> str:
-        return f"{SERVICE_NAME_LABEL} in ({self.settings.prefill_service},{self.settings.decode_service})"
+        return f"{SERVICE_NAME_LABEL} in ({','.join(watched_services(self.settings))})"
 
     def _list(self) -> tuple[list[dict[str, Any]], str]:
         from kubernetes import client

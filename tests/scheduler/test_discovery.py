@@ -18,7 +18,7 @@ import yaml
 
 from crescent.protos import scheduler_pb2
 from crescent.services.scheduler.datatypes import Role
-from crescent.services.scheduler.discovery import DiscoverySettings, SliceTracker, endpoints_of
+from crescent.services.scheduler.discovery import DiscoverySettings, EndpointSliceWatcher, SliceTracker, endpoints_of
 
 from .support import free_port, instance
 
@@ -66,11 +66,22 @@ def test_tracker_ignores_other_services_and_forgets_deleted_slices() -> None:
         endpoint_slice("x-1", "unrelated", [("x0", "10.0.0.9")]),
     ])
     tracker.apply("ADDED", endpoint_slice("d-1", "crescent-decode", [("d0", "10.0.0.2")], ready=False))
+    tracker.apply("ADDED", endpoint_slice("a-1", "crescent-aggregated", [("a0", "10.0.0.3")]))
     assert {i: (e.role, e.ready) for i, e in tracker.endpoints().items()} == {
         "prefill-p0-50051": (Role.PREFILL, True), "decode-d0-50051": (Role.DECODE, False),
+        "aggregated-a0-50051": (Role.AGGREGATED, True),
     }
     tracker.apply("DELETED", endpoint_slice("p-1", "crescent-prefill", []))
-    assert set(tracker.endpoints()) == {"decode-d0-50051"}
+    assert set(tracker.endpoints()) == {"decode-d0-50051", "aggregated-a0-50051"}
+
+
+def test_a_service_name_left_empty_is_not_watched() -> None:
+    settings = DiscoverySettings(enabled=True, aggregated_service="")
+    tracker = SliceTracker(settings)
+    tracker.reset([endpoint_slice("a-1", "", [("a0", "10.0.0.3")])])  # a slice without the label
+    assert tracker.endpoints() == {}
+    assert EndpointSliceWatcher(settings, lambda _: None)._selector() == (
+        "kubernetes.io/service-name in (crescent-prefill,crescent-decode)")
 
 
 # ---- a scheduler process watching kmock ----------------------------------------------------
