@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import values_table as readme  # noqa: E402 (beside this script)
 
 CHART = Path(__file__).resolve().parent.parent / "crescent"
-COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "kvstore")
+COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "aggregated", "kvstore")
 LATENCY_BUCKETS = [0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120]  # crescent_gateway_ttft_seconds
 TOKEN_INTERVAL_BUCKETS = [0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5]  # ..._tbt_seconds
 
@@ -122,6 +122,10 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "monitoring.prometheusRule.instanceDownFor": {"pattern": "^[0-9]+[smh]$"},
     "monitoring.prometheusAdapter.namespace": {"pattern": "^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$"},
     "monitoring.serviceMonitor.interval": {"pattern": "^[0-9]+[smh]$"},
+    "prefill.autoscaling.queueDepthTarget": {"minimum": 1},
+    "decode.autoscaling.runningRequestsTarget": {"minimum": 1},
+    "aggregated.autoscaling.queueDepthTarget": {"minimum": 1},
+    "aggregated.autoscaling.kvUsedRatioTarget": FRACTION,
 }
 for _c in COMPONENTS:
     CONSTRAINTS[f"{_c}.image.tag"] = IMAGE_TAG
@@ -129,10 +133,10 @@ for _c in COMPONENTS:
     CONSTRAINTS[f"{_c}.image.pullPolicy"] = {"enum": ["Always", "IfNotPresent", "Never"]}
     for _port in ("port",) if _c == "gateway" else ("grpcPort", "adminPort"):
         CONSTRAINTS[f"{_c}.{_port}"] = PORT
-for _c in ("gateway", "prefill", "decode"):  # the chart also fails a grace too short to drain in
+for _c in ("gateway", "prefill", "decode", "aggregated"):  # the chart also fails a grace too short to drain in
     CONSTRAINTS[f"{_c}.terminationGracePeriodSeconds"] = {"minimum": 1}
     CONSTRAINTS[f"{_c}.preStopSleepSeconds"] = {"minimum": 0}
-for _role in ("prefill", "decode"):
+for _role in ("prefill", "decode", "aggregated"):
     CONSTRAINTS[f"{_role}.replicas"] = {"minimum": 0}
     CONSTRAINTS[f"{_role}.gpus"] = {"minimum": 0}
     CONSTRAINTS[f"{_role}.autoscaling.minReplicas"] = {"minimum": 1}

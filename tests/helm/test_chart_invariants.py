@@ -11,7 +11,7 @@ import yaml
 
 from tests.helm.tools import CHART, EXAMPLES, by_kind, helm_template, render
 
-COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "kvstore")
+COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "aggregated", "kvstore")
 
 
 def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +182,8 @@ def _component_of(doc: dict[str, Any]) -> str | None:
 def test_disabled_component_renders_nothing(component: str) -> None:
     everything = ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "gateway.ingress.enabled=true",
                   "--set", "prefill.autoscaling.enabled=true", "--set", "decode.autoscaling.enabled=true",
-                  "--set", "monitoring.prometheusAdapter.enabled=true"]
+                  "--set", "monitoring.prometheusAdapter.enabled=true", "--set", "aggregated.enabled=true",
+                  "--set", "aggregated.autoscaling.enabled=true"]
     before = [d for d in render(*everything) if _component_of(d) == component]
     after = render(*everything, "--set", f"{component}.enabled=false")
     assert before, f"{component} renders nothing even when enabled"

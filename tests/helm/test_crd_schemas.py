@@ -35,7 +35,8 @@ def _custom(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_every_optional_custom_resource_matches_its_schema() -> None:
-    objects = _custom(render(*ALL_ON, *PREFILL_MULTI_NODE, "--set", "prefill.autoscaling.keda.enabled=true"))
+    objects = _custom(render(*ALL_ON, *PREFILL_MULTI_NODE, "--set", "prefill.autoscaling.keda.enabled=true",
+                             "--set", "aggregated.autoscaling.keda.enabled=true"))
     assert {o["kind"] for o in objects} == KINDS  # each kind is really rendered and checked
     errors = schema_errors(objects)
     assert len(errors) == len(objects)

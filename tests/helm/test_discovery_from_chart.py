@@ -27,7 +27,8 @@ pytest.importorskip("kmock")
 pytestmark = pytest.mark.timeout(120)
 
 KMOCK_SERVER = REPO / "tests" / "scheduler" / "kmock_server.py"
-PODS = {"prefill": ("crescent-prefill-g0-abcde", "10.1.2.3"), "decode": ("crescent-decode-g0-fghij", "10.1.2.4")}
+PODS = {"prefill": ("crescent-prefill-g0-abcde", "10.1.2.3"), "decode": ("crescent-decode-g0-fghij", "10.1.2.4"),
+        "aggregated": ("crescent-aggregated-g0-klmno", "10.1.2.5")}
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def listed(sched: SchedulerProcess) -> dict[str, scheduler_pb2.InstanceInfo]:
 
 
 def test_the_rendered_scheduler_discovers_the_rendered_engine_pods(tmp_path: Path, kubeconfig: Path) -> None:
-    docs = render()
+    docs = render("--set", "aggregated.enabled=true")  # beside the pools: all three engine roles
     config = yaml.safe_load(by_kind(docs, "ConfigMap")["crescent-scheduler"]["data"]["config.yaml"])
     port, admin_port = free_port(), free_port()
     config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin_port}  # loopback, not 0.0.0.0:50051
@@ -102,7 +103,8 @@ def test_the_rendered_scheduler_discovers_the_rendered_engine_pods(tmp_path: Pat
         while set(listed(sched)) != set(expected):
             assert time.monotonic() < deadline, f"discovered {sorted(listed(sched))}, expected {sorted(expected)}"
             time.sleep(0.1)
-        roles = {scheduler_pb2.INSTANCE_ROLE_PREFILL: "prefill", scheduler_pb2.INSTANCE_ROLE_DECODE: "decode"}
+        roles = {scheduler_pb2.INSTANCE_ROLE_PREFILL: "prefill", scheduler_pb2.INSTANCE_ROLE_DECODE: "decode",
+                 scheduler_pb2.INSTANCE_ROLE_AGGREGATED: "aggregated"}
         assert {i: (roles[info.role], info.address) for i, info in listed(sched).items()} == expected
         # The pod's own registration lands on the discovered entry: still one instance per pod.
         prefill_id = next(i for i, (role, _) in expected.items() if role == "prefill")

@@ -15,8 +15,11 @@ from crescent.services.common.tls import TlsSettings, check_listen
 from tests.helm.test_chart_settings import SETTINGS, _pod_env
 from tests.helm.tools import by_kind, render
 
-COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "kvstore")
-CERT_MANAGER = ["--set", "internalTls.certManager.enabled=true", "--set", "internalTls.certManager.adminCertificate=true"]
+COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "aggregated", "kvstore")
+# Aggregated engines are off by default; these tests turn them on beside the pools.
+CERT_MANAGER = ["--set", "internalTls.certManager.enabled=true", "--set", "internalTls.certManager.adminCertificate=true",
+                "--set", "aggregated.enabled=true"]
+SETTINGS_OF = {**SETTINGS, "aggregated": ("crescent.services.aggregated.config", "AggregatedSettings")}
 
 
 def _workload(docs: list[dict], component: str) -> dict:
@@ -27,7 +30,7 @@ def _workload(docs: list[dict], component: str) -> dict:
 def _settings(tmp_path: Path, docs: list[dict], component: str):
     import importlib
 
-    module_name, class_name = SETTINGS[component]
+    module_name, class_name = SETTINGS_OF[component]
     module = importlib.import_module(module_name)
     path = tmp_path / f"{component}.yaml"
     path.write_text(by_kind(docs, "ConfigMap")[f"crescent-{component}"]["data"]["config.yaml"])
@@ -37,9 +40,9 @@ def _settings(tmp_path: Path, docs: list[dict], component: str):
 
 
 def test_by_default_the_grpc_services_get_the_plaintext_override_and_no_certificates(tmp_path: Path) -> None:
-    docs = render()
+    docs = render("--set", "aggregated.enabled=true")
     assert not by_kind(docs, "Certificate") and not by_kind(docs, "Issuer")
-    for component in ("scheduler", "prefill", "decode", "kvstore"):
+    for component in ("scheduler", "prefill", "decode", "aggregated", "kvstore"):
         settings, _ = _settings(tmp_path, docs, component)
         assert settings.listen.host == "0.0.0.0" and not settings.tls.enabled
         assert settings.tls.allow_plaintext_non_loopback
@@ -86,6 +89,4 @@ def test_every_role_the_access_table_names_has_a_certificate_in_the_chart() -> N
     docs = render(*CERT_MANAGER, "--set", "inferenceExtension.enabled=true")  # the proxy role's is issued with it
     issued = {uri.rsplit("/", 1)[-1] for c in by_kind(docs, "Certificate").values() for uri in c["spec"].get("uris", [])}
     needed = {role for rules in ACCESS.values() for rule in rules.values() for role in rule.roles}
-    # The chart deploys the prefill and decode pools; aggregated engines are `crescent up`'s for
-    # now (docs/aggregated.md, "Not done yet"), so the chart issues no certificate for that role.
-    assert needed - {"aggregated"} <= issued
+    assert needed <= issued

@@ -15,7 +15,7 @@ from tests.helm.test_chart import VALUES_FILES
 from tests.helm.test_chart_settings import POD_FIELDS, _pod_env
 from tests.helm.tools import NAMESPACE, by_kind, helm_template, render
 
-DRAINING = ("gateway", "prefill", "decode")
+DRAINING = ("gateway", "prefill", "decode", "aggregated")
 MARGIN_S = 5  # what the chart leaves between the end of the drain and SIGKILL
 
 
@@ -35,7 +35,7 @@ def drain_grace_of(docs: list[dict[str, Any]], component: str) -> float:
 
 @pytest.mark.parametrize("name", sorted(VALUES_FILES))
 def test_draining_pods_sleep_in_prestop_then_drain_within_their_grace(name: str) -> None:
-    docs = render(values=VALUES_FILES[name])
+    docs = render("--set", "aggregated.enabled=true", values=VALUES_FILES[name])
     for component in DRAINING:
         drain = drain_grace_of(docs, component)
         for workload in workloads_of(docs, component):
@@ -62,9 +62,9 @@ def test_a_grace_period_too_short_to_drain_in_is_refused() -> None:
     assert "terminationGracePeriodSeconds (8) must exceed preStopSleepSeconds (5)" in result.stderr
 
 
-@pytest.mark.parametrize("block_size_from", ["prefill", "decode"])
+@pytest.mark.parametrize("block_size_from", ["prefill", "decode", "aggregated"])
 def test_kubernetes_discovery_watches_the_engines_services_under_their_instance_ids(block_size_from: str) -> None:
-    docs = render("--set", f"{block_size_from}.settings.engine.block_size=32")
+    docs = render("--set", "aggregated.enabled=true", "--set", f"{block_size_from}.settings.engine.block_size=32")
     discovery = config_of(docs, "scheduler")["discovery"]
     assert discovery["enabled"] is True and discovery["namespace"] == NAMESPACE
     assert discovery["model_id"] == "smollm2-135m-instruct" and discovery["block_size"] == 32
@@ -75,7 +75,7 @@ def test_kubernetes_discovery_watches_the_engines_services_under_their_instance_
     assert binding["subjects"][0]["name"] == scheduler["serviceAccountName"]
     (role,) = by_kind(docs, "Role").values()
     assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["endpointslices"]
-    for component, role_ in (("prefill", Role.PREFILL), ("decode", Role.DECODE)):
+    for component, role_ in (("prefill", Role.PREFILL), ("decode", Role.DECODE), ("aggregated", Role.AGGREGATED)):
         service = services[discovery[f"{component}_service"]]
         grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == discovery["port_name"])
         container = workloads_of(docs, component)[0]["spec"]["template"]["spec"]["containers"][0]

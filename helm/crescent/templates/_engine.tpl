@@ -1,5 +1,5 @@
 {{/*
-Prefill and decode are two roles of one engine; these helpers render either. Each topology group
+Prefill, decode and aggregated are roles of one engine; these helpers render any of them. Each topology group
 gets its own Deployment (and HPA, PDB) per role; where its pods may land is _topology.tpl's.
 Call with (dict "root" $ "role" "prefill"), plus "group" (the group's values) for per-group objects.
 */}}
@@ -49,14 +49,26 @@ kind: Deployment
 name: {{ include "crescent.engineGroupName" . }}
 {{- end }}
 
-{{/* The per-pod metric and target each role scales on. */}}
-{{- define "crescent.engineScaleMetric" -}}
-{{- if eq .role "prefill" }}crescent_engine_queue_depth{{ else }}crescent_engine_running_requests{{ end }}
+{{/* The per-pod metrics and targets each role's HPA scales on, as a JSON list of {metric,
+target}; the first is the one it is known by. prefill: waiting prompts; decode: the running batch;
+aggregated: waiting work and KV use (crescent_engine_kv_used_ratio is the adapter rule's name for
+kv_used_tokens / kv_capacity_tokens, prometheus-adapter-configmap.yaml). Call with (dict "root" $
+"role" <role>); "root" may be left out for the names alone. */}}
+{{- define "crescent.engineScaleMetrics" -}}
+{{- $a := dict }}
+{{- with .root }}{{ $a = (index .Values $.role).autoscaling }}{{ end }}
+{{- if eq .role "prefill" }}
+{{- list (dict "metric" "crescent_engine_queue_depth" "target" (toString $a.queueDepthTarget)) | toJson }}
+{{- else if eq .role "decode" }}
+{{- list (dict "metric" "crescent_engine_running_requests" "target" (toString $a.runningRequestsTarget)) | toJson }}
+{{- else }}
+{{- list (dict "metric" "crescent_engine_queue_depth" "target" (toString $a.queueDepthTarget))
+         (dict "metric" "crescent_engine_kv_used_ratio" "target" (toString $a.kvUsedRatioTarget)) | toJson }}
+{{- end }}
 {{- end }}
 
-{{- define "crescent.engineScaleTarget" -}}
-{{- $a := (index .root.Values .role).autoscaling }}
-{{- if eq .role "prefill" }}{{ $a.queueDepthTarget }}{{ else }}{{ $a.runningRequestsTarget }}{{ end }}
+{{- define "crescent.engineScaleMetric" -}}
+{{- (first (include "crescent.engineScaleMetrics" . | fromJsonArray)).metric }}
 {{- end }}
 
 {{- define "crescent.engineHpa" -}}
@@ -73,14 +85,17 @@ spec:
     {{- include "crescent.engineScaleTargetRef" . | trim | nindent 4 }}
   minReplicas: {{ $a.minReplicas }}
   maxReplicas: {{ $a.maxReplicas }}
+  # With several metrics the HPA takes the largest replica count any of them asks for.
   metrics:
+    {{- range include "crescent.engineScaleMetrics" . | fromJsonArray }}
     - type: Pods
       pods:
         metric:
-          name: {{ include "crescent.engineScaleMetric" . }}
+          name: {{ .metric }}
         target:
           type: AverageValue
-          averageValue: {{ include "crescent.engineScaleTarget" . | quote }}
+          averageValue: {{ .target | quote }}
+    {{- end }}
   behavior:
     # GPU pods take minutes to load weights: scale up at once, scale down slowly.
     scaleUp:
@@ -89,14 +104,17 @@ spec:
       stabilizationWindowSeconds: 600
 {{- end }}
 
-{{/* KEDA: the same per-pod metric, plus the role's latency p99 against its SLO. */}}
+{{/* KEDA: the per-pod metric summed over the group's pods, plus the role's latency p99 against
+its SLO (prefill and aggregated: TTFT; decode: TBT); aggregated also on the group's KV use. */}}
 {{- define "crescent.engineScaledObject" -}}
 {{- $root := .root }}
 {{- $a := (index $root.Values .role).autoscaling }}
 {{- $ns := $root.Release.Namespace }}
 {{- $pods := printf "%s-.*" (include "crescent.engineGroupName" .) }}
-{{- $latency := ternary "ttft" "tbt" (eq .role "prefill") }}
-{{- $slo := ternary (float64 $root.Values.slo.ttftSeconds) (float64 $root.Values.slo.tbtSeconds) (eq .role "prefill") }}
+{{- $ofPods := printf "{namespace=\"%s\",pod=~\"%s\"}" $ns $pods }}
+{{- $first := first (include "crescent.engineScaleMetrics" . | fromJsonArray) }}
+{{- $latency := ternary "tbt" "ttft" (eq .role "decode") }}
+{{- $slo := ternary (float64 $root.Values.slo.tbtSeconds) (float64 $root.Values.slo.ttftSeconds) (eq .role "decode") }}
 apiVersion: keda.sh/v1alpha1
 kind: ScaledObject
 metadata:
@@ -115,8 +133,8 @@ spec:
       metricType: AverageValue
       metadata:
         serverAddress: {{ $a.keda.prometheusAddress }}
-        query: sum({{ include "crescent.engineScaleMetric" . }}{namespace="{{ $ns }}",pod=~"{{ $pods }}"})
-        threshold: {{ include "crescent.engineScaleTarget" . | quote }}
+        query: sum({{ $first.metric }}{{ $ofPods }})
+        threshold: {{ $first.target | quote }}
     - type: prometheus
       # Value: replicas grow in proportion to how far the p99 is above 80% of the SLO.
       metricType: Value
@@ -124,6 +142,16 @@ spec:
         serverAddress: {{ $a.keda.prometheusAddress }}
         query: histogram_quantile(0.99, sum by (le) (rate(crescent_gateway_{{ $latency }}_seconds_bucket{namespace="{{ $ns }}"}[2m])))
         threshold: {{ mulf $slo 0.8 | toString | quote }}
+    {{- if eq .role "aggregated" }}
+    - type: prometheus
+      # Value: the group's share of KV held by running requests; replicas grow in proportion
+      # to how far it is above the target.
+      metricType: Value
+      metadata:
+        serverAddress: {{ $a.keda.prometheusAddress }}
+        query: sum(crescent_engine_kv_used_tokens{{ $ofPods }}) / clamp_min(sum(crescent_engine_kv_capacity_tokens{{ $ofPods }}), 1)
+        threshold: {{ toString $a.kvUsedRatioTarget | quote }}
+    {{- end }}
 {{- end }}
 
 {{- define "crescent.enginePdb" -}}
@@ -166,7 +194,8 @@ spec:
       targetPort: admin
 {{- end }}
 
-{{/* YAML settings of a role (services/prefill/config.py, services/decode/config.py). The
+{{/* YAML settings of a role (services/prefill/config.py, services/decode/config.py,
+services/aggregated/config.py). The
 instance id and advertised address are per pod, so they come from env vars in the Deployment. */}}
 {{- define "crescent.engineConfigMap" -}}
 {{- $root := .root }}
@@ -175,7 +204,8 @@ instance id and advertised address are per pod, so they come from env vars in th
   "listen" (dict "host" "0.0.0.0" "port" (int $v.grpcPort) "admin_port" (int $v.adminPort))
   "scheduler_address" (include "crescent.schedulerAddress" $root)
   "engine" (dict "model" (include "crescent.modelSpec" $root) "drain_grace_s" (include "crescent.drainGraceSeconds" $v | int)) }}
-{{- if and (eq .role "prefill") $root.Values.kvstore.enabled }}
+{{- /* The roles that prefill read and write the node's kvstore. */}}
+{{- if and (has .role (list "prefill" "aggregated")) $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}
 {{- include "crescent.internalTlsSettings" (dict "root" $root "cfg" $cfg) }}

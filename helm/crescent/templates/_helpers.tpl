@@ -1,4 +1,4 @@
-{{/* Shared names, labels and snippets. Components: gateway, scheduler, prefill, decode, kvstore. */}}
+{{/* Shared names, labels and snippets. Components: gateway, scheduler, prefill, decode, aggregated, kvstore. */}}
 
 {{- define "crescent.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
@@ -182,7 +182,7 @@ sideChannel); empty when the kvstore or its side channel is off. */}}
 
 {{- define "crescent.adminPorts" -}}
 {{- $ports := list }}
-{{- range $c := list "scheduler" "prefill" "decode" "kvstore" }}
+{{- range $c := list "scheduler" "prefill" "decode" "aggregated" "kvstore" }}
 {{- $v := index $.Values $c }}
 {{- if $v.enabled }}{{ $ports = append $ports (int $v.adminPort) }}{{ end }}
 {{- end }}
@@ -190,7 +190,7 @@ sideChannel); empty when the kvstore or its side channel is off. */}}
 {{- end }}
 
 {{/*
-Shutdown of a pod that drains (gateway, prefill, decode). On deletion Kubernetes runs preStop (a
+Shutdown of a pod that drains (gateway, prefill, decode, aggregated). On deletion Kubernetes runs preStop (a
 sleep: the endpoint leaves its Service and the scheduler's discovery before the service hears
 of it), then sends SIGTERM; the service drains for drain_grace_s, ends what is left, and exits
 before terminationGracePeriodSeconds runs out (a margin of crescent.drainMarginSeconds).

@@ -52,6 +52,6 @@ capabilities, RuntimeDefault seccomp, only emptyDir/configMap/secret/PVC/ephemer
 
 {{/* The level the release's namespace must allow: the highest any enabled component needs. */}}
 {{- define "crescent.podSecurityLevel" -}}
-{{- $engines := or .Values.prefill.enabled .Values.decode.enabled }}
+{{- $engines := or .Values.prefill.enabled .Values.decode.enabled .Values.aggregated.enabled }}
 {{- if or (and .Values.kvstore.enabled (eq (include "crescent.kvstorePodSecurityLevel" .) "privileged")) (and $engines (eq (include "crescent.enginePodSecurityLevel" .) "privileged")) }}privileged{{ else }}restricted{{ end }}
 {{- end }}

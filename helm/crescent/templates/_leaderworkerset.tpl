@@ -43,7 +43,7 @@ spec:
 
 {{/* Refuses multi-node settings that cannot run. Renders nothing. */}}
 {{- define "crescent.validateMultiNode" -}}
-{{- range $role := list "prefill" "decode" }}
+{{- range $role := list "prefill" "decode" "aggregated" }}
 {{- $v := index $.Values $role }}
 {{- $m := $v.multiNode }}
 {{- if and $v.enabled $m.enabled }}

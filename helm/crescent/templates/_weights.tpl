@@ -4,7 +4,7 @@ into the pod's emptyDir ("init"), or fetched once per node into a node cache dir
 ("hostPath": the first pod on a node downloads, the others find the marker and skip). The gateway
 needs only the tokenizer: with "init" and "hostPath" it fetches into its own emptyDir with
 init.gatewayCommand (or init.command), so it never downloads the model to a CPU node's disk.
-Call with (dict "root" $ "component" "gateway"|"prefill"|"decode").
+Call with (dict "root" $ "component" "gateway"|"prefill"|"decode"|"aggregated").
 */}}
 
 {{/* The model spec services are given: the preset id, or the file/directory under the mount. */}}
