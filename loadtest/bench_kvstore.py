@@ -15,7 +15,16 @@ case and a JSON line at the end. ``--tls both`` runs every gRPC case plaintext a
 TLS (a node and a client certificate from a throwaway CA, as ``crescent up`` makes them) and,
 for the host tier, what mTLS costs as a share of plaintext throughput: two nodes alike but for
 TLS, their rounds alternated and compared pair by pair (``paired_mtls``), so the VM's drifting
-speed cancels out of the ratio.
+speed cancels out of the ratio; the other movers (the TCP side channel) run once plaintext and
+once with mTLS.
+
+Each case also reports the CPU seconds per GB moved in the client and in the node (timed puts
+and gets only) and the 1-minute load average when it started: on a shared machine the CPU per
+GB holds still where the GB/s swing. The run ends with the TCP side channel's share of the
+same-round memcpy per block size, plaintext and mTLS, next to what plain loopback TCP moves
+(one and two connections) in the same run.
+
+    .venv/bin/python loadtest/bench_kvstore.py --tiers host --movers tcp --sizes-mib 4 16 64 --tls both
 """
 
 from __future__ import annotations
@@ -192,6 +201,30 @@ async def tier_alone_gbps(tier: str, size: int, count: int, workdir: Path) -> tu
     return size * count / put_s / 1e9, size * count / get_s / 1e9
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) another process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds this process and the node spend inside the timed windows."""
+
+    def __init__(self, node_pid: int | None) -> None:
+        self.node_pid = node_pid if node_pid is not None and Path(f"/proc/{node_pid}/stat").exists() else None
+        self.client_s = self.node_s = 0.0
+
+    def __enter__(self) -> CpuMeter:
+        self._client0 = time.process_time()
+        self._node0 = process_cpu_s(self.node_pid) if self.node_pid else 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client_s += time.process_time() - self._client0
+        if self.node_pid:
+            self.node_s += process_cpu_s(self.node_pid) - self._node0
+
+
 @dataclass
 class CaseResult:
     mover: str  # the one that served ("put/get" when they differ; another than asked when it is not usable here)
@@ -200,16 +233,19 @@ class CaseResult:
     memcpy_gbps: float
     put_pct: float  # median over rounds of put / memcpy in the same round
     get_pct: float
+    client_cpu_s_per_gb: float  # put and get bytes together
+    node_cpu_s_per_gb: float | None
 
 
 async def run_case(
     address: str, size: int, count: int, mover: str, tier: str, chunk: int, per_call: int, rounds: int,
-    tls: PeerTls | None = None,
+    tls: PeerTls | None = None, node_pid: int | None = None,
 ) -> CaseResult:
     """Medians over ``rounds`` rounds, each moving ``count`` new blocks and timing a memcpy of
     the same bytes between the put and the get."""
     client = KvStoreClient(address, movers=[mover], timeout_s=300, max_chunk_bytes=chunk, tls=tls)
     memcpy = Memcpy(size, count)
+    cpu = CpuMeter(node_pid)
     puts, gets, copies = [], [], []
     try:
         spare = make_blocks(size, 1, b"warm-up")
@@ -220,9 +256,10 @@ async def run_case(
             blocks = make_blocks(size, count, f"{tier}-{size}-{mover}-{r}".encode())
             batches = [blocks[i : i + per_call] for i in range(0, count, per_call)]
             start = time.perf_counter()
-            for batch in batches:
-                result = await client.put(batch)
-                assert result.stored == len(batch), result
+            with cpu:
+                for batch in batches:
+                    result = await client.put(batch)
+                    assert result.stored == len(batch), result
             put_s = time.perf_counter() - start
             put_mover = client.mover
             if tier == "s3":  # a put to S3 returns once queued: wait until the objects are there
@@ -233,8 +270,9 @@ async def run_case(
             copies.append(memcpy.gbps())
             start = time.perf_counter()
             got = 0
-            for batch in batches:
-                got += len(await client.get([b.key for b in batch], "bench"))
+            with cpu:
+                for batch in batches:
+                    got += len(await client.get([b.key for b in batch], "bench"))
             get_s = time.perf_counter() - start
             assert got == count, f"only {got}/{count} blocks came back"
             await client.remove([b.key for b in blocks])
@@ -242,9 +280,11 @@ async def run_case(
             gets.append(size * count / get_s / 1e9)
         median = statistics.median
         served = put_mover if put_mover == client.mover else f"{put_mover}/{client.mover}"  # put / get
+        moved_gb = 2 * size * count * rounds / 1e9
         return CaseResult(
             served, median(puts), median(gets), median(copies),
             100 * median(p / c for p, c in zip(puts, copies)), 100 * median(g / c for g, c in zip(gets, copies)),
+            cpu.client_s / moved_gb, cpu.node_s / moved_gb if cpu.node_pid else None,
         )
     finally:
         await client.close()
@@ -370,6 +410,16 @@ def measure_mtls_cost(args: argparse.Namespace, workdir: Path, node_tls: dict, c
     return rows
 
 
+def side_channel_summary(results: list[dict]) -> None:
+    """The TCP side channel's share of the same-round memcpy, per block size, plaintext and mTLS
+    (issue 16's figure: >= 35% for 4-64 MiB calls)."""
+    rows = [r for r in results if r["tier"] == "host" and r["path"].split("+")[0] == "tcp"]
+    for row in rows:
+        tls = "mTLS" if row["path"].endswith("+mtls") else "plaintext"
+        print(f"TCP side channel {row['block_mib']:3d} MiB, {tls:9s}: put {row['put_pct_memcpy']:5.1f}% "
+              f"get {row['get_pct_memcpy']:5.1f}% of memcpy (load {row['load_1min']})")
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -399,7 +449,8 @@ def main() -> None:
     args = parser.parse_args()
     keep_large_buffers_warm()  # as the client process of a real deployment should
     results = []
-    modes = {"off": [False], "on": [True], "both": [False]}[args.tls]  # both: plaintext, then paired_mtls
+    # both: every mover plaintext, the side channel (and NIXL) with mTLS too; gRPC's mTLS by paired_mtls
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         issued = make_pki(workdir / "tls", [("kvstore", "bench-node"), ("prefill", "bench-client")])
@@ -434,12 +485,13 @@ def main() -> None:
                                  workdir / f"{tier}.log")
                     try:
                         wait_http(f"http://127.0.0.1:{admin}/health")
-                        paths = [m for m in group if m != "shm" or not mtls]
+                        paths = [m for m in group if not mtls or (m != "shm" and (m != "grpc" or args.tls == "on"))]
                         for mover in paths:
                             per_call = max(1, args.batch_mib // size_mib)
+                            load = os.getloadavg()[0]
                             case = asyncio.run(
                                 run_case(f"127.0.0.1:{port}", size, count, mover, tier, args.chunk_mib * MIB, per_call,
-                                         1 if tier == "s3" else args.rounds, client_tls if mtls else None)
+                                         1 if tier == "s3" else args.rounds, client_tls if mtls else None, node.pid)
                             )
                             put, get = case.put_gbps, case.get_gbps
                             served = case.mover if case.mover == mover else f"{mover}->{case.mover}"  # e.g. nixl->nixl/grpc
@@ -447,7 +499,10 @@ def main() -> None:
                                    "block_mib": size_mib,
                                    "blocks_per_call": per_call, "put_gbps": round(put, 3), "get_gbps": round(get, 3),
                                    "memcpy_gbps": round(case.memcpy_gbps, 3),
-                                   "put_pct_memcpy": round(case.put_pct, 1), "get_pct_memcpy": round(case.get_pct, 1)}
+                                   "put_pct_memcpy": round(case.put_pct, 1), "get_pct_memcpy": round(case.get_pct, 1),
+                                   "client_cpu_s_per_gb": round(case.client_cpu_s_per_gb, 3),
+                                   "node_cpu_s_per_gb": None if case.node_cpu_s_per_gb is None
+                                   else round(case.node_cpu_s_per_gb, 3), "load_1min": round(load, 2)}
                             raw = ""
                             if tier != "host" and not mtls:
                                 raw_put, raw_get = raw_tier_gbps(tier, size, count, workdir)
@@ -459,7 +514,9 @@ def main() -> None:
                             results.append(row)
                             print(f"{tier:5s} {row['path']:9s} {size_mib:3d} MiB x{per_call:<3d} put {put:6.2f} GB/s  "
                                   f"get {get:6.2f} GB/s  memcpy {case.memcpy_gbps:6.2f} GB/s  "
-                                  f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%){raw}", flush=True)
+                                  f"({row['put_pct_memcpy']}% / {row['get_pct_memcpy']}%)  CPU s/GB client "
+                                  f"{row['client_cpu_s_per_gb']} node {row['node_cpu_s_per_gb']}  load {load:.1f}{raw}",
+                                  flush=True)
                     finally:
                         stop(node)
                     if tier == "disk":
@@ -477,7 +534,10 @@ def main() -> None:
         ceiling["memcpy_gbps"] = reference
         print(f"loopback without the kvstore ({args.chunk_mib} MiB messages): "
               f"TCP {ceiling['tcp_loopback_gbps']:.2f} GB/s ({100 * ceiling['tcp_loopback_gbps'] / reference:.0f}% of memcpy), "
+              f"two TCP connections {ceiling['tcp_loopback_2_connections_gbps']:.2f} GB/s "
+              f"({100 * ceiling['tcp_loopback_2_connections_gbps'] / reference:.0f}%), "
               f"grpcio raw bytes {ceiling['grpcio_raw_gbps']:.2f} GB/s ({100 * ceiling['grpcio_raw_gbps'] / reference:.0f}%)")
+        side_channel_summary(results)
     handoff = bench_handoff.measure(args.handoff_tokens) if args.handoff else {}
     rates = policy_hit_rates()
     print("eviction policies, block hit rate on a conversation + scan trace:",

@@ -1,7 +1,8 @@
 """What loopback itself allows on this machine, as a yardstick for the kvstore's gRPC path:
 
 - plain TCP: a socket pair over 127.0.0.1, ``sendall`` of one buffer, ``recv_into`` one reused
-  buffer (no Python-level copy at all);
+  buffer (no Python-level copy at all); also over two connections at once, as the kvstore's TCP
+  side channel stripes a large transfer;
 - plain grpcio: a stream of raw ``bytes`` messages (no protobuf, no store), one direction.
 
     .venv/bin/python loadtest/transport_ceiling.py [--chunk-mib 4] [--total-mib 512]
@@ -16,14 +17,14 @@ import multiprocessing
 import os
 import socket
 import statistics
+import threading
 import time
 from concurrent import futures
 
 MIB = 1 << 20
 
 
-def _tcp_sink(listener: socket.socket, chunk: int) -> None:
-    conn, _ = listener.accept()
+def _drain(conn: socket.socket, chunk: int) -> None:
     buffer = memoryview(bytearray(chunk))
     while conn.recv_into(buffer):
         pass
@@ -31,24 +32,48 @@ def _tcp_sink(listener: socket.socket, chunk: int) -> None:
     conn.close()
 
 
-def tcp_gbps(chunk: int, total: int) -> float:
-    """Bytes per second through one loopback TCP connection."""
+def _tcp_sink(listener: socket.socket, chunk: int, connections: int) -> None:
+    conns = [listener.accept()[0] for _ in range(connections)]
+    threads = [threading.Thread(target=_drain, args=(conn, chunk)) for conn in conns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _tcp_source(conn: socket.socket, payload: bytes, count: int) -> None:
+    for _ in range(count):
+        conn.sendall(payload)
+    conn.shutdown(socket.SHUT_WR)
+    conn.recv(1)  # the sink has read everything
+
+
+def tcp_gbps(chunk: int, total: int, connections: int = 1) -> float:
+    """Bytes per second through ``connections`` loopback TCP connections at once (each carries
+    an equal share, sent and drained on threads of their own)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    sink = multiprocessing.get_context("fork").Process(target=_tcp_sink, args=(listener, chunk), daemon=True)
+    listener.listen(connections)
+    sink = multiprocessing.get_context("fork").Process(target=_tcp_sink, args=(listener, chunk, connections),
+                                                       daemon=True)
     sink.start()
     payload = os.urandom(chunk)
-    with socket.create_connection(listener.getsockname()) as conn:
+    count = total // chunk // connections
+    conns = [socket.create_connection(listener.getsockname()) for _ in range(connections)]
+    try:
         start = time.perf_counter()
-        for _ in range(total // chunk):
-            conn.sendall(payload)
-        conn.shutdown(socket.SHUT_WR)
-        conn.recv(1)  # the sink has read everything
+        threads = [threading.Thread(target=_tcp_source, args=(conn, payload, count)) for conn in conns]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         seconds = time.perf_counter() - start
+    finally:
+        for conn in conns:
+            conn.close()
     sink.join(10)
     listener.close()
-    return total // chunk * chunk / seconds / 1e9
+    return count * connections * chunk / seconds / 1e9
 
 
 _OPTIONS = [("grpc.max_receive_message_length", 256 * MIB), ("grpc.max_send_message_length", 256 * MIB)]
@@ -97,6 +122,7 @@ def grpc_gbps(chunk: int, total: int) -> float:
 def ceilings(chunk: int, total: int, runs: int = 3) -> dict[str, float]:
     return {
         "tcp_loopback_gbps": statistics.median(tcp_gbps(chunk, total) for _ in range(runs)),
+        "tcp_loopback_2_connections_gbps": statistics.median(tcp_gbps(chunk, total, 2) for _ in range(runs)),
         "grpcio_raw_gbps": statistics.median(grpc_gbps(chunk, total) for _ in range(runs)),
     }
 

@@ -65,6 +65,37 @@ async def test_engines_move_blocks_over_the_side_channel_with_mutual_tls(kvstore
         await client.close()
 
 
+async def test_striped_transfers_over_mutual_tls_arrive_whole(kvstore: Node, pki: Pki) -> None:
+    """12 MiB goes over two TLS connections at once; the node reads them through memory BIOs."""
+    client = KvStoreClient(kvstore.address, movers=["tcp"], tls=pki.by_role["prefill"])
+    try:
+        block = make_chain(1, floats=3 * MIB, salt=b"tls-striped")[0]
+        assert (await client.put([block])).stored == 1
+        got = await client.get([block.key], MODEL)
+        assert bytes(got[block.key].payload) == bytes(block.payload)
+        assert client.mover == "tcp" and not client.errors
+        await client.remove([block.key])
+    finally:
+        await client.close()
+
+
+async def test_a_tls_stripe_cut_short_stores_nothing(kvstore: Node, pki: Pki) -> None:
+    client = KvStoreClient(kvstore.address, movers=["tcp"], tls=pki.by_role["prefill"])
+    try:
+        block = make_chain(1, floats=MIB // 4, salt=b"tls-short")[0]
+        reply = await client._stub.ReserveShm(kvstore_pb2.ShmReserveRequest(blocks=[block.to_meta()], mover="tcp"))
+        context = tls_contexts(pki.by_role["prefill"])[1]
+        with context.wrap_socket(socket.create_connection(_host_port(reply.side_address)),
+                                 server_hostname="localhost") as sock:
+            sock.sendall(reply.side_token + bytes([0, 1]) + bytes(block.payload)[: MIB // 2])  # then it drops
+        committed = await client._stub.CommitShm(kvstore_pb2.ShmCommitRequest(reservation=reply.reservation,
+                                                                              written=[True]))
+        assert (committed.stored, committed.rejected) == (0, 1)
+        assert await client.exists([block.key]) == [False]
+    finally:
+        await client.close()
+
+
 async def test_a_valid_token_over_plaintext_or_another_ca_writes_nothing(kvstore: Node, pki: Pki) -> None:
     client = KvStoreClient(kvstore.address, movers=["tcp"], tls=pki.by_role["prefill"])
     try:
