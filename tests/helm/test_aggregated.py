@@ -17,6 +17,7 @@ from crescent.services.common.settings import load_settings
 from tests.helm.crd_schemas import schema_errors
 from tests.helm.test_chart import CUSTOM_KINDS, _validate
 from tests.helm.test_chart_settings import POD_FIELDS, _pod_env
+from tests.helm.test_placement import H100, _Cluster, _Node, _pods_of
 from tests.helm.tools import CHART, EXAMPLES, by_kind, helm_template, notes, render, run, tool
 
 SMALL = EXAMPLES / "aggregated-small.yaml"
@@ -211,3 +212,29 @@ def test_install_notes_name_the_aggregated_groups() -> None:
     assert "aggregated: 2-6 (autoscaled) pod(s) per group x 1 GPU, each prefilling and decoding" in text
     assert "prefill:" not in text and "decode:" not in text
     assert "aggregated:" not in notes()
+
+
+def test_aggregated_alone_schedules_on_a_plain_h100_cluster() -> None:
+    deployments = by_kind(render(*ALONE), "Deployment")
+    cluster = _Cluster([_Node("h100-0", dict(H100), 8)])
+    assert all(cluster.place(pod) is not None for pod in _pods_of(deployments["crescent-aggregated-g0"], 8))
+    assert cluster.place(_pods_of(deployments["crescent-aggregated-g0"], 1)[0]) is None  # 8 GPUs taken
+
+
+def test_in_nvlink_domains_aggregated_pods_join_their_groups_domain_beside_the_pools() -> None:
+    args = [*ON, "--set", "topology.mode=nvlinkDomain", "--set-json", 'topology.groups=[{"name":"g0"},{"name":"g1"}]']
+    for role in ("prefill", "decode", "aggregated"):
+        args += ["--set", f"{role}.gpus=4", "--set", f"{role}.nodeSelector.crescent\\.io/pool={role}"]
+    engines = {n: d for n, d in by_kind(render(*args), "Deployment").items() if _component(d) in ("prefill", "decode", "aggregated")}
+    # Two NVL72-like racks of 4-GPU trays, two trays per pool.
+    cluster = _Cluster([_Node(f"r{r}-{pool}{t}", {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.clique": f"uuid.{r}",
+                                                   "crescent.io/pool": pool}, 4)
+                        for r in range(2) for pool in ("prefill", "decode", "aggregated") for t in range(2)])
+    domains: dict[str, set[str]] = {}
+    for name, deployment in sorted(engines.items()):
+        group = deployment["spec"]["template"]["metadata"]["labels"]["crescent.io/group"]
+        for pod in _pods_of(deployment, 2):
+            node = cluster.place(pod)
+            assert node is not None, name
+            domains.setdefault(group, set()).add(node.labels["nvidia.com/gpu.clique"])
+    assert all(len(d) == 1 for d in domains.values()) and domains["g0"] != domains["g1"], domains
