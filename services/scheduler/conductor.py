@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.scheduler.config import SchedulerSettings
-from crescent.services.scheduler.cost_model import CostModels
+from crescent.services.scheduler.cost_model import CostModels, MixedPrefillCost, PrefillCostModel
 from crescent.services.scheduler.cost_presets import cost_models_from_settings
 from crescent.services.scheduler.decode_outlook import KnownRequest, project_releases
 from crescent.services.scheduler.datatypes import (
@@ -205,7 +205,9 @@ class Conductor:
                 continue
             queued_requests, _, running = r.load.prefill_queue(r.spec.role)
             queued = queued_requests + running + sum(1 for _ in r.prefill_reservations.pending())
-            prefill.append(PrefillCandidate(r.spec.instance_id, self._prefill_queue_s(r), queued, r.spec.address))
+            cost = self._prefill_cost(r)
+            prefill.append(PrefillCandidate(r.spec.instance_id, self._prefill_queue_s(r, cost), queued, r.spec.address,
+                                            None if cost is self.costs.prefill else cost))
         for r in self.registry.placeable(Role.DECODE):
             if model_id and r.spec.model_id != model_id:
                 continue
@@ -216,14 +218,21 @@ class Conductor:
         shared = frozenset(kvstores | {s for s in self.index.sources() if s not in registered})
         return ClusterView(prefill, decode, self.index, shared)
 
-    def _prefill_queue_s(self, r: InstanceRecord) -> float:
+    def _prefill_cost(self, r: InstanceRecord) -> PrefillCostModel | MixedPrefillCost:
+        """The prefill model, or for an aggregated instance (when ``cost.mixed`` is fitted) its
+        mixed steps with the sequences it decodes now."""
+        if r.spec.role is not Role.AGGREGATED or self.costs.mixed is None:
+            return self.costs.prefill
+        return MixedPrefillCost(self.costs.mixed, self.settings.aggregated_chunk_tokens,
+                                r.load.running_requests, r.load.queued_tokens)
+
+    def _prefill_queue_s(self, r: InstanceRecord, cost: PrefillCostModel | MixedPrefillCost) -> float:
         """Predicted wait before a new prompt starts on a prefill instance.
 
         Requests this scheduler placed count one by one with their own prompt and cached
         prefix; the report says how far the instance got (tokens left) and covers requests the
         scheduler does not know (placed before it restarted) as equal shares of the rest.
         """
-        cost = self.costs.prefill
         book = r.prefill_reservations
         held = book.held_in_order()
         pending = sum(cost.seconds(e.tokens, e.prompt_tokens - e.tokens) for e in book.pending())

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
+from crescent.services.aggregated.config import AggregatedSettings
 from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
 from crescent.services.common.tls import TlsSettings
 from crescent.services.scheduler.discovery import DiscoverySettings
@@ -81,7 +82,9 @@ class CostSettings(StrictModel):
         description="a prefill engine's prompts while a decode engine steps on the same cores (the simulator reads it)",
     )
     mixed: MixedStepCostSettings | None = Field(
-        default=None, description="aggregated engines' mixed steps (the simulator reads it; the Conductor does not yet)"
+        default=None,
+        description="aggregated engines' mixed steps: the Conductor times an aggregated instance's prompts with it "
+                    "(beside the sequences it decodes), and the simulator reads it",
     )
 
 
@@ -139,6 +142,11 @@ class SchedulerSettings(StrictModel):
         default=512, gt=0, description="prompt size assumed for queued requests when an instance reports no token count"
     )
     no_instance_retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After when a role has no instance")
+    aggregated_chunk_tokens: int = Field(
+        default=AggregatedSettings.model_fields["chunk_tokens"].default, gt=0,
+        description="prompt tokens an aggregated instance mixes into one step (its chunk_tokens): with cost.mixed, "
+                    "how many steps a prompt takes there",
+    )
     reservation_timeout_s: float = Field(
         default=120.0, gt=0,
         description="forget what a placement reserved on an instance if no load report covered it by then (lost reports)",

@@ -87,6 +87,30 @@ class MixedStepCostModel:
         return DecodeCostModel(self.fixed_s, self.per_sequence_s, self.per_context_token_s)
 
 
+@dataclass(frozen=True, slots=True)
+class MixedPrefillCost:
+    """A prompt's prefill on an aggregated instance: its chunks (``chunk_tokens`` each) ride
+    mixed steps that also carry the instance's ``decode_batch`` decoding rows (``decode_context``
+    tokens of context), so every chunk pays a step's fixed cost and those rows' share.
+
+    ``seconds(u, c)`` as ``PrefillCostModel.seconds``: steps·(fixed + rows) + per token·u +
+    attention·(u·c + u²/2) — the chunks' query-key pairs add up to the whole prompt's.
+    """
+
+    mixed: MixedStepCostModel
+    chunk_tokens: int
+    decode_batch: int = 0
+    decode_context: int = 0
+
+    def seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        m, u = self.mixed, float(new_tokens)
+        steps = -(-new_tokens // max(self.chunk_tokens, 1))
+        per_step = m.fixed_s + m.per_sequence_s * max(self.decode_batch, 0) + m.per_context_token_s * self.decode_context
+        return steps * per_step + m.per_prompt_token_s * u + m.attention_s * (u * cached_tokens + u * u / 2)
+
+
 def attention_pairs(chunks: Sequence[tuple[int, int]]) -> float:
     """Query-key pairs the chunks' new tokens see: Σ u·c + u²/2 (as ``PrefillCostModel``)."""
     return float(sum(u * c + u * u / 2 for u, c in chunks if u > 0))

@@ -45,6 +45,9 @@ class PrefillCandidate:
     queue_s: float              # predicted wait before this request's prefill starts
     queued_requests: int = 0
     address: str = ""
+    # How long a prompt takes here, when not the cluster's prefill model (an aggregated instance:
+    # its chunks share steps with the sequences it decodes); anything with seconds(new, cached).
+    prefill_cost: object | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -304,5 +304,6 @@ class PrefillPlanner:
 
     def _compute(self, c: PrefillCandidate, local: int, pull: PrefixPull | None) -> PrefillPlan:
         cached = self._tokens(pull.blocks if pull else local)
-        ttft = (pull.seconds if pull else 0.0) + c.queue_s + self._prefill.seconds(self.request.prompt_tokens - cached, cached)
+        cost = c.prefill_cost or self._prefill
+        ttft = (pull.seconds if pull else 0.0) + c.queue_s + cost.seconds(self.request.prompt_tokens - cached, cached)
         return PrefillPlan(c, local, pull, ttft)
