@@ -244,6 +244,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     log.warning("handoff to decode %s failed: %s %s", request.decode_address, exc.code().name, exc.details())
                     await context.abort(code, f"handoff to decode {request.decode_address} failed: "
                                               f"{exc.code().name}: {exc.details()}")
+                except TimeoutError:  # a layer-wise handoff's reply did not come (the other path's deadline)
+                    self.metrics.requests.labels("prefill", "error").inc()
+                    log.warning("handoff to decode %s: no reply", request.decode_address)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"handoff to decode {request.decode_address} failed: no reply")
                 yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
             self.metrics.requests.labels("prefill", "ok").inc()
         except CacheFullError as exc:
