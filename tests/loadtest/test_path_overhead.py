@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from loadtest import path_overhead, sim_vs_live
 from tests.loadtest.test_sim_vs_live import _write
-from tests.ports import free_port
+from tests.loadtest.serve import serving
 
 FIRST_TOKEN_S = 0.25
 
@@ -53,19 +51,8 @@ def fixed_delay_app() -> FastAPI:
 
 @pytest.fixture
 def server_url():
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fixed_delay_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serving(fixed_delay_app()) as url:
+        yield url
 
 
 def test_overhead_is_live_minus_simulated_and_sim_vs_live_adds_it(server_url: str, tmp_path: Path) -> None:

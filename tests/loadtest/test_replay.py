@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
@@ -27,7 +26,7 @@ from loadtest.replay import (
 )
 from loadtest.simulator.sim import mooncake_tbt
 from loadtest.simulator.trace import TraceRequest, load_trace, rescale
-from tests.ports import free_port
+from tests.loadtest.serve import serving
 
 
 def req(i, arrival, inp, out, ids):
@@ -122,20 +121,9 @@ def fake_app(seen: list):
 
 @pytest.fixture
 def fake_server():
-    import uvicorn
-
     seen: list = []
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(fake_app(seen), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", seen
-    server.should_exit = True
-    thread.join(10)
+    with serving(fake_app(seen)) as url:
+        yield url, seen
 
 
 def test_replay_against_a_fake_server(fake_server, tmp_path):
