@@ -525,7 +525,7 @@ def main() -> None:
             if s3_proc is not None:
                 stop(s3_proc)
         tls_cost = (measure_mtls_cost(args, workdir, node_tls, client_tls)
-                    if args.tls == "both" and "host" in args.tiers else [])
+                    if args.tls == "both" and "host" in args.tiers and "grpc" in args.movers else [])
     ceiling: dict[str, float] = {}
     if "host" in args.tiers:  # the gRPC path's yardstick: what loopback itself moves here
         ceiling = transport_ceiling.ceilings(args.chunk_mib * MIB, 512 * MIB)

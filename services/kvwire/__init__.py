@@ -1,6 +1,6 @@
 """The KV data plane's shared pieces: a block (``kv_block``) and its key (``block_keys``); the one
 zero-copy codec of every stream that carries blocks (``chunk_wire``; the handoff's envelope in
 ``handoff_wire``; registering servicers with it in ``grpc_codecs``); copying with a CRC on the
-way (``fused_copy``); the TCP side channel (``side_channel``) and NIXL, imported lazily
+way (``fused_copy``); the TCP side channel (``side_channel``, its TLS receiving end in ``tls_stream``) and NIXL, imported lazily
 (``nixl_engine``). The kvstore client's byte movers that use them are in
 ``services/kvstore/movers``."""
