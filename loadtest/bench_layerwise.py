@@ -15,6 +15,11 @@ first token's sampling), the handoff time the request waits for after its first 
 tail with the first tokens and decode's reply), and
 the bytes sent before the last layer was computed (``handoff_hidden``). Prints medians over
 rounds and the share of the handoff hidden behind compute: 1 - exposed(on) / handoff(off).
+
+``--overhead``: what streaming costs the compute, without processes or sockets: the same
+prompt's ``Engine.prefill`` in this process, alone and with a ``LayerwiseHandoff`` copying and
+encoding every layer's slices on the event loop's thread as it does in prefill (the parts go
+nowhere), alternated; prints the medians.
 """
 
 from __future__ import annotations
@@ -71,11 +76,64 @@ def one_prompt(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, t
     return {k: after[k] - before[k] for k in after} | {"ttft_s": ttft}
 
 
+def overhead(tokens: int, rounds: int) -> None:
+    import asyncio
+
+    from crescent.services.engine.engine import Engine
+    from crescent.services.engine.llama import LlamaModel
+    from crescent.services.engine.loader import load_model
+    from crescent.services.kvwire.handoff_wire import encode_part
+    from crescent.services.model.model_source import DEFAULT_MODEL, resolve_model
+    from crescent.services.prefill.layerwise import LayerwiseHandoff
+    from crescent.services.prefill.prompt_export import PromptExport
+
+    torch.set_num_threads(1)
+    loaded = load_model(resolve_model(DEFAULT_MODEL), progress=False)
+    engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=loaded.model_id,
+                    kv_capacity_tokens=tokens + BLOCK, page_size=BLOCK)
+
+    async def once(streamed: bool, seed: int) -> float:
+        seq = engine.add_sequence(f"s{seed}", prompt(tokens, seed), use_cache=False)
+        try:
+            start = time.perf_counter()
+            if not streamed:
+                await asyncio.to_thread(engine.prefill, seq)
+                return time.perf_counter() - start
+            handoff = LayerwiseHandoff(engine, seq, PromptExport(engine, None, seq, tokens),
+                                       decode_pb2.HandoffHeader(request_id="o"))
+
+            async def call(parts):  # noqa: ANN001 - encoded as gRPC would, then dropped
+                async for part in parts:
+                    encode_part(part)
+
+            handoff.start(call)
+            await asyncio.to_thread(engine.prefill, seq, handoff.on_layer)
+            elapsed = time.perf_counter() - start
+            await handoff.finish([1], [])
+            return elapsed
+        finally:
+            engine.release(seq)
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for streamed in ((False, True) if r % 2 == 0 else (True, False)):
+            times[streamed].append(asyncio.run(once(streamed, r)))
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    print(f"{tokens} tokens, 1 torch thread, load {os.getloadavg()[0]:.2f}, median of {rounds}: prefill alone {off:.2f} s, "
+          f"streaming layer-wise {on:.2f} s ({on / off - 1:+.1%}); rounds alone "
+          f"{' '.join(f'{t:.2f}' for t in times[False])}, streamed {' '.join(f'{t:.2f}' for t in times[True])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8064], help="prompt lengths (< 8192, the context)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--overhead", action="store_true", help="in-process: the compute's cost of streaming")
     args = parser.parse_args()
+    if args.overhead:
+        for n in args.tokens:
+            overhead(n, args.rounds)
+        return
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped by ``timeout``: stop the processes too
     os.environ["OMP_NUM_THREADS"] = "1"
