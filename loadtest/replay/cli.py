@@ -64,6 +64,21 @@ def plot_sweep(rows: Sequence[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def rate_capacity(rows: Sequence[dict], share: float = 0.9) -> tuple[float | None, bool]:
+    """Mooncake's effective request capacity of one target's sweep: the highest offered rate at
+    which ``share`` of the requests meet both SLOs, interpolated between the levels around the
+    crossing. (None, False): even the lowest level fell short; (highest rate, True): no level
+    did, so the capacity is at least that."""
+    pts = sorted((r["offered_rps"] or 0.0, r["effective_capacity"] or 0.0) for r in rows)
+    for i, (rate, kept) in enumerate(pts):
+        if kept < share:
+            if i == 0:
+                return None, False
+            (r0, k0), (r1, k1) = pts[i - 1], (rate, kept)
+            return r0 + (k0 - share) / (k0 - k1) * (r1 - r0), False
+    return pts[-1][0], True
+
+
 # ---------------------------------------------------------------- command line
 def machine() -> dict:
     info = {"host": platform.node(), "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -167,6 +182,10 @@ async def amain(args: argparse.Namespace) -> list[dict]:
                       f"{_f(r['ttft_s']['p50'])} / {_f(r['ttft_s']['p90'])}", _f(r["tbt_s"]["p90"]),
                       _f(r["effective_capacity"], ".0%"), f"{_f(r['cached_fraction'], '.0%')} / {r['theoretical_cached_fraction']['tokens']:.0%}")
         Console(width=160).print(t)
+        for name in dict.fromkeys(r["target"] for r in reports):
+            rate, at_least = rate_capacity([r for r in reports if r["target"] == name])
+            said = ("below the lowest level" if rate is None else f"{'at least ' if at_least else ''}{rate:.2f} req/s")
+            Console().print(f"{name}: effective request capacity (90% within both SLOs) {said}")
         plot_sweep(reports, args.png)
         console.print(f"plot: {args.png}")
     if args.json:

@@ -224,3 +224,16 @@ def test_skip_starts_at_a_window_of_the_trace(fake_server, tmp_path):
     assert report["theoretical_cached_fraction"]["blocks"] == pytest.approx(4 / 9)
     with pytest.raises(SystemExit, match="no requests past"):
         main(["--trace", str(path), "--url", url, "--skip", "6"])
+
+
+def test_rate_capacity_is_where_the_share_within_slo_crosses_ninety_percent():
+    from loadtest.replay.cli import rate_capacity
+
+    def sweep(*points):
+        return [{"offered_rps": r, "effective_capacity": k} for r, k in points]
+
+    # 100% at 1.0 req/s, 72% at 1.5: 90% is crossed 10/28 of the way, at ~1.18 req/s
+    assert rate_capacity(sweep((1.5, 0.72), (0.5, 1.0), (1.0, 1.0))) == (pytest.approx(1.0 + 0.5 * 10 / 28), False)
+    assert rate_capacity(sweep((0.5, 0.95), (1.0, 0.87))) == (pytest.approx(0.5 + 0.5 * 5 / 8), False)
+    assert rate_capacity(sweep((0.5, 1.0), (1.0, 0.93))) == (1.0, True)    # never fell short: at least 1.0
+    assert rate_capacity(sweep((0.5, 0.80), (1.0, 0.50))) == (None, False)  # short already at the lowest
