@@ -54,16 +54,16 @@ def paged_decode_ops() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    where = build_dir()
-    where.mkdir(parents=True, exist_ok=True)
     # ninja comes from the venv (a dependency); a service started by path may not have it on PATH.
     venv_bin = str(Path(sys.executable).parent)
     if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
+        where = build_dir()
+        where.mkdir(parents=True, exist_ok=True)  # a read-only home: the PyTorch path, not a crash
         return cpp_extension.load(name="crescent_paged_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
                                   build_directory=str(where), verbose=False)
-    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a broken toolchain: the PyTorch path serves
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no writable cache: the PyTorch path serves
         log.warning("CPU decode attention kernel unavailable (%s); using the PyTorch path", exc)
         return None
 

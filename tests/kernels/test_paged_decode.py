@@ -89,3 +89,21 @@ def test_a_bad_table_is_refused_not_read(ops, bad: str) -> None:
         context[0] = 0
     with pytest.raises(RuntimeError, match="outside the pool|not covered"):
         ops.paged_decode_attention(q, layer[:, 0], layer[:, 1], padded, context, SCALE)
+
+
+def test_where_it_cannot_be_built_the_engine_gets_none_not_an_error(tmp_path, monkeypatch) -> None:
+    from crescent.kernels.reference import cpu_ext
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the cache folder should go")
+    monkeypatch.setenv("CRESCENT_KERNEL_CACHE", str(blocked))
+    cpu_ext.paged_decode_ops.cache_clear()
+    try:
+        assert cpu_ext.paged_decode_ops() is None
+        monkeypatch.setenv("CRESCENT_KERNEL_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("CRESCENT_CPU_KERNELS", "0")
+        cpu_ext.paged_decode_ops.cache_clear()
+        assert cpu_ext.paged_decode_ops() is None  # turned off: not even built
+        assert not (tmp_path / "cache").exists()
+    finally:
+        cpu_ext.paged_decode_ops.cache_clear()
