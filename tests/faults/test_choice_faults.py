@@ -36,8 +36,8 @@ async def stream_choices(client, messages, started: asyncio.Event) -> tuple[dict
     return texts, finishes
 
 
-async def test_n_choices_move_on_alone_when_their_decode_is_killed(healthy_stack, client):
-    stack = healthy_stack
+async def kill_mid_choices(stack, client) -> tuple[list[str], list[str]]:
+    """One run: the uninterrupted reply, then the same request's choices across a decode kill."""
     messages = [{"role": "user", "content": f"Tell a long story about a lighthouse. ({uuid.uuid4().hex})"}]
     reference = await client.client.chat.completions.create(
         model=client.model, messages=messages, extra_body={"ignore_eos": True}, **SAMPLING)
@@ -54,6 +54,18 @@ async def test_n_choices_move_on_alone_when_their_decode_is_killed(healthy_stack
     texts, finishes = await asyncio.wait_for(streaming, 240)
 
     assert finishes == {i: "length" for i in range(N)}
-    assert [texts[i] for i in range(N)] == expected, "a choice lost or repeated tokens when it moved"
     assert migrations_since(stack, migrations_before) >= N, "each open choice is placed again on its own"
     await wait_recovered(stack, target, old_pid, killed_at)
+    return [texts[i] for i in range(N)], expected
+
+
+async def test_n_choices_move_on_alone_when_their_decode_is_killed(healthy_stack, client):
+    # A moved choice's prompt (the prompt plus its tokens so far) is computed again by prefill,
+    # which is not bit-for-bit what decode computed token by token (~4e-5 on the logits). At
+    # temperature 0.8 a seeded draw that falls within that of a boundary of the sampler's CDF picks
+    # the neighbouring token (seen once: id 6679 for 6682), about one run in a hundred. A lost or
+    # repeated token fails every run: two runs must not both differ.
+    texts, expected = await kill_mid_choices(healthy_stack, client)
+    if texts != expected:
+        texts, expected = await kill_mid_choices(healthy_stack, client)
+    assert texts == expected, "a choice lost or repeated tokens when it moved"
