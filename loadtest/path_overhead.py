@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the checkout
 
 from loadtest.replay.run import ReplayConfig, replay  # noqa: E402
+from loadtest import sim_vs_live  # noqa: E402
 from loadtest.sim_vs_live import InputError, replayed_requests  # noqa: E402
 from loadtest.simulator.cost_file import load_cost_file  # noqa: E402
-from loadtest.simulator.one_machine import AggregatedSetup, PoolsSetup, simulate_aggregated, simulate_pools  # noqa: E402
 from loadtest.simulator.trace import DEFAULT_TRACE, load_trace  # noqa: E402
 
 
@@ -53,7 +53,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def measure(args: argparse.Namespace) -> dict:
     costs = load_cost_file(args.costs)
-    if args.mode == "aggregated" and costs.mixed is None:
+    # The simulated engines as sim_vs_live.py sets them up by default: the live settings' defaults.
+    setup = sim_vs_live.parse_args(["--live", "-", "--costs", str(args.costs), "--mode", args.mode])
+    if args.mode == "aggregated" and costs.mixed is None:  # say so before the measuring, not after
         raise InputError(f"{args.costs} has no cost.mixed section: profile the aggregated mode")
     window = load_trace(args.trace, args.skip + args.requests)[args.skip:]
     if len(window) < args.requests:
@@ -63,10 +65,7 @@ def measure(args: argparse.Namespace) -> dict:
                        max_requests=None, max_seconds=args.requests * args.gap + 300, seed=args.seed)
     report = asyncio.run(replay(cfg, spaced))
     requests, live, _ = replayed_requests(report["per_request"])
-    if args.mode == "pools":
-        simulated = simulate_pools(requests, costs, PoolsSetup())
-    else:
-        simulated = simulate_aggregated(requests, costs.mixed, AggregatedSetup())
+    simulated = sim_vs_live.simulate(setup, costs, requests)
     rows = [{"index": r.index, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
              "live_s": live[r.index], "simulated_s": simulated[r.index], "difference_s": live[r.index] - simulated[r.index]}
             for r in requests if r.index in live]
