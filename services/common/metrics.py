@@ -54,6 +54,25 @@ def gateway_metrics() -> GatewayMetrics:
 
 
 @dataclass(frozen=True)
+class EndpointPickerMetrics:
+    decisions: Counter         # by outcome: routed, or the refusal's reason
+    in_flight: Gauge           # by gateway endpoint (pods, not requests: low cardinality)
+    pick_seconds: Histogram    # from the whole body (or bodiless headers) to the answer
+
+
+@cache
+def endpoint_picker_metrics() -> EndpointPickerMetrics:
+    return EndpointPickerMetrics(
+        decisions=Counter("crescent_endpoint_picker_decisions", "Requests the Inference Extension picker decided, "
+                          "by outcome (routed, or the refusal's reason)", ["outcome"]),
+        in_flight=Gauge("crescent_endpoint_picker_in_flight", "Requests routed through the picker and still open, "
+                        "by gateway endpoint", ["endpoint"]),
+        pick_seconds=Histogram("crescent_endpoint_picker_pick_seconds", "Time to decide one request",
+                               buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1)),
+    )
+
+
+@dataclass(frozen=True)
 class SchedulerMetrics:
     placements: Counter        # by prefill and decode instance
     rejections: Counter        # by reason

@@ -13,7 +13,12 @@ the gateway makes with them. What the picker adds at the proxy, from the same Co
   with 503, the Conductor's reason (``no_prefill_instance``/``no_decode_instance``) and
   Retry-After, before a gateway tokenizes it;
 - the gateway pod chosen is the one with the fewest requests in flight through this picker
-  (an ext_proc stream lasts as long as its HTTP request), so long streams spread out.
+  (an ext_proc stream lasts as long as its HTTP request), so long streams spread out;
+- when the proxy names the subset of the pool it may send to (the protocol's
+  ``envoy.lb.subset_hint`` filter metadata), the pick is one of those; an empty subset is a 503.
+
+Every decision is counted by outcome (``crescent_endpoint_picker_decisions``) and timed; the
+requests still open are a gauge per gateway endpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from crescent.services.common.metrics import endpoint_picker_metrics
 from crescent.services.scheduler.conductor import Conductor
 from crescent.services.scheduler.datatypes import Role
 
@@ -35,6 +41,8 @@ log = logging.getLogger(__name__)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the Inference Extension's protocol
 METADATA_NAMESPACE = "envoy.lb"                          # where proxies read it from metadata
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"                # where a proxy names the endpoints allowed
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
@@ -146,9 +154,19 @@ class EndpointPicker:
         self.conductor = conductor
         self.gateways = gateways
         self.in_flight: dict[str, int] = {}
+        self.metrics = endpoint_picker_metrics()
 
-    async def pick(self, headers: Mapping[str, str], body: bytes | None) -> Pick | Refusal:
-        """``body`` None: the request has none (e.g. ``GET /v1/models``): any gateway answers it."""
+    async def pick(self, headers: Mapping[str, str], body: bytes | None,
+                   subset: list[str] | None = None) -> Pick | Refusal:
+        """``body`` None: the request has none (e.g. ``GET /v1/models``): any gateway answers it.
+        ``subset``: the endpoints the proxy allows (its subset hint), None when it sent none."""
+        start = time.perf_counter()
+        decision = await self._decide(body, subset)
+        self.metrics.pick_seconds.observe(time.perf_counter() - start)
+        self.metrics.decisions.labels("routed" if isinstance(decision, Pick) else decision.reason).inc()
+        return decision
+
+    async def _decide(self, body: bytes | None, subset: list[str] | None) -> Pick | Refusal:
         if body is not None:
             facts = parse_body(body)
             if isinstance(facts, Refusal):
@@ -156,12 +174,20 @@ class EndpointPicker:
             refusal = self._eligible(facts)
             if refusal is not None:
                 return refusal
-        endpoints = await self.gateways.current()
+        retry_after = self.conductor.settings.no_instance_retry_after_s
+        if subset is not None:
+            if not subset:
+                return Refusal(503, "empty_endpoint_subset", "the proxy allowed no endpoint of the pool for this request",
+                               retry_after)
+            # The proxy's list is authoritative; of its members, prefer those our own lookup of
+            # the gateways also sees ready (it may lag the proxy's by a refresh either way).
+            known = set(await self.gateways.current())
+            endpoints = [e for e in subset if e in known] or subset
+        else:
+            endpoints = await self.gateways.current()
         if not endpoints:
-            return Refusal(503, "no_gateway_endpoint", f"no ready gateway pod behind {self.gateways.names}",
-                           self.conductor.settings.no_instance_retry_after_s)
-        chosen = min(endpoints, key=lambda e: (self.in_flight.get(e, 0), e))
-        return Pick(chosen)
+            return Refusal(503, "no_gateway_endpoint", f"no ready gateway pod behind {self.gateways.names}", retry_after)
+        return Pick(min(endpoints, key=lambda e: (self.in_flight.get(e, 0), e)))
 
     def _eligible(self, facts: RequestFacts) -> Refusal | None:
         """The Conductor's own refusal when nothing could place a request for this model."""
@@ -175,6 +201,7 @@ class EndpointPicker:
 
     def started(self, endpoint: str) -> None:
         self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
+        self.metrics.in_flight.labels(endpoint).set(self.in_flight[endpoint])
 
     def finished(self, endpoint: str) -> None:
         left = self.in_flight.get(endpoint, 0) - 1
@@ -182,6 +209,20 @@ class EndpointPicker:
             self.in_flight[endpoint] = left
         else:
             self.in_flight.pop(endpoint, None)
+        self.metrics.in_flight.labels(endpoint).set(max(left, 0))
+
+
+def subset_hint(metadata: Any) -> list[str] | None:
+    """The endpoints a proxy allows for this request, from an ext_proc request's
+    ``metadata_context`` (``envoy.config.core.v3.Metadata``); None when it names no subset.
+    Entries that are not strings are ignored (the protocol says addresses, ``ip:port``)."""
+    namespace = metadata.filter_metadata.get(SUBSET_NAMESPACE) if metadata is not None else None
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_KEY]
+    if value.WhichOneof("kind") != "list_value":
+        return []  # malformed: allows nothing, answered 503 rather than ignored
+    return [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
 
 
 def header_map(raw: Any) -> dict[str, str]:

@@ -4,7 +4,8 @@ One ``Process`` stream per HTTP request. The proxy sends the request headers, th
 the picker answers every message with a response of the same phase, and once it has the whole
 body (or headers that end the request) it names the chosen gateway pod twice, as the Inference
 Extension asks: a ``x-gateway-destination-endpoint`` request header, and the same key in the
-dynamic metadata namespace ``envoy.lb``. A refusal is an ``ImmediateResponse`` (status, JSON
+dynamic metadata namespace ``envoy.lb``. A subset hint in a message's ``metadata_context``
+limits the pick to the endpoints it lists. A refusal is an ``ImmediateResponse`` (status, JSON
 error body with the reason, Retry-After). Body modes: BUFFERED (the proxy holds the headers
 while it buffers the body, so the header set in the body's answer still routes) and
 FULL_DUPLEX_STREAMED (the header answer waits for the body, and the body goes back to the proxy
@@ -35,6 +36,7 @@ from crescent.services.scheduler.endpoint_picker import (
     Pick,
     Refusal,
     header_map,
+    subset_hint,
 )
 
 log = logging.getLogger(__name__)
@@ -75,15 +77,18 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
         body = bytearray()
         full_duplex = False
         chosen: str | None = None
+        subset: list[str] | None = None
         try:
             async for message in request_iterator:
                 phase = message.WhichOneof("request")
+                if message.HasField("metadata_context"):
+                    subset = subset_hint(message.metadata_context)
                 if message.HasField("protocol_config"):
                     full_duplex = message.protocol_config.request_body_mode == _FULL_DUPLEX
                 if phase == "request_headers":
                     headers = header_map(message.request_headers.headers)
                     if message.request_headers.end_of_stream:  # no body: route on the headers
-                        decision = await self.picker.pick(headers, None)
+                        decision = await self.picker.pick(headers, None, subset)
                         if isinstance(decision, Refusal):
                             yield _refuse(decision)
                             return
@@ -97,13 +102,14 @@ class ExternalProcessorServicer(pb_grpc.ExternalProcessorServicer):
                 elif phase == "request_body":
                     body += message.request_body.body
                     if len(body) > MAX_BODY_BYTES:
+                        self.picker.metrics.decisions.labels("body_too_large").inc()
                         yield _refuse(Refusal(413, "body_too_large", f"request body is over {MAX_BODY_BYTES} bytes"))
                         return
                     if not message.request_body.end_of_stream:
                         if not full_duplex:
                             yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse()))
                         continue
-                    decision = await self.picker.pick(headers, bytes(body))
+                    decision = await self.picker.pick(headers, bytes(body), subset)
                     if isinstance(decision, Refusal):
                         log.info("refused a request: %s (%s)", decision.reason, decision.message)
                         yield _refuse(decision)

@@ -14,7 +14,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
 from .support import free_port, instance
 
@@ -185,3 +185,39 @@ def test_requests_go_to_the_gateway_with_the_fewest_in_flight(start_scheduler) -
         release.set()
         assert list(long_running) == []
     assert destination(ask(port, _headers(False), _body(body))[1], "request_body")[0] == first_gw
+
+
+def _hinted(subset: list[object] | str, *messages: pb.ProcessingRequest) -> list[pb.ProcessingRequest]:
+    """The messages with the proxy's subset hint (filter metadata) on the first one."""
+    hint = struct_pb2.Struct()
+    hint.update({"x-gateway-destination-endpoint-subset": subset})
+    first = pb.ProcessingRequest()
+    first.CopyFrom(messages[0])
+    first.metadata_context.CopyFrom(base_pb2.Metadata(filter_metadata={"envoy.lb.subset_hint": hint}))
+    return [first, *messages[1:]]
+
+
+def test_a_proxys_subset_hint_limits_the_pick_and_an_empty_one_is_a_503(start_scheduler) -> None:
+    port = free_port()
+    first_gw, second_gw = f"127.0.0.1:{GATEWAY_PORT}", f"127.0.0.2:{GATEWAY_PORT}"
+    sched = start_scheduler(no_instance_retry_after_s=2, endpoint_picker={
+        "enabled": True, "port": port, "gateways": f"{first_gw},{second_gw}"})
+    sched.stub.Register(instance("p0", "prefill"))
+    sched.stub.Register(instance("d0", "decode"))
+    body = json.dumps(CHAT).encode()
+    # Without a hint the tie goes to the first gateway; the hint allows only the second.
+    assert destination(ask(port, _headers(False), _body(body))[1], "request_body")[0] == first_gw
+    answers = ask(port, *_hinted([second_gw], _headers(False), _body(body)))
+    assert destination(answers[1], "request_body") == (second_gw, second_gw)
+    # A member the picker's own lookup has not seen yet is still the proxy's to allow.
+    fresh = f"127.0.0.3:{GATEWAY_PORT}"
+    assert destination(ask(port, *_hinted([fresh], _headers(True)))[0], "request_headers")[0] == fresh
+    status, headers, error = refusal(ask(port, *_hinted([], _headers(False), _body(body)))[-1])
+    assert (status, error["code"], headers["retry-after"]) == (503, "empty_endpoint_subset", "2")
+    assert refusal(ask(port, *_hinted("not a list", _headers(False), _body(body)))[-1])[0] == 503
+
+    metrics = sched.metrics()
+    assert 'crescent_endpoint_picker_decisions_total{outcome="routed"} 3.0' in metrics
+    assert 'crescent_endpoint_picker_decisions_total{outcome="empty_endpoint_subset"} 2.0' in metrics
+    assert f'crescent_endpoint_picker_in_flight{{endpoint="{second_gw}"}} 0.0' in metrics  # its stream ended
+    assert "crescent_endpoint_picker_pick_seconds_count 5.0" in metrics
