@@ -20,6 +20,9 @@ def build() -> db.Dashboard:
         .with_panel(
             single("Decode instances", "short", f'sum(crescent_scheduler_instances{{{NS},role="decode"}})')
         )
+        .with_panel(  # prefill and decode in one process (aggregated groups, off by default)
+            single("Aggregated instances", "short", f'sum(crescent_scheduler_instances{{{NS},role="aggregated"}})')
+        )
         .with_panel(
             single(
                 "Placement decision p99",
