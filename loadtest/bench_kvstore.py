@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from crescent.services.kvwire.block_keys import prefix_block_keys
 from crescent.services.common.certs import make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
+from crescent.services.kvwire import side_channel
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvstore.client import MOVERS, KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
@@ -446,7 +447,12 @@ def main() -> None:
                         help="byte movers measured on the host tier")
     parser.add_argument("--handoff", action="store_true", help="also time a prompt's prefill -> decode handoff")
     parser.add_argument("--handoff-tokens", type=int, default=2048)
+    parser.add_argument("--fresh-connections", action="store_true",
+                        help="a new side-channel connection (and TLS handshake) per call, as before clients kept "
+                             "them: run once with and once without to see what keeping saves")
     args = parser.parse_args()
+    if args.fresh_connections:
+        side_channel.MAX_IDLE_PER_PEER = 0  # nothing is kept: every stripe connects anew
     keep_large_buffers_warm()  # as the client process of a real deployment should
     results = []
     # both: every mover plaintext, the side channel (and NIXL) with mTLS too; gRPC's mTLS by paired_mtls

@@ -188,6 +188,7 @@ class KvStoreMetrics:
     dropped_writes: Counter    # by tier: writes given up (queue full, tier unreachable)
     leased_blocks: Gauge
     side_channel_refused: Counter  # side-channel connections closed for want of a valid token
+    side_channel_connections: Counter  # side-channel connections accepted (a kept one carries many transfers)
 
 
 @cache
@@ -209,6 +210,8 @@ def kvstore_metrics() -> KvStoreMetrics:
         leased_blocks=Gauge("crescent_kvstore_leased_blocks", "Blocks pinned by a lease"),
         side_channel_refused=Counter("crescent_kvstore_side_channel_refused",
                                      "Side-channel connections refused (no valid one-time token)"),
+        side_channel_connections=Counter("crescent_kvstore_side_channel_connections",
+                                         "Side-channel connections accepted (clients keep them for later transfers)"),
     )
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from crescent.services.common.metrics import kvstore_metrics
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.common.tls import PeerTls, is_loopback
 from crescent.services.kvstore.config import KvStoreSettings
@@ -50,7 +51,8 @@ class MoverEndpoints:
                 log.warning("side channel without TLS (side_channel.tls: false): KV payloads cross the network "
                             "in the clear; a one-time token still authenticates each transfer")
             self.side = SideChannelServer(listen_host, side.port, server_tls=tls_contexts(tls)[0] if use_tls else None,
-                                          timeout_s=side.timeout_s, on_refused=on_refused)
+                                          timeout_s=side.timeout_s, on_refused=on_refused,
+                                          on_accepted=kvstore_metrics().side_channel_connections.inc)
             advertise = side.advertise_host or (settings.advertise_address.rpartition(":")[0]
                                                 if settings.advertise_address else listen_host)
             self.side_address = f"{'tls://' if use_tls else ''}{advertise}:{self.side.port}"

@@ -23,9 +23,17 @@ the token, then the payloads (or reads them); the commit call goes over gRPC aga
   never committed. The receiver answers one byte per payload (1 good, 0 bad) on every stripe.
 - **Sending.** Payloads go out of the buffers they are in (``sendall`` of memoryview slices).
 
-Frames, per connection: ``token (32 bytes) | stripe index (1) | stripe count (1)``, then that
-stripe's bytes (sizes are known to both sides from the control call), then for a receive the
-result bytes back.
+- **Kept connections.** A client marks its hello ``KEEP_FLAG`` and, once the transfer is over,
+  keeps the connection (at most ``MAX_IDLE_PER_PEER`` per node and direction, for
+  ``CLIENT_IDLE_S``) for the next transfer's hello, so a call pays no TCP connect or TLS
+  handshake (2.5 ms of mutual TLS here). The node waits ``IDLE_TIMEOUT_S`` for it; an idle
+  connection holds no connection slot. A kept connection that turns out closed is retried once
+  on a fresh one: if the node had read the hello on the dead one, the token's stripe is open
+  and the retry is refused, so no byte is ever written twice.
+
+Frames, per transfer: ``token (32 bytes) | stripe index (1) | stripe count (1, | KEEP_FLAG)``,
+then that stripe's bytes (sizes are known to both sides from the control call), then for a
+receive the result bytes back; on a kept connection the next hello follows.
 
 The server runs a thread per connection (blocking socket calls and the CRC release the GIL) and
 reports each transfer's outcome to the asyncio loop that registered it.
@@ -37,10 +45,12 @@ import asyncio
 import logging
 import os
 import secrets
+import select
 import socket
 import ssl
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +69,10 @@ MAX_STRIPES = 8
 MIN_STRIPED_BYTES = 8 << 20    # below this one connection is as fast
 TOKEN_TIMEOUT_S = 5.0          # a connection that does not say who it is within this is closed
 CONNECT_TIMEOUT_S = 2.0        # no answer to connect within this: unreachable (a firewall drops it)
+KEEP_FLAG = 0x80               # in the hello's stripe count: the client will reuse the connection
+IDLE_TIMEOUT_S = 30.0          # the node closes a kept connection with no next hello within this
+CLIENT_IDLE_S = 20.0           # a client reuses a kept connection idle for less (well inside the node's)
+MAX_IDLE_PER_PEER = STRIPES    # kept connections a client holds per node and direction
 _RECEIVE, _SEND = "receive", "send"
 
 Piece = tuple[int, int, int]  # payload index, start, end (bytes of that payload)
@@ -141,6 +155,20 @@ def _receive_exact(sock: Connection, view: memoryview) -> None:
         pos += got
 
 
+def _next_hello(conn: Connection, hello: bytearray) -> bool:
+    """Read the next transfer's hello on a kept connection into ``hello``; False when the client
+    closed it or left it idle past its timeout (a normal end, not a refusal)."""
+    view = memoryview(hello)
+    try:
+        got = conn.recv_into(view, len(view))
+        if got == 0:
+            return False
+        _receive_exact(conn, view[got:])
+    except (OSError, ssl.SSLError):
+        return False
+    return True
+
+
 def receive_checked(sock: Connection, into: memoryview) -> int:
     """Fill ``into`` from ``sock`` and return the CRC32 of the bytes, each slice checksummed
     as it lands (still in cache)."""
@@ -198,8 +226,10 @@ class SideChannelServer:
 
     def __init__(self, host: str, port: int = 0, *, server_tls: ssl.SSLContext | None = None,
                  timeout_s: float = 30.0, max_connections: int = 64,
-                 on_refused: Callable[[], None] | None = None) -> None:
+                 on_refused: Callable[[], None] | None = None,
+                 on_accepted: Callable[[], None] | None = None) -> None:
         self._tls = server_tls
+        self._on_accepted = on_accepted or (lambda: None)
         self.timeout_s = timeout_s
         self._on_refused = on_refused or (lambda: None)
         self._pending: dict[bytes, _Transfer] = {}
@@ -209,6 +239,7 @@ class SideChannelServer:
                                               backlog=128)
         self.port = self._listener.getsockname()[1]
         self._closed = False
+        self.accepted = 0  # connections taken: with kept connections, fewer than transfers
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-side-accept", daemon=True)
         self._acceptor.start()
 
@@ -261,11 +292,15 @@ class SideChannelServer:
             if not self._slots.acquire(blocking=False):
                 conn.close()  # too many at once: the client falls back to another mover this time
                 continue
+            self.accepted += 1
+            self._on_accepted()
             threading.Thread(target=self._serve, args=(conn,), name="kv-side-conn", daemon=True).start()
 
-    def _open(self, hello: bytes) -> tuple[_Transfer, int] | None:
-        """The transfer and stripe a connection's hello opens, or None (refused)."""
-        token, stripe, stripes = hello[:TOKEN_BYTES], hello[TOKEN_BYTES], hello[TOKEN_BYTES + 1]
+    def _open(self, hello: bytes) -> tuple[_Transfer, int, bool] | None:
+        """The transfer and stripe a connection's hello opens, and whether the client keeps the
+        connection after it; None: refused."""
+        token, stripe, count = hello[:TOKEN_BYTES], hello[TOKEN_BYTES], hello[TOKEN_BYTES + 1]
+        keep, stripes = bool(count & KEEP_FLAG), count & ~KEEP_FLAG
         with self._lock:
             transfer = self._pending.get(token)
             if transfer is None or not 0 < stripes <= MAX_STRIPES or stripe >= stripes or stripe in transfer.opened \
@@ -275,11 +310,12 @@ class SideChannelServer:
             transfer.opened.add(stripe)
             if len(transfer.opened) == stripes:
                 del self._pending[token]  # every stripe is open: the token opens nothing more
-        return transfer, stripe
+        return transfer, stripe, keep
 
     def _serve(self, raw: socket.socket) -> None:
-        opened: tuple[_Transfer, int] | None = None
+        """One connection: a transfer, then, when the client keeps it, the next ones."""
         conn: Connection = raw
+        holds_slot = True
         try:
             _tune(raw)
             raw.settimeout(TOKEN_TIMEOUT_S)
@@ -287,12 +323,36 @@ class SideChannelServer:
                 conn = TlsStream(raw, self._tls, server_side=True)
             hello = bytearray(HELLO_BYTES)
             _receive_exact(conn, memoryview(hello))
-            opened = self._open(bytes(hello))
-            if opened is None:
-                self._on_refused()
-                log.warning("side channel: refused a connection without a valid token")
-                return
-            transfer, stripe = opened
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            self._on_refused()
+            log.warning("side channel: dropped a connection before its token: %s", exc)
+            raw.close()
+            self._slots.release()
+            return
+        try:
+            while self._transfer(conn, bytes(hello)):
+                self._slots.release()  # idle: a kept connection holds no slot
+                holds_slot = False
+                conn.settimeout(IDLE_TIMEOUT_S)
+                if not _next_hello(conn, hello) or not self._slots.acquire(blocking=False):
+                    return  # closed, idle too long, or no slot now (the client retries on a fresh one)
+                holds_slot = True
+        finally:
+            try:
+                raw.close()
+            finally:
+                if holds_slot:
+                    self._slots.release()
+
+    def _transfer(self, conn: Connection, hello: bytes) -> bool:
+        """Move the stripe ``hello`` opens; whether the connection is kept for another."""
+        opened = self._open(hello)
+        if opened is None:
+            self._on_refused()
+            log.warning("side channel: refused a connection without a valid token")
+            return False
+        transfer, stripe, keep = opened
+        try:
             conn.settimeout(self.timeout_s)
             pieces = stripe_pieces([len(b) for b in transfer.buffers], stripe, transfer.stripes)
             if transfer.kind == _RECEIVE:
@@ -305,17 +365,10 @@ class SideChannelServer:
                 _send_pieces(conn, transfer.buffers, pieces)
                 self._stripe_done(transfer, [])
         except (OSError, ssl.SSLError, ValueError) as exc:
-            if opened is not None:
-                self._forget(opened[0])
-                opened[0].finish(error=SideChannelError(f"side channel transfer failed: {exc}"))
-            else:
-                self._on_refused()
-                log.warning("side channel: dropped a connection before its token: %s", exc)
-        finally:
-            try:
-                raw.close()
-            finally:
-                self._slots.release()
+            self._forget(transfer)
+            transfer.finish(error=SideChannelError(f"side channel transfer failed: {exc}"))
+            return False
+        return keep
 
     def _stripe_done(self, transfer: _Transfer, parts: list[tuple[Piece, int]]) -> None:
         with self._lock:
@@ -345,8 +398,61 @@ class SideChannelServer:
 
 # -- the client's side (blocking: run in a thread) ---------------------------------------------------
 
-def _connect(address: str, hello: bytes, timeout_s: float, client_tls: ssl.SSLContext | None,
-             server_name: str, receiving: bool) -> Connection:
+PeerKey = tuple[str, int, str, bool]  # address, id of the TLS context (0: none), server name, receiving
+
+
+class _KeptConnections:
+    """Connections a client keeps between transfers, per node and direction."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[PeerKey, list[tuple[Connection, socket.socket, float]]] = {}
+
+    def take(self, key: PeerKey) -> tuple[Connection, socket.socket] | None:
+        while True:
+            with self._lock:
+                idle = self._idle.get(key)
+                if not idle:
+                    return None
+                conn, raw, since = idle.pop()
+            if time.monotonic() - since < CLIENT_IDLE_S and not _peer_closed(raw):
+                return conn, raw
+            conn.close()
+
+    def give(self, key: PeerKey, conn: Connection, raw: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < MAX_IDLE_PER_PEER:
+                idle.append((conn, raw, time.monotonic()))
+                return
+        conn.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for entries in idle.values():
+            for conn, _, _ in entries:
+                conn.close()
+
+
+_KEPT = _KeptConnections()
+
+
+def close_kept_connections() -> None:
+    """Close every connection this process keeps for later transfers (a client shutting down)."""
+    _KEPT.close_all()
+
+
+def _peer_closed(raw: socket.socket) -> bool:
+    """An idle connection with something to read: the node closed it (or broke the protocol)."""
+    try:
+        return bool(select.select([raw], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
+def _connect(address: str, timeout_s: float, client_tls: ssl.SSLContext | None, server_name: str,
+             receiving: bool) -> tuple[Connection, socket.socket]:
     host, _, port = address.rpartition(":")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=min(CONNECT_TIMEOUT_S, timeout_s))
@@ -360,22 +466,45 @@ def _connect(address: str, hello: bytes, timeout_s: float, client_tls: ssl.SSLCo
             name = server_name or host.strip("[]")
             conn = (TlsStream(sock, client_tls, server_side=False, server_hostname=name) if receiving
                     else client_tls.wrap_socket(sock, server_hostname=name))  # a sender: fewer copies
-        conn.sendall(hello)
     except BaseException:
         sock.close()
         raise
-    return conn
+    # wrap_socket detaches ``sock``: an SSLSocket is then the socket to watch; a TlsStream is not one
+    return conn, conn if isinstance(conn, socket.socket) else sock
 
 
 def _striped(address: str, token: bytes, sizes: list[int], work, timeout_s: float,  # noqa: ANN001
              client_tls: ssl.SSLContext | None, server_name: str, receiving: bool) -> list:
     """Run ``work(sock, pieces)`` on each stripe's connection at once; their results in order."""
     stripes = stripes_for(sum(sizes))
+    key: PeerKey = (address, id(client_tls) if client_tls is not None else 0, server_name, receiving)
 
     def one(stripe: int):  # noqa: ANN202
-        hello = token + bytes([stripe, stripes])
-        with _connect(address, hello, timeout_s, client_tls, server_name, receiving) as sock:
-            return work(sock, stripe_pieces(sizes, stripe, stripes))
+        hello = token + bytes([stripe, stripes | KEEP_FLAG])
+        pieces = stripe_pieces(sizes, stripe, stripes)
+        taken = _KEPT.take(key)
+        if taken is not None:
+            kept, kept_raw = taken
+            try:
+                kept.settimeout(timeout_s)
+                kept.sendall(hello)
+                result = work(kept, pieces)
+            except (OSError, ssl.SSLError):
+                # Closed by the node while idle: it never read this hello, so a fresh connection
+                # may open the stripe. Had it read it, the stripe is open and the retry is refused.
+                kept.close()
+            else:
+                _KEPT.give(key, kept, kept_raw)
+                return result
+        conn, raw = _connect(address, timeout_s, client_tls, server_name, receiving)
+        try:
+            conn.sendall(hello)
+            result = work(conn, pieces)
+        except BaseException:
+            conn.close()
+            raise
+        _KEPT.give(key, conn, raw)
+        return result
 
     if stripes == 1:
         return [one(0)]

@@ -9,6 +9,7 @@ portable way; and the mover in use with each node shows in the client's metrics.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
@@ -22,7 +23,8 @@ from crescent.protos import kvstore_pb2
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers import nixl as nixl_mover
 from crescent.services.kvwire.fused_copy import crc32
-from crescent.services.kvwire.side_channel import SideChannelServer, joined_crcs, stripe_pieces
+from crescent.services.kvwire import side_channel
+from crescent.services.kvwire.side_channel import SideChannelServer, joined_crcs, send_payloads, stripe_pieces
 
 from .helpers import MODEL, make_chain
 
@@ -277,4 +279,52 @@ async def test_a_stripe_arriving_after_its_transfer_failed_writes_nothing() -> N
         assert refused == [1]
         assert b"y" not in room  # nothing written by the late stripe
     finally:
+        server.close()
+
+
+async def test_calls_in_a_row_share_one_kept_connection_each_way(kvstore_node) -> None:
+    """No connect (nor TLS handshake) per call: the client keeps its connection for the next one."""
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
+    client = KvStoreClient(node.address, movers=["tcp"])
+    try:
+        chains = [make_chain(2, floats=MIB // 4, salt=bytes([i])) for i in range(4)]  # 2 MiB a put: one stripe
+        for chain in chains:
+            assert (await client.put(chain)).stored == 2
+            got = await client.get_prefix([b.key for b in chain], MODEL)
+            assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert client.mover == "tcp" and not client.errors
+        assert node.metric("crescent_kvstore_side_channel_connections_total") == 2  # one to put, one to get
+    finally:
+        await client.close()
+
+
+async def test_a_kept_connection_the_node_dropped_is_replaced_and_nothing_lands_twice(monkeypatch) -> None:
+    monkeypatch.setattr(side_channel, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(side_channel, "_peer_closed", lambda raw: False)  # as if the close crossed our reuse
+    server = SideChannelServer("127.0.0.1")
+    address = f"127.0.0.1:{server.port}"
+
+    async def put(data: bytes) -> tuple[list[bool], bytes]:
+        room = bytearray(len(data))
+        token, landed = server.expect_receive([memoryview(room)], [crc32(data)])
+        answers = await asyncio.to_thread(send_payloads, address, token, [data], timeout_s=10)
+        return answers, bytes(room) if await landed == [True] else b""
+
+    try:
+        first, second, third = (os.urandom(MIB) for _ in range(3))
+        assert await put(first) == ([True], first)
+        await asyncio.sleep(0.6)  # the node closes the idle connection
+        assert await put(second) == ([True], second)  # the dead one failed; a fresh one carried it
+        assert await put(third) == ([True], third)  # and was kept
+        assert server.accepted == 2
+        # A client that does not ask to keep its connection (no KEEP_FLAG) sees it closed after.
+        room = bytearray(1000)
+        token, landed = server.expect_receive([memoryview(room)], [crc32(b"z" * 1000)])
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(token + bytes([0, 1]) + b"z" * 1000)
+            sock.settimeout(5)
+            assert sock.recv(1) == b"\x01" and _closed_without_answer(sock)
+        assert await landed == [True]
+    finally:
+        side_channel.close_kept_connections()
         server.close()

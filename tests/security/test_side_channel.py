@@ -65,6 +65,21 @@ async def test_engines_move_blocks_over_the_side_channel_with_mutual_tls(kvstore
         await client.close()
 
 
+async def test_mutual_tls_is_shaken_hands_once_per_kept_connection_not_per_call(kvstore: Node, pki: Pki) -> None:
+    client = KvStoreClient(kvstore.address, movers=["tcp"], tls=pki.by_role["prefill"])
+    before = kvstore.metric("crescent_kvstore_side_channel_connections_total")
+    try:
+        for i in range(3):
+            chain = make_chain(2, floats=MIB // 4, salt=b"tls-kept" + bytes([i]))
+            assert (await client.put(chain)).stored == 2
+            got = await client.get_prefix([b.key for b in chain], MODEL)
+            assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain]
+        assert client.mover == "tcp" and not client.errors
+        assert kvstore.metric("crescent_kvstore_side_channel_connections_total") - before == 2
+    finally:
+        await client.close()
+
+
 async def test_striped_transfers_over_mutual_tls_arrive_whole(kvstore: Node, pki: Pki) -> None:
     """12 MiB goes over two TLS connections at once; the node reads them through memory BIOs."""
     client = KvStoreClient(kvstore.address, movers=["tcp"], tls=pki.by_role["prefill"])

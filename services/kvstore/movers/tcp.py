@@ -25,6 +25,7 @@ from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.side_channel import (
     SideChannelUnreachable,
+    close_kept_connections,
     receive_payloads,
     send_payloads,
     tls_contexts,
@@ -139,3 +140,7 @@ class TcpSideChannelMover(Mover):
             if block.key in wanted and self.link.verified(block, model_id, corrupt):
                 found[block.key] = block
         return found
+
+    async def close(self) -> None:
+        # The process's kept side-channel connections (all nodes': they are cheap to open anew).
+        close_kept_connections()
