@@ -14,6 +14,10 @@ payloads travel the first way in ``movers`` that works with this node:
 - ``grpc``: inside the gRPC streams (``chunk_wire``: protobuf's bytes without its copies);
   always last, works from anywhere.
 
+A prompt's new blocks can also be written a layer at a time while prefill computes them
+(``reserve_layers``, mover ``shm-layers``: same host only, through the shared-memory mover's
+pool mapping; ``movers/shm_layers.py``); elsewhere they are put whole after the prompt.
+
 A mover that can never work with this node (another host, a feature the node lacks, an engine
 absent here) is dropped for good; one whose call failed this time passes that call to the next.
 The mover in use with each node shows in ``crescent_kv_mover_selected{peer,mover}``.
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from crescent.protos import kvstore_pb2
+from crescent.protos import common_pb2, kvstore_pb2
 from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.metrics import kv_mover_metrics
 from crescent.services.common.tls import PeerTls
@@ -39,6 +43,7 @@ from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult
 from crescent.services.kvstore.movers.grpc_stream import GrpcStreamMover
 from crescent.services.kvstore.movers.nixl import NixlMover
 from crescent.services.kvstore.movers.shared_memory import SharedMemoryMover
+from crescent.services.kvstore.movers.shm_layers import LayeredPuts, LayeredRoom
 from crescent.services.kvstore.movers.tcp import TcpSideChannelMover
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, KvBlock
@@ -91,6 +96,8 @@ class KvStoreClient:
             "grpc": lambda: grpc_mover,
         }
         self.movers: list[Mover] = [build[name]() for name in dict.fromkeys(names)]
+        shm = self.shared_memory
+        self._layered = LayeredPuts(shm) if shm is not None else None
         self._metrics = kv_mover_metrics()
         self.mover = ""  # the one that moved the last blocks
 
@@ -135,6 +142,26 @@ class KvStoreClient:
                     self._moved(mover, "put", sum(b.nbytes for b in blocks))
                 return result
         raise AssertionError("the gRPC mover always answers")
+
+    # -- put a layer at a time ------------------------------------------------------------------
+
+    @property
+    def takes_layers(self) -> bool:
+        """Whether new blocks may be written to this node a layer at a time (as far as we know:
+        the first reservation finds out whether the node and its pool allow it)."""
+        return self._layered is not None and self._layered.usable and self.uses_shared_memory
+
+    async def reserve_layers(self, metas: Sequence[common_pb2.BlockMeta]) -> LayeredRoom | None:
+        """Pool room for blocks of these headers (checksums still 0), to be written a layer at a
+        time and committed whole; None: put them whole instead (another host, a node without it)."""
+        if not self.takes_layers:
+            return None
+        assert self._layered is not None
+        return await self._layered.reserve(metas)
+
+    def layers_moved(self, nbytes: int) -> None:
+        """Bytes a layer-wise put committed (``crescent_kv_mover_bytes{mover="shm-layers"}``)."""
+        self._metrics.moved_bytes.labels(self.address, LayeredPuts.name, "put").inc(nbytes)
 
     # -- get ------------------------------------------------------------------------------------
 

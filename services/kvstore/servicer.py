@@ -28,7 +28,11 @@ from crescent.services.kvstore.tier import HostTier, Reservation
 log = logging.getLogger(__name__)
 
 DEFAULT_LIST_LIMIT = 1000
-MOVERS = ("", "shm", "tcp", "nixl")  # what ReserveShm's mover may name ("" and "shm": shared memory)
+# What ReserveShm's mover may name ("" and "shm": shared memory; "shm-layers": shared memory
+# written a layer at a time while prefill computes, its headers and CRCs sent at commit).
+MOVERS = ("", "shm", "shm-layers", "tcp", "nixl")
+SHARED_MEMORY_MOVERS = ("", "shm", "shm-layers")
+CHECKED_AT_COMMIT = ("nixl", "shm-layers")  # room nobody saw filled whole: its CRC is computed at commit
 
 
 def add_to_server(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
@@ -285,10 +289,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         FAILED_PRECONDITION (the client then takes its next mover)."""
         if mover not in MOVERS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown mover {mover!r}; valid: shm (empty), tcp, nixl")
+                                f"unknown mover {mover!r}; valid: shm (empty), shm-layers, tcp, nixl")
         front = self.store.tiers[0]
         host = front if isinstance(front, HostTier) else None
-        if mover in ("", "shm"):
+        if mover in SHARED_MEMORY_MOVERS:
             host = self._shared_pool()
             problem = "" if host is not None else "this node has no shared host pool to write into"
         elif mover == "tcp":
@@ -332,7 +336,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         elif request.mover == "nixl":
             assert self.endpoints.nixl is not None
             reply.engine_metadata, reply.pool_base = self.endpoints.nixl.metadata, self.endpoints.nixl.base
-        if request.mover not in ("", "shm"):
+        if request.mover not in SHARED_MEMORY_MOVERS:
             reply.pool_path = reply.pool_identity = ""  # nothing to map: the bytes come another way
         reply.reservation = self.reservations.add(slots, landing, request.mover)
         return reply
@@ -350,11 +354,13 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         problem = ""
         if len(request.written) != len(slots):
             problem = f"{len(request.written)} written flags for {len(slots)} reserved blocks"
-        elif request.blocks:  # a reservation made ahead: the headers come now
+        elif request.blocks:  # reserved ahead or filled a layer at a time: the headers come now
             if len(request.blocks) != len(slots) or any(
-                r is None or m.nbytes != r.nbytes for m, (_, r) in zip(request.blocks, slots)
+                (r is None and reserved is None) or (r is not None and m.nbytes != r.nbytes)
+                or (reserved is not None and m.key != reserved.key)
+                for m, (reserved, r) in zip(request.blocks, slots)
             ):
-                problem = "the blocks do not match the sizes reserved ahead"
+                problem = "the blocks do not match the room reserved"
             slots = [(meta, reservation) for meta, (_, reservation) in zip(request.blocks, slots)]
         if problem:
             for _, reservation in slots:
@@ -378,9 +384,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                 continue
             # Shared memory: not re-read for its CRC: the client copied the very payload the
             # header's CRC was computed from, every reader verifies blocks, and a same-host client
-            # can write the pool anyway. The side channel: checked as it landed. NIXL: a one-sided
-            # write nobody saw land, so its CRC is computed now. The header is checked in all cases.
-            crc = None if pending.mover == "nixl" else meta.checksum
+            # can write the pool anyway. The side channel: checked as it landed. NIXL (a one-sided
+            # write nobody saw land) and shm-layers (a block written a layer at a time over seconds
+            # of prefill): its CRC is computed now. The header is checked in all cases.
+            crc = None if pending.mover in CHECKED_AT_COMMIT else meta.checksum
             block = KvBlock.from_meta(meta, reservation.view.toreadonly(), payload_crc=crc)
             self._bytes_in.inc(block.nbytes)
             if await self.store.commit(block, reservation):

@@ -42,3 +42,11 @@ class PrefillSettings(PrefillBaseSettings):
                     "KV after the prompt is computed. Models whose cache is not layer-major (kimi_k3) always send "
                     "it whole (docs/prefill.md, \"Layer-wise handoff\")",
     )
+    layerwise_kvstore: bool = Field(
+        default=True,
+        description="write the prompt's new full blocks into the node's kvstore a layer at a time while the "
+                    "prompt is computed, each block committed once all its layers landed (CRC-checked by the "
+                    "node), so the export hides behind the forward passes; off: whole blocks after the prompt. "
+                    "Only with a kvstore on this host (shared memory) and a layer-major cache (not kimi_k3): "
+                    "elsewhere the blocks go whole (docs/prefill.md, \"Layer-wise kvstore export\")",
+    )

@@ -72,7 +72,8 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
                                    constraints=Constraints.for_model(settings.engine.model, engine.config.vocab_size,
                                                                      engine.config.eos_token_ids),
                                    tls=instance.tls, max_batch_tokens=settings.max_batch_tokens,
-                                   layerwise_handoff=settings.layerwise_handoff)
+                                   layerwise_handoff=settings.layerwise_handoff,
+                                   layerwise_kvstore=settings.layerwise_kvstore)
         servicer.load.on_change = instance.nudge
         add_prefill_to_server(servicer, server)
         return PrefillRole(servicer, kvstore)

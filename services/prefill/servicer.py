@@ -4,7 +4,8 @@ For each request: attach the longest locally cached prefix, fetch the following 
 from the kvstore, compute the rest (its chunks share forwards with other queued prompts':
 ``PrefillBatcher``), sample the first token and stream it to the gateway at once;
 then push the request and all its KV to the chosen decode instance, and write the prompt's new
-full blocks to the kvstore in the background. With ``sampling.n > 1`` the prompt is computed
+full blocks to the kvstore in the background (by default both a layer at a time while the prompt
+computes: ``layerwise.py``, ``layerwise_store.py``). With ``sampling.n > 1`` the prompt is computed
 once and each choice's first token is sampled from the same logits (choice i with
 ``choice_seed(seed, i)``); one handoff carries them all, and decode forks the prompt's KV.
 
@@ -55,7 +56,8 @@ from crescent.services.engine.wire import (
 )
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.batcher import PrefillBatcher
-from crescent.services.prefill.layerwise import LayerwiseHandoff, supports_layerwise
+from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise, supports_layerwise
+from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prompt_export import PromptExport
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
@@ -99,17 +101,21 @@ class _PageHold:
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
                  on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None,
-                 tls: PeerTls | None = None, max_batch_tokens: int = 0, layerwise_handoff: bool = False) -> None:
+                 tls: PeerTls | None = None, max_batch_tokens: int = 0, layerwise_handoff: bool = False,
+                 layerwise_kvstore: bool = False) -> None:
         """``max_batch_tokens``: prompt tokens per forward shared by queued prompts (``PrefillBatcher``);
         0: one prompt per forward. ``layerwise_handoff``: send the KV to decode a layer at a time
-        while the prompt computes (``layerwise.py``), where the model's cache allows it."""
+        while the prompt computes (``layerwise.py``), where the model's cache allows it;
+        ``layerwise_kvstore``: write new blocks to the kvstore that way too (``layerwise_store.py``),
+        where the node is on this host."""
         self.engine = engine
         self._tls = tls  # this process's key pair for its channels (None: plaintext)
         self.constraints = constraints
         self.worker = worker
         self.kvstore = kvstore
         self.lease_ms = lease_ms
-        self.layerwise_handoff = layerwise_handoff and supports_layerwise(engine)
+        self.layerwise_handoff = layerwise_handoff and hands_off_layerwise(engine)
+        self.layerwise_kvstore = layerwise_kvstore and supports_layerwise(engine) and kvstore is not None
         self._on_blocks_stored = on_blocks_stored
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -183,6 +189,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         seq: Sequence | None = None
         hold: _PageHold | None = None
         streamed: LayerwiseHandoff | None = None
+        layered: LayerwiseStoreExport | None = None  # stopped in the end unless the store export took it
         try:
             await self._admit_prompt(request, context)
             seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt,
@@ -206,7 +213,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 streamed = LayerwiseHandoff(self.engine, seq, export, self._handoff_header(request, [0], []))
                 streamed.start(self._handoff_call(request.decode_address))
 
-            logits = await self._prompt_logits(seq, streamed.on_layer if streamed is not None else None)
+            layered = self._layered_export(seq, local_hit + peer_hit + remote_hit)
+            hooks = [h.on_layer for h in (streamed, layered) if h is not None]
+            logits = await self._prompt_logits(seq, hooks[0] if len(hooks) == 1 else _fan_out(hooks) if hooks else None)
+            computed_at = time.perf_counter()
 
             def sample_firsts() -> tuple[list[int], list[TokenLogprob | None]]:
                 rows = logits[None].repeat(n, 1)
@@ -222,7 +232,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
                 hold.acquire()
-                self._spawn(self._store_new_blocks(seq, local_hit + peer_hit + remote_hit, hold, export))
+                self._spawn(self._store_new_blocks(seq, local_hit + peer_hit + remote_hit, hold, export,
+                                                   layered, computed_at))
+                layered = None
             for i, (first, logprob) in enumerate(zip(firsts, logprobs)):
                 yield prefill_pb2.PrefillEvent(
                     first_token=prefill_pb2.FirstToken(
@@ -264,6 +276,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.queue_depth.labels("prefill").set(self.worker.pending)
             if streamed is not None:
                 await streamed.close()  # before the pages go back: the stream reads them
+            if layered is not None:
+                layered.stop()  # no copy out of the pages after this; its room goes back
             if hold is not None:
                 hold.release()
 
@@ -329,14 +343,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.transfer_seconds.labels("prefill", "from_kvstore").observe(time.perf_counter() - start)
         return added
 
-    async def _export_new_blocks(self, seq: Sequence, already_cached: int, export: PromptExport) -> list[KvBlock]:
-        """The prompt's full blocks that came from neither cache, for the kvstore (none for a
-        prompt too short to be cached: ``Engine.min_cached_prompt_tokens``); their payloads are
-        the ones the handoff sends."""
+    def _layered_export(self, seq: Sequence, already_cached: int) -> LayerwiseStoreExport | None:
+        """A layer-wise export of the prompt's new blocks, started, when the node can take one."""
+        if not (self.layerwise_kvstore and self.kvstore is not None and self.kvstore.takes_layers):
+            return None
+        layered = LayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore)
+        if not layered.wanted:
+            return None
+        layered.start(self._spawn)
+        return layered
+
+    async def _export_new_blocks(self, seq: Sequence, already_cached: int, export: PromptExport,
+                                 only: list[int] | None = None) -> list[KvBlock]:
+        """The prompt's full blocks that came from neither cache (``only`` these, if given), for
+        the kvstore (none for a prompt too short to be cached: ``Engine.min_cached_prompt_tokens``);
+        their payloads are the ones the handoff sends."""
         if self.kvstore is None or not seq.keeps_blocks:
             return []
         page = self.engine.page_size
-        indices = range(already_cached // page, len(seq.block_keys))
+        indices = range(already_cached // page, len(seq.block_keys)) if only is None else only
         payloads = await export.payloads(indices)
         return [
             KvBlock.build(seq.block_keys[i], seq.block_keys[i - 1] if i else None, self.engine.model_id,
@@ -344,14 +369,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             for i, payload in zip(indices, payloads)
         ]
 
-    async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold, export: PromptExport) -> None:
+    async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold, export: PromptExport,
+                                layered: LayerwiseStoreExport | None, computed_at: float) -> None:
+        """The new blocks into the kvstore: what a layer-wise export did not store, whole.
+        Metrics: ``to_kvstore_exposed``, the seconds from the prompt computed to its new blocks
+        stored; ``to_kvstore_hidden``, the bytes written before its last layer was computed."""
         try:
-            blocks = await self._export_new_blocks(seq, already_cached, export)
+            left = await layered.finished() if layered is not None else None
+            blocks = await self._export_new_blocks(seq, already_cached, export, left)
         finally:
             hold.release()
         self._count_copied(export)
+        if layered is not None:
+            m = self.metrics
+            m.transfer_bytes.labels("prefill", "to_kvstore").inc(layered.bytes_written)
+            m.transfer_bytes.labels("prefill", "to_kvstore_hidden").inc(layered.bytes_early)
         if blocks:
             await self._store_blocks(blocks)
+        if blocks or (layered is not None and layered.bytes_written):
+            self.metrics.transfer_seconds.labels("prefill", "to_kvstore_exposed").observe(time.perf_counter() - computed_at)
 
     async def _store_blocks(self, blocks: list[KvBlock]) -> None:
         assert self.kvstore is not None
@@ -415,6 +451,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_log_failure)
+
+
+def _fan_out(hooks):  # noqa: ANN001, ANN202 - layer hooks: (layer, end) -> None
+    """One layer hook that calls each of ``hooks`` (the handoff's and the kvstore export's)."""
+    def on_layer(layer: int, end: int) -> None:
+        for hook in hooks:
+            hook(layer, end)
+    return on_layer
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

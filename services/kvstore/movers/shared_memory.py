@@ -249,6 +249,13 @@ class SharedMemoryMover(Mover):
             return None
         return self._pool_view
 
+    async def writable_pool(self, path: str, identity: str) -> memoryview | None:
+        """The node's pool mapped read-write (for layer-wise puts: ``shm_layers.py``); None when
+        this client cannot write it."""
+        if self._pool_unusable or self._reserve_unusable:
+            return None
+        return await self._pool(path, identity, writable=True)
+
     def _unmap_pool(self) -> None:
         if self._pool_map is not None:
             assert self._pool_view is not None

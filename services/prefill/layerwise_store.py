@@ -1,0 +1,207 @@
+"""Layer-wise kvstore export: a prompt's new full blocks go into the node's pool a layer at a
+time while prefill computes (Mooncake, FAST'25 §3.3), committed once every layer has landed.
+
+Fed by the engine's per-layer hook like the layer-wise handoff (``layerwise.py``): on the event
+loop's thread, each event ``(layer, end)`` copies that layer of the blocks the first ``end``
+tokens completed straight from the paged cache into room reserved in the node's shared pool
+(``KvStoreClient.reserve_layers``, mover ``shm-layers``: ``cache.copy_layer`` into the mapped
+room, one copy, no buffer in between) and takes its CRC while the bytes are in cache. Room is
+reserved per chunk, when its first layer is done (a reservation lives ``shm_reservation_ms``;
+a long prompt outlives it); a chunk's blocks are committed with their CRCs once their last layer
+has landed, and the node checks each CRC over the room before the block becomes readable.
+
+What the store never holds: a block with a layer missing or damaged (refused at commit), or
+one of a prompt that stopped before the block was whole (``stop``: no copy after it; the room
+still open goes back). Blocks that get no room this way (the node had none, or it grew stale
+before they were whole) are returned by ``finished`` for the whole-block put after the prompt.
+None of this is on the request's path: reservations and commits are awaited by this export's
+own task, never by the prompt's computation or its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+
+from crescent.protos import common_pb2
+from crescent.services.engine.engine import Engine, Sequence
+from crescent.services.engine.wire import kv_dtype
+from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.movers.shm_layers import LayeredRoom
+from crescent.services.kvwire.fused_copy import crc32
+from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """Room reserved for consecutive blocks (one chunk's), committed together."""
+
+    room: LayeredRoom
+    first: int  # the block of the room's first slot
+    blocks: list[int]  # the blocks written into it (slots with room)
+
+
+class LayerwiseStoreExport:
+    """One prompt's new full blocks, streamed to the kvstore a layer at a time."""
+
+    def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient) -> None:
+        """``already_cached``: the prompt's leading tokens that came from a cache (not exported)."""
+        cache = engine.cache
+        self._engine, self._seq, self._kvstore = engine, seq, kvstore
+        self.num_layers = cache.num_layers
+        self._page = engine.page_size
+        self.first = already_cached // self._page
+        self.end = len(seq.block_keys) if seq.keeps_blocks else self.first  # blocks [first, end) are new
+        self._layer_bytes = self._page * cache.token_layer_bytes()
+        self._shape = cache.payload_shape(self._page)
+        self._dtype = kv_dtype(cache)
+        self._next_block = [self.first] * self.num_layers  # per layer: the first block not written yet
+        self._reserved_to = self.first  # blocks below were offered room
+        self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
+        self._stale: list[_Chunk] = []  # rooms given up, to give back
+        self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
+        self._crc = dict.fromkeys(range(self.first, self.end), 0)
+        self._settled: set[int] = set()  # committed (stored or refused) or held already; the rest go whole
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+        self._stopped = False
+        self._done: asyncio.Future[list[int]] = self._loop.create_future()
+        self.computed_at: float | None = None  # perf_counter when the prompt's last layer was computed
+        self.stored = self.rejected = 0
+        self.bytes_written = self.bytes_early = 0  # layer bytes into the room; before the last layer was computed
+        self._prompt_tokens = seq.num_tokens
+
+    @property
+    def wanted(self) -> bool:
+        return self.end > self.first
+
+    def start(self, spawn: Callable[[Coroutine], None]) -> None:
+        """Run the export's task through ``spawn`` (its owner awaits or cancels it)."""
+        spawn(self._run())
+
+    # ---- the engine thread's side ----------------------------------------------------------------
+
+    def on_layer(self, layer: int, end: int) -> None:
+        """``Engine``'s hook (on the engine thread): layer ``layer`` of the first ``end`` tokens is final."""
+        if end == self._prompt_tokens and layer == self.num_layers - 1:
+            self.computed_at = time.perf_counter()
+        self._loop.call_soon_threadsafe(self._ready.put_nowait, (layer, end))
+
+    # ---- the event loop's side -------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """The prompt stopped before it was exported (failed, cancelled): no copy from its pages
+        after this returns; room not committed yet goes back."""
+        self._stopped = True
+        self._ready.put_nowait(None)
+
+    async def finished(self) -> list[int]:
+        """Once every layer has been written and committed: the new blocks left to put whole."""
+        return await asyncio.shield(self._done)
+
+    async def _run(self) -> None:
+        try:
+            while not self._stopped and min(self._next_block) < self.end:
+                event = await self._ready.get()
+                if event is None or self._stopped:
+                    break
+                layer, end = event
+                stop = min(self.end, end // self._page)
+                if stop > self._reserved_to:  # a new chunk's blocks: room for them now
+                    await self._reserve(self._reserved_to, stop)
+                    self._reserved_to = stop
+                    if self._stopped:
+                        break
+                for i in range(self._next_block[layer], stop):
+                    self._write(i, layer)
+                self._next_block[layer] = max(self._next_block[layer], stop)
+                while self._stale:
+                    await self._stale.pop().room.release()
+                await self._commit_whole()
+        finally:
+            if not self._done.done():
+                left = [] if self._stopped else [i for i in range(self.first, self.end) if i not in self._settled]
+                self._done.set_result(left)
+            await self._release_open()
+
+    async def _reserve(self, first: int, stop: int) -> None:
+        room = await self._kvstore.reserve_layers([self._meta(i) for i in range(first, stop)])
+        chunk = _Chunk(room, first, []) if room is not None else None
+        for slot, i in enumerate(range(first, stop)):
+            if room is not None and room.held[slot]:
+                self._settled.add(i)  # the node has it already: nothing to send
+            elif chunk is not None and room is not None and room.views[slot] is not None:
+                chunk.blocks.append(i)
+                self._chunk[i] = chunk
+        if chunk is not None and not chunk.blocks:
+            await chunk.room.release()
+
+    def _meta(self, i: int, checksum: int = 0) -> common_pb2.BlockMeta:
+        page, keys = self._page, self._seq.block_keys
+        return common_pb2.BlockMeta(
+            key=keys[i], parent_key=keys[i - 1] if i else b"", model_id=self._engine.model_id,
+            format_version=KV_FORMAT_VERSION, dtype=self._dtype, shape=self._shape,
+            token_ids=self._seq.token_ids[i * page : (i + 1) * page], nbytes=self._layer_bytes * self.num_layers,
+            checksum=checksum, found=True,
+        )
+
+    def _write(self, i: int, layer: int) -> None:
+        """Layer ``layer`` of block ``i``, from the cache into its room (this thread; the engine
+        thread computes later layers, which never touch this memory)."""
+        chunk = self._chunk.get(i)
+        if chunk is None:
+            return  # held already, or put whole later
+        if not chunk.room.fresh():  # held up too long: the node may give this room away
+            self._abandon(chunk)
+            return
+        assert self._layers[i] == layer, f"block {i}: layer {layer} after {self._layers[i]}"
+        view = chunk.room.views[i - chunk.first]
+        assert view is not None
+        out = view[layer * self._layer_bytes : (layer + 1) * self._layer_bytes]
+        self._engine.cache.copy_layer(self._seq.pages[i], layer, self._page, out)
+        self._crc[i] = crc32(out, self._crc[i])  # still in cache
+        self.landed(i, layer, out)
+        self._layers[i] = layer + 1
+        self.bytes_written += len(out)
+        if self.computed_at is None:
+            self.bytes_early += len(out)
+
+    def landed(self, block: int, layer: int, room: memoryview) -> None:
+        """Called once a layer is in the room and its CRC taken: a test's way to damage it."""
+
+    def _abandon(self, chunk: _Chunk) -> None:
+        """Stop writing ``chunk``'s room (stale): its blocks go whole after the prompt, the room back now."""
+        for i in chunk.blocks:
+            del self._chunk[i]
+        self._stale.append(chunk)
+
+    async def _commit_whole(self) -> None:
+        """Commit every chunk whose blocks have all their layers."""
+        for chunk in {id(c): c for c in self._chunk.values()}.values():
+            if not all(self._layers[i] == self.num_layers for i in chunk.blocks):
+                continue
+            slots = range(chunk.first, chunk.first + len(chunk.room.views))
+            headers = [self._meta(i, self._crc[i] if i in chunk.blocks else 0) for i in slots]
+            result = await chunk.room.commit(headers, [i in chunk.blocks for i in slots])
+            for i in chunk.blocks:
+                del self._chunk[i]
+            if result.failed:
+                continue  # the node did not answer: put them whole
+            self._settled.update(chunk.blocks)
+            self.stored += result.stored
+            self.rejected += result.rejected
+            self._kvstore.layers_moved(self._layer_bytes * self.num_layers * len(chunk.blocks))
+            if result.rejected:
+                log.warning("kvstore refused %d layer-wise blocks at commit (damaged)", result.rejected)
+
+    async def _release_open(self) -> None:
+        """Give back room still open (the prompt stopped, or an event never came)."""
+        chunks = [*{id(c): c for c in self._chunk.values()}.values(), *self._stale]
+        self._chunk, self._stale = {}, []
+        for chunk in chunks:
+            await chunk.room.release()
