@@ -68,16 +68,18 @@ class HandoffTail(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffPart(_message.Message):
-    __slots__ = ("header", "block", "layer", "tail")
+    __slots__ = ("header", "block", "layer", "tail", "state")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     header: HandoffHeader
     block: _common_pb2.BlockChunk
     layer: LayerSlice
     tail: HandoffTail
-    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ..., layer: _Optional[_Union[LayerSlice, _Mapping]] = ..., tail: _Optional[_Union[HandoffTail, _Mapping]] = ...) -> None: ...
+    state: _common_pb2.BlockChunk
+    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ..., layer: _Optional[_Union[LayerSlice, _Mapping]] = ..., tail: _Optional[_Union[HandoffTail, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
     __slots__ = ("accepted",)

@@ -142,11 +142,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     raise BlockFormatError("KV block before the handoff header")
                 if tail is not None:
                     raise BlockFormatError("a handoff part after the tail")
-                if part.tail is not None or part.layer is not None:
+                if part.tail is not None or part.layer is not None or part.state is not None:
                     if layers is None:
-                        raise BlockFormatError("a layer slice or tail in a handoff that is not layer-wise")
+                        raise BlockFormatError("a layer slice, state or tail in a handoff that is not layer-wise")
                     if part.tail is not None:
                         tail = part.tail
+                    elif part.state is not None:
+                        layers.feed_state(part.state)
                     else:
                         layers.feed(part.layer)
                     continue
@@ -240,20 +242,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _layer_assembler(self, header: decode_pb2.HandoffHeader) -> LayerAssembler:
         """Where a layer-wise handoff's slices land; its layout must be this cache's."""
         cache = self.engine.cache
-        if not hasattr(cache, "copy_layer"):
+        if not hasattr(cache, "layer_layout"):
             raise BlockFormatError("this decode instance's cache takes no layer-wise handoff")
+        layout = cache.layer_layout()
         if (header.kv_dtype != kv_dtype(cache) or tuple(header.kv_block_shape) != cache.block_shape
-                or header.num_layers != cache.num_layers):
+                or header.num_layers != layout.num_layers):
             raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
-                                   f"{header.num_layers} layers != {cache.block_shape}")
-        return LayerAssembler(header.num_layers, len(header.prompt_token_ids), self.engine.page_size,
-                              cache.token_layer_bytes())
+                                   f"{header.num_layers} layers != {cache.block_shape} in {layout.num_layers}")
+        return LayerAssembler.of(layout, len(header.prompt_token_ids), self.engine.page_size)
 
     def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
-        cache, prompt = self.engine.cache, len(header.prompt_token_ids)
-        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(
-                    cache.payload_shape(block_tokens(i, prompt, self.engine.page_size)))
-                for i, buffer in enumerate(buffers)]
+        """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""
+        cache, prompt, page = self.engine.cache, len(header.prompt_token_ids), self.engine.page_size
+        stateful = cache.layer_layout().state_bytes > 0
+
+        def shape(i: int) -> tuple[int, ...]:
+            tokens = block_tokens(i, prompt, page)
+            return cache.payload_shape(tokens, with_state=i == len(buffers) - 1) if stateful else cache.payload_shape(tokens)
+
+        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(shape(i)) for i, buffer in enumerate(buffers)]
 
     def _check(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
         cfg = self.engine.config

@@ -26,6 +26,7 @@ from enum import Enum
 import torch
 
 from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.layer_wire import LayerLayout
 
 
 class CacheFullError(RuntimeError):
@@ -255,6 +256,10 @@ class PagedKvCache:
     def token_layer_bytes(self) -> int:
         """One token's bytes of one layer in a payload."""
         return self.pool[0, 0, :, 0].numel() * self.pool.element_size()
+
+    def layer_layout(self) -> LayerLayout:
+        """Every layer's bytes in one range of a payload, layer 0 first; no states."""
+        return LayerLayout.layer_major(self.num_layers, self.token_layer_bytes())
 
     def copy_layer(self, page: int, layer: int, num_tokens: int, out: memoryview) -> None:
         """Copy layer ``layer`` of the page's first ``num_tokens`` tokens into ``out`` (that

@@ -2,7 +2,8 @@
 
 A ``HandoffPart`` is the request's header, one ``BlockChunk`` of its KV (field 2), or, in a
 layer-wise handoff (``layer_wire``), one ``LayerSlice`` (field 3, BlockChunk's field numbers)
-or the ``HandoffTail`` (field 4). Headers and tails are small and go through protobuf; a block
+or the ``HandoffTail`` (field 4), and for a hybrid model the last block's recurrent state
+(field 5, a ``BlockChunk`` piece). Headers and tails are small and go through protobuf; a block
 chunk or layer slice is written by ``chunk_wire`` as that field, so the payload is joined once on sending and sliced, not copied, on receiving — the
 same codec as kvstore puts and gets. The bytes are exactly protobuf's, so a client or server
 built from the generated code interoperates.
@@ -20,7 +21,7 @@ from crescent.protos import common_pb2, decode_pb2
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
 
-_HEADER_FIELD, _BLOCK_FIELD, _LAYER_FIELD, _TAIL_FIELD = 1, 2, 3, 4  # HandoffPart's oneof in decode.proto
+_HEADER_FIELD, _BLOCK_FIELD, _LAYER_FIELD, _TAIL_FIELD, _STATE_FIELD = 1, 2, 3, 4, 5  # HandoffPart's oneof in decode.proto
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class HandoffWirePart:
     block: chunk_wire.WireChunk | None = None
     layer: chunk_wire.WireChunk | None = None  # a LayerSlice: its meta a LayerSliceMeta
     tail: decode_pb2.HandoffTail | None = None
+    state: chunk_wire.WireChunk | None = None  # a piece of the last block's recurrent state (layer-wise, kimi_k3)
     error: str = ""  # set by ``decode_part`` on a malformed message
 
 
@@ -39,7 +41,9 @@ def encode_part(part: HandoffWirePart) -> bytes:
         return decode_pb2.HandoffPart(tail=part.tail).SerializeToString()
     if part.layer is not None:
         return chunk_wire.encode_chunk(part.layer, field=_LAYER_FIELD)
-    assert part.block is not None, "a handoff part is a header, a block chunk, a layer slice or a tail"
+    if part.state is not None:
+        return chunk_wire.encode_chunk(part.state, field=_STATE_FIELD)
+    assert part.block is not None, "a handoff part is a header, a block chunk, a layer slice, a tail or a state"
     return chunk_wire.encode_chunk(part.block, field=_BLOCK_FIELD)
 
 
@@ -53,8 +57,11 @@ def decode_part(raw: bytes) -> HandoffWirePart:
         if _LAYER_FIELD in fields:
             layer = chunk_wire.decode_chunk(fields[_LAYER_FIELD], decode_pb2.LayerSliceMeta)
             return HandoffWirePart(layer=layer, error=layer.error)
+        if _STATE_FIELD in fields:
+            state = chunk_wire.decode_chunk(fields[_STATE_FIELD])
+            return HandoffWirePart(state=state, error=state.error)
         if _BLOCK_FIELD not in fields:
-            return HandoffWirePart(error="malformed HandoffPart: neither a header, a block, a layer slice nor a tail")
+            return HandoffWirePart(error="malformed HandoffPart: neither a header, a block, a layer slice, a tail nor a state")
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError among them; reported, not raised
         return HandoffWirePart(error=f"malformed HandoffPart: {exc}")
     chunk = chunk_wire.decode_chunk(fields[_BLOCK_FIELD])

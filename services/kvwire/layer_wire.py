@@ -1,25 +1,78 @@
 """A layer-wise handoff's KV on the wire: ``LayerSlice``s sent as prefill computes, assembled
 into whole block payloads by decode.
 
-A block payload whose layers lie back to back (layer 0's bytes first; the Llama cache's
-``(layers, 2, tokens, heads, dim)``) can travel a layer at a time: a ``LayerSlice`` carries one
-layer of consecutive blocks, each block's layer bytes one after the other. Prefill sends a
-layer's slice once that layer of a chunk is computed (``prefill/layerwise.py``); decode feeds
-every slice to a ``LayerAssembler``, which writes it into the blocks' payload buffers and
-accepts each (block, layer) exactly once and in layer order per block. A slice that repeats,
-skips or reorders a layer, names a block outside the prompt or has the wrong length is a
-``BlockFormatError``; so is a stream that ends with a layer of a block missing. Decode makes the
-request runnable only from ``LayerAssembler.payloads()``, never from a partial cache.
+A ``LayerSlice`` carries one layer of consecutive blocks, each block's bytes of that layer (its
+tokens' KV of that layer, token after token) one after the other. Where they land in a block's
+payload is the cache's ``LayerLayout``: layer after layer (the Llama cache's
+``(layers, 2, tokens, heads, dim)``: one contiguous range per layer), or token after token (the
+kimi_k3 cache's ``(tokens, mla_layers * latent)``: a layer's bytes are strided, one row per
+token). The block payloads are the caches' own, so the kvstore and peers see no new format.
+
+A hybrid model's block may also carry a recurrent state before its latents (``state_bytes``):
+in a layer-wise handoff only the prompt's last block does (the state decode continues from), and
+it travels apart as a ``HandoffPart.state`` (``BlockChunk`` pieces: it is far larger than a
+message), once it is final.
+
+Prefill sends a layer's slice once that layer of a chunk is computed (``prefill/layerwise.py``);
+decode feeds every slice to a ``LayerAssembler``, which writes it into the blocks' payload
+buffers and accepts each (block, layer) exactly once and in layer order per block, and the state
+exactly once. A slice that repeats, skips or reorders a layer, names a block outside the prompt
+or has the wrong length is a ``BlockFormatError``; so is a stream that ends with a layer of a
+block or the state missing. Decode makes the request runnable only from
+``LayerAssembler.payloads()``, never from a partial cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
 
 from crescent.protos import decode_pb2
 from crescent.services.kvwire.chunk_wire import WireChunk
 from crescent.services.kvwire.fused_copy import empty_buffer
-from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, BlockFormatError
+from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, BlockAssembler, BlockFormatError
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """How a cache's block payloads split into layers for a layer-wise handoff (``layer_layout()``).
+
+    ``num_layers``: layers with per-token KV, numbered 0.. on the wire (kimi_k3: its MLA layers).
+    ``token_layer_bytes``: one token's bytes of one layer. ``token_major``: False, a payload is
+    layer after layer; True, token after token with each token's layers back to back.
+    ``state_bytes``: a recurrent state a block may carry before its per-token KV (0: none).
+    ``wire_layers``: for each layer the model's ``on_layer`` hook names, the wire layer it
+    completes (None: a layer without per-token KV, a KDA layer). ``states_after``: the hook
+    layer after which a forward's states (snapshots, the live state) are final (None: no states).
+    """
+
+    num_layers: int
+    token_layer_bytes: int
+    wire_layers: tuple[int | None, ...]
+    token_major: bool = False
+    state_bytes: int = 0
+    states_after: int | None = None
+
+    @classmethod
+    def layer_major(cls, num_layers: int, token_layer_bytes: int) -> LayerLayout:
+        """Every model layer has per-token KV and its bytes lie in one range (the Llama cache)."""
+        return cls(num_layers, token_layer_bytes, tuple(range(num_layers)))
+
+    def layer_bytes(self, tokens: int) -> int:
+        return tokens * self.token_layer_bytes
+
+    def place(self, latents: memoryview, tokens: int, layer: int, piece: memoryview) -> None:
+        """Write ``piece``, layer ``layer``'s bytes of a block of ``tokens`` tokens, into the
+        block's per-token KV ``latents`` (its payload after any state)."""
+        size = self.layer_bytes(tokens)
+        if not self.token_major:
+            latents[layer * size : (layer + 1) * size] = piece
+            return
+        rows = np.frombuffer(latents, dtype=np.uint8, count=tokens * self.num_layers * self.token_layer_bytes)
+        rows.reshape(tokens, self.num_layers, self.token_layer_bytes)[:, layer] = np.frombuffer(
+            piece, dtype=np.uint8).reshape(tokens, self.token_layer_bytes)
 
 
 def block_tokens(index: int, prompt_tokens: int, page_size: int) -> int:
@@ -51,21 +104,48 @@ def layer_slice(layer: int, first: int, pieces: list[memoryview], last_block_tok
 
 class LayerAssembler:
     """Whole block payloads of one prompt, from its layer slices in any interleaving that keeps
-    each block's layers in order."""
+    each block's layers in order (and, with ``layout.state_bytes``, the last block's state)."""
 
-    def __init__(self, num_layers: int, prompt_tokens: int, page_size: int, token_layer_bytes: int) -> None:
+    def __init__(self, num_layers: int, prompt_tokens: int, page_size: int, token_layer_bytes: int,
+                 layout: LayerLayout | None = None) -> None:
         """``token_layer_bytes``: one token's bytes of one layer (a block of t tokens has
-        ``t * token_layer_bytes`` bytes per layer)."""
+        ``t * token_layer_bytes`` bytes per layer). ``layout``: where they go in a payload (by
+        default layer after layer, no state); it must agree with the first four."""
         if num_layers <= 0 or prompt_tokens <= 0 or page_size <= 0 or token_layer_bytes <= 0:
             raise BlockFormatError(f"layer-wise handoff of {num_layers} layers, {prompt_tokens} tokens, "
                                    f"{page_size}-token blocks, {token_layer_bytes} bytes per token and layer")
+        layout = layout or LayerLayout.layer_major(num_layers, token_layer_bytes)
+        assert (layout.num_layers, layout.token_layer_bytes) == (num_layers, token_layer_bytes), layout
+        self.layout = layout
         self.num_layers, self.prompt_tokens, self.page_size = num_layers, prompt_tokens, page_size
         self.num_blocks = -(-prompt_tokens // page_size)
         self._layer_bytes = [block_tokens(i, prompt_tokens, page_size) * token_layer_bytes
                              for i in range(self.num_blocks)]
-        self._buffers = [empty_buffer(b * num_layers) for b in self._layer_bytes]
+        # only the last block carries a state (the one decode continues from), before its KV
+        self._heads = [layout.state_bytes if i == self.num_blocks - 1 else 0 for i in range(self.num_blocks)]
+        self._buffers = [empty_buffer(h + b * num_layers) for h, b in zip(self._heads, self._layer_bytes)]
         self._next_layer = [0] * self.num_blocks  # per block: the layer it takes next
+        self._state = BlockAssembler()
+        self._state_done = layout.state_bytes == 0
         self.received = 0  # payload bytes taken
+
+    @classmethod
+    def of(cls, layout: LayerLayout, prompt_tokens: int, page_size: int) -> LayerAssembler:
+        return cls(layout.num_layers, prompt_tokens, page_size, layout.token_layer_bytes, layout)
+
+    def feed_state(self, chunk: WireChunk) -> None:
+        """Take one piece of the last block's state (``HandoffPart.state``); ``BlockFormatError``
+        when this layout has none, it came already, or its size is not the state's."""
+        if not self.layout.state_bytes:
+            raise BlockFormatError("a recurrent state in the handoff of a cache without states")
+        if self._state_done:
+            raise BlockFormatError("the recurrent state arrived again")
+        head = self._heads[-1]
+        if chunk.meta is not None and chunk.meta.nbytes != head:
+            raise BlockFormatError(f"a recurrent state of {chunk.meta.nbytes} bytes; this cache's has {head}")
+        if self._state.feed(chunk, into=self._buffers[-1][:head] if chunk.meta is not None else None) is not None:
+            self._state_done = True
+        self.received += len(chunk.data)
 
     def feed(self, chunk: WireChunk) -> None:
         """Take one slice; ``BlockFormatError`` when it is not the next layer of each of its blocks."""
@@ -93,15 +173,19 @@ class LayerAssembler:
         offset = 0
         for block in range(first, first + count):
             size = self._layer_bytes[block]
-            self._buffers[block][layer * size : (layer + 1) * size] = data[offset : offset + size]
+            tokens = block_tokens(block, self.prompt_tokens, self.page_size)
+            self.layout.place(self._buffers[block][self._heads[block] :], tokens, layer, data[offset : offset + size])
             self._next_layer[block] = layer + 1
             offset += size
         self.received += len(data)
 
     def payloads(self) -> list[memoryview]:
-        """Every block's payload; ``BlockFormatError`` naming the first missing layer if any."""
+        """Every block's payload (the last one's state first, if the layout has states);
+        ``BlockFormatError`` naming the first missing layer, or the missing state, if any."""
         for block, layer in enumerate(self._next_layer):
             if layer != self.num_layers:
                 raise BlockFormatError(f"layer {layer} of block {block} never arrived "
                                        f"({self.num_layers} layers, {self.num_blocks} blocks)")
+        if not self._state_done:
+            raise BlockFormatError("the recurrent state of the last block never arrived")
         return self._buffers

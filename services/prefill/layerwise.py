@@ -10,7 +10,13 @@ blocks it completed into the blocks' payload buffers and sends it as ``LayerSlic
 the next layers. The first tokens follow in the ``HandoffTail`` once prefill sampled them.
 
 The payload buffers are the ones the kvstore export reads (``PromptExport.adopt``): a block is
-still copied out of the cache once for both. Cancelled (decode refused, the caller left), the
+still copied out of the cache once for both. Where a layer lies in them is the cache's
+``LayerLayout``. The hybrid kimi_k3 cache: the wire's layers are its MLA layers (a KDA layer's
+hook sends nothing), each copied to a contiguous slice and placed into the token-major payload;
+a block's state is copied on the engine thread, in the hook of the forward's last KDA layer
+(the snapshot pool's slots are reused by later forwards): the snapshots the prompt's forwards
+take, for the kvstore, and the live state into the last block, which also goes to decode as
+``HandoffPart.state``. Cancelled (decode refused, the caller left), the
 stream stops and ``close`` waits for it, so the prompt's pages are never read after release.
 """
 
@@ -21,35 +27,57 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from crescent.protos import decode_pb2
+from crescent.protos import common_pb2, decode_pb2
 from crescent.services.engine.engine import Engine, Sequence
+from crescent.services.kvwire.chunk_wire import block_chunks
 from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.handoff_wire import HandoffWirePart
+from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
 from crescent.services.kvwire.layer_wire import block_tokens, layer_slice, slice_groups
 from crescent.services.prefill.prompt_export import PromptExport
 
 TAIL_TIMEOUT_S = 60.0  # decode's reply after the tail, as a whole handoff's deadline before
+STATE = -1  # the event of the last block's state being final (layers are >= 0)
+
+
+def hands_off_layerwise(engine: Engine) -> bool:
+    """Whether the engine's cache can hand a prompt off a layer at a time (both model families)."""
+    return hasattr(engine.cache, "layer_layout")
 
 
 def supports_layerwise(engine: Engine) -> bool:
-    """Whether the engine's payloads lie layer after layer (the Llama cache; not yet the hybrid
-    kimi_k3 cache, whose payloads are token-major with one state: those go whole)."""
-    return hasattr(engine.cache, "copy_layer")
+    """Whether the engine's payloads lie layer after layer with no state (the Llama cache): what a
+    copy of a layer into one range of a block (the layer-wise kvstore export) needs. The hybrid
+    kimi_k3 cache's payloads are token-major with states: it hands off layer-wise (see above)."""
+    if not hands_off_layerwise(engine):
+        return False
+    layout = engine.cache.layer_layout()
+    return not layout.token_major and not layout.state_bytes
 
 
 class LayerwiseHandoff:
     """One prompt's layer-wise handoff: the stream's parts, fed by the engine's layer hook."""
 
     def __init__(self, engine: Engine, seq: Sequence, export: PromptExport, header: decode_pb2.HandoffHeader) -> None:
-        cache = engine.cache
         self._engine, self._seq, self.export = engine, seq, export
+        self.layout = layout = engine.cache.layer_layout()
         self.prompt_tokens = export.prompt_tokens
-        self.num_layers = cache.num_layers
+        self.num_layers = layout.num_layers
         self.num_blocks = export.num_blocks
-        per_token = cache.token_layer_bytes()
+        self._last_hook = len(layout.wire_layers) - 1
         self._tokens = [block_tokens(i, self.prompt_tokens, engine.page_size) for i in range(self.num_blocks)]
-        self._layer_bytes = [t * per_token for t in self._tokens]
-        self._buffers = [empty_buffer(b * self.num_layers) for b in self._layer_bytes]
+        self._layer_bytes = [layout.layer_bytes(t) for t in self._tokens]
+        # A block's buffer: its state (if it carries one) then its KV. Stateless layouts: all now;
+        # else the cached prefix now (no state: neither reader needs it) and each computed block
+        # in the first hook of the forward that completes it, once its snapshot is planned.
+        self._heads = [0] * self.num_blocks
+        self._buffers: list[memoryview | None] = [None] * self.num_blocks
+        self._planned = self.num_blocks if not layout.state_bytes else seq.num_computed // engine.page_size
+        for i in range(self._planned):
+            self._buffers[i] = empty_buffer(self._layer_bytes[i] * self.num_layers)
+        self._stating: list[int] = []  # blocks the current forward completes with a state (engine thread)
+        self._dropped: set[int] = set()  # blocks whose planned snapshot did not come
+        self._state_sent = not layout.state_bytes
         self._next_block = [0] * self.num_layers  # per layer: the first block not sent yet
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
@@ -69,10 +97,45 @@ class LayerwiseHandoff:
     # ---- the engine thread's side ----------------------------------------------------------------
 
     def on_layer(self, layer: int, end: int) -> None:
-        """``Engine``'s hook (on the engine thread): layer ``layer`` of the first ``end`` tokens is final."""
-        if end == self.prompt_tokens and layer == self.num_layers - 1:
+        """``Engine``'s hook (on the engine thread): layer ``layer`` of the first ``end`` tokens is
+        final (a model layer: ``layout.wire_layers`` says which wire layer it completes, if any)."""
+        layout = self.layout
+        if layout.state_bytes and layer == 0:
+            self._plan(end)
+        if layout.state_bytes and layer == layout.states_after:
+            self._copy_states(end)
+        if end == self.prompt_tokens and layer == self._last_hook:
             self.computed_at = time.perf_counter()
-        self._loop.call_soon_threadsafe(self._ready.put_nowait, (layer, end))
+        wire = layout.wire_layers[layer]
+        if wire is not None:
+            self._loop.call_soon_threadsafe(self._ready.put_nowait, (wire, end))
+        if layout.state_bytes and layer == layout.states_after and end == self.prompt_tokens:
+            self._loop.call_soon_threadsafe(self._ready.put_nowait, (STATE, end))
+
+    def _plan(self, end: int) -> None:
+        """A forward to ``end`` starts: buffers for the blocks it completes, with room for a state
+        where one is planned (a snapshot, or the live state of the prompt's last block)."""
+        page = self._engine.page_size
+        stop = self.num_blocks if end >= self.prompt_tokens else end // page
+        snapshots = {pos // page - 1 for pos in self._engine.cache.planned_snapshots(self._seq.state)}
+        self._stating = []
+        for i in range(self._planned, stop):
+            if i == self.num_blocks - 1 or i in snapshots:
+                self._heads[i] = self.layout.state_bytes
+                self._stating.append(i)
+            self._buffers[i] = empty_buffer(self._heads[i] + self._layer_bytes[i] * self.num_layers)
+        self._planned = max(self._planned, stop)
+
+    def _copy_states(self, end: int) -> None:
+        """The forward's states are final: copy them into the heads of the blocks it completed."""
+        cache = self._engine.cache
+        for i in self._stating:
+            head = self._buffers[i][: self._heads[i]]
+            if i == self.num_blocks - 1:  # planned only in the prompt's last forward
+                cache.copy_block_state(head, state=self._seq.state)
+            elif not cache.copy_block_state(head, page=self._seq.pages[i]):
+                self._dropped.add(i)  # no snapshot after all (a pool smaller than the forward's): none sent
+        self._stating = []
 
     # ---- the stream --------------------------------------------------------------------------
 
@@ -102,8 +165,12 @@ class LayerwiseHandoff:
 
     async def _parts(self) -> AsyncIterator[HandoffWirePart]:
         yield HandoffWirePart(header=self.header)
-        while min(self._next_block) < self.num_blocks:
+        while min(self._next_block) < self.num_blocks or not self._state_sent:
             layer, end = await self._ready.get()
+            if layer == STATE:
+                for part in self._state_parts():
+                    yield part
+                continue
             stop = self.num_blocks if end >= self.prompt_tokens else end // self._engine.page_size
             first = self._next_block[layer]
             for a, b in slice_groups(first, stop, self._layer_bytes):
@@ -120,15 +187,39 @@ class LayerwiseHandoff:
 
     def _copy(self, layer: int, block: int) -> memoryview:
         """Layer ``layer`` of block ``block``, out of the cache into its payload buffer (this
-        thread; the engine thread computes later layers, which never touch this memory)."""
-        size = self._layer_bytes[block]
-        out = self._buffers[block][layer * size : (layer + 1) * size]
-        self._engine.cache.copy_layer(self._seq.pages[block], layer, self._tokens[block], out)
+        thread; the engine thread computes later layers, which never touch this memory).
+        Token-major payloads: into a slice of its own first, which is what goes on the wire."""
+        size, tokens, page = self._layer_bytes[block], self._tokens[block], self._seq.pages[block]
+        kv = self._buffers[block][self._heads[block] :]
+        if not self.layout.token_major:
+            out = kv[layer * size : (layer + 1) * size]
+            self._engine.cache.copy_layer(page, layer, tokens, out)
+            return out
+        out = empty_buffer(size)
+        self._engine.cache.copy_layer(page, layer, tokens, out)
+        self.layout.place(kv, tokens, layer, out)
         return out
+
+    def _state_parts(self) -> list[HandoffWirePart]:
+        """The last block's state, final and in its buffer's head: decode continues from it."""
+        head = self._heads[-1]
+        meta = common_pb2.BlockMeta(key=f"{self.header.request_id}/state".encode(), model_id=self.header.model_id,
+                                    dtype="float32", shape=[head // 4], nbytes=head, found=True)
+        self.bytes_sent += head
+        if self.computed_at is None:
+            self.bytes_early += head
+        self._state_sent = True
+        return [HandoffWirePart(state=chunk)
+                for chunk in block_chunks(meta, self._buffers[-1][:head], DEFAULT_MAX_CHUNK_BYTES)]
 
     def _adopt_all(self) -> None:
         """Every block complete: its buffer becomes the kvstore export's payload too."""
         cache = self._engine.cache
         for i, buffer in enumerate(self._buffers):
-            self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i]))
+            if not self.layout.state_bytes:
+                self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i]))
+                continue
+            state = self._heads[i] > 0 and i not in self._dropped
+            payload = buffer if state or not self._heads[i] else buffer[self._heads[i] :]
+            self.export.adopt(i, payload.toreadonly(), cache.payload_shape(self._tokens[i], with_state=state))
         self.copied.set()

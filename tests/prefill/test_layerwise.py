@@ -19,7 +19,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.kvwire.handoff_wire import decode_part, encode_part
 from crescent.services.kvwire.kv_block import BlockFormatError
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens, layer_slice
-from crescent.services.prefill.layerwise import LayerwiseHandoff, supports_layerwise
+from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise, supports_layerwise
 from crescent.services.prefill.prompt_export import PromptExport
 from tests.engine.tiny_model import tiny_model
 
@@ -117,7 +117,9 @@ def test_a_kimi_forward_tells_each_layer_too() -> None:
     seen: list[tuple[int, int]] = []
     engine.prefill(seq, lambda layer, end: seen.append((layer, end)))
     assert seen == [(layer, 40) for layer in range(engine.config.num_layers)]
-    assert not supports_layerwise(engine)  # its payloads are token-major: handed off whole
+    # its payloads are token-major with states: layer-wise to decode (test_layerwise_k3.py), but
+    # not through a copy of each layer into one range of a block (the layer-wise kvstore export)
+    assert hands_off_layerwise(engine) and not supports_layerwise(engine)
 
 
 # ---- what decode refuses ---------------------------------------------------------------------------

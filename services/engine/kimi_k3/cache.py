@@ -23,6 +23,10 @@ tensor, the state first: the state's fp32 bytes (states stay fp32 on the wire, t
 live tail is handed off unrounded) reinterpreted as ``state_elements = state_floats * 4 / itemsize``
 elements of the cache dtype, then the latents. ``block_shape``, the layout's name, is a full
 block without a state.
+
+A layer-wise handoff (``layer_layout``, ``copy_layer``) moves these payloads an MLA layer at a
+time: layer m's latents of a block's tokens, placed into the token-major rows above, and the
+block's state (``copy_block_state``) apart once the forward's last KDA layer made it final.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from crescent.services.engine.kimi_k3.memory import cache_torch_dtype
 from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy, SnapshotPool
 from crescent.services.engine.kv_cache import PageManager
 from crescent.services.engine.llama import ForwardBatch
+from crescent.services.kvwire.layer_wire import LayerLayout
 
 
 @dataclass(slots=True)
@@ -151,6 +156,46 @@ class K3Cache:
             raise ValueError("a block that hands a sequence its state must carry one")
         latents = flat.view(tokens, -1, self._latent_dim)
         self.latent[:, page, :tokens].copy_(latents.transpose(0, 1))
+
+    # ---- a layer at a time (a layer-wise handoff: kvwire/layer_wire.py) -----------------------
+
+    def layer_layout(self) -> LayerLayout:
+        """The wire's layers are the MLA layers, token after token in a payload (``block_shape``),
+        after a block's state. The model's ``on_layer`` names every layer: a KDA layer completes
+        no wire layer, and the last KDA layer makes the forward's states final."""
+        wire = {layer: m for m, layer in enumerate(self.cfg.mla_layers)}
+        kda = self.cfg.kda_layers
+        return LayerLayout(len(self.cfg.mla_layers), self._latent_dim * self.dtype.itemsize,
+                           tuple(wire.get(i) for i in range(self.cfg.num_layers)), token_major=True,
+                           state_bytes=self._state_elements * self.dtype.itemsize,
+                           states_after=kda[-1] if kda else None)
+
+    def copy_layer(self, page: int, layer: int, num_tokens: int, out: memoryview) -> None:
+        """Copy MLA layer ``layer``'s latents of the page's first ``num_tokens`` tokens into ``out``
+        (``num_tokens`` rows of ``Dc + Dr``). Another thread may compute later layers meanwhile:
+        a finished layer's latents of a held page are not written again."""
+        dst = torch.frombuffer(out, dtype=self.dtype).view(num_tokens, self._latent_dim)
+        dst.copy_(self.latent[layer, page, :num_tokens])
+
+    def planned_snapshots(self, handle: int) -> list[int]:
+        """Token positions (block ends) where the current forward (``plan_forward``) leaves
+        snapshots of the live state ``handle``."""
+        live = self._live[handle]
+        return sorted(next((c.snapshots for c in self.step if c.live is live), {}))
+
+    def copy_block_state(self, out: memoryview, *, page: int | None = None, state: int | None = None) -> bool:
+        """Copy the state a payload carries (its fp32 bytes) into ``out``: the live state ``state``,
+        or else ``page``'s snapshot; False when the page has none. On the engine thread: the
+        snapshot pool's slots are reused by later forwards."""
+        if state is not None:
+            flat = self._live[state].read(0)
+        else:
+            slot = self.snapshots.slot(page)
+            if slot is None:
+                return False
+            flat = self.snapshots.states.read(slot)
+        torch.frombuffer(out, dtype=torch.float32).copy_(flat)
+        return True
 
     # ---- sequence states -----------------------------------------------------------------------
 
