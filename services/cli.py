@@ -41,6 +41,11 @@ class Service(str, Enum):
     decode = "decode"
     aggregated = "aggregated"
     kvstore = "kvstore"
+    # The other ranks of a tensor-parallel engine group (a LeaderWorkerSet's worker pods): they read
+    # the role's settings, hold a shard of the model and follow the leader (services/engine/parallel).
+    prefill_worker = "prefill-worker"
+    decode_worker = "decode-worker"
+    aggregated_worker = "aggregated-worker"
 
 
 @app.command()
@@ -49,8 +54,13 @@ def serve(
     config: Annotated[Path | None, typer.Option(help="YAML settings; env vars CRESCENT_<SERVICE>__... override")] = None,
 ) -> None:
     """Run one service in the foreground until SIGTERM (what a container runs)."""
-    module = importlib.import_module(f"crescent.services.{service.value}.server")
     try:
+        if service.value.endswith("-worker"):
+            from crescent.services.engine.parallel import worker
+
+            worker.main(service.value.removesuffix("-worker"), config)
+            return
+        module = importlib.import_module(f"crescent.services.{service.value}.server")
         module.main(config)
     except SettingsError as exc:
         say((f"crescent serve {service.value}:", "red"), f" {exc}")

@@ -130,6 +130,7 @@ class EngineMetrics:
     #                            handoff_hidden (of handoff_out, sent layer-wise before the last layer was computed)
     transfer_seconds: Histogram  # ... and handoff_exposed: last layer computed -> decode replied (prompt waits)
     requests: Counter          # finished requests by outcome: ok, aborted, error
+    group_size: Gauge          # processes computing this instance (tensor parallel over a LeaderWorkerSet; 1: one)
 
 
 def engine_metrics(role: str) -> EngineMetrics:
@@ -162,6 +163,8 @@ def _engine_metrics() -> EngineMetrics:
             buckets=LATENCY_BUCKETS,
         ),
         requests=Counter("crescent_engine_requests", "Requests finished by outcome", labels + ["outcome"]),
+        group_size=gauge("crescent_engine_parallel_group_size",
+                         "Processes (pods) computing this instance: its tensor-parallel group, 1 for one process"),
     )
 
 

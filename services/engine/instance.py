@@ -26,6 +26,7 @@ import grpc
 
 from crescent.protos import common_pb2, scheduler_pb2
 from crescent.services.common.grpc_service import GrpcService
+from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.scheduler_agent import SchedulerAgent
 from crescent.services.common.settings import ListenSettings
 from crescent.services.common.tls import PeerTls, TlsSettings
@@ -121,6 +122,7 @@ class EngineInstance:
         self.role: EngineRole | None = None
         self.draining = False
         self.address = ""  # host:port the scheduler knows it by, once serving
+        self.group_size = 1  # processes computing the instance (engine.parallel), once loaded
 
     def nudge(self) -> None:
         """Report load now (a request arrived or left), so the scheduler's view stays fresh."""
@@ -130,6 +132,8 @@ class EngineInstance:
     async def run(self, attach: Callable[[grpc.aio.Server], Awaitable[EngineRole]], signals: ShutdownSignals) -> None:
         """Load the engine, serve until a shutdown signal, drain, stop. ``attach`` adds the servicers."""
         self.engine = await self.worker.run(build_engine, self.engine_settings)
+        self.group_size = self.engine_settings.parallel.resolve().size
+        engine_metrics(self.role_name).group_size.labels(self.role_name).set(self.group_size)
 
         async def setup(server: grpc.aio.Server) -> None:
             self.role = await attach(server)
@@ -233,4 +237,4 @@ class EngineInstance:
         if engine is None:
             return {"role": self.role_name}
         return {"role": self.role_name, "model": engine.model_id, "cached_blocks": engine.cache.pages.cached_blocks,
-                "draining": self.draining}
+                "draining": self.draining, "group_size": self.group_size}

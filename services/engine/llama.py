@@ -70,10 +70,20 @@ class _LayerWeights:
 
 
 class LlamaModel:
-    """Weights and the forward pass. Inference only; call under ``torch.inference_mode()``."""
+    """Weights and the forward pass. Inference only; call under ``torch.inference_mode()``.
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+    A tensor-parallel shard (``services/engine/parallel``) passes weights already sliced to its
+    ``kv_heads`` (q/k/v rows of those KV-head groups, o_proj columns, a slice of the MLP) and a
+    ``reduce`` that sums a partial output across the group (after o_proj and down_proj); it then
+    keeps only its KV heads in ``cache``. Embedding, norms and lm_head are whole on every rank.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, kv_heads: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config
+        self.kv_heads = config.num_kv_heads if kv_heads is None else kv_heads  # held by this process
+        self.heads = self.kv_heads * (config.num_heads // config.num_kv_heads)
+        self._reduce = reduce
         w = weights
 
         def take(name: str) -> torch.Tensor:
@@ -101,8 +111,8 @@ class LlamaModel:
         self.lm_head = InvariantLinear(self.embed if tied else take("lm_head.weight"))
         self.cos, self.sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self._q_width = config.num_heads * config.head_dim
-        self._kv_width = config.num_kv_heads * config.head_dim
+        self._q_width = self.heads * config.head_dim
+        self._kv_width = self.kv_heads * config.head_dim
         # Decode rows (one new token) attend through the C++ op over the pages, where it applies.
         kernel_fits = config.head_dim == 64 and config.num_heads // config.num_kv_heads <= 16
         self._decode_ops = paged_decode_ops() if kernel_fits else None
@@ -127,9 +137,9 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
-            q = qkv[:, : self._q_width].view(n, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self._q_width : self._q_width + self._kv_width].view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self._q_width + self._kv_width :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            q = qkv[:, : self._q_width].view(n, self.heads, cfg.head_dim)
+            k = qkv[:, self._q_width : self._q_width + self._kv_width].view(n, self.kv_heads, cfg.head_dim)
+            v = qkv[:, self._q_width + self._kv_width :].view(n, self.kv_heads, cfg.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             layer_pool = cache.pool[:, index]
             layer_pool[:, 0][batch.slot_pages, batch.slot_offsets] = k
@@ -158,14 +168,18 @@ class LlamaModel:
                 v_pages = torch.index_select(layer_pool[:, 1], 0, table)
                 attn[start:end] = paged_attention(q[start:end], k_pages, v_pages, chunk.context_len, self.scale)
                 start = end
-            h = h + layer.o(attn.view(n, -1))
+            h = h + self._summed(layer.o(attn.view(n, -1)))
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            h = h + layer.down(silu_and_mul(layer.gate_up(x)))
+            h = h + self._summed(layer.down(silu_and_mul(layer.gate_up(x))))
         if not logits_for:
             return h.new_empty((0, cfg.vocab_size))
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
         last = h[ends[torch.tensor(logits_for)]]
         return self.lm_head(rms_norm(last, self.norm, cfg.rms_norm_eps))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A shard's partial projection summed over the group (itself when there is no group)."""
+        return partial if self._reduce is None else self._reduce(partial)
 
     def _decode_rows(self, batch: ForwardBatch, page_tables: list[torch.Tensor],
                      cache: PagedKvCache) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:

@@ -21,6 +21,7 @@ import torch
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
+from crescent.services.engine.parallel.settings import GroupSettingsError
 from crescent.services.model.model_source import resolve_model
 from crescent.services.engine.settings import EngineSettings
 
@@ -32,6 +33,10 @@ T = TypeVar("T")
 def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     torch.set_num_threads(settings.threads)
     source = resolve_model(settings.model)
+    group = settings.parallel.resolve()
+    if group.size > 1 and source.kind == "kimi_k3":
+        raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
+                                 f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")
     if source.kind == "kimi_k3":  # the hybrid family loads through its own package
         from crescent.services.engine.kimi_k3.loading import load_k3_model
         from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
@@ -42,7 +47,14 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         model_id = source.model_id
     else:
         loaded = load_model(source, progress=progress)
-        model, model_id = LlamaModel(loaded.config, loaded.weights), loaded.model_id
+        model_id = loaded.model_id
+        if group.size > 1:  # this process leads a group; its workers run parallel/worker.py
+            from crescent.services.engine.parallel.leader import leader_model
+
+            model = leader_model(loaded.config, loaded.weights, group)
+        else:
+            model = LlamaModel(loaded.config, loaded.weights)
+        del loaded
     engine = Engine(
         model,
         model_id=model_id,

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
+from crescent.services.engine.parallel.settings import ParallelSettings
 from crescent.services.model.model_source import DEFAULT_MODEL
 
 
@@ -54,4 +55,9 @@ class EngineSettings(StrictModel):
         description="on SIGTERM: how long requests in flight may run to completion before they are ended "
                     "(decode: with UNAVAILABLE 'decode draining', which the gateway migrates); keep it below the "
                     "pod's terminationGracePeriodSeconds",
+    )
+    parallel: ParallelSettings = Field(
+        default=ParallelSettings(),
+        description="tensor parallelism: this instance computed by a group of processes (a LeaderWorkerSet's pods; "
+                    "docs/operators.md, \"Multi-node engines\"); by default one process",
     )

@@ -181,13 +181,18 @@ def test_schema_refuses_bad_aggregated_values(flag: str, needle: str) -> None:
     assert result.returncode != 0 and needle in result.stderr
 
 
-def test_multi_node_aggregated_needs_worker_args() -> None:
-    result = helm_template(*ON, "--set", "aggregated.multiNode.enabled=true")
-    assert result.returncode != 0 and "aggregated.multiNode.workerArgs" in result.stderr
+def test_multi_node_aggregated_workers_default_to_crescents_worker() -> None:
+    docs = render(*ON, "--set", "aggregated.multiNode.enabled=true")
+    (lws,) = by_kind(docs, "LeaderWorkerSet").values()
+    template = lws["spec"]["leaderWorkerTemplate"]
+    worker = template["workerTemplate"]["spec"]["containers"][0]
+    assert worker["args"] == ["aggregated-worker", "--config", "/etc/crescent/config.yaml"]
     docs = render(*ON, "--set", "aggregated.multiNode.enabled=true", "--set-json", 'aggregated.multiNode.workerArgs=["w"]')
     (lws,) = by_kind(docs, "LeaderWorkerSet").values()
     leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+    worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
     assert leader["args"] == ["aggregated", "--config", "/etc/crescent/config.yaml"]
+    assert worker["args"] == ["w"]  # another runtime's workers, when given
 
 
 def test_small_example_lints_validates_and_scales_on_queue_and_kv(tmp_path: Path) -> None:

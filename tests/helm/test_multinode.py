@@ -100,10 +100,24 @@ def test_exclusive_topology_annotation() -> None:
     assert lws["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/exclusive-topology"] == "example.com/rack"
 
 
+def test_workers_run_crescents_tensor_parallel_worker_by_default() -> None:
+    docs = render("--set", "prefill.multiNode.enabled=true", "--set", "decode.multiNode.enabled=true",
+                  "--set", "decode.multiNode.nodesPerInstance=3")
+    for role, size in (("prefill", 2), ("decode", 3)):
+        (lws,) = [d for n, d in _lws(docs).items() if f"-{role}-" in n]
+        template = lws["spec"]["leaderWorkerTemplate"]
+        assert template["size"] == size  # LWS_GROUP_SIZE: the engine's group size (engine.parallel)
+        worker = template["workerTemplate"]["spec"]["containers"][0]
+        leader = template["leaderTemplate"]["spec"]["containers"][0]
+        # `crescent serve <role>-worker` reads the leader's config file; its rank is LWS_WORKER_INDEX.
+        assert worker["args"] == [f"{role}-worker", "--config", "/etc/crescent/config.yaml"]
+        assert leader["args"] == [role, "--config", "/etc/crescent/config.yaml"]
+        assert worker["volumeMounts"] == leader["volumeMounts"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--set", "prefill.multiNode.enabled=true"], "prefill.multiNode.workerArgs"),
         ([*MULTI, "--set", "prefill.multiNode.exclusiveTopology=nvidia.com/gpu.clique"], "group's own domain label"),
         ([*MULTI, "--set", "prefill.multiNode.nodesPerInstance=1"], "nodesPerInstance"),
     ],

@@ -3,8 +3,9 @@ The pod of an engine group: a Deployment's pods, or a LeaderWorkerSet's leader (
 and workers (worker true). The leader is the instance: it runs the role's service and registers
 one instance with the scheduler. Workers carry the component label "<role>-worker", so the
 role's headless Service, discovery, PDB and ServiceMonitor never count them as instances; they
-run multiNode.workerArgs, and LeaderWorkerSet gives every pod LWS_LEADER_ADDRESS,
-LWS_GROUP_SIZE and LWS_WORKER_INDEX. Call with (dict "root" $ "role" "prefill" "group" <group>
+run multiNode.workerArgs (by default `crescent serve <role>-worker`: a tensor-parallel rank of
+the leader's instance), and LeaderWorkerSet gives every pod LWS_LEADER_ADDRESS, LWS_GROUP_SIZE
+and LWS_WORKER_INDEX, from which the engine's group settings (engine.parallel) default. Call with (dict "root" $ "role" "prefill" "group" <group>
 "worker" false).
 */}}
 {{- define "crescent.enginePodTemplate" -}}
@@ -46,9 +47,12 @@ spec:
     - name: {{ .role }}
       image: {{ include "crescent.image" $v }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      {{- if .worker }}
+      {{- if and .worker $v.multiNode.workerArgs }}
       args:
         {{- toYaml $v.multiNode.workerArgs | nindent 8 }}
+      {{- else if .worker }}
+      # Crescent's tensor-parallel worker: the role's settings, the rank from LWS_WORKER_INDEX.
+      args: [{{ .role }}-worker, --config, /etc/crescent/config.yaml]
       {{- else }}
       args: [{{ .role }}, --config, /etc/crescent/config.yaml]
       {{- end }}

@@ -47,9 +47,6 @@ spec:
 {{- $v := index $.Values $role }}
 {{- $m := $v.multiNode }}
 {{- if and $v.enabled $m.enabled }}
-{{- if not $m.workerArgs }}
-{{- fail (printf "%s.multiNode.workerArgs: give the command the worker pods run (Crescent's engine does not shard one model across pods itself; docs/operators.md)" $role) }}
-{{- end }}
 {{- if and (eq $.Values.topology.mode "nvlinkDomain") (eq $m.exclusiveTopology $.Values.topology.supernodeLabel) }}
 {{- fail (printf "%s.multiNode.exclusiveTopology: %s is the group's own domain label, so each instance would need a domain to itself and the group's other instances (and prefill or decode) could never join it; leave it empty, topology.mode nvlinkDomain already keeps the instance's pods in the group's domain" $role $m.exclusiveTopology) }}
 {{- end }}

@@ -1,0 +1,103 @@
+"""A real decode server leading a tensor-parallel group of three processes (SmolLM2 has three
+KV heads, so three ranks of one head each), its workers started as ``crescent serve
+decode-worker``, on loopback.
+
+What a user would notice: one instance registers, with the block layout of a one-process
+instance; a handed-off request streams the tokens a single process computes; /metrics says the
+instance spans three processes; a worker killed ends the leader (non-zero, a clear log line)
+within the collective timeout instead of hanging it, and the other worker follows; settings
+that cannot run stop the process at start with the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from crescent.services.engine.parallel.group import EXIT_GROUP_BROKEN
+from tests.decode.process import TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
+from tests.ports import free_port
+
+pytestmark = pytest.mark.slow  # real processes: a model load each
+
+SIZE = 3
+TIMEOUT_S = 8.0  # the group's collective timeout: a lost worker must end the leader well within a test's time
+CRESCENT = str(Path(sys.executable).parent / "crescent")
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", CRESCENT_LOG_LEVEL="INFO")
+
+
+def start_worker(config: Path, rank: int, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen([CRESCENT, "serve", "decode-worker", "--config", str(config)], stdout=out,
+                                stderr=subprocess.STDOUT, env={**_env(), "CRESCENT_DECODE__ENGINE__PARALLEL__RANK": str(rank)})
+
+
+@pytest.fixture(scope="module")
+def prompts() -> PromptKv:
+    return PromptKv()
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DecodeProcess, list, SchedulerStandIn]]:
+    run_dir = tmp_path_factory.mktemp("tp-decode")
+    scheduler = SchedulerStandIn()
+    leader = DecodeProcess(run_dir, scheduler.address, 16 * 64)
+    config = yaml.safe_load(leader.config.read_text())
+    config["engine"]["parallel"] = {"group_size": SIZE, "port": free_port(), "timeout_s": TIMEOUT_S,
+                                    "startup_timeout_s": 120}
+    leader.config.write_text(yaml.safe_dump(config))
+    workers = [(start_worker(leader.config, rank, run_dir / f"worker{rank}.log"), run_dir / f"worker{rank}.log")
+               for rank in range(1, SIZE)]
+    try:
+        leader.start()
+        yield leader, workers, scheduler
+    finally:
+        leader.stop()
+        for proc, _ in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        scheduler.stop()
+
+
+def test_the_group_serves_one_instance_with_single_process_tokens(group, prompts: PromptKv) -> None:
+    leader, _, scheduler = group
+    (info,) = {i.instance_id: i for i in scheduler.servicer.registered}.values()  # one instance, not three
+    assert info.kv_format == "paged-v1:" + "x".join(str(d) for d in prompts.engine.cache.block_shape)
+    assert leader.metric("crescent_engine_parallel_group_size", role="decode") == SIZE
+    channel, stub = decode_stub(leader.address)
+    with channel:
+        for i, text in enumerate(TEXTS[:2]):
+            tokens = prompts.prompt(text)
+            first, parts = prompts.handoff(f"tp-{i}", tokens, 16)
+            assert stub.Handoff(iter(parts), timeout=60).accepted
+            streamed, reason = stream_all(stub, f"tp-{i}")
+            assert reason == "length"
+            assert [first, *streamed] == prompts.reference(tokens, 16)
+
+
+def test_a_killed_worker_ends_the_leader_within_the_timeout(group) -> None:
+    leader, workers, _ = group
+    (victim, _), (survivor, survivor_log) = workers
+    victim.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    assert leader.proc is not None
+    code = leader.proc.wait(timeout=4 * TIMEOUT_S)  # not a hang
+    took = time.monotonic() - killed
+    log = leader.log.read_text(errors="replace")
+    assert code == EXIT_GROUP_BROKEN, log[-3000:]
+    assert "lost the group" in log and "exiting (code 3) so the group restarts together" in log
+    assert took < 2 * TIMEOUT_S, f"the leader noticed after {took:.1f} s"
+    assert survivor.wait(timeout=4 * TIMEOUT_S) == EXIT_GROUP_BROKEN  # its leader gone, the worker leaves too
+    assert "lost the group" in survivor_log.read_text(errors="replace")
