@@ -160,6 +160,11 @@ class KvStoreSettings(StrictModel):
     shm_reservation_ms: int = Field(
         default=30_000, ge=1, description="how long a local client has to fill reserved pool room and commit it"
     )
+    layer_reservation_ms: int = Field(
+        default=120_000, ge=1,
+        description="how long room reserved for a layer-wise put (mover shm-layers) is held before it is given "
+                    "back uncommitted: it is filled while prefill computes a chunk, which takes seconds on a CPU",
+    )
 
     @model_validator(mode="after")
     def _known_policy(self) -> KvStoreSettings:

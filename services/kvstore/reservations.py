@@ -47,9 +47,11 @@ class PendingReservations:
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
 
-    def add(self, slots: list[Slot], landing: Landing | None = None, mover: str = "") -> int:
+    def add(self, slots: list[Slot], landing: Landing | None = None, mover: str = "", lifetime_s: float | None = None) -> int:
+        """``lifetime_s``: how long until the room goes back uncommitted (default ``lifetime_s``)."""
         rid = next(self._ids)
-        self._pending[rid] = Pending(time.monotonic() + self.lifetime_s, slots, landing, mover)
+        deadline = time.monotonic() + (self.lifetime_s if lifetime_s is None else lifetime_s)
+        self._pending[rid] = Pending(deadline, slots, landing, mover)
         return rid
 
     def take(self, rid: int) -> Pending | None:

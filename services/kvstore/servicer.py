@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 DEFAULT_LIST_LIMIT = 1000
 # What ReserveShm's mover may name ("" and "shm": shared memory; "shm-layers": shared memory
 # written a layer at a time while prefill computes, its headers and CRCs sent at commit).
-MOVERS = ("", "shm", "shm-layers", "tcp", "nixl")
-SHARED_MEMORY_MOVERS = ("", "shm", "shm-layers")
-CHECKED_AT_COMMIT = ("nixl", "shm-layers")  # room nobody saw filled whole: its CRC is computed at commit
+LAYERS_MOVER = "shm-layers"  # its room lives layer_reservation_ms, not shm_reservation_ms
+MOVERS = ("", "shm", LAYERS_MOVER, "tcp", "nixl")
+SHARED_MEMORY_MOVERS = ("", "shm", LAYERS_MOVER)
+CHECKED_AT_COMMIT = ("nixl", LAYERS_MOVER)  # room nobody saw filled whole: its CRC is computed at commit
 
 
 def add_to_server(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
@@ -338,7 +339,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
             reply.engine_metadata, reply.pool_base = self.endpoints.nixl.metadata, self.endpoints.nixl.base
         if request.mover not in SHARED_MEMORY_MOVERS:
             reply.pool_path = reply.pool_identity = ""  # nothing to map: the bytes come another way
-        reply.reservation = self.reservations.add(slots, landing, request.mover)
+        lifetime_ms = self.settings.layer_reservation_ms if request.mover == LAYERS_MOVER else self.settings.shm_reservation_ms
+        reply.expires_ms = lifetime_ms
+        reply.reservation = self.reservations.add(slots, landing, request.mover, lifetime_ms / 1000)
         return reply
 
     async def CommitShm(self, request: kvstore_pb2.ShmCommitRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ShmCommitReply:

@@ -6,8 +6,8 @@ loop's thread, each event ``(layer, end)`` copies that layer of the blocks the f
 tokens completed straight from the paged cache into room reserved in the node's shared pool
 (``KvStoreClient.reserve_layers``, mover ``shm-layers``: ``cache.copy_layer`` into the mapped
 room, one copy, no buffer in between) and takes its CRC while the bytes are in cache. Room is
-reserved per chunk, when its first layer is done (a reservation lives ``shm_reservation_ms``;
-a long prompt outlives it); a chunk's blocks are committed with their CRCs once their last layer
+reserved per chunk, when its first layer is done (the node holds it ``layer_reservation_ms``;
+a long prompt may outlive that, one chunk does not); a chunk's blocks are committed with their CRCs once their last layer
 has landed, and the node checks each CRC over the room before the block becomes readable.
 
 What the store never holds: a block with a layer missing or damaged (refused at commit), or

@@ -163,3 +163,15 @@ def test_a_node_without_a_shared_pool_leaves_the_blocks_to_the_whole_put(kvstore
     _, layered, left, got, _, client = export(make_engine(), node.address, [(13 * i) % 97 for i in range(16)])
     assert left == [0, 1, 2, 3] and layered.bytes_written == 0 and got == {}
     assert not client.takes_layers  # asked once; whole-block puts from now on
+
+
+def test_room_held_too_long_is_given_back_and_its_blocks_left_to_the_whole_put(kvstore_node) -> None:  # noqa: F811
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "layer_reservation_ms": 200})
+
+    def slow(block: int, layer: int, room: memoryview) -> None:  # a chunk's forward outlasting half the room's life
+        if block == 0 and layer == 0:
+            time.sleep(0.15)
+
+    _, layered, left, got, stat, _ = export(make_engine(chunk=16), node.address, [(17 * i) % 97 for i in range(16)], hook=slow)
+    assert left == [0, 1, 2, 3] and layered.stored == 0 and got == {}
+    assert stat.tiers[0].reserved_bytes == 0 and stat.tiers[0].blocks == 0
