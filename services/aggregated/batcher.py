@@ -26,7 +26,7 @@ import torch
 
 from crescent.services.decode.batcher import Batcher, Sampled, release_all, sample_rows
 from crescent.services.decode.request import ERROR, Choice, DecodeRequest, TokenUpdate
-from crescent.services.engine.engine import Engine, Sequence
+from crescent.services.engine.engine import Engine, Sequence, prefill_step_end
 from crescent.services.engine.runtime import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -206,11 +206,14 @@ class MixedBatcher(Batcher):
             seq = job.seq
             if job.done.done() or budget < page:
                 continue
-            end = min(seq.num_tokens, seq.num_computed + budget)
-            if end < seq.num_tokens:
+            end = prefill_step_end(seq, budget)
+            tail_start = seq.num_tokens - seq.decode_tail
+            if end < tail_start:
                 end -= end % page
                 if end <= seq.num_computed:
                     break
+            elif end - seq.num_computed > budget and chunks:
+                continue  # a moved request's decode tail goes whole (a row per token): next step
             chunks.append((job, end))
             budget -= end - seq.num_computed
         return chunks

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crescent.services.common.metrics import EngineMetrics
-from crescent.services.engine.engine import Engine, LayerHook, Sequence
+from crescent.services.engine.engine import Engine, LayerHook, Sequence, prefill_step_end
 from crescent.services.engine.runtime import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def plan_step(prompts: Iterable[Sequence], chunk_tokens: int, max_batch_tokens: 
     """(sequence, compute up to this token) pairs for one forward.
 
     Each prompt's next chunk is the one ``Engine.prefill`` would run: up to ``chunk_tokens``
-    from where it stands. Chunks are taken oldest prompt first while the step stays within
+    from where it stands (a moved request's decode tail in one step: ``prefill_step_end``). Chunks are taken oldest prompt first while the step stays within
     ``max_batch_tokens`` tokens and the KV pages they need fit in ``free_pages``; a chunk that
     does not fit is skipped (a later, smaller one may). The oldest prompt's chunk always goes,
     so nothing waits forever; if its pages are not there it fails alone (``CacheFullError``),
@@ -60,7 +60,7 @@ def plan_step(prompts: Iterable[Sequence], chunk_tokens: int, max_batch_tokens: 
     step: list[tuple[Sequence, int]] = []
     tokens = pages = 0
     for seq in prompts:
-        end = min(seq.num_tokens, seq.num_computed + chunk_tokens)
+        end = prefill_step_end(seq, chunk_tokens)
         size = end - seq.num_computed
         needed = max(0, -(-end // page_size) - len(seq.pages))
         if not step and needed > free_pages:

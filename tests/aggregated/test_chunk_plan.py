@@ -37,3 +37,17 @@ async def test_a_prompt_that_fits_the_budget_is_computed_to_its_end_in_one_chunk
     job = PromptJob(b.engine.add_sequence("p", test_engine.prompt(37), use_cache=False))
     b.prompts.append(job)
     assert b._plan_chunks() == [(job, 37)]
+
+
+async def test_a_moved_requests_decode_tail_goes_whole_and_waits_behind_a_full_step() -> None:
+    b = batcher(chunk_tokens=64)
+    moved = PromptJob(b.engine.add_sequence("moved", test_engine.prompt(100), use_cache=False, decode_tail=50))
+    other = PromptJob(b.engine.add_sequence("other", test_engine.prompt(40), use_cache=False))
+    b.prompts.extend([moved, other])
+    # Its prompt part (50 tokens) ends where decode's tokens begin, off a block boundary.
+    assert [(job.seq.seq_id, end) for job, end in b._plan_chunks()] == [("moved", 50)]
+    moved.seq.num_computed = 50
+    # The tail (50 rows) fits; the 14 tokens left are less than a block for "other".
+    assert [(job.seq.seq_id, end) for job, end in b._plan_chunks()] == [("moved", 100)]
+    b.prompts.reverse()  # behind a chunk that took the budget the tail waits a step, whole
+    assert [(job.seq.seq_id, end) for job, end in b._plan_chunks()] == [("other", 40)]

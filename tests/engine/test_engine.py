@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from crescent.services.engine.engine import Engine
+from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.sampler import SamplingConfig
 from tests.engine.tiny_model import TINY, dense_logits, tiny_model, tiny_weights
@@ -161,3 +164,36 @@ def test_a_reservation_keeps_its_pages_while_others_fill_the_cache():
     engine.release(adopted)
     engine.cache.pages.release(other)
     assert engine.cache.pages.free_pages == 8 and engine.cache.pages.promised_pages == 0
+
+
+# A model the C++ decode op serves (head_dim 64), beside TINY's PyTorch path.
+WIDE = dataclasses.replace(TINY, vocab_size=300, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                           head_dim=64)
+
+
+@pytest.mark.parametrize("cfg", [TINY, WIDE], ids=["pytorch-decode", "cpp-decode"])
+def test_a_moved_requests_recompute_gives_decodes_logits_bit_for_bit(cfg) -> None:
+    """After a decode dies, the gateway places the request again with the prompt plus the tokens
+    streamed; prefill computes those as decode's steps did, so the next token's logits are the
+    very ones decode would have given, and a seeded draw continues the same."""
+    torch.set_num_threads(1)
+    model = LlamaModel(cfg, tiny_weights(cfg, seed=3))
+
+    def engine(chunk: int) -> Engine:
+        return Engine(model, model_id="m", kv_capacity_tokens=64 * PAGE, page_size=PAGE, prefill_chunk_tokens=chunk)
+
+    tokens = torch.randint(2, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    first = engine(2048)
+    seq = first.add_sequence("a", tokens)
+    logits, generated, after = first.prefill(seq), [], []
+    for _ in range(12):  # decode, one token a step, as a decode instance does
+        generated.append(int(logits.argmax()))
+        seq.token_ids.append(generated[-1])
+        logits = first.decode_step([seq])[0]
+        after.append(logits)
+    for moved, chunk in ((5, 2048), (12, 64)):  # another instance, other chunking
+        again = engine(chunk)
+        recompute = again.add_sequence("b", tokens + generated[:moved], decode_tail=moved)
+        assert torch.equal(again.prefill(recompute), after[moved - 1])
+        other = engine(chunk)  # the same tokens as one prompt: close, but not decode's bits
+        assert (other.prefill(other.add_sequence("c", tokens + generated[:moved])) - after[moved - 1]).abs().max() < 1e-4

@@ -60,6 +60,17 @@ def test_the_oldest_prompt_always_runs_even_past_the_budget() -> None:
     assert [(s.seq_id, end) for s, end in step] == [(a.seq_id, 32)]
 
 
+def test_a_moved_requests_decode_tail_is_never_cut_into_and_goes_in_one_step() -> None:
+    moved = seq(100)
+    moved.decode_tail = 45  # the last 45 tokens were decode's: a row each, all in one step
+    ends = []
+    while moved.num_computed < moved.num_tokens:
+        ((_, end),) = plan_step([moved], CHUNK, max_batch_tokens=1000, free_pages=100, page_size=PAGE)
+        ends.append(end)
+        moved.num_computed, moved.pages = end, list(range(-(-end // PAGE)))
+    assert ends == [32, 55, 100]
+
+
 def test_chunks_whose_pages_are_not_there_wait_and_an_oldest_that_cannot_fit_runs_alone() -> None:
     a, b, c = seq(40), seq(40), seq(60, computed=50)  # c's chunk 50..60 stays in its last page
     step = plan_step([a, b, c], CHUNK, max_batch_tokens=1000, free_pages=2, page_size=PAGE)
