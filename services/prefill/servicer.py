@@ -192,8 +192,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         layered: LayerwiseStoreExport | None = None  # stopped in the end unless the store export took it
         try:
             await self._admit_prompt(request, context)
+            # A moved request's streamed tokens are computed as decode computed them (bit for bit).
             seq = await self.worker.run(self.engine.add_sequence, request.request_id, tokens, salt=request.cache_salt,
-                                        orphan=self.engine.release)
+                                        decode_tail=max(request.sampling.first_step, 0), orphan=self.engine.release)
             hold = _PageHold(self.worker, self.engine.release, seq, self._on_blocks_stored)
             local_hit = seq.num_cached
             peer_hit = await self._pull_from_peer(request, seq)
