@@ -41,8 +41,10 @@ STATE = -1  # the event of the last block's state being final (layers are >= 0)
 
 
 def hands_off_layerwise(engine: Engine) -> bool:
-    """Whether the engine's cache can hand a prompt off a layer at a time (both model families)."""
-    return hasattr(engine.cache, "layer_layout")
+    """Whether the engine's cache can hand a prompt off a layer at a time (both model families).
+    A tensor-parallel cache (engine/parallel) has a layout, so its decode takes layer-wise
+    handoffs, but no ``copy_layer``: its prefill hands prompts off whole."""
+    return hasattr(engine.cache, "layer_layout") and hasattr(engine.cache, "copy_layer")
 
 
 def supports_layerwise(engine: Engine) -> bool:

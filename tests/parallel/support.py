@@ -52,4 +52,6 @@ def tiny_leader(port: int, size: int, timeout_s: float) -> TensorParallelLlama:
     group.join()
     weights = tiny_weights(TINY)
     check_same_model(group, TINY, weights)
-    return TensorParallelLlama(shard_model(TINY, weights, group), group)
+    model = TensorParallelLlama(shard_model(TINY, weights, group), group)
+    group.start_pinging()
+    return model

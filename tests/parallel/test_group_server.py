@@ -3,7 +3,8 @@ KV heads, so three ranks of one head each), its workers started as ``crescent se
 decode-worker``, on loopback.
 
 What a user would notice: one instance registers, with the block layout of a one-process
-instance; a handed-off request streams the tokens a single process computes; /metrics says the
+instance; a handed-off request streams the tokens a single process computes, whether the blocks
+come whole or a layer at a time from a real one-process prefill; /metrics says the
 instance spans three processes; a worker killed ends the leader (non-zero, a clear log line)
 within the collective timeout instead of hanging it, and the other worker follows; settings
 that cannot run stop the process at start with the numbers.
@@ -22,6 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import grpc
+
+from crescent.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.engine.parallel.group import EXIT_GROUP_BROKEN
 from tests.decode.process import TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
 from tests.ports import free_port
@@ -29,7 +33,7 @@ from tests.ports import free_port
 pytestmark = pytest.mark.slow  # real processes: a model load each
 
 SIZE = 3
-TIMEOUT_S = 8.0  # the group's collective timeout: a lost worker must end the leader well within a test's time
+TIMEOUT_S = 15.0  # the group's collective timeout: a lost worker must end the leader well within a test's time
 CRESCENT = str(Path(sys.executable).parent / "crescent")
 
 
@@ -49,7 +53,7 @@ def prompts() -> PromptKv:
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DecodeProcess, list, SchedulerStandIn]]:
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DecodeProcess, list, SchedulerStandIn, DecodeProcess]]:
     run_dir = tmp_path_factory.mktemp("tp-decode")
     scheduler = SchedulerStandIn()
     leader = DecodeProcess(run_dir, scheduler.address, 16 * 64)
@@ -59,10 +63,17 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DecodeProc
     leader.config.write_text(yaml.safe_dump(config))
     workers = [(start_worker(leader.config, rank, run_dir / f"worker{rank}.log"), run_dir / f"worker{rank}.log")
                for rank in range(1, SIZE)]
+    prefill = DecodeProcess(run_dir, scheduler.address, 16 * 64, role="prefill")  # one process, layer-wise handoff
     try:
+        prefill.start(wait_ready=False)
         leader.start()
-        yield leader, workers, scheduler
+        deadline = time.monotonic() + 120
+        while not prefill.healthy():
+            assert prefill.proc.poll() is None and time.monotonic() < deadline, prefill.log.read_text()[-3000:]
+            time.sleep(0.1)
+        yield leader, workers, scheduler, prefill
     finally:
+        prefill.stop()
         leader.stop()
         for proc, _ in workers:
             if proc.poll() is None:
@@ -72,8 +83,9 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DecodeProc
 
 
 def test_the_group_serves_one_instance_with_single_process_tokens(group, prompts: PromptKv) -> None:
-    leader, _, scheduler = group
-    (info,) = {i.instance_id: i for i in scheduler.servicer.registered}.values()  # one instance, not three
+    leader, _, scheduler, prefill = group
+    registered = {i.instance_id: i for i in scheduler.servicer.registered if i.address != prefill.address}
+    (info,) = registered.values()  # one decode instance, not three
     assert info.kv_format == "paged-v1:" + "x".join(str(d) for d in prompts.engine.cache.block_shape)
     assert leader.metric("crescent_engine_parallel_group_size", role="decode") == SIZE
     channel, stub = decode_stub(leader.address)
@@ -87,8 +99,24 @@ def test_the_group_serves_one_instance_with_single_process_tokens(group, prompts
             assert [first, *streamed] == prompts.reference(tokens, 16)
 
 
+def test_a_layer_wise_handoff_from_a_one_process_prefill_decodes_the_same(group, prompts: PromptKv) -> None:
+    leader, _, _, prefill = group
+    tokens = prompts.prompt(TEXTS[2] * 8)[: 2 * 64 + 9]
+    with grpc.insecure_channel(prefill.address) as channel:
+        events = list(prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
+            request_id="layers", token_ids=tokens, decode_address=leader.address,
+            sampling=common_pb2.SamplingParams(max_tokens=12, ignore_eos=True)), timeout=120))
+    assert [e.WhichOneof("event") for e in events] == ["first_token", "handed_off"]
+    token_bytes = prompts.engine.cache.token_layer_bytes() * prompts.engine.config.num_layers
+    assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_out") == len(tokens) * token_bytes
+    channel, stub = decode_stub(leader.address)
+    with channel:
+        rest, reason = stream_all(stub, "layers")
+    assert [events[0].first_token.token_id, *rest] == prompts.reference(tokens, 12) and reason == "length"
+
+
 def test_a_killed_worker_ends_the_leader_within_the_timeout(group) -> None:
-    leader, workers, _ = group
+    leader, workers, _, _ = group
     (victim, _), (survivor, survivor_log) = workers
     victim.send_signal(signal.SIGKILL)
     killed = time.monotonic()

@@ -19,6 +19,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.parallel.leader import TensorParallelLlama
 from crescent.services.engine.parallel.settings import GroupSettingsError, ParallelSettings
 from crescent.services.engine.parallel.shard import shard_shape
+from crescent.services.prefill.layerwise import hands_off_layerwise
 from tests.engine.tiny_model import TINY, tiny_model
 from tests.parallel.support import start_tiny_worker, tiny_leader
 from tests.ports import free_port
@@ -90,6 +91,9 @@ def test_a_prefix_hit_reuses_the_groups_pages(group: TensorParallelLlama) -> Non
 def test_blocks_read_as_single_process_blocks_and_writes_read_back(group: TensorParallelLlama) -> None:
     tp, one = engines(group)
     assert tp.cache.block_shape == one.cache.block_shape and tp.cache.wire_dtype == one.cache.wire_dtype
+    # Decode assembles a layer-wise handoff by this layout, as in one process; prefill sends whole blocks.
+    assert tp.cache.layer_layout() == one.cache.layer_layout()
+    assert not hands_off_layerwise(tp) and hands_off_layerwise(one)
     prompt = PROMPTS[0]  # 2 full pages and a partial one
     seqs = {e: e.add_sequence("b", prompt) for e in (tp, one)}
     for e, seq in seqs.items():

@@ -85,9 +85,14 @@ class TpGroup:
             raise GroupBrokenError(
                 f"tensor-parallel rank {spec.rank} could not join the group at {spec.leader_address}:{spec.port} "
                 f"within {spec.startup_timeout.total_seconds():g} s: {exc}") from exc
-        if spec.is_leader:
-            self._pinger = threading.Thread(target=self._ping_while_idle, name="tp-ping", daemon=True)
-            self._pinger.start()
+
+    def start_pinging(self) -> None:
+        """Leader, once set up: ping idle workers from now on. Not earlier: a ping among the
+        start-up collectives (which run outside commands) would meet another collective."""
+        assert self.spec.is_leader and self._pinger is None
+        self._last_command = time.monotonic()
+        self._pinger = threading.Thread(target=self._ping_while_idle, name="tp-ping", daemon=True)
+        self._pinger.start()
 
     def close(self) -> None:
         """Leader: tell the workers to exit; every rank: leave the group."""

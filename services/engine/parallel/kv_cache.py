@@ -5,9 +5,11 @@ the leader alone keeps the ``PageManager``. Block payloads have the full, unshar
 the handoff, the kvstore and peers see bytes identical to a one-process instance's:
 ``read_block`` gathers the ranks' heads, ``write_block`` scatters them.
 
-No ``copy_layer``: copying one layer while the forward runs would need a collective from the
+Its ``layer_layout`` is a one-process cache's (payloads are), so a decode leader takes
+layer-wise handoffs: the slices are assembled into whole payloads, then written. It has no
+``copy_layer``: copying one layer while the forward runs would need a collective from the
 event loop's thread in the middle of the forward's, and collectives run in one order on every
-rank. Without it, a prefill instance hands prompts off whole (``prefill/layerwise.py``).
+rank. So a tensor-parallel prefill hands prompts off whole (``prefill/layerwise.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from crescent.services.engine.kv_cache import PagedKvCache
+from crescent.services.kvwire.layer_wire import LayerLayout
 from crescent.services.engine.parallel.group import Command, TpGroup
 
 HEAD_DIM_AXIS = 3  # of a payload: (layers, 2, tokens, kv_heads, head_dim)
@@ -62,6 +65,19 @@ class ShardedKvCache:
         if len(shape) != 5 or not 0 < shape[2] <= self.page_size or self.payload_shape(shape[2]) != shape:
             raise ValueError(f"KV payload shape {shape} does not fit pages of shape {self._block_shape}")
         return shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self._block_shape[0]
+
+    def token_layer_bytes(self) -> int:
+        """One token's bytes of one layer in a payload (all KV heads)."""
+        _, two, _, heads, dim = self._block_shape
+        return two * heads * dim * self.local.pool.element_size()
+
+    def layer_layout(self) -> LayerLayout:
+        """A payload's layers, as a one-process cache lays them out (receiving layer-wise handoffs)."""
+        return LayerLayout.layer_major(self.num_layers, self.token_layer_bytes())
 
     def read_block(self, page: int, num_tokens: int | None = None) -> torch.Tensor:
         """The page's first ``num_tokens`` tokens (all by default), every rank's heads: a new tensor."""

@@ -94,6 +94,7 @@ def leader_model(config: LlamaConfig, weights: dict[str, torch.Tensor], spec: Gr
     atexit.register(group.close)  # a clean exit lets the workers exit 0 too
     check_same_model(group, config, weights)
     model = TensorParallelLlama(shard_model(config, weights, group), group)
+    group.start_pinging()  # from here on, every collective is inside a command
     log.info("tensor parallel over %d processes: this leader holds %d of %d KV heads", spec.size,
              model.shard.kv_heads, config.num_kv_heads)
     return model
