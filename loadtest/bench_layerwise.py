@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Layer-wise handoff on and off (issue 16, item 3), between real prefill and decode processes.
 
-    .venv/bin/python loadtest/bench_layerwise.py [--tokens 2048 8064] [--rounds 3]
+    .venv/bin/python loadtest/bench_layerwise.py [--tokens 2048 8064] [--rounds 3] [--model kimi-k3-nano]
 
 Starts two prefill processes (``layerwise_handoff`` on and off), one decode process and a
-stand-in scheduler on 127.0.0.1, all with the default model (SmolLM2-135M, float32) and one
-torch thread each. Each round sends, to each prefill in turn, a cold prompt of random tokens
+stand-in scheduler on 127.0.0.1, all with the default model (SmolLM2-135M, float32; or
+``--model``, e.g. the hybrid ``kimi-k3-nano``, whose MLA latents go a layer at a time and whose
+KDA state goes once final) and one torch thread each. Each round sends, to each prefill in turn, a cold prompt of random tokens
 (a fresh cache salt: no prefix hit) with ``max_tokens`` 2, handed to the decode process; the
 decode stream is read to its end so the next round starts from an empty decode.
 
@@ -42,11 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the real-process
 from tests.decode.process import BLOCK, DecodeProcess, SchedulerStandIn  # noqa: E402
 
 VOCAB = 49152  # the default model's (SmolLM2-135M)
+KIMI_VOCAB = 163840  # the kimi_k3 presets' (the Kimi tokenizer's id space)
 METRIC_BYTES, METRIC_SECONDS = "crescent_engine_kv_transfer_bytes_total", "crescent_engine_kv_transfer_seconds_sum"
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(10, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def prompt(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    return torch.randint(10, vocab - 16, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def snapshot(prefill: DecodeProcess) -> dict[str, float]:
@@ -129,6 +131,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8064], help="prompt lengths (< 8192, the context)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead", action="store_true", help="in-process: the compute's cost of streaming")
+    parser.add_argument("--model", default="", help="a preset other than the default (e.g. kimi-k3-nano)")
     args = parser.parse_args()
     if args.overhead:
         for n in args.tokens:
@@ -138,23 +141,25 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped by ``timeout``: stop the processes too
     os.environ["OMP_NUM_THREADS"] = "1"
     capacity = max(args.tokens) + 2 * BLOCK
+    vocab = KIMI_VOCAB if args.model.startswith("kimi") else VOCAB
+    engine = {"engine": {"model": args.model, "kv_capacity_tokens": capacity, "block_size": BLOCK, "threads": 1}} if args.model else {}
     scheduler = SchedulerStandIn()
     processes: dict[str, DecodeProcess] = {}
     results: dict[tuple[int, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for name, extra in [("decode", None), ("on", {"layerwise_handoff": True}), ("off", {"layerwise_handoff": False})]:
+            for name, extra in [("decode", {}), ("on", {"layerwise_handoff": True}), ("off", {"layerwise_handoff": False})]:
                 run_dir = Path(tmp) / name
                 run_dir.mkdir()
                 role = "decode" if name == "decode" else "prefill"
-                processes[name] = DecodeProcess(run_dir, scheduler.address, capacity, role=role, extra=extra)
+                processes[name] = DecodeProcess(run_dir, scheduler.address, capacity, role=role, extra={**extra, **engine})
                 processes[name].start()
             decode = processes["decode"]
             for mode in ("on", "off"):  # warm-up
-                one_prompt(processes[mode], decode, f"warm-{mode}", prompt(256, 0))
+                one_prompt(processes[mode], decode, f"warm-{mode}", prompt(256, 0, vocab))
             for r in range(args.rounds):
                 for n in args.tokens:
-                    tokens = prompt(n, 1000 * r + n)
+                    tokens = prompt(n, 1000 * r + n, vocab)
                     for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):  # alternate who goes first
                         results.setdefault((n, mode), []).append(
                             one_prompt(processes[mode], decode, f"r{r}-{n}-{mode}", tokens))
@@ -164,7 +169,7 @@ def main() -> None:
             scheduler.stop()
 
     load = os.getloadavg()
-    print(f"default model, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
+    print(f"{args.model or 'default model'}, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
           f"{load[1]:.2f}; median of {args.rounds} rounds")
     print(f"{'tokens':>6} {'KV MB':>6} {'prefill s':>9} {'handoff off s':>13} {'exposed on s':>12} {'hidden':>7}"
           f" {'bytes early':>11} {'TTFT off':>8} {'TTFT on':>7}  exposed on / off per round")

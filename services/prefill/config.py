@@ -39,8 +39,9 @@ class PrefillSettings(PrefillBaseSettings):
         default=True,
         description="send the prompt's KV to decode a layer at a time while the prompt is computed (Mooncake's "
                     "layer-wise transfer), so most of the handoff hides behind the forward passes; off: the whole "
-                    "KV after the prompt is computed. Models whose cache is not layer-major (kimi_k3) always send "
-                    "it whole (docs/prefill.md, \"Layer-wise handoff\")",
+                    "KV after the prompt is computed. Both model families: kimi_k3 sends its MLA layers' latents "
+                    "so and its KDA state once final; a tensor-parallel prefill always sends it whole "
+                    "(docs/prefill.md, \"Layer-wise handoff\")",
     )
     layerwise_kvstore: bool = Field(
         default=True,
