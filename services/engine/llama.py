@@ -75,11 +75,12 @@ class LlamaModel:
     A tensor-parallel shard (``services/engine/parallel``) passes weights already sliced to its
     ``kv_heads`` (q/k/v rows of those KV-head groups, o_proj columns, a slice of the MLP) and a
     ``reduce`` that sums a partial output across the group (after o_proj and down_proj); it then
-    keeps only its KV heads in ``cache``. Embedding, norms and lm_head are whole on every rank.
+    keeps only its KV heads in ``cache``. Embedding and norms are whole on every rank; a worker
+    rank never computes logits, so it is built ``with_lm_head=False``.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, kv_heads: int | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, with_lm_head: bool = True) -> None:
         self.config = config
         self.kv_heads = config.num_kv_heads if kv_heads is None else kv_heads  # held by this process
         self.heads = self.kv_heads * (config.num_heads // config.num_kv_heads)
@@ -108,7 +109,8 @@ class LlamaModel:
             )
         self.norm = take("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
-        self.lm_head = InvariantLinear(self.embed if tied else take("lm_head.weight"))
+        self.lm_head = (InvariantLinear(self.embed if tied else take("lm_head.weight")) if with_lm_head
+                        else None)  # (a reordered copy of the weight even when tied)
         self.cos, self.sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._q_width = self.heads * config.head_dim
@@ -173,6 +175,7 @@ class LlamaModel:
             h = h + self._summed(layer.down(silu_and_mul(layer.gate_up(x))))
         if not logits_for:
             return h.new_empty((0, cfg.vocab_size))
+        assert self.lm_head is not None, "logits asked of a model built without lm_head"
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
         last = h[ends[torch.tensor(logits_for)]]
         return self.lm_head(rms_norm(last, self.norm, cfg.rms_norm_eps))

@@ -132,3 +132,5 @@ def test_group_settings_that_cannot_run_are_refused_with_the_numbers() -> None:
     lws = ParallelSettings().resolve({"LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "3", "LWS_LEADER_ADDRESS": "lead.ns"})
     assert (lws.size, lws.rank, lws.leader_address, lws.is_leader) == (4, 3, "lead.ns", False)
     assert ParallelSettings().resolve({}).size == 1  # outside a LeaderWorkerSet: one process, as before
+    with pytest.raises(GroupSettingsError, match=r"backend nccl .* use gloo"):
+        ParallelSettings(group_size=2, backend="nccl").resolve({})

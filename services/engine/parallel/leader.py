@@ -53,7 +53,8 @@ class TensorParallelLlama:
 def shard_model(config: LlamaConfig, weights: dict[str, torch.Tensor], group: TpGroup) -> LlamaModel:
     """This rank's shard of the checkpoint, its partial sums reduced over ``group``."""
     shape = shard_shape(config, group.rank, group.size)
-    return LlamaModel(config, shard_weights(config, weights, shape), kv_heads=shape.kv_heads, reduce=group.all_reduce)
+    return LlamaModel(config, shard_weights(config, weights, shape), kv_heads=shape.kv_heads, reduce=group.all_reduce,
+                      with_lm_head=group.rank == 0)  # only the leader computes logits
 
 
 def check_shardable(config: LlamaConfig, spec: GroupSpec) -> None:

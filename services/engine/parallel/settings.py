@@ -42,7 +42,9 @@ class ParallelSettings(StrictModel):
     )
     port: int = Field(default=29500, ge=1, le=65535, description="port of the group's rendezvous on the leader")
     backend: Literal["gloo", "nccl"] = Field(
-        default="gloo", description="torch.distributed backend of the group's collectives: gloo on CPU, nccl on GPUs",
+        default="gloo",
+        description="torch.distributed backend of the group's collectives: gloo (CPU tensors); nccl (GPU tensors) is "
+                    "refused until the engine computes on GPUs, since today's engine keeps its tensors on the CPU",
     )
     timeout_s: float = Field(
         default=60.0, gt=0,
@@ -64,6 +66,9 @@ class ParallelSettings(StrictModel):
         if not 0 <= rank < size:
             raise GroupSettingsError(
                 f"engine.parallel.rank {rank} is outside a group of {size} processes (ranks 0..{size - 1})")
+        if self.backend == "nccl" and size > 1:
+            raise GroupSettingsError("engine.parallel.backend nccl reduces GPU tensors, and the engine computes on "
+                                     "the CPU today: use gloo")
         address = self.leader_address or env.get(LWS_LEADER_ADDRESS, "") or "127.0.0.1"
         return GroupSpec(size=size, rank=rank, leader_address=address, port=self.port, backend=self.backend,
                          timeout=timedelta(seconds=self.timeout_s),

@@ -3,8 +3,8 @@
 Rank r of a group of s holds KV heads ``[r*kv/s, (r+1)*kv/s)`` and the query heads that attend
 to them (a GQA group stays on one rank), so q/k/v are sliced by rows and o_proj by columns; the
 MLP's gate/up rows and down_proj columns by ``intermediate_size / s``. Each rank's o_proj and
-down_proj give a partial sum of the full output: one all-reduce after each. Embedding, norms and
-lm_head are replicated.
+down_proj give a partial sum of the full output: one all-reduce after each. Embedding and norms
+are replicated; lm_head lives on the leader only (``leader.shard_model``).
 """
 
 from __future__ import annotations
