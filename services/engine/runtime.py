@@ -34,6 +34,7 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     torch.set_num_threads(settings.threads)
     source = resolve_model(settings.model)
     group = settings.parallel.resolve()
+    group.check_leader()  # before the model loads: a worker's settings on a server fail at once
     if group.size > 1 and source.kind == "kimi_k3":
         raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
                                  f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")

@@ -129,3 +129,24 @@ def test_a_killed_worker_ends_the_leader_within_the_timeout(group) -> None:
     assert took < 2 * TIMEOUT_S, f"the leader noticed after {took:.1f} s"
     assert survivor.wait(timeout=4 * TIMEOUT_S) == EXIT_GROUP_BROKEN  # its leader gone, the worker leaves too
     assert "lost the group" in survivor_log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("service", "rank", "says"),
+    [
+        ("decode", "", "engine.parallel.group_size 2: a tensor-parallel group of 2 needs num_kv_heads (3) divisible by 2"),
+        ("decode", "1", "engine.parallel.rank is 1: the serving process is the group's leader (rank 0)"),
+        ("decode-worker", "0", "engine.parallel.rank is 0 (group of 2): rank 0 is the leader"),
+        ("decode-worker", "2", "engine.parallel.rank 2 is outside a group of 2 processes (ranks 0..1)"),
+    ],
+)
+def test_group_settings_that_cannot_run_stop_the_process_at_start(tmp_path: Path, service: str, rank: str,
+                                                                   says: str) -> None:
+    config = tmp_path / "decode.yaml"
+    config.write_text(yaml.safe_dump({"scheduler_address": "127.0.0.1:1", "engine": {
+        "threads": 1, "parallel": {"group_size": 2, "port": free_port(), "startup_timeout_s": 5}}}))
+    env = _env() if not rank else {**_env(), "CRESCENT_DECODE__ENGINE__PARALLEL__RANK": rank}
+    result = subprocess.run([CRESCENT, "serve", service, "--config", str(config)], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert says in " ".join(result.stderr.split()), result.stderr[-2000:]

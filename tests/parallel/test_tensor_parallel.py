@@ -8,9 +8,7 @@ written into it reads back the same; settings that cannot run are refused with t
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch

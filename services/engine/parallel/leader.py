@@ -85,11 +85,8 @@ def check_same_model(group: TpGroup, config: LlamaConfig, weights: dict[str, tor
 
 def leader_model(config: LlamaConfig, weights: dict[str, torch.Tensor], spec: GroupSpec) -> TensorParallelLlama:
     """Join the group as its leader and build the instance's model (the workers join with ``worker.serve``)."""
+    spec.check_leader()
     check_shardable(config, spec)
-    if not spec.is_leader:
-        raise GroupSettingsError(
-            f"engine.parallel.rank is {spec.rank}: the serving process is the group's leader (rank 0); "
-            "run the other ranks as workers (`crescent serve <role>-worker`)")
     group = TpGroup(spec)
     group.join()
     atexit.register(group.close)  # a clean exit lets the workers exit 0 too

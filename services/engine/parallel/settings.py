@@ -91,6 +91,20 @@ class GroupSpec:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def check_leader(self) -> None:
+        """A serving process: GroupSettingsError unless it is rank 0 (or alone)."""
+        if self.rank != 0:
+            raise GroupSettingsError(
+                f"engine.parallel.rank is {self.rank}: the serving process is the group's leader (rank 0); "
+                "run the other ranks as workers (`crescent serve <role>-worker`)")
+
+    def check_worker(self) -> None:
+        """A worker process: GroupSettingsError unless it has a rank past the leader's."""
+        if self.rank == 0:
+            raise GroupSettingsError(
+                f"engine.parallel.rank is 0 (group of {self.size}): rank 0 is the leader, which runs the role's "
+                "server; a worker needs a rank of 1 or more ($LWS_WORKER_INDEX in a LeaderWorkerSet)")
+
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name, "")

@@ -83,10 +83,7 @@ def run_worker(engine: EngineSettings) -> None:
     """Load this rank's shard of ``engine.model``, join the group and serve the leader."""
     torch.set_num_threads(engine.threads)
     spec = engine.parallel.resolve()
-    if spec.is_leader:
-        raise GroupSettingsError(
-            f"engine.parallel.rank is 0 (group of {spec.size}): rank 0 is the leader, which runs the role's server; "
-            "a worker needs a rank of 1 or more ($LWS_WORKER_INDEX in a LeaderWorkerSet)")
+    spec.check_worker()
     source = resolve_model(engine.model)
     if source.kind == "kimi_k3":
         raise GroupSettingsError("engine.parallel: tensor parallelism covers Llama-family models; "
