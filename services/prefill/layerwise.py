@@ -13,10 +13,11 @@ The payload buffers are the ones the kvstore export reads (``PromptExport.adopt`
 still copied out of the cache once for both. Where a layer lies in them is the cache's
 ``LayerLayout``. The hybrid kimi_k3 cache: the wire's layers are its MLA layers (a KDA layer's
 hook sends nothing), each copied to a contiguous slice and placed into the token-major payload;
-a block's state is copied on the engine thread, in the hook of the forward's last KDA layer
-(the snapshot pool's slots are reused by later forwards): the snapshots the prompt's forwards
-take, for the kvstore, and the live state into the last block, which also goes to decode as
-``HandoffPart.state``. Cancelled (decode refused, the caller left), the
+the last block's live state is copied into its buffer in the hook of the prompt's last KDA
+layer (engine thread) and goes to decode as ``HandoffPart.state``. A block whose page keeps a
+state snapshot once the prompt is computed is not adopted: the export copies it with its
+snapshot as the whole-block path does (its latents a second time; decode needs no snapshot, and
+the pool bounds how many a prompt holds). Cancelled (decode refused, the caller left), the
 stream stops and ``close`` waits for it, so the prompt's pages are never read after release.
 """
 
@@ -69,16 +70,10 @@ class LayerwiseHandoff:
         self._last_hook = len(layout.wire_layers) - 1
         self._tokens = [block_tokens(i, self.prompt_tokens, engine.page_size) for i in range(self.num_blocks)]
         self._layer_bytes = [layout.layer_bytes(t) for t in self._tokens]
-        # A block's buffer: its state (if it carries one) then its KV. Stateless layouts: all now;
-        # else the cached prefix now (no state: neither reader needs it) and each computed block
-        # in the first hook of the forward that completes it, once its snapshot is planned.
+        # A block's buffer: its KV, after the live state in the last block of a stateful layout.
         self._heads = [0] * self.num_blocks
-        self._buffers: list[memoryview | None] = [None] * self.num_blocks
-        self._planned = self.num_blocks if not layout.state_bytes else seq.num_computed // engine.page_size
-        for i in range(self._planned):
-            self._buffers[i] = empty_buffer(self._layer_bytes[i] * self.num_layers)
-        self._stating: list[int] = []  # blocks the current forward completes with a state (engine thread)
-        self._dropped: set[int] = set()  # blocks whose planned snapshot did not come
+        self._heads[-1] = layout.state_bytes
+        self._buffers = [empty_buffer(h + b * self.num_layers) for h, b in zip(self._heads, self._layer_bytes)]
         self._state_sent = not layout.state_bytes
         self._next_block = [0] * self.num_layers  # per layer: the first block not sent yet
         self._loop = asyncio.get_running_loop()
@@ -102,42 +97,15 @@ class LayerwiseHandoff:
         """``Engine``'s hook (on the engine thread): layer ``layer`` of the first ``end`` tokens is
         final (a model layer: ``layout.wire_layers`` says which wire layer it completes, if any)."""
         layout = self.layout
-        if layout.state_bytes and layer == 0:
-            self._plan(end)
-        if layout.state_bytes and layer == layout.states_after:
-            self._copy_states(end)
         if end == self.prompt_tokens and layer == self._last_hook:
             self.computed_at = time.perf_counter()
         wire = layout.wire_layers[layer]
         if wire is not None:
             self._loop.call_soon_threadsafe(self._ready.put_nowait, (wire, end))
         if layout.state_bytes and layer == layout.states_after and end == self.prompt_tokens:
+            # the prompt's last KDA layer ran: its live state is final; into the last block's head
+            self._engine.cache.copy_live_state(self._seq.state, self._buffers[-1][: self._heads[-1]])
             self._loop.call_soon_threadsafe(self._ready.put_nowait, (STATE, end))
-
-    def _plan(self, end: int) -> None:
-        """A forward to ``end`` starts: buffers for the blocks it completes, with room for a state
-        where one is planned (a snapshot, or the live state of the prompt's last block)."""
-        page = self._engine.page_size
-        stop = self.num_blocks if end >= self.prompt_tokens else end // page
-        snapshots = {pos // page - 1 for pos in self._engine.cache.planned_snapshots(self._seq.state)}
-        self._stating = []
-        for i in range(self._planned, stop):
-            if i == self.num_blocks - 1 or i in snapshots:
-                self._heads[i] = self.layout.state_bytes
-                self._stating.append(i)
-            self._buffers[i] = empty_buffer(self._heads[i] + self._layer_bytes[i] * self.num_layers)
-        self._planned = max(self._planned, stop)
-
-    def _copy_states(self, end: int) -> None:
-        """The forward's states are final: copy them into the heads of the blocks it completed."""
-        cache = self._engine.cache
-        for i in self._stating:
-            head = self._buffers[i][: self._heads[i]]
-            if i == self.num_blocks - 1:  # planned only in the prompt's last forward
-                cache.copy_block_state(head, state=self._seq.state)
-            elif not cache.copy_block_state(head, page=self._seq.pages[i]):
-                self._dropped.add(i)  # no snapshot after all (a pool smaller than the forward's): none sent
-        self._stating = []
 
     # ---- the stream --------------------------------------------------------------------------
 
@@ -215,13 +183,14 @@ class LayerwiseHandoff:
                 for chunk in block_chunks(meta, self._buffers[-1][:head], DEFAULT_MAX_CHUNK_BYTES)]
 
     def _adopt_all(self) -> None:
-        """Every block complete: its buffer becomes the kvstore export's payload too."""
+        """Every block complete: its buffer becomes the kvstore export's payload too, but for a
+        block whose page keeps a snapshot (the export copies it with it, as ``block_payload``)."""
         cache = self._engine.cache
         for i, buffer in enumerate(self._buffers):
             if not self.layout.state_bytes:
                 self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i]))
-                continue
-            state = self._heads[i] > 0 and i not in self._dropped
-            payload = buffer if state or not self._heads[i] else buffer[self._heads[i] :]
-            self.export.adopt(i, payload.toreadonly(), cache.payload_shape(self._tokens[i], with_state=state))
+            elif i == self.num_blocks - 1:
+                self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i], with_state=True))
+            elif not cache.has_snapshot(self._seq.pages[i]):
+                self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i], with_state=False))
         self.copied.set()

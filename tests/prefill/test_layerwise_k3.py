@@ -4,7 +4,7 @@ at a time while prefill computes, the last block's KDA state once it is final.
 What a user would notice: decode continues such a prompt to exactly the tokens one process
 generates and the whole-block handoff gives, in fp32 and bf16 caches, whichever way the prompt
 was cut into chunks or partly cached; the kvstore gets the very blocks (latents and fp32 state
-snapshots) the whole-block path would give it; a stream that loses, repeats or reorders a layer
+snapshots) the whole-block path gives it; a stream that loses, repeats or reorders a layer
 or the state is refused, never decoded. (Real processes: ``test_layerwise_k3_processes.py``.)
 """
 
@@ -26,12 +26,19 @@ from crescent.services.prefill.prompt_export import PromptExport
 from tests.engine.test_kimi_k3_snapshots import BF16_CFG, PAGE, TEST_CFG, make_engine, prompt
 
 
+class InlineWorker:
+    """The engine worker's ``run``, on this thread (the export copies blocks with snapshots)."""
+
+    async def run(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
+        return fn(*args)
+
+
 def stream(engine: Engine, tokens: list[int], seq_id: str = "s"):
     """Prefill ``tokens`` on a thread while a ``LayerwiseHandoff`` streams it through the wire
     codec; (the decoded parts, the whole-block payloads of the prompt, the export's payloads)."""
     async def main():
         seq = engine.add_sequence(seq_id, tokens)
-        export = PromptExport(engine, None, seq, len(tokens))
+        export = PromptExport(engine, InlineWorker(), seq, len(tokens))
         header = decode_pb2.HandoffHeader(request_id=seq_id, model_id="k3-test", prompt_token_ids=tokens)
         streamed = LayerwiseHandoff(engine, seq, export, header)
         received = []
@@ -100,7 +107,8 @@ def test_decode_continues_a_layerwise_k3_prompt_exactly(cfg, chunk) -> None:
     # decode gets every block's latents as prefill holds them, and the last block's live state exactly
     assert [bytes(b) for b in received[:-1]] == [latents_only(engine, w) for w in whole[:-1]]
     assert bytes(received[-1]) == as_bytes(whole[-1])
-    # the kvstore export reads the same buffers: every block as the whole-block path gives it, snapshots in
+    # the kvstore export: every block as the whole-block path gives it, snapshots in (those blocks
+    # copied again with their snapshot; the others, and the last with its live state, adopted)
     assert [(bytes(p), s) for p, s in exported] == [(as_bytes(w), tuple(w.shape)) for w in whole]
     assert sum(1 for _, s in exported if engine.cache.payload_has_state(s)) == 7
 
@@ -135,6 +143,61 @@ def test_a_cached_k3_prefix_goes_first_whole_then_the_computed_layers() -> None:
         decode.cache.payload_shape(block_tokens(i, len(tokens), PAGE), with_state=i == len(received) - 1))
         for i, b in enumerate(received)]
     assert continue_greedy(decode, tokens, reference[0], handed, 4) == reference
+
+
+def test_prompts_sharing_forwards_and_a_small_snapshot_pool_each_get_their_own_states() -> None:
+    """Two prompts' chunks in the same forwards (the prefill batcher's ``mixed_step``), with a
+    pool of 3 snapshot slots for their 7 planned snapshots: each handoff carries its own live
+    state, and the export carries the snapshots the pool kept, as the whole-block path does."""
+    prompts = {"a": prompt(4 * PAGE + 3, seed=4), "b": prompt(3 * PAGE + 9, seed=5)}
+    reference = run_together(make_engine(), prompts, streamed=False)[1]  # a pool with room for all
+    engine = make_engine(slots=3)
+    received, whole, exported = run_together(engine, prompts, streamed=True)
+    assert len(engine.cache.snapshots) == 3
+    for k, tokens in prompts.items():
+        payloads = assemble(engine, received[k], len(tokens))
+        assert bytes(payloads[-1]) == as_bytes(whole[k][-1]) == as_bytes(reference[k][-1])  # its own live state
+        assert [bytes(b) for b in payloads[:-1]] == [latents_only(engine, w) for w in reference[k][:-1]]
+        assert [(bytes(p), shape) for p, shape in exported[k]] == [(as_bytes(w), tuple(w.shape)) for w in whole[k]]
+        for w, r in zip(whole[k], reference[k]):  # a kept snapshot is the one a roomy pool keeps
+            assert as_bytes(w) == (as_bytes(r) if engine.cache.payload_has_state(w.shape) else latents_only(engine, r))
+    assert sum(engine.cache.payload_has_state(w.shape) for ws in whole.values() for w in ws) == 3 + 2
+
+
+def run_together(engine: Engine, prompts: dict[str, list[int]], streamed: bool):
+    """Compute ``prompts`` in shared forwards of up to 24 tokens each, with layer-wise handoffs if
+    ``streamed``: (the parts each stream sent, the whole-block payloads afterwards, the exports)."""
+    async def main():
+        seqs = {k: engine.add_sequence(k, t) for k, t in prompts.items()}
+        exports = {k: PromptExport(engine, InlineWorker(), seqs[k], len(t)) for k, t in prompts.items()}
+        received: dict[str, list] = {k: [] for k in prompts}
+        handoffs = {k: LayerwiseHandoff(engine, seqs[k], exports[k], decode_pb2.HandoffHeader(
+            request_id=k, prompt_token_ids=prompts[k])) for k in prompts} if streamed else {}
+        for k, handoff in handoffs.items():
+            async def call(parts, k=k):
+                async for part in parts:
+                    received[k].append(decode_part(encode_part(part)))
+                return decode_pb2.HandoffReply(accepted=True)
+            handoff.start(call)
+
+        def compute() -> None:  # forwards of up to 24 tokens of each prompt, both in each forward
+            while any(s.num_computed < s.num_tokens for s in seqs.values()):
+                step = [(s, min(s.num_tokens, s.num_computed + 24)) for s in seqs.values() if s.num_computed < s.num_tokens]
+                engine.mixed_step(step, [], on_layer=lambda layer: [handoffs[s.seq_id].on_layer(layer, end)
+                                                                    for s, end in step if handoffs])
+        await asyncio.to_thread(compute)
+        whole, exported = {}, {}
+        for k, handoff in handoffs.items():
+            await handoff.finish([7], [])
+            await handoff.close()
+        for k, seq in seqs.items():
+            n = exports[k].num_blocks
+            whole[k] = [engine.block_payload(seq, i, block_tokens(i, len(prompts[k]), PAGE)) for i in range(n)]
+            if streamed:
+                exported[k] = list(zip(await exports[k].payloads(range(n)), [exports[k].shape(i) for i in range(n)]))
+        return received, whole, exported
+
+    return asyncio.run(main())
 
 
 # ---- what decode refuses ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ block without a state.
 
 A layer-wise handoff (``layer_layout``, ``copy_layer``) moves these payloads an MLA layer at a
 time: layer m's latents of a block's tokens, placed into the token-major rows above, and the
-block's state (``copy_block_state``) apart once the forward's last KDA layer made it final.
+last block's live state (``copy_live_state``) apart once the last KDA layer made it final.
 """
 
 from __future__ import annotations
@@ -177,25 +177,13 @@ class K3Cache:
         dst = torch.frombuffer(out, dtype=self.dtype).view(num_tokens, self._latent_dim)
         dst.copy_(self.latent[layer, page, :num_tokens])
 
-    def planned_snapshots(self, handle: int) -> list[int]:
-        """Token positions (block ends) where the current forward (``plan_forward``) leaves
-        snapshots of the live state ``handle``."""
-        live = self._live[handle]
-        return sorted(next((c.snapshots for c in self.step if c.live is live), {}))
+    def copy_live_state(self, handle: int, out: memoryview) -> None:
+        """Copy the live state ``handle`` as a payload carries it (its fp32 bytes) into ``out``."""
+        torch.frombuffer(out, dtype=torch.float32).copy_(self._live[handle].read(0))
 
-    def copy_block_state(self, out: memoryview, *, page: int | None = None, state: int | None = None) -> bool:
-        """Copy the state a payload carries (its fp32 bytes) into ``out``: the live state ``state``,
-        or else ``page``'s snapshot; False when the page has none. On the engine thread: the
-        snapshot pool's slots are reused by later forwards."""
-        if state is not None:
-            flat = self._live[state].read(0)
-        else:
-            slot = self.snapshots.slot(page)
-            if slot is None:
-                return False
-            flat = self.snapshots.states.read(slot)
-        torch.frombuffer(out, dtype=torch.float32).copy_(flat)
-        return True
+    def has_snapshot(self, page: int) -> bool:
+        """Whether ``page`` keeps a state snapshot (its payload carries it: ``read_block``)."""
+        return self.snapshots.slot(page) is not None
 
     # ---- sequence states -----------------------------------------------------------------------
 
