@@ -3,7 +3,7 @@
 What a user would notice: decode streams the tokens one process generates, layer-wise as whole
 (whichever way prefill cut the prompt into forwards, and with a cached prefix); part of the
 handoff went out before the prompt's last layer was computed; a layer-wise stream with a layer
-or the state missing or repeated is refused (INVALID_ARGUMENT) and nothing is admitted.
+or the state missing or repeated, or a layer before the one it follows, is refused (INVALID_ARGUMENT) and nothing is admitted.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def refused_broken_streams(address: str, engine: Engine, tokens: list[int]) -> N
                                     response_deserializer=decode_pb2.HandoffReply.FromString)
         for name, order, states, says in [("missing", every[:-1], 1, "never arrived"),
                                           ("twice", [*every[:2], every[0]], 1, "arrived again"),
+                                          ("reordered", [(1, 0), (0, 0)], 1, "arrived before layer 0"),
                                           ("no-state", every, 0, "state of the last block never arrived"),
                                           ("two-states", every, 2, "state arrived again")]:
             with pytest.raises(grpc.RpcError) as caught:
