@@ -1,10 +1,11 @@
-"""A real decode server leading a tensor-parallel group of three processes (SmolLM2 has three
-KV heads, so three ranks of one head each), its workers started as ``crescent serve
-decode-worker``, on loopback.
+"""Real prefill and decode servers each leading a tensor-parallel group of three processes
+(SmolLM2 has three KV heads, so three ranks of one head each), their workers started as
+``crescent serve <role>-worker``, on loopback, beside a one-process prefill.
 
-What a user would notice: one instance registers, with the block layout of a one-process
-instance; a handed-off request streams the tokens a single process computes, whether the blocks
-come whole or a layer at a time from a real one-process prefill; /metrics says the
+What a user would notice: each group registers one instance, with the block layout of a
+one-process instance; a request streams the tokens a single process computes, whether its
+blocks were handed in directly, gathered from a group prefill's ranks, or sent a layer at a
+time by the one-process prefill; /metrics says the
 instance spans three processes; a worker killed ends the leader (non-zero, a clear log line)
 within the collective timeout instead of hanging it, and the other worker follows; settings
 that cannot run stop the process at start with the numbers.
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,10 +43,51 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", CRESCENT_LOG_LEVEL="INFO")
 
 
-def start_worker(config: Path, rank: int, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen([CRESCENT, "serve", "decode-worker", "--config", str(config)], stdout=out,
-                                stderr=subprocess.STDOUT, env={**_env(), "CRESCENT_DECODE__ENGINE__PARALLEL__RANK": str(rank)})
+@dataclass
+class Group:
+    """A role's server leading ``SIZE - 1`` workers (``crescent serve <role>-worker``)."""
+
+    leader: DecodeProcess
+    workers: list[tuple[subprocess.Popen[bytes], Path]]
+
+    def stop(self) -> None:
+        self.leader.stop()
+        for proc, _ in self.workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_group(run_dir: Path, scheduler_address: str, role: str) -> Group:
+    run_dir.mkdir()
+    leader = DecodeProcess(run_dir, scheduler_address, 16 * 64, role=role)
+    config = yaml.safe_load(leader.config.read_text())
+    config["engine"]["parallel"] = {"group_size": SIZE, "port": free_port(), "timeout_s": TIMEOUT_S,
+                                    "startup_timeout_s": 120}
+    leader.config.write_text(yaml.safe_dump(config))
+    workers = []
+    for rank in range(1, SIZE):
+        log = run_dir / f"worker{rank}.log"
+        with open(log, "wb") as out:
+            env = {**_env(), f"CRESCENT_{role.upper()}__ENGINE__PARALLEL__RANK": str(rank)}
+            workers.append((subprocess.Popen([CRESCENT, "serve", f"{role}-worker", "--config", str(leader.config)],
+                                             stdout=out, stderr=subprocess.STDOUT, env=env), log))
+    group = Group(leader, workers)
+    try:
+        leader.start(wait_ready=False)
+    except BaseException:
+        group.stop()
+        raise
+    return group
+
+
+def wait_ready(*processes: DecodeProcess) -> None:
+    deadline = time.monotonic() + 180
+    for process in processes:
+        while not process.healthy():
+            if process.proc is None or process.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{process.role} did not become ready:\n" + process.log.read_text()[-3000:])
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -52,72 +95,91 @@ def prompts() -> PromptKv:
     return PromptKv()
 
 
+@dataclass
+class Deployment:
+    scheduler: SchedulerStandIn
+    decode: Group            # a tensor-parallel decode instance
+    prefill: Group           # a tensor-parallel prefill instance
+    solo_prefill: DecodeProcess  # a one-process prefill (hands off layer by layer)
+
+
 @pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DecodeProcess, list, SchedulerStandIn, DecodeProcess]]:
-    run_dir = tmp_path_factory.mktemp("tp-decode")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    run_dir = tmp_path_factory.mktemp("tp")
     scheduler = SchedulerStandIn()
-    leader = DecodeProcess(run_dir, scheduler.address, 16 * 64)
-    config = yaml.safe_load(leader.config.read_text())
-    config["engine"]["parallel"] = {"group_size": SIZE, "port": free_port(), "timeout_s": TIMEOUT_S,
-                                    "startup_timeout_s": 120}
-    leader.config.write_text(yaml.safe_dump(config))
-    workers = [(start_worker(leader.config, rank, run_dir / f"worker{rank}.log"), run_dir / f"worker{rank}.log")
-               for rank in range(1, SIZE)]
-    prefill = DecodeProcess(run_dir, scheduler.address, 16 * 64, role="prefill")  # one process, layer-wise handoff
+    started: list = []
     try:
-        prefill.start(wait_ready=False)
-        leader.start()
-        deadline = time.monotonic() + 120
-        while not prefill.healthy():
-            assert prefill.proc.poll() is None and time.monotonic() < deadline, prefill.log.read_text()[-3000:]
-            time.sleep(0.1)
-        yield leader, workers, scheduler, prefill
+        decode = start_group(run_dir / "decode", scheduler.address, "decode")
+        started.append(decode)
+        prefill = start_group(run_dir / "prefill", scheduler.address, "prefill")
+        started.append(prefill)
+        (run_dir / "solo").mkdir()
+        solo = DecodeProcess(run_dir / "solo", scheduler.address, 16 * 64, role="prefill")
+        started.append(solo)
+        solo.start(wait_ready=False)
+        wait_ready(decode.leader, prefill.leader, solo)
+        yield Deployment(scheduler, decode, prefill, solo)
     finally:
-        prefill.stop()
-        leader.stop()
-        for proc, _ in workers:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for item in reversed(started):
+            item.stop()
         scheduler.stop()
 
 
-def test_the_group_serves_one_instance_with_single_process_tokens(group, prompts: PromptKv) -> None:
-    leader, _, scheduler, prefill = group
-    registered = {i.instance_id: i for i in scheduler.servicer.registered if i.address != prefill.address}
-    (info,) = registered.values()  # one decode instance, not three
-    assert info.kv_format == "paged-v1:" + "x".join(str(d) for d in prompts.engine.cache.block_shape)
-    assert leader.metric("crescent_engine_parallel_group_size", role="decode") == SIZE
-    channel, stub = decode_stub(leader.address)
-    with channel:
-        for i, text in enumerate(TEXTS[:2]):
-            tokens = prompts.prompt(text)
-            first, parts = prompts.handoff(f"tp-{i}", tokens, 16)
-            assert stub.Handoff(iter(parts), timeout=60).accepted
-            streamed, reason = stream_all(stub, f"tp-{i}")
-            assert reason == "length"
-            assert [first, *streamed] == prompts.reference(tokens, 16)
-
-
-def test_a_layer_wise_handoff_from_a_one_process_prefill_decodes_the_same(group, prompts: PromptKv) -> None:
-    leader, _, _, prefill = group
-    tokens = prompts.prompt(TEXTS[2] * 8)[: 2 * 64 + 9]
+def prefill_to(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, tokens: list[int],
+               max_tokens: int) -> list[int]:
+    """A request through a real prefill and decode: every token the user gets."""
     with grpc.insecure_channel(prefill.address) as channel:
         events = list(prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
-            request_id="layers", token_ids=tokens, decode_address=leader.address,
-            sampling=common_pb2.SamplingParams(max_tokens=12, ignore_eos=True)), timeout=120))
+            request_id=request_id, token_ids=tokens, decode_address=decode.address,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)), timeout=120))
     assert [e.WhichOneof("event") for e in events] == ["first_token", "handed_off"]
-    token_bytes = prompts.engine.cache.token_layer_bytes() * prompts.engine.config.num_layers
-    assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_out") == len(tokens) * token_bytes
-    channel, stub = decode_stub(leader.address)
+    channel, stub = decode_stub(decode.address)
     with channel:
-        rest, reason = stream_all(stub, "layers")
-    assert [events[0].first_token.token_id, *rest] == prompts.reference(tokens, 12) and reason == "length"
+        rest, reason = stream_all(stub, request_id)
+    assert reason == "length"
+    return [events[0].first_token.token_id, *rest]
 
 
-def test_a_killed_worker_ends_the_leader_within_the_timeout(group) -> None:
-    leader, workers, _, _ = group
-    (victim, _), (survivor, survivor_log) = workers
+def test_each_group_registers_one_instance_with_single_process_tokens(deployment: Deployment,
+                                                                        prompts: PromptKv) -> None:
+    leaders = {deployment.decode.leader.address, deployment.prefill.leader.address}
+    registered = {i.instance_id: i for i in deployment.scheduler.servicer.registered if i.address in leaders}
+    assert len(registered) == 2  # one instance per group, not one per process
+    for info in registered.values():  # the block layout of a one-process instance: handoffs and kvstore agree
+        assert info.kv_format == "paged-v1:" + "x".join(str(d) for d in prompts.engine.cache.block_shape)
+    decode = deployment.decode.leader
+    assert decode.metric("crescent_engine_parallel_group_size", role="decode") == SIZE
+    assert deployment.prefill.leader.metric("crescent_engine_parallel_group_size", role="prefill") == SIZE
+    channel, stub = decode_stub(decode.address)
+    with channel:  # a handoff written into the group's shards
+        tokens = prompts.prompt(TEXTS[0])
+        first, parts = prompts.handoff("tp-0", tokens, 16)
+        assert stub.Handoff(iter(parts), timeout=60).accepted
+        streamed, reason = stream_all(stub, "tp-0")
+    assert reason == "length" and [first, *streamed] == prompts.reference(tokens, 16)
+
+
+def test_a_group_prefill_hands_whole_blocks_to_a_group_decode(deployment: Deployment, prompts: PromptKv) -> None:
+    prefill = deployment.prefill.leader
+    tokens = prompts.prompt(TEXTS[1] * 8)[: 2 * 64 + 9]
+    assert prefill_to(prefill, deployment.decode.leader, "whole", tokens, 12) == prompts.reference(tokens, 12)
+    token_bytes = prompts.engine.cache.token_layer_bytes() * prompts.engine.config.num_layers
+    # The blocks were gathered from the prefill's ranks, whole: nothing went before the last layer.
+    assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_out") == len(tokens) * token_bytes
+    assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_hidden") == 0
+
+
+def test_a_layer_wise_handoff_from_a_one_process_prefill_decodes_the_same(deployment: Deployment,
+                                                                           prompts: PromptKv) -> None:
+    solo = deployment.solo_prefill
+    tokens = prompts.prompt(TEXTS[2] * 8)[: 2 * 64 + 9]
+    assert prefill_to(solo, deployment.decode.leader, "layers", tokens, 12) == prompts.reference(tokens, 12)
+    token_bytes = prompts.engine.cache.token_layer_bytes() * prompts.engine.config.num_layers
+    assert solo.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_out") == len(tokens) * token_bytes
+
+
+def test_a_killed_worker_ends_the_leader_within_the_timeout(deployment: Deployment) -> None:
+    leader, ((victim, _), (survivor, survivor_log)) = deployment.decode.leader, deployment.decode.workers
     victim.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     assert leader.proc is not None
