@@ -6,9 +6,10 @@ loop's thread, each event ``(layer, end)`` copies that layer of the blocks the f
 tokens completed straight from the paged cache into room reserved in the node's shared pool
 (``KvStoreClient.reserve_layers``, mover ``shm-layers``: ``cache.copy_layer`` into the mapped
 room, one copy, no buffer in between) and takes its CRC while the bytes are in cache. Room is
-reserved per chunk, when its first layer is done (the node holds it ``layer_reservation_ms``;
-a long prompt may outlive that, one chunk does not); a chunk's blocks are committed with their CRCs once their last layer
-has landed, and the node checks each CRC over the room before the block becomes readable.
+reserved per chunk, when its first layer is done (the node holds it ``layer_reservation_ms``: a
+long prompt may outlive that, one chunk does not); a chunk's blocks are committed with their
+CRCs once their last layer has landed, and the node checks each CRC over the room before the
+block becomes readable.
 
 What the store never holds: a block with a layer missing or damaged (refused at commit), or
 one of a prompt that stopped before the block was whole (``stop``: no copy after it; the room
@@ -23,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 
 from crescent.protos import common_pb2
 from crescent.services.engine.engine import Engine, Sequence
