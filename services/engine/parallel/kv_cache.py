@@ -22,7 +22,7 @@ from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.kvwire.layer_wire import LayerLayout
 from crescent.services.engine.parallel.group import Command, TpGroup
 
-HEAD_DIM_AXIS = 3  # of a payload: (layers, 2, tokens, kv_heads, head_dim)
+KV_HEADS_AXIS = 3  # of a payload: (layers, 2, tokens, kv_heads, head_dim)
 
 
 class ShardedKvCache:
@@ -85,12 +85,12 @@ class ShardedKvCache:
         with self.group.command(Command.READ, page, tokens):
             parts = self.group.gather(self.local.read_block(page, tokens).contiguous())
         assert parts is not None
-        return torch.cat(parts, dim=HEAD_DIM_AXIS)
+        return torch.cat(parts, dim=KV_HEADS_AXIS)
 
     def write_block(self, page: int, payload: torch.Tensor) -> None:
         """Copy a (possibly partial) full-layout payload into ``page`` of every rank."""
         tokens = self.payload_tokens(payload.shape)
-        parts = [p.contiguous() for p in payload.to(self.wire_dtype).chunk(self.group.size, dim=HEAD_DIM_AXIS)]
+        parts = [p.contiguous() for p in payload.to(self.wire_dtype).chunk(self.group.size, dim=KV_HEADS_AXIS)]
         with self.group.command(Command.WRITE, page, tokens):
             mine = torch.empty_like(parts[0])
             self.group.scatter(mine, parts)
