@@ -3,7 +3,8 @@
 What a user would notice: with ``layerwise_kvstore`` on (the default) a cold prompt's new blocks
 reach the node a layer at a time (``crescent_kv_mover_bytes{mover="shm-layers"}``) and read back
 exactly as the whole-block export after the prompt stores them, which is what the setting off
-still does (``mover="shm"``).
+still does (``mover="shm"``); a prompt whose caller leaves midway stores nothing and gives its
+reserved room back.
 """
 
 from __future__ import annotations
@@ -85,4 +86,50 @@ def test_on_streams_layers_and_stores_what_the_whole_export_stores(tmp_path, kvs
     finally:
         for process in prefills.values():
             process.stop()
+        scheduler.stop()
+
+
+def test_a_prompt_cancelled_midway_leaves_no_block_and_gives_its_room_back(tmp_path, kvstore_node) -> None:  # noqa: F811
+    scheduler = SchedulerStandIn()
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
+    engine = {"kv_capacity_tokens": 32 * BLOCK, "block_size": BLOCK, "threads": 1, "prefill_chunk_tokens": 32 * BLOCK}
+    (tmp_path / "p").mkdir()
+    prefill = DecodeProcess(tmp_path / "p", scheduler.address, 32 * BLOCK, role="prefill",
+                            extra={"kvstore_address": node.address, "engine": engine})
+    tokens = torch.randint(10, 40000, (16 * BLOCK,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def host() -> tuple[int, int]:  # (blocks, reserved bytes) of the node's host tier
+        async def stat():
+            client = KvStoreClient(node.address)
+            try:
+                return (await client.stat()).tiers[0]
+            finally:
+                await client.close()
+        tier = asyncio.run(stat())
+        return tier.blocks, tier.reserved_bytes
+
+    try:
+        prefill.start()
+        with grpc.insecure_channel(prefill.address) as channel:
+            stream = prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
+                request_id="cancelled", token_ids=tokens, sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120)
+            deadline = time.monotonic() + 60
+            while host()[1] == 0:  # one chunk of 16 blocks: its room is reserved at its first layer
+                assert time.monotonic() < deadline, "no room was reserved"
+                time.sleep(0.02)
+            stream.cancel()  # the caller leaves while the prompt computes
+        deadline = time.monotonic() + 60
+        while prefill.metric("crescent_engine_requests_total", role="prefill", outcome="aborted") == 0:
+            assert time.monotonic() < deadline, "the call did not end"
+            time.sleep(0.1)
+        with grpc.insecure_channel(prefill.address) as channel:  # queued behind the forward in progress
+            list(prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
+                request_id="after", token_ids=tokens[:10], sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120))
+        while host() != (0, 0):
+            assert time.monotonic() < deadline, f"the node holds {host()} (blocks, reserved bytes)"
+            time.sleep(0.05)
+        assert host() == (0, 0)  # no block, and the room went back
+        assert prefill.metric("crescent_kv_mover_bytes_total", mover="shm-layers", direction="put") == 0
+    finally:
+        prefill.stop()
         scheduler.stop()
