@@ -48,6 +48,7 @@ class PrefillSettings(PrefillBaseSettings):
         description="write the prompt's new full blocks into the node's kvstore a layer at a time while the "
                     "prompt is computed, each block committed once all its layers landed (CRC-checked by the "
                     "node), so the export hides behind the forward passes; off: whole blocks after the prompt. "
-                    "Only with a kvstore on this host (shared memory) and a layer-major cache (not kimi_k3): "
-                    "elsewhere the blocks go whole (docs/prefill.md, \"Layer-wise kvstore export\")",
+                    "Layer by layer with a kvstore on this host (shared memory); with another mover each chunk's "
+                    "blocks go whole once the chunk is computed. Layer-major caches only (not kimi_k3, whose "
+                    "blocks go whole after the prompt) (docs/prefill.md, \"Layer-wise kvstore export\")",
     )

@@ -15,6 +15,11 @@ What the store never holds: a block with a layer missing or damaged (refused at 
 one of a prompt that stopped before the block was whole (``stop``: no copy after it; the room
 still open goes back). Blocks that get no room this way (the node had none, or it grew stale
 before they were whole) are returned by ``finished`` for the whole-block put after the prompt.
+
+A node this client cannot write through shared memory (another host, another pod: the TCP side
+channel, NIXL or gRPC carry its blocks) gets each chunk's new blocks whole as soon as the
+chunk's last layer is done, while the next chunk computes: only the last chunk's blocks are
+left for after the prompt.
 None of this is on the request's path: reservations and commits are awaited by this export's
 own task, never by the prompt's computation or its first token.
 """
@@ -32,8 +37,8 @@ from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers.shm_layers import LayeredRoom
-from crescent.services.kvwire.fused_copy import crc32
-from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION
+from crescent.services.kvwire.fused_copy import crc32, empty_buffer
+from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION, KvBlock
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,7 @@ class LayerwiseStoreExport:
         self._reserved_to = self.first  # blocks below were offered room
         self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
         self._stale: list[_Chunk] = []  # rooms given up, to give back
+        self._by_chunk: list[int] = []  # blocks to put whole once their chunk's last layer is done
         self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
         self._crc = dict.fromkeys(range(self.first, self.end), 0)
         self._settled: set[int] = set()  # committed (stored or refused) or held already; the rest go whole
@@ -114,13 +120,18 @@ class LayerwiseStoreExport:
                 layer, end = event
                 stop = min(self.end, end // self._page)
                 if stop > self._reserved_to:  # a new chunk's blocks: room for them now
-                    await self._reserve(self._reserved_to, stop)
+                    if self._kvstore.takes_layers:
+                        await self._reserve(self._reserved_to, stop)
+                    else:  # no shared pool: whole blocks as soon as the chunk is done
+                        self._by_chunk.extend(range(self._reserved_to, stop))
                     self._reserved_to = stop
                     if self._stopped:
                         break
                 for i in range(self._next_block[layer], stop):
                     self._write(i, layer)
                 self._next_block[layer] = max(self._next_block[layer], stop)
+                if layer == self.num_layers - 1 and self._by_chunk:
+                    await self._put_chunk(stop)
                 while self._stale:
                     await self._stale.pop().room.release()
                 await self._commit_whole()
@@ -132,6 +143,8 @@ class LayerwiseStoreExport:
 
     async def _reserve(self, first: int, stop: int) -> None:
         room = await self._kvstore.reserve_layers([self._meta(i) for i in range(first, stop)])
+        if room is None and not self._kvstore.takes_layers:  # the node cannot: whole, once the chunk is done
+            self._by_chunk.extend(range(first, stop))
         chunk = _Chunk(room, first, []) if room is not None else None
         for slot, i in enumerate(range(first, stop)):
             if room is not None and room.held[slot]:
@@ -174,6 +187,33 @@ class LayerwiseStoreExport:
 
     def landed(self, block: int, layer: int, room: memoryview) -> None:
         """Called once a layer is in the room and its CRC taken: a test's way to damage it."""
+
+    async def _put_chunk(self, stop: int) -> None:
+        """Put the blocks below ``stop`` that wait for it whole, through the client's mover (the
+        TCP side channel, NIXL, gRPC), while the next chunk computes: copied out of the cache on
+        this thread, each with its CRC, as the whole-block export after the prompt does."""
+        ready = [i for i in self._by_chunk if i < stop]
+        self._by_chunk = [i for i in self._by_chunk if i >= stop]
+        blocks = [self._whole_block(i) for i in ready]
+        nbytes = sum(b.nbytes for b in blocks)
+        early = self.computed_at is None
+        result = await self._kvstore.put(blocks)
+        if result.failed:
+            return  # the node did not answer: put them whole after the prompt
+        self._settled.update(ready)
+        self.stored += result.stored
+        self.rejected += result.rejected
+        self.bytes_written += nbytes
+        self.bytes_early += nbytes if early else 0
+
+    def _whole_block(self, i: int) -> KvBlock:
+        payload = empty_buffer(self._layer_bytes * self.num_layers)
+        for layer in range(self.num_layers):
+            out = payload[layer * self._layer_bytes : (layer + 1) * self._layer_bytes]
+            self._engine.cache.copy_layer(self._seq.pages[i], layer, self._page, out)
+        meta = self._meta(i)
+        return KvBlock.build(meta.key, meta.parent_key or None, meta.model_id, meta.dtype, self._shape,
+                             meta.token_ids, payload.toreadonly())
 
     def _abandon(self, chunk: _Chunk) -> None:
         """Stop writing ``chunk``'s room (stale): its blocks go whole after the prompt, the room back now."""

@@ -345,8 +345,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return added
 
     def _layered_export(self, seq: Sequence, already_cached: int) -> LayerwiseStoreExport | None:
-        """A layer-wise export of the prompt's new blocks, started, when the node can take one."""
-        if not (self.layerwise_kvstore and self.kvstore is not None and self.kvstore.takes_layers):
+        """A layer-wise export of the prompt's new blocks, started (a chunk at a time where the
+        node takes no layer-wise puts)."""
+        if not (self.layerwise_kvstore and self.kvstore is not None):
             return None
         layered = LayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore)
         if not layered.wanted:

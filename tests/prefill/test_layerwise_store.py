@@ -157,12 +157,20 @@ def test_blocks_the_node_holds_are_not_sent_again(kvstore_node) -> None:  # noqa
     assert layered.bytes_written == 0 and left == [] and len(got) == 4 and stat.tiers[0].blocks == 4
 
 
-@pytest.mark.parametrize("config", [{"shared_memory": False}])
-def test_a_node_without_a_shared_pool_leaves_the_blocks_to_the_whole_put(kvstore_node, config) -> None:  # noqa: F811
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, **config})
-    _, layered, left, got, _, client = export(make_engine(), node.address, [(13 * i) % 97 for i in range(16)])
-    assert left == [0, 1, 2, 3] and layered.bytes_written == 0 and got == {}
-    assert not client.takes_layers  # asked once; whole-block puts from now on
+def test_a_node_without_a_shared_pool_gets_each_chunk_s_blocks_whole_while_the_next_computes(kvstore_node) -> None:  # noqa: F811
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "shared_memory": False})
+    before = {m: mover_bytes(node.address, m) for m in ("shm-layers", "tcp")}
+    engine = make_engine(chunk=8)
+    tokens = [(13 * i) % 97 for i in range(23)]  # 5 full blocks in 3 chunks
+    seq, layered, left, got, _, client = export(engine, node.address, tokens, paced=True)
+    assert not client.takes_layers  # asked once: whole puts (the TCP side channel here) from then on
+    assert left == [] and layered.stored == 5
+    whole = whole_blocks(engine, seq)
+    assert [bytes(got[b.key].payload) for b in whole] == [bytes(b.payload) for b in whole]
+    assert mover_bytes(node.address, "shm-layers") == before["shm-layers"]
+    assert mover_bytes(node.address, "tcp") - before["tcp"] == layered.bytes_written == sum(b.nbytes for b in whole)
+    # the first two chunks' blocks went while later chunks computed; the last chunk's after
+    assert layered.bytes_early == 4 * whole[0].nbytes
 
 
 def test_room_held_too_long_is_given_back_and_its_blocks_left_to_the_whole_put(kvstore_node) -> None:  # noqa: F811
