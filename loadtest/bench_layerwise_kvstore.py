@@ -9,7 +9,8 @@ model (SmolLM2-135M, float32) and one torch thread each. Each round sends, to ea
 turn (which one first alternates), the same cold prompt of random tokens (a fresh cache salt)
 with ``max_tokens`` 1 and no decode: the kvstore export alone is measured. ``--with-handoff``
 adds a decode process and sends ``max_tokens`` 2 to it, so the layer-wise handoff (on in both
-prefills) streams beside the export, as by default. The node's blocks are removed after each
+prefills) streams beside the export, as by default. ``--no-shared-memory``: the prefills reach
+the node over its TCP side channel, as from another pod (the export then goes chunk by chunk). The node's blocks are removed after each
 prompt, so every export finds the same empty node.
 
 From the prefill's metrics, per prompt: the prefill time (``step_seconds``), the time from the
@@ -157,6 +158,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--with-handoff", action="store_true", help="hand each prompt to a decode process too")
     parser.add_argument("--overhead", action="store_true", help="in-process: the compute's cost of the export")
+    parser.add_argument("--no-shared-memory", action="store_true",
+                        help="prefill reaches the node over the TCP side channel (as from another pod): chunk by chunk")
     args = parser.parse_args()
     if args.overhead:
         for n in args.tokens:
@@ -182,7 +185,8 @@ def main() -> None:
                 run_dir = Path(tmp) / mode
                 run_dir.mkdir()
                 processes[mode] = DecodeProcess(run_dir, scheduler.address, capacity, role="prefill",
-                                                extra={"kvstore_address": node.address, "layerwise_kvstore": mode == "on"})
+                                                extra={"kvstore_address": node.address, "layerwise_kvstore": mode == "on",
+                                                       "kvstore_shared_memory": not args.no_shared_memory})
                 processes[mode].start()
             for mode in ("on", "off"):  # warm-up
                 one_prompt(processes[mode], node, f"warm-{mode}", prompt(512, 0), decode)
@@ -201,7 +205,8 @@ def main() -> None:
 
     load = os.getloadavg()
     print(f"default model, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
-          f"{load[1]:.2f}; median of {args.rounds} rounds{'; with the layer-wise handoff to decode' if decode else ''}")
+          f"{load[1]:.2f}; median of {args.rounds} rounds{'; with the layer-wise handoff to decode' if decode else ''}"
+          f"{'; over the TCP side channel' if args.no_shared_memory else ''}")
     print(f"{'tokens':>6} {'KV MB':>6} {'prefill s':>9} {'export off s':>12} {'exposed on s':>12} {'hidden':>7}"
           f" {'bytes early':>11} {'TTFT off':>8} {'TTFT on':>7}  exposed on / off per round")
     for n in args.tokens:

@@ -16,7 +16,7 @@ payloads travel the first way in ``movers`` that works with this node:
 
 A prompt's new blocks can also be written a layer at a time while prefill computes them
 (``reserve_layers``, mover ``shm-layers``: same host only, through the shared-memory mover's
-pool mapping; ``movers/shm_layers.py``); elsewhere they are put whole after the prompt.
+pool mapping; ``movers/shm_layers.py``); elsewhere prefill puts them whole, a chunk at a time.
 
 A mover that can never work with this node (another host, a feature the node lacks, an engine
 absent here) is dropped for good; one whose call failed this time passes that call to the next.

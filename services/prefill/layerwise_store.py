@@ -18,8 +18,9 @@ before they were whole) are returned by ``finished`` for the whole-block put aft
 
 A node this client cannot write through shared memory (another host, another pod: the TCP side
 channel, NIXL or gRPC carry its blocks) gets each chunk's new blocks whole as soon as the
-chunk's last layer is done, while the next chunk computes: only the last chunk's blocks are
-left for after the prompt.
+chunk's last layer is done, while the next chunk computes (copied out on a thread: ``close``
+waits for it before the pages go back): only the last chunk's blocks are left for after the
+prompt.
 None of this is on the request's path: reservations and commits are awaited by this export's
 own task, never by the prompt's computation or its first token.
 """
@@ -27,6 +28,7 @@ own task, never by the prompt's computation or its first token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -71,6 +73,7 @@ class LayerwiseStoreExport:
         self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
         self._stale: list[_Chunk] = []  # rooms given up, to give back
         self._by_chunk: list[int] = []  # blocks to put whole once their chunk's last layer is done
+        self._copying: asyncio.Future | None = None  # a chunk's blocks being copied out on a thread
         self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
         self._crc = dict.fromkeys(range(self.first, self.end), 0)
         self._settled: set[int] = set()  # committed (stored or refused) or held already; the rest go whole
@@ -106,6 +109,14 @@ class LayerwiseStoreExport:
         after this returns; room not committed yet goes back."""
         self._stopped = True
         self._ready.put_nowait(None)
+
+    async def close(self) -> None:
+        """``stop``, then wait for a chunk's copy still reading the pages (on a thread): the
+        pages may go back afterwards."""
+        self.stop()
+        if self._copying is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._copying)
 
     async def finished(self) -> list[int]:
         """Once every layer has been written and committed: the new blocks left to put whole."""
@@ -194,9 +205,15 @@ class LayerwiseStoreExport:
         this thread, each with its CRC, as the whole-block export after the prompt does."""
         ready = [i for i in self._by_chunk if i < stop]
         self._by_chunk = [i for i in self._by_chunk if i >= stop]
-        blocks = [self._whole_block(i) for i in ready]
-        nbytes = sum(b.nbytes for b in blocks)
         early = self.computed_at is None
+        # On a thread: tens of MB copied and checksummed would hold up this loop (and with it
+        # the first token) for tens of ms. ``close`` waits for it before the pages go back.
+        self._copying = asyncio.ensure_future(asyncio.to_thread(lambda: [self._whole_block(i) for i in ready]))
+        try:
+            blocks = await asyncio.shield(self._copying)
+        finally:
+            self._copying = None
+        nbytes = sum(b.nbytes for b in blocks)
         result = await self._kvstore.put(blocks)
         if result.failed:
             return  # the node did not answer: put them whole after the prompt

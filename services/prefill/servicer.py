@@ -278,7 +278,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if streamed is not None:
                 await streamed.close()  # before the pages go back: the stream reads them
             if layered is not None:
-                layered.stop()  # no copy out of the pages after this; its room goes back
+                await layered.close()  # no copy out of the pages after this; its room goes back
             if hold is not None:
                 hold.release()
 
