@@ -18,9 +18,9 @@ before they were whole) are returned by ``finished`` for the whole-block put aft
 
 A node this client cannot write through shared memory (another host, another pod: the TCP side
 channel, NIXL or gRPC carry its blocks) gets each chunk's new blocks whole as soon as the
-chunk's last layer is done, while the next chunk computes (copied out on a thread: ``close``
-waits for it before the pages go back): only the last chunk's blocks are left for after the
-prompt.
+chunk's last layer is done, while the next chunk computes (each layer copied into the block's
+own buffer as it is done, as the handoff copies): only the last chunk's blocks are left for after
+the prompt.
 None of this is on the request's path: reservations and commits are awaited by this export's
 own task, never by the prompt's computation or its first token.
 """
@@ -28,7 +28,6 @@ own task, never by the prompt's computation or its first token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -72,8 +71,7 @@ class LayerwiseStoreExport:
         self._reserved_to = self.first  # blocks below were offered room
         self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
         self._stale: list[_Chunk] = []  # rooms given up, to give back
-        self._by_chunk: list[int] = []  # blocks to put whole once their chunk's last layer is done
-        self._copying: asyncio.Future | None = None  # a chunk's blocks being copied out on a thread
+        self._staged: dict[int, memoryview] = {}  # block -> its payload, filled layer by layer, put whole
         self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
         self._crc = dict.fromkeys(range(self.first, self.end), 0)
         self._settled: set[int] = set()  # committed (stored or refused) or held already; the rest go whole
@@ -111,12 +109,8 @@ class LayerwiseStoreExport:
         self._ready.put_nowait(None)
 
     async def close(self) -> None:
-        """``stop``, then wait for a chunk's copy still reading the pages (on a thread): the
-        pages may go back afterwards."""
+        """``stop`` (every copy runs on this loop's thread: none is left in flight)."""
         self.stop()
-        if self._copying is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._copying)
 
     async def finished(self) -> list[int]:
         """Once every layer has been written and committed: the new blocks left to put whole."""
@@ -134,15 +128,15 @@ class LayerwiseStoreExport:
                     if self._kvstore.takes_layers:
                         await self._reserve(self._reserved_to, stop)
                     else:  # no shared pool: whole blocks as soon as the chunk is done
-                        self._by_chunk.extend(range(self._reserved_to, stop))
+                        self._stage(self._reserved_to, stop)
                     self._reserved_to = stop
                     if self._stopped:
                         break
                 for i in range(self._next_block[layer], stop):
                     self._write(i, layer)
                 self._next_block[layer] = max(self._next_block[layer], stop)
-                if layer == self.num_layers - 1 and self._by_chunk:
-                    await self._put_chunk(stop)
+                if layer == self.num_layers - 1 and self._staged:
+                    await self._put_staged(stop)
                 while self._stale:
                     await self._stale.pop().room.release()
                 await self._commit_whole()
@@ -155,7 +149,7 @@ class LayerwiseStoreExport:
     async def _reserve(self, first: int, stop: int) -> None:
         room = await self._kvstore.reserve_layers([self._meta(i) for i in range(first, stop)])
         if room is None and not self._kvstore.takes_layers:  # the node cannot: whole, once the chunk is done
-            self._by_chunk.extend(range(first, stop))
+            self._stage(first, stop)
         chunk = _Chunk(room, first, []) if room is not None else None
         for slot, i in enumerate(range(first, stop)):
             if room is not None and room.held[slot]:
@@ -179,41 +173,45 @@ class LayerwiseStoreExport:
         """Layer ``layer`` of block ``i``, from the cache into its room (this thread; the engine
         thread computes later layers, which never touch this memory)."""
         chunk = self._chunk.get(i)
-        if chunk is None:
+        view = self._staged.get(i)
+        if chunk is not None:
+            if not chunk.room.fresh():  # held up too long: the node may give this room away
+                self._abandon(chunk)
+                return
+            view = chunk.room.views[i - chunk.first]
+        if view is None:
             return  # held already, or put whole later
-        if not chunk.room.fresh():  # held up too long: the node may give this room away
-            self._abandon(chunk)
-            return
         assert self._layers[i] == layer, f"block {i}: layer {layer} after {self._layers[i]}"
-        view = chunk.room.views[i - chunk.first]
-        assert view is not None
         out = view[layer * self._layer_bytes : (layer + 1) * self._layer_bytes]
         self._engine.cache.copy_layer(self._seq.pages[i], layer, self._page, out)
         self._crc[i] = crc32(out, self._crc[i])  # still in cache
         self.landed(i, layer, out)
         self._layers[i] = layer + 1
-        self.bytes_written += len(out)
-        if self.computed_at is None:
-            self.bytes_early += len(out)
+        if chunk is not None:  # in the node's room already (a staged block counts when put)
+            self.bytes_written += len(out)
+            if self.computed_at is None:
+                self.bytes_early += len(out)
 
     def landed(self, block: int, layer: int, room: memoryview) -> None:
         """Called once a layer is in the room and its CRC taken: a test's way to damage it."""
 
-    async def _put_chunk(self, stop: int) -> None:
-        """Put the blocks below ``stop`` that wait for it whole, through the client's mover (the
-        TCP side channel, NIXL, gRPC), while the next chunk computes: copied out of the cache on
-        this thread, each with its CRC, as the whole-block export after the prompt does."""
-        ready = [i for i in self._by_chunk if i < stop]
-        self._by_chunk = [i for i in self._by_chunk if i >= stop]
-        early = self.computed_at is None
-        # On a thread: tens of MB copied and checksummed would hold up this loop (and with it
-        # the first token) for tens of ms. ``close`` waits for it before the pages go back.
-        self._copying = asyncio.ensure_future(asyncio.to_thread(lambda: [self._whole_block(i) for i in ready]))
-        try:
-            blocks = await asyncio.shield(self._copying)
-        finally:
-            self._copying = None
+    def _stage(self, first: int, stop: int) -> None:
+        """Blocks ``[first, stop)`` go whole: a buffer each, filled by ``_write`` layer by layer."""
+        for i in range(first, stop):
+            self._staged[i] = empty_buffer(self._layer_bytes * self.num_layers)
+
+    async def _put_staged(self, stop: int) -> None:
+        """Put the staged blocks below ``stop`` whole, through the client's mover (the TCP side
+        channel, NIXL, gRPC), while the next chunk computes."""
+        ready = [i for i in self._staged if i < stop and self._layers[i] == self.num_layers]
+        if not ready:
+            return
+        blocks = []
+        for i in ready:
+            meta = self._meta(i, self._crc[i])
+            blocks.append(KvBlock.from_meta(meta, self._staged.pop(i).toreadonly(), payload_crc=self._crc[i]))
         nbytes = sum(b.nbytes for b in blocks)
+        early = self.computed_at is None
         result = await self._kvstore.put(blocks)
         if result.failed:
             return  # the node did not answer: put them whole after the prompt
@@ -222,15 +220,6 @@ class LayerwiseStoreExport:
         self.rejected += result.rejected
         self.bytes_written += nbytes
         self.bytes_early += nbytes if early else 0
-
-    def _whole_block(self, i: int) -> KvBlock:
-        payload = empty_buffer(self._layer_bytes * self.num_layers)
-        for layer in range(self.num_layers):
-            out = payload[layer * self._layer_bytes : (layer + 1) * self._layer_bytes]
-            self._engine.cache.copy_layer(self._seq.pages[i], layer, self._page, out)
-        meta = self._meta(i)
-        return KvBlock.build(meta.key, meta.parent_key or None, meta.model_id, meta.dtype, self._shape,
-                             meta.token_ids, payload.toreadonly())
 
     def _abandon(self, chunk: _Chunk) -> None:
         """Stop writing ``chunk``'s room (stale): its blocks go whole after the prompt, the room back now."""

@@ -390,9 +390,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if blocks:
             await self._store_blocks(blocks)
         if blocks or (layered is not None and layered.bytes_written):
-            # from the last layer computed where the export saw it (conservative: before the logits)
-            since = layered.computed_at if layered is not None and layered.computed_at is not None else computed_at
-            self.metrics.transfer_seconds.labels("prefill", "to_kvstore_exposed").observe(time.perf_counter() - since)
+            self.metrics.transfer_seconds.labels("prefill", "to_kvstore_exposed").observe(time.perf_counter() - computed_at)
 
     async def _store_blocks(self, blocks: list[KvBlock]) -> None:
         assert self.kvstore is not None
