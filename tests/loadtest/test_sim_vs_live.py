@@ -119,7 +119,7 @@ def test_aggregated_chunk_budget_is_shared_oldest_first() -> None:
 
 
 def _fake_seq(prompt: int, computed: int) -> SimpleNamespace:
-    return SimpleNamespace(num_tokens=prompt, num_computed=computed, pages=[])
+    return SimpleNamespace(num_tokens=prompt, num_computed=computed, pages=[], decode_tail=0)
 
 
 @pytest.mark.parametrize("seed", range(20))
