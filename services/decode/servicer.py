@@ -249,7 +249,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 or header.num_layers != layout.num_layers):
             raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
                                    f"{header.num_layers} layers != {cache.block_shape} in {layout.num_layers}")
-        return LayerAssembler.of(layout, len(header.prompt_token_ids), self.engine.page_size)
+        return LayerAssembler(layout, len(header.prompt_token_ids), self.engine.page_size)
 
     def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
         """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""

@@ -75,6 +75,16 @@ class LayerLayout:
             piece, dtype=np.uint8).reshape(tokens, self.token_layer_bytes)
 
 
+def block_buffers(layout: LayerLayout, layer_bytes: list[int]) -> tuple[list[int], list[memoryview]]:
+    """(state bytes ahead of each block's KV, each block's payload buffer) of a prompt whose
+    blocks hold ``layer_bytes`` per layer: only the last block carries a state (the one decode
+    continues from), before its KV."""
+    heads = [0] * len(layer_bytes)
+    if heads:
+        heads[-1] = layout.state_bytes
+    return heads, [empty_buffer(h + b * layout.num_layers) for h, b in zip(heads, layer_bytes)]
+
+
 def block_tokens(index: int, prompt_tokens: int, page_size: int) -> int:
     """Tokens of block ``index`` of a prompt (the last one may be partial)."""
     return min(page_size, prompt_tokens - index * page_size)
@@ -106,32 +116,22 @@ class LayerAssembler:
     """Whole block payloads of one prompt, from its layer slices in any interleaving that keeps
     each block's layers in order (and, with ``layout.state_bytes``, the last block's state)."""
 
-    def __init__(self, num_layers: int, prompt_tokens: int, page_size: int, token_layer_bytes: int,
-                 layout: LayerLayout | None = None) -> None:
-        """``token_layer_bytes``: one token's bytes of one layer (a block of t tokens has
-        ``t * token_layer_bytes`` bytes per layer). ``layout``: where they go in a payload (by
-        default layer after layer, no state); it must agree with the first four."""
+    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int) -> None:
+        """``layout``: where each layer's bytes go in a payload (the receiving cache's ``layer_layout``)."""
+        num_layers, token_layer_bytes = layout.num_layers, layout.token_layer_bytes
         if num_layers <= 0 or prompt_tokens <= 0 or page_size <= 0 or token_layer_bytes <= 0:
             raise BlockFormatError(f"layer-wise handoff of {num_layers} layers, {prompt_tokens} tokens, "
                                    f"{page_size}-token blocks, {token_layer_bytes} bytes per token and layer")
-        layout = layout or LayerLayout.layer_major(num_layers, token_layer_bytes)
-        assert (layout.num_layers, layout.token_layer_bytes) == (num_layers, token_layer_bytes), layout
         self.layout = layout
         self.num_layers, self.prompt_tokens, self.page_size = num_layers, prompt_tokens, page_size
         self.num_blocks = -(-prompt_tokens // page_size)
-        self._layer_bytes = [block_tokens(i, prompt_tokens, page_size) * token_layer_bytes
+        self._layer_bytes = [layout.layer_bytes(block_tokens(i, prompt_tokens, page_size))
                              for i in range(self.num_blocks)]
-        # only the last block carries a state (the one decode continues from), before its KV
-        self._heads = [layout.state_bytes if i == self.num_blocks - 1 else 0 for i in range(self.num_blocks)]
-        self._buffers = [empty_buffer(h + b * num_layers) for h, b in zip(self._heads, self._layer_bytes)]
+        self._heads, self._buffers = block_buffers(layout, self._layer_bytes)
         self._next_layer = [0] * self.num_blocks  # per block: the layer it takes next
         self._state = BlockAssembler()
         self._state_done = layout.state_bytes == 0
         self.received = 0  # payload bytes taken
-
-    @classmethod
-    def of(cls, layout: LayerLayout, prompt_tokens: int, page_size: int) -> LayerAssembler:
-        return cls(layout.num_layers, prompt_tokens, page_size, layout.token_layer_bytes, layout)
 
     def feed_state(self, chunk: WireChunk) -> None:
         """Take one piece of the last block's state (``HandoffPart.state``); ``BlockFormatError``

@@ -34,7 +34,7 @@ from crescent.services.kvwire.chunk_wire import block_chunks
 from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
-from crescent.services.kvwire.layer_wire import block_tokens, layer_slice, slice_groups
+from crescent.services.kvwire.layer_wire import block_buffers, block_tokens, layer_slice, slice_groups
 from crescent.services.prefill.prompt_export import PromptExport
 
 TAIL_TIMEOUT_S = 60.0  # decode's reply after the tail, as a whole handoff's deadline before
@@ -70,10 +70,7 @@ class LayerwiseHandoff:
         self._last_hook = len(layout.wire_layers) - 1
         self._tokens = [block_tokens(i, self.prompt_tokens, engine.page_size) for i in range(self.num_blocks)]
         self._layer_bytes = [layout.layer_bytes(t) for t in self._tokens]
-        # A block's buffer: its KV, after the live state in the last block of a stateful layout.
-        self._heads = [0] * self.num_blocks
-        self._heads[-1] = layout.state_bytes
-        self._buffers = [empty_buffer(h + b * self.num_layers) for h, b in zip(self._heads, self._layer_bytes)]
+        self._heads, self._buffers = block_buffers(layout, self._layer_bytes)
         self._state_sent = not layout.state_bytes
         self._next_block = [0] * self.num_layers  # per layer: the first block not sent yet
         self._loop = asyncio.get_running_loop()

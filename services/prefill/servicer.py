@@ -216,7 +216,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
             layered = self._layered_export(seq, local_hit + peer_hit + remote_hit)
             hooks = [h.on_layer for h in (streamed, layered) if h is not None]
-            logits = await self._prompt_logits(seq, hooks[0] if len(hooks) == 1 else _fan_out(hooks) if hooks else None)
+            logits = await self._prompt_logits(seq, _fan_out(hooks) if hooks else None)
             computed_at = time.perf_counter()
 
             def sample_firsts() -> tuple[list[int], list[TokenLogprob | None]]:
@@ -347,8 +347,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _layered_export(self, seq: Sequence, already_cached: int) -> LayerwiseStoreExport | None:
         """A layer-wise export of the prompt's new blocks, started (a chunk at a time where the
         node takes no layer-wise puts)."""
-        if not (self.layerwise_kvstore and self.kvstore is not None):
+        if not self.layerwise_kvstore:
             return None
+        assert self.kvstore is not None  # layerwise_kvstore is on only with a kvstore
         layered = LayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore)
         if not layered.wanted:
             return None

@@ -18,7 +18,7 @@ from crescent.protos import decode_pb2
 from crescent.services.engine.engine import Engine
 from crescent.services.kvwire.handoff_wire import decode_part, encode_part
 from crescent.services.kvwire.kv_block import BlockFormatError
-from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens, layer_slice
+from crescent.services.kvwire.layer_wire import LayerAssembler, LayerLayout, block_tokens, layer_slice
 from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise, supports_layerwise
 from crescent.services.prefill.prompt_export import PromptExport
 from tests.engine.tiny_model import tiny_model
@@ -58,7 +58,7 @@ def stream(engine: Engine, tokens: list[int], seq_id: str = "s"):
 def assemble(engine: Engine, parts, prompt: int) -> list[bytes]:
     header, *slices, tail = parts
     assert header.header.num_layers == engine.config.num_layers and tail.tail.first_token_id == 7
-    layers = LayerAssembler(header.header.num_layers, prompt, PAGE, engine.cache.token_layer_bytes())
+    layers = LayerAssembler(LayerLayout.layer_major(header.header.num_layers, engine.cache.token_layer_bytes()), prompt, PAGE)
     for part in slices:
         assert not part.error and part.layer is not None
         layers.feed(part.layer)
@@ -131,7 +131,7 @@ def slices(engine: Engine, prompt: int) -> list[tuple[int, int]]:
 
 def feed_all(engine: Engine, prompt: int, order: list[tuple[int, int]]) -> LayerAssembler:
     per_token = engine.cache.token_layer_bytes()
-    layers = LayerAssembler(engine.config.num_layers, prompt, PAGE, per_token)
+    layers = LayerAssembler(LayerLayout.layer_major(engine.config.num_layers, per_token), prompt, PAGE)
     for layer, b in order:
         tokens = max(block_tokens(b, prompt, PAGE), 1)
         part = decode_part(encode_part(_layer_part(layer, b, bytes(tokens * per_token), tokens)))
@@ -158,5 +158,5 @@ def test_a_missing_duplicated_or_reordered_layer_is_an_error() -> None:
     with pytest.raises(BlockFormatError, match="blocks \\[3, 4\\) of a 3-block prompt"):
         feed_all(engine, 10, [(0, 3)])
     with pytest.raises(BlockFormatError, match="bytes"):
-        layers = LayerAssembler(engine.config.num_layers, 10, PAGE, engine.cache.token_layer_bytes())
+        layers = LayerAssembler(engine.cache.layer_layout(), 10, PAGE)
         layers.feed(decode_part(encode_part(_layer_part(0, 0, b"short", PAGE))).layer)

@@ -63,7 +63,7 @@ def stream(engine: Engine, tokens: list[int], seq_id: str = "s"):
 def assemble(engine: Engine, parts, prompt_tokens: int) -> list[memoryview]:
     header, *middle, tail = parts
     assert header.header.num_layers == len(TEST_CFG.mla_layers) and tail.tail.first_token_id == 7
-    layers = LayerAssembler.of(engine.cache.layer_layout(), prompt_tokens, PAGE)
+    layers = LayerAssembler(engine.cache.layer_layout(), prompt_tokens, PAGE)
     for part in middle:
         assert not part.error
         layers.feed(part.layer) if part.layer is not None else layers.feed_state(part.state)
@@ -206,7 +206,7 @@ def feed_all(engine: Engine, prompt_tokens: int, order: list[tuple[int, int]], s
              state_bytes: int | None = None) -> LayerAssembler:
     """Feed zero slices in ``order`` ((layer, block) pairs), then ``states`` states, through the codec."""
     layout = engine.cache.layer_layout()
-    layers = LayerAssembler.of(layout, prompt_tokens, PAGE)
+    layers = LayerAssembler(layout, prompt_tokens, PAGE)
     for layer, b in order:
         tokens = block_tokens(b, prompt_tokens, PAGE)
         part = HandoffWirePart(layer=layer_slice(layer, b, [memoryview(bytes(tokens * layout.token_layer_bytes))], tokens))

@@ -21,7 +21,7 @@ import torch
 
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.kvwire.chunk_wire import WireChunk
-from crescent.services.kvwire.layer_wire import LayerAssembler
+from crescent.services.kvwire.layer_wire import LayerAssembler, LayerLayout
 from tests.decode.process import BLOCK, DecodeProcess, SchedulerStandIn
 
 pytestmark = pytest.mark.slow  # a real process: a model load
@@ -66,7 +66,7 @@ class RecordingDecode:
             if part.HasField("header"):
                 header = part.header
                 layer_floats = math.prod(header.kv_block_shape[1:]) // header.kv_block_shape[2]  # float32
-                layers = LayerAssembler(header.num_layers, len(header.prompt_token_ids), BLOCK, 4 * layer_floats) \
+                layers = LayerAssembler(LayerLayout.layer_major(header.num_layers, 4 * layer_floats), len(header.prompt_token_ids), BLOCK) \
                     if header.num_layers else None
             elif part.HasField("layer"):
                 layers.feed(WireChunk(meta=part.layer.meta, data=part.layer.data, last=part.layer.last))
