@@ -447,6 +447,9 @@ def main() -> None:
                         help="byte movers measured on the host tier")
     parser.add_argument("--handoff", action="store_true", help="also time a prompt's prefill -> decode handoff")
     parser.add_argument("--handoff-tokens", type=int, default=2048)
+    parser.add_argument("--huge-pages", choices=["off", "2Mi", "1Gi"], default="off",
+                        help="the host pool in huge pages (tiers.host.huge_pages; the machine must have them free): "
+                             "run once with and once without to see what they change")
     parser.add_argument("--fresh-connections", action="store_true",
                         help="a new side-channel connection (and TLS handshake) per call, as before clients kept "
                              "them: run once with and once without to see what keeping saves")
@@ -482,6 +485,8 @@ def main() -> None:
                     port, admin = free_port(), free_port()
                     config = tier_config(tier, workdir, s3_endpoint, (count + 2) * size * 2, args.chunk_mib * MIB)
                     config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin}
+                    if tier == "host":
+                        config["tiers"]["host"]["huge_pages"] = args.huge_pages
                     if mtls:
                         config["tls"] = node_tls
                     config["nixl"] = group == ["nixl"]  # the node serves it where it can

@@ -113,7 +113,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "kvstore.ssd.volume": {"enum": ["hostPath", "ephemeral"]},
     "kvstore.ssd.hostPath": {"pattern": "^(/.*)?$"},
     "kvstore.hugepages.pageSize": {"enum": ["2Mi", "1Gi"]},
-    "kvstore.hugepages.sizeGiB": {"minimum": 1},
+    "kvstore.hugepages.sizeGiB": {"minimum": 0},
     "kvstore.updateStrategy.type": {"enum": ["RollingUpdate", "OnDelete"]},
     "kvstore.updateStrategy.maxUnavailable": {"type": ["integer", "string"], "minimum": 1, "pattern": "^[0-9]+%$"},
     "kvstore.s3.capacityGiB": {"minimum": 1},

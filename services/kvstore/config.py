@@ -41,6 +41,11 @@ class HostTierSettings(TierSettings):
         default=False,
         description="touch the whole arena at start (slower start, full RSS at once); else pages fault on first use",
     )
+    huge_pages: Literal["off", "2Mi", "1Gi"] = Field(
+        default="off",
+        description="back the arena with the kernel's preallocated huge pages of this size (the chart sets it with "
+                    "kvstore.hugepages); too few free is an error at start. Not with the GPU tier (its pool is pinned)",
+    )
 
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from crescent.protos import common_pb2
 from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.metrics import KvStoreMetrics, kvstore_metrics
+from crescent.services.common.settings import SettingsError
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.kvstore.config import KvStoreSettings, load_kvstore_settings
 from crescent.services.kvstore.disk_tier import DiskTier
@@ -43,6 +44,9 @@ def build_tiers(settings: KvStoreSettings, metrics: KvStoreMetrics) -> list[Tier
             log.warning("tiers.gpu.enabled is set but CUDA is not available; running without the GPU tier")
     if t.host.enabled:
         pinned = bool(tiers) and tiers[0].kind == common_pb2.KV_TIER_GPU  # page-locked only for a GPU
+        if pinned and t.host.huge_pages != "off":
+            raise SettingsError("tiers.host.huge_pages cannot be used with the GPU tier: its host pool is page-locked "
+                                "by CUDA; set tiers.host.huge_pages=off or disable tiers.gpu")
         tiers.append(HostTier(t.host, pinned=pinned, shared=settings.shared_memory and not pinned))
     if t.disk.enabled:
         tiers.append(DiskTier(t.disk))

@@ -141,7 +141,8 @@ class HostTier(Tier):
     def __init__(self, settings: HostTierSettings, *, pinned: bool = False, shared: bool = False) -> None:
         super().__init__(settings)
         self.pool = HostPool(
-            settings.capacity_bytes, settings.page_bytes, pinned=pinned, shared=shared, prefault=settings.prefault
+            settings.capacity_bytes, settings.page_bytes, pinned=pinned, shared=shared, prefault=settings.prefault,
+            huge_pages=settings.huge_pages,
         )
         # block (payload in the pool), start page, its header (built once: same-host reads send it)
         self._blocks: dict[BlockKey, tuple[KvBlock, int, common_pb2.BlockMeta]] = {}

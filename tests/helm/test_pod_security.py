@@ -109,15 +109,21 @@ def test_ephemeral_ssd_runs_at_the_restricted_level() -> None:
 @pytest.mark.parametrize("size", ["2Mi", "1Gi"])
 def test_hugepages_are_reserved_and_mounted(size: str) -> None:
     docs = render("--set", "kvstore.hugepages.enabled=true", "--set", f"kvstore.hugepages.pageSize={size}",
-                  "--set", "kvstore.hugepages.sizeGiB=32")
+                  "--set", "kvstore.hugepages.sizeGiB=64")
     pod = _pod(by_kind(docs, "DaemonSet")["crescent-kvstore"])
     resources = pod["containers"][0]["resources"]
-    assert resources["requests"][f"hugepages-{size}"] == resources["limits"][f"hugepages-{size}"] == "32Gi"
-    assert resources["requests"]["memory"] == "66Gi"  # the host tier is still sized in ordinary memory
+    assert resources["requests"][f"hugepages-{size}"] == resources["limits"][f"hugepages-{size}"] == "64Gi"
+    assert resources["requests"]["memory"] == "2Gi"  # the host tier's pool is in the huge pages, not here
+    config = yaml.safe_load(by_kind(docs, "ConfigMap")["crescent-kvstore"]["data"]["config.yaml"])
+    assert config["tiers"]["host"]["huge_pages"] == size and config["tiers"]["host"]["capacity_bytes"] == 64 * 2**30
     (volume,) = [v for v in pod["volumes"] if v["name"] == "hugepages"]
     assert volume["emptyDir"]["medium"] == f"HugePages-{size}"
     assert {"name": "hugepages", "mountPath": "/dev/hugepages"} in pod["containers"][0]["volumeMounts"]
     assert helm_template("--set", "kvstore.hugepages.pageSize=4Mi").returncode != 0
+    too_few = helm_template("--set", "kvstore.hugepages.enabled=true", "--set", "kvstore.hugepages.sizeGiB=32")
+    assert too_few.returncode != 0 and "must hold kvstore.hostMemoryGiB (64)" in too_few.stderr
+    default = _pod(by_kind(render("--set", "kvstore.hugepages.enabled=true"), "DaemonSet")["crescent-kvstore"])
+    assert default["containers"][0]["resources"]["limits"]["hugepages-2Mi"] == "64Gi"  # sizeGiB 0: hostMemoryGiB
 
 
 def test_update_strategy_choice() -> None:

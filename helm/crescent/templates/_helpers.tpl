@@ -214,3 +214,11 @@ lifecycle:
       command: [sleep, {{ .preStopSleepSeconds | quote }}]
 {{- end }}
 {{- end }}
+
+{{/*
+GiB of huge pages the kvstore pod reserves: kvstore.hugepages.sizeGiB, or hostMemoryGiB when 0.
+*/}}
+{{- define "crescent.kvstoreHugePagesGiB" -}}
+{{- $v := .Values.kvstore -}}
+{{- int (ternary $v.hostMemoryGiB $v.hugepages.sizeGiB (eq (int $v.hugepages.sizeGiB) 0)) -}}
+{{- end -}}
