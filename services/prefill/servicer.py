@@ -56,8 +56,10 @@ from crescent.services.engine.wire import (
 )
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.batcher import PrefillBatcher
-from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise, supports_layerwise
+from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise
 from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
+from crescent.services.prefill.layerwise_store_hybrid import (HybridLayerwiseStoreExport, stores_hybrid_layerwise,
+                                                              stores_layerwise)
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prompt_export import PromptExport
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
@@ -115,7 +117,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.kvstore = kvstore
         self.lease_ms = lease_ms
         self.layerwise_handoff = layerwise_handoff and hands_off_layerwise(engine)
-        self.layerwise_kvstore = layerwise_kvstore and supports_layerwise(engine) and kvstore is not None
+        self.layerwise_kvstore = layerwise_kvstore and stores_layerwise(engine) and kvstore is not None
+        self._hybrid_store = stores_hybrid_layerwise(engine)  # kimi_k3: its own layer-wise export
         self._on_blocks_stored = on_blocks_stored
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -189,7 +192,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         seq: Sequence | None = None
         hold: _PageHold | None = None
         streamed: LayerwiseHandoff | None = None
-        layered: LayerwiseStoreExport | None = None  # stopped in the end unless the store export took it
+        layered: LayerwiseStoreExport | HybridLayerwiseStoreExport | None = None  # stopped in the end unless the store export took it
         try:
             await self._admit_prompt(request, context)
             # A moved request's streamed tokens are computed as decode computed them (bit for bit).
@@ -344,13 +347,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.transfer_seconds.labels("prefill", "from_kvstore").observe(time.perf_counter() - start)
         return added
 
-    def _layered_export(self, seq: Sequence, already_cached: int) -> LayerwiseStoreExport | None:
+    def _layered_export(self, seq: Sequence, already_cached: int) -> LayerwiseStoreExport | HybridLayerwiseStoreExport | None:
         """A layer-wise export of the prompt's new blocks, started (a chunk at a time where the
-        node takes no layer-wise puts)."""
+        node takes no layer-wise puts; kimi_k3: whole after the prompt then)."""
         if not self.layerwise_kvstore:
             return None
         assert self.kvstore is not None  # layerwise_kvstore is on only with a kvstore
-        layered = LayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore)
+        kind = HybridLayerwiseStoreExport if self._hybrid_store else LayerwiseStoreExport
+        layered = kind(self.engine, seq, already_cached, self.kvstore)
         if not layered.wanted:
             return None
         layered.start(self._spawn)
@@ -373,7 +377,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ]
 
     async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold, export: PromptExport,
-                                layered: LayerwiseStoreExport | None, computed_at: float) -> None:
+                                layered: LayerwiseStoreExport | HybridLayerwiseStoreExport | None,
+                                computed_at: float) -> None:
         """The new blocks into the kvstore: what a layer-wise export did not store, whole.
         Metrics: ``to_kvstore_exposed``, the seconds from the prompt computed to its new blocks
         stored; ``to_kvstore_hidden``, the bytes written before its last layer was computed."""

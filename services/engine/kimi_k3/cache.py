@@ -185,6 +185,12 @@ class K3Cache:
         """Whether ``page`` keeps a state snapshot (its payload carries it: ``read_block``)."""
         return self.snapshots.slot(page) is not None
 
+    def copy_snapshot(self, page: int, out: memoryview) -> None:
+        """Copy ``page``'s snapshot as its payload carries it (fp32 bytes, ``read_block``) into ``out``."""
+        slot = self.snapshots.slot(page)
+        assert slot is not None, f"page {page} has no state snapshot"
+        torch.frombuffer(out, dtype=torch.float32).copy_(self.snapshots.states.read(slot))
+
     # ---- sequence states -----------------------------------------------------------------------
 
     def open_state(self) -> int:
