@@ -138,6 +138,12 @@ class KvStoreSettings(StrictModel):
         default="write_back",
         description="write_back: a block reaches a lower tier when evicted; write_through: on every put",
     )
+    spill_on_stop_s: float = Field(
+        default=20.0, ge=0,
+        description="at SIGTERM, copy blocks only the host tier holds down to the SSD tier for up to this long, "
+                    "those kept longest first, so a restarted or replaced node (a rollout) starts with them; "
+                    "0: no spill. Keep it under the pod's termination grace period",
+    )
     scheduler_address: str | None = Field(
         default=None, description="host:port of the scheduler: the node registers, heartbeats and publishes block events; none: it does not"
     )

@@ -28,6 +28,7 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 class DiskTier(Tier):
     kind = common_pb2.KV_TIER_DISK
+    spill_target = True  # re-indexed at the next start
 
     def __init__(self, settings: DiskTierSettings) -> None:
         super().__init__(settings)

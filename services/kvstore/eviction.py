@@ -23,6 +23,7 @@ class EvictionPolicy(Protocol):
     def pop_victim(self, pinned: Pinned) -> BlockKey | None: ...
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
+    def keep_order(self) -> list[BlockKey]: ...
 
 
 class LruPolicy:
@@ -47,6 +48,10 @@ class LruPolicy:
 
     def discard(self, key: BlockKey) -> None:
         self._order.pop(key, None)
+
+    def keep_order(self) -> list[BlockKey]:
+        """Every key, the one this policy would evict last first."""
+        return list(reversed(self._order))
 
     def pop_victim(self, pinned: Pinned) -> BlockKey | None:
         for key in self._order:
@@ -92,6 +97,14 @@ class S3FifoPolicy:
         self._small.pop(key, None)
         self._main.pop(key, None)
         self._freq.pop(key, None)
+
+    def keep_order(self) -> list[BlockKey]:
+        """Every key, roughly the one evicted last first: the main queue before probation, and
+        within each, read more often before newer before older."""
+        def ranked(queue: OrderedDict[BlockKey, None]) -> list[BlockKey]:
+            newest_first = list(reversed(queue))
+            return sorted(newest_first, key=lambda k: -self._freq.get(k, 0))  # stable: recency breaks ties
+        return ranked(self._main) + ranked(self._small)
 
     def _remember(self, key: BlockKey) -> None:
         self._ghost[key] = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +112,22 @@ class KvStoreNode:
             await self.scheduler_link.close()
         if self.servicer is not None:
             await self.servicer.close()
+        await self._spill()
         for tier in self.tiers:
             if isinstance(tier, S3Tier):
                 await tier.flush(timeout_s=5.0)  # give queued uploads a chance before exit
         if self.store is not None:
             await self.store.close()
+
+    async def _spill(self) -> None:
+        """The host tier's own blocks onto the SSD tier, while the grace period lasts."""
+        if self.store is None or self.settings.spill_on_stop_s <= 0:
+            return
+        start = time.monotonic()
+        blocks, nbytes = await self.store.spill(start + self.settings.spill_on_stop_s)
+        if blocks:
+            log.info("spilled %d blocks (%.1f MB) from host memory to the SSD tier in %.1f s before stopping",
+                     blocks, nbytes / 1e6, time.monotonic() - start)
 
     async def start(self) -> None:
         await self.service.start()

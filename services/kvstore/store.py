@@ -97,6 +97,7 @@ class TieredStore:
         self.write_through = write_through
         self.policies: list[EvictionPolicy] = [make_policy(eviction_policy) for _ in tiers]
         self.leases = LeaseTable(clock)
+        self._clock = clock
         self._evictions = [0 for _ in tiers]
         self._pins: collections.Counter[BlockKey] = collections.Counter()
         self._sinks: list[EventSink] = []
@@ -438,6 +439,50 @@ class TieredStore:
         self.leases.release(key)
         self._announce(key, before, info)
         return True
+
+    async def spill(self, deadline: float) -> tuple[int, int]:
+        """Before the node stops: copy what only the host tier holds down to the first tier
+        that outlives the process and writes fast (the SSD tier, re-indexed at the next start;
+        not S3, whose uploads would not fit a shutdown's grace period), the blocks its
+        policy would keep longest first, until ``deadline`` (``clock`` time). Returns (blocks,
+        bytes) copied. A bad copy is not written (as in eviction)."""
+        host = next((i for i, t in enumerate(self.tiers) if isinstance(t, HostTier)), None)
+        below = next((i for i, t in enumerate(self.tiers) if t.spill_target and host is not None and i > host), None)
+        if host is None or below is None:
+            return 0, 0
+        count = nbytes = 0
+        spilled: list[BlockKey] = []  # pinned while spilling: a colder block must not evict them
+        try:
+            for key in self.policies[host].keep_order():
+                if self._clock() >= deadline:
+                    break
+                placed = await self._spill_one(key, host, below)
+                if placed is None:
+                    continue
+                if not placed:
+                    break  # the tier below is full of what was spilled already
+                self.pin(key)
+                spilled.append(key)
+                count, nbytes = count + 1, nbytes + self.tiers[below].info(key).nbytes
+        finally:
+            for key in spilled:
+                self.unpin(key)
+        return count, nbytes
+
+    async def _spill_one(self, key: BlockKey, host: int, below: int) -> bool | None:
+        """Copy ``key`` from the host tier into tier ``below``: whether it went; None when there
+        was nothing to copy (a lower tier has it, it is gone, or its copy is bad)."""
+        if any(key in t for t in self.tiers[host + 1 :]):
+            return None  # a lower tier has it already (write-through, or demoted before)
+        block = await self.tiers[host].read(key)
+        if block is None:
+            return None
+        try:
+            block.verify(None)
+        except (BlockFormatError, BlockIntegrityError) as exc:
+            log.warning("corrupt copy in tier %s, not spilling it: %s", self.tiers[host].label, exc)
+            return None
+        return await self._place(block, below, copy_down=False, stop=below + 1) is not None
 
     async def close(self) -> None:
         for tier in self.tiers:

@@ -46,6 +46,7 @@ class Tier(abc.ABC):
     # owns and checked on the way in; every client still verifies what it receives.
     verify_reads: bool = True
     reserved_bytes: int = 0  # room promised to writers filling it in place (host tier only)
+    spill_target: bool = False  # outlives the process and takes writes fast: the host tier spills here at stop
 
     def __init__(self, settings: TierSettings) -> None:
         self.capacity_bytes = settings.capacity_bytes

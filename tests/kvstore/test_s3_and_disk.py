@@ -136,7 +136,7 @@ async def test_s3_outage_means_misses_and_dropped_writes_and_the_node_stays_up(t
 
 
 async def test_a_restarted_node_finds_its_disk_and_s3_blocks(tmp_path, s3_server, kvstore_node) -> None:
-    config = tiers(tmp_path, s3_server, host_blocks=1, disk_blocks=2)
+    config = {**tiers(tmp_path, s3_server, host_blocks=1, disk_blocks=2), "spill_on_stop_s": 0}  # the host copy dies
     node = kvstore_node(config, name="first")
     client = KvStoreClient(node.address)
     chain = make_chain(5, floats=BLOCK // 4)
@@ -155,5 +155,31 @@ async def test_a_restarted_node_finds_its_disk_and_s3_blocks(tmp_path, s3_server
         # The host copy is gone with the process; everything on disk and S3 came back.
         assert [b.key for b in prefix] == [b.key for b in chain[:4]]
         assert [bytes(b.payload) for b in prefix] == [bytes(b.payload) for b in chain[:4]]
+    finally:
+        await client.close()
+
+
+async def test_a_stopping_node_spills_its_host_blocks_to_disk_hottest_first(tmp_path, kvstore_node) -> None:
+    """A rollout replaces the pod: what only host memory held comes back from the SSD tier,
+    the blocks read most recently first when the SSD tier cannot take them all."""
+    exact = {"high_watermark": 1.0, "low_watermark": 1.0}
+    config = {"tiers": {"host": {"capacity_bytes": 4 * BLOCK, "page_bytes": 16 * 1024, **exact},
+                        "disk": {"enabled": True, "path": str(tmp_path / "disk"), "capacity_bytes": 2 * BLOCK, **exact}}}
+    node = kvstore_node(config, name="first")
+    client = KvStoreClient(node.address)
+    chain = make_chain(4, floats=BLOCK // 4)
+    try:
+        assert (await client.put(chain)).stored == 4  # all in host memory: nothing written below yet
+        assert len(await client.get_prefix([chain[0].key, chain[1].key], MODEL)) == 2  # read last: kept longest
+        assert node.metric("crescent_kvstore_blocks", tier="disk") == 0
+    finally:
+        await client.close()
+    assert node.stop() == 0
+    assert "spilled 2 blocks" in node.log.read_text()
+    node = kvstore_node(config, name="second")
+    client = KvStoreClient(node.address)
+    try:
+        prefix = await client.get_prefix([b.key for b in chain], MODEL)
+        assert [bytes(b.payload) for b in prefix] == [bytes(b.payload) for b in chain[:2]]
     finally:
         await client.close()

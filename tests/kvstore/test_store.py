@@ -10,7 +10,7 @@ from crescent.protos import common_pb2
 from crescent.services.common.metrics import kvstore_metrics
 from crescent.services.kvstore.config import DiskTierSettings, HostTierSettings
 from crescent.services.kvstore.disk_tier import DiskTier
-from crescent.services.kvstore.eviction import make_policy
+from crescent.services.kvstore.eviction import LruPolicy, S3FifoPolicy, make_policy
 from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier
 
@@ -204,3 +204,14 @@ async def test_reserved_room_is_never_evicted_and_spare_room_never_evicts() -> N
 async def test_reserve_needs_host_memory_first(tmp_path) -> None:
     store = TieredStore([disk(tmp_path, 4)], kvstore_metrics())  # as when a GPU tier comes first
     assert await store.reserve(BLOCK) is None
+
+
+def test_policies_name_the_blocks_they_would_keep_longest_first() -> None:
+    lru, s3fifo = LruPolicy(), S3FifoPolicy()
+    keys = [bytes([i]) * 32 for i in range(4)]
+    for policy in (lru, s3fifo):
+        for key in keys:
+            policy.insert(key)
+        policy.touch(keys[1])  # read again
+    assert lru.keep_order() == [keys[1], keys[3], keys[2], keys[0]]
+    assert s3fifo.keep_order()[0] == keys[1] and sorted(s3fifo.keep_order()) == sorted(keys)
