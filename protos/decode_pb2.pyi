@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices", "num_layers")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices", "num_layers", "shm_segment", "shm_identity")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class HandoffHeader(_message.Message):
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_CHOICES_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SHM_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -31,21 +33,25 @@ class HandoffHeader(_message.Message):
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished_choices: _containers.RepeatedScalarFieldContainer[int]
     num_layers: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    shm_segment: str
+    shm_identity: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., shm_segment: _Optional[str] = ..., shm_identity: _Optional[str] = ...) -> None: ...
 
 class LayerSliceMeta(_message.Message):
-    __slots__ = ("layer", "first_block", "num_blocks", "last_block_tokens", "nbytes")
+    __slots__ = ("layer", "first_block", "num_blocks", "last_block_tokens", "nbytes", "crc32")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAST_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     layer: int
     first_block: int
     num_blocks: int
     last_block_tokens: int
     nbytes: int
-    def __init__(self, layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., last_block_tokens: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    crc32: int
+    def __init__(self, layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., last_block_tokens: _Optional[int] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class LayerSlice(_message.Message):
     __slots__ = ("meta", "data", "last")

@@ -238,6 +238,27 @@ def kv_mover_metrics() -> KvMoverMetrics:
 
 
 @dataclass(frozen=True)
+class HandoffMetrics:
+    """Prefill -> decode handoffs by byte mover (``shm``: shared memory on one host, ``grpc``:
+    the bytes on the Handoff stream), per decode instance (``peer``, its address: few)."""
+
+    handoffs: Counter          # by peer, mover: handoffs decode accepted
+    moved_bytes: Counter       # by peer, mover: their KV bytes
+    shm_refused: Counter       # by peer: shared memory handoffs decode could not map (sent again as bytes)
+
+
+@cache
+def handoff_metrics() -> HandoffMetrics:
+    labels = ["peer", "mover"]
+    return HandoffMetrics(
+        handoffs=Counter("crescent_handoff", "Handoffs to decode by byte mover", labels),
+        moved_bytes=Counter("crescent_handoff_bytes", "KV bytes handed to decode by byte mover", labels),
+        shm_refused=Counter("crescent_handoff_shm_refused",
+                            "Shared memory handoffs a decode instance could not map (then sent over gRPC)", ["peer"]),
+    )
+
+
+@dataclass(frozen=True)
 class UsageMetrics:
     """The gateway's usage ledger (docs/usage.md). ``tenant`` is a tenant id (bounded by the
     tenants table), ``model`` the served model name: one per gateway."""

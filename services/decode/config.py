@@ -20,4 +20,10 @@ class DecodeSettings(StrictModel):
     unclaimed_timeout_s: float = Field(
         default=10.0, gt=0, description="abort a handed-off request nobody streams within this time"
     )
+    shm_handoff: bool = Field(
+        default=True,
+        description="map the shared memory segment a prefill on this host hands a prompt's KV in; off: "
+                    "refuse it, and that prefill sends this instance the bytes over gRPC (docs/prefill.md, "
+                    "\"Layer-wise handoff\")",
+    )
     engine: EngineSettings = EngineSettings()

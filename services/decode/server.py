@@ -63,7 +63,7 @@ async def serve(settings: DecodeSettings, instance: EngineInstance, signals: Shu
         batcher.start()
         engine = instance.engine
         constraints = Constraints.for_model(settings.engine.model, engine.config.vocab_size, engine.config.eos_token_ids)
-        add_decode_to_server(DecodeServicer(batcher, constraints), server)
+        add_decode_to_server(DecodeServicer(batcher, constraints, shm_handoff=settings.shm_handoff), server)
         return DecodeRole(batcher)
 
     await instance.run(attach, signals)

@@ -3,7 +3,9 @@
 Handoff accepts a request whenever it could ever fit this instance's cache; it then waits in
 the batcher for its pages (see batcher.py) instead of being refused. Refusals: malformed input
 (INVALID_ARGUMENT), a reservation larger than the whole cache (RESOURCE_EXHAUSTED), a request
-aborted before it arrived (ABORTED), a draining instance (UNAVAILABLE).
+aborted before it arrived (ABORTED), a draining instance (UNAVAILABLE), a layer-wise handoff
+through a shared memory segment this process cannot (or may not) map (FAILED_PRECONDITION with
+``handoff_shm.REFUSAL``: prefill sends it again with the bytes).
 
 A handoff of ``n > 1`` choices carries every choice's first token; the choices decode on the
 prompt's shared KV and stream through one StreamTokens call, each event tagged with its choice.
@@ -11,6 +13,7 @@ prompt's shared KV and stream through one StreamTokens call, each event tagged w
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -21,9 +24,10 @@ import torch
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
+from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, MappedLayerAssembler, ShmUnusable
 from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
-from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens
+from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens, buffers_nbytes
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import Batcher
@@ -109,8 +113,10 @@ def add_decode_to_server(servicer: DecodeServicer, server: grpc.aio.Server) -> N
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, batcher: Batcher, constraints: Constraints | None = None) -> None:
+    def __init__(self, batcher: Batcher, constraints: Constraints | None = None, shm_handoff: bool = True) -> None:
+        """``shm_handoff``: map a layer-wise handoff's shared memory segment (off: refuse it)."""
         self.batcher = batcher
+        self.shm_handoff = shm_handoff
         self.constraints = constraints
         self.engine = batcher.engine
         self.tombstones = Tombstones()
@@ -137,6 +143,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     await self._refuse_early(header, context)  # before its KV crosses the wire
                     if header.num_layers:
                         layers = self._layer_assembler(header)
+                        if header.shm_segment:
+                            layers = await self._mapped_assembler(header, layers, context)
                     continue
                 if header is None:
                     raise BlockFormatError("KV block before the handoff header")
@@ -250,6 +258,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
                                    f"{header.num_layers} layers != {cache.block_shape} in {layout.num_layers}")
         return LayerAssembler(layout, len(header.prompt_token_ids), self.engine.page_size)
+
+    async def _mapped_assembler(self, header: decode_pb2.HandoffHeader, layers: LayerAssembler,
+                                context: grpc.aio.ServicerContext) -> MappedLayerAssembler:
+        """The segment of a shared memory handoff, mapped; FAILED_PRECONDITION (``REFUSAL``) when
+        this process cannot see it or may not map it: prefill then sends the bytes."""
+        if not self.shm_handoff:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSAL} turned off on this decode instance")
+        size = buffers_nbytes(layers.layout, [layers.layout.layer_bytes(block_tokens(i, layers.prompt_tokens, layers.page_size))
+                                              for i in range(layers.num_blocks)])
+        try:
+            segment = await asyncio.to_thread(HandoffSegment.attach, header.shm_segment, header.shm_identity, size)
+        except ShmUnusable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSAL} {exc}")
+        return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, segment)
 
     def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
         """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""

@@ -12,9 +12,9 @@ import os
 import re
 import secrets
 from collections import OrderedDict
-from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
+from crescent.services.kvwire.shm_files import SHM_DIR, available, file_identity  # noqa: F401 - used by the movers
+
 NAME_PREFIX = "crescent-kv-"
 _NAME = re.compile(r"^crescent-kv-[0-9a-f]{8,64}$")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -22,22 +22,6 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 class ShmError(ValueError):
     """A segment name that is not ours, or a segment that is gone or too small."""
-
-
-def available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
-
-
-def file_identity(fd: int) -> str:
-    """"boot id:device:inode" of an open file. Two processes see the same string only for the
-    same file under the same running kernel, so a path like /proc/<pid>/fd/<n> that names
-    another process's file (another host, another PID namespace) is caught."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    st = os.fstat(fd)
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
 class ShmSegment:

@@ -75,14 +75,36 @@ class LayerLayout:
             piece, dtype=np.uint8).reshape(tokens, self.token_layer_bytes)
 
 
-def block_buffers(layout: LayerLayout, layer_bytes: list[int]) -> tuple[list[int], list[memoryview]]:
+def block_buffers(layout: LayerLayout, layer_bytes: list[int], into: memoryview | None = None
+                  ) -> tuple[list[int], list[memoryview]]:
     """(state bytes ahead of each block's KV, each block's payload buffer) of a prompt whose
     blocks hold ``layer_bytes`` per layer: only the last block carries a state (the one decode
-    continues from), before its KV."""
+    continues from), before its KV. ``into``: the buffers are its consecutive slices (a shared
+    memory segment of ``buffers_nbytes`` bytes, ``handoff_shm``), else fresh memory each."""
     heads = [0] * len(layer_bytes)
     if heads:
         heads[-1] = layout.state_bytes
-    return heads, [empty_buffer(h + b * layout.num_layers) for h, b in zip(heads, layer_bytes)]
+    sizes = [h + b * layout.num_layers for h, b in zip(heads, layer_bytes)]
+    if into is None:
+        return heads, [empty_buffer(n) for n in sizes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return heads, [into[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+def buffers_nbytes(layout: LayerLayout, layer_bytes: list[int]) -> int:
+    """The bytes of all of ``block_buffers``' buffers together."""
+    return sum(layer_bytes) * layout.num_layers + (layout.state_bytes if layer_bytes else 0)
+
+
+def layer_piece(layout: LayerLayout, latents: memoryview, tokens: int, layer: int) -> memoryview:
+    """Layer ``layer``'s bytes of a block of ``tokens`` tokens as they go on the wire (token
+    after token), read from the block's per-token KV ``latents``: ``place``'s inverse (a slice
+    for a layer-major payload, a gathered copy for a token-major one)."""
+    size = layout.layer_bytes(tokens)
+    if not layout.token_major:
+        return latents[layer * size : (layer + 1) * size]
+    rows = np.frombuffer(latents, dtype=np.uint8, count=tokens * layout.num_layers * layout.token_layer_bytes)
+    return memoryview(np.ascontiguousarray(rows.reshape(tokens, layout.num_layers, layout.token_layer_bytes)[:, layer])).cast("B")
 
 
 def block_tokens(index: int, prompt_tokens: int, page_size: int) -> int:
@@ -116,8 +138,9 @@ class LayerAssembler:
     """Whole block payloads of one prompt, from its layer slices in any interleaving that keeps
     each block's layers in order (and, with ``layout.state_bytes``, the last block's state)."""
 
-    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int) -> None:
-        """``layout``: where each layer's bytes go in a payload (the receiving cache's ``layer_layout``)."""
+    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, into: memoryview | None = None) -> None:
+        """``layout``: where each layer's bytes go in a payload (the receiving cache's ``layer_layout``);
+        ``into``: the payload buffers lie there (``block_buffers``), a shared memory handoff's."""
         num_layers, token_layer_bytes = layout.num_layers, layout.token_layer_bytes
         if num_layers <= 0 or prompt_tokens <= 0 or page_size <= 0 or token_layer_bytes <= 0:
             raise BlockFormatError(f"layer-wise handoff of {num_layers} layers, {prompt_tokens} tokens, "
@@ -127,7 +150,7 @@ class LayerAssembler:
         self.num_blocks = -(-prompt_tokens // page_size)
         self._layer_bytes = [layout.layer_bytes(block_tokens(i, prompt_tokens, page_size))
                              for i in range(self.num_blocks)]
-        self._heads, self._buffers = block_buffers(layout, self._layer_bytes)
+        self._heads, self._buffers = block_buffers(layout, self._layer_bytes, into)
         self._next_layer = [0] * self.num_blocks  # per block: the layer it takes next
         self._state = BlockAssembler()
         self._state_done = layout.state_bytes == 0
@@ -152,6 +175,25 @@ class LayerAssembler:
         meta = chunk.meta
         if not isinstance(meta, decode_pb2.LayerSliceMeta) or not chunk.last:
             raise BlockFormatError("a layer slice comes in one message, with its meta")
+        data = memoryview(chunk.data) if not isinstance(chunk.data, tuple) else memoryview(b"".join(chunk.data))
+        self._check_slice(meta, len(data))
+        offset = 0
+        for block in range(meta.first_block, meta.first_block + meta.num_blocks):
+            size = self._layer_bytes[block]
+            tokens = block_tokens(block, self.prompt_tokens, self.page_size)
+            self.layout.place(self._buffers[block][self._heads[block] :], tokens, meta.layer, data[offset : offset + size])
+            offset += size
+        self._took(meta)
+
+    def _took(self, meta: decode_pb2.LayerSliceMeta) -> None:
+        """The slice ``meta`` names is in its blocks' buffers (checked by ``_check_slice``)."""
+        for block in range(meta.first_block, meta.first_block + meta.num_blocks):
+            self._next_layer[block] = meta.layer + 1
+        self.received += meta.nbytes
+
+    def _check_slice(self, meta: decode_pb2.LayerSliceMeta, nbytes: int) -> None:
+        """``BlockFormatError`` unless ``meta`` (with ``nbytes`` of data) is the next layer of
+        each of its blocks, all inside the prompt, of the length its blocks' tokens take."""
         layer, first, count = meta.layer, meta.first_block, meta.num_blocks
         if not 0 <= layer < self.num_layers:
             raise BlockFormatError(f"layer {layer} of a {self.num_layers}-layer handoff")
@@ -161,23 +203,14 @@ class LayerAssembler:
         if meta.last_block_tokens != block_tokens(last, self.prompt_tokens, self.page_size):
             raise BlockFormatError(f"block {last} of {meta.last_block_tokens} tokens; the prompt's has "
                                    f"{block_tokens(last, self.prompt_tokens, self.page_size)}")
-        data = memoryview(chunk.data) if not isinstance(chunk.data, tuple) else memoryview(b"".join(chunk.data))
         expected = sum(self._layer_bytes[first : first + count])
-        if len(data) != expected or meta.nbytes != expected:
-            raise BlockFormatError(f"layer {layer} of blocks [{first}, {last + 1}): {len(data)} bytes "
+        if nbytes != expected or meta.nbytes != expected:
+            raise BlockFormatError(f"layer {layer} of blocks [{first}, {last + 1}): {nbytes} bytes "
                                    f"(meta says {meta.nbytes}), {expected} expected")
         for block in range(first, first + count):
             if self._next_layer[block] != layer:
                 what = "again" if layer < self._next_layer[block] else f"before layer {self._next_layer[block]}"
                 raise BlockFormatError(f"layer {layer} of block {block} arrived {what}")
-        offset = 0
-        for block in range(first, first + count):
-            size = self._layer_bytes[block]
-            tokens = block_tokens(block, self.prompt_tokens, self.page_size)
-            self.layout.place(self._buffers[block][self._heads[block] :], tokens, layer, data[offset : offset + size])
-            self._next_layer[block] = layer + 1
-            offset += size
-        self.received += len(data)
 
     def payloads(self) -> list[memoryview]:
         """Every block's payload (the last one's state first, if the layout has states);

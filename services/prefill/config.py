@@ -43,6 +43,14 @@ class PrefillSettings(PrefillBaseSettings):
                     "so and its KDA state once final; a tensor-parallel prefill always sends it whole "
                     "(docs/prefill.md, \"Layer-wise handoff\")",
     )
+    shm_handoff: bool = Field(
+        default=True,
+        description="layer-wise handoffs to a decode instance on this host: its KV through a shared memory "
+                    "segment (/dev/shm), the Handoff stream carrying only the header, a CRC-checked note per "
+                    "slice and the tail; a decode that cannot map it (another host or pod) refuses once and "
+                    "gets the bytes over gRPC from then on. Off: always gRPC (docs/prefill.md, \"Layer-wise "
+                    "handoff\")",
+    )
     layerwise_kvstore: bool = Field(
         default=True,
         description="write the prompt's new full blocks into the node's kvstore a layer at a time while the "

@@ -19,6 +19,13 @@ state snapshot once the prompt is computed is not adopted: the export copies it 
 snapshot as the whole-block path does (its latents a second time; decode needs no snapshot, and
 the pool bounds how many a prompt holds). Cancelled (decode refused, the caller left), the
 stream stops and ``close`` waits for it, so the prompt's pages are never read after release.
+
+Decode on this host (``handoff_mover.py``): the payload buffers lie in one shared memory segment
+(``kvwire/handoff_shm.py``) and each slice goes as a note with its CRC32 instead of its bytes.
+A decode that cannot map the segment refuses (``HandoffMovers.refused``); the stream then starts again
+with the bytes: the header without the segment, every slice sent so far read back from the
+buffers, then the rest as it comes. What is ready is kept per layer (``_avail``), not per event,
+so a stream stopped between two messages loses nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +35,18 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import grpc
+
 from crescent.protos import common_pb2, decode_pb2
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.kvwire.chunk_wire import block_chunks
-from crescent.services.kvwire.fused_copy import empty_buffer
+from crescent.services.kvwire.fused_copy import crc32, empty_buffer
+from crescent.services.kvwire.handoff_shm import layer_note, state_note
 from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
-from crescent.services.kvwire.layer_wire import block_buffers, block_tokens, layer_slice, slice_groups
+from crescent.services.kvwire.layer_wire import (block_buffers, block_tokens, buffers_nbytes, layer_piece, layer_slice,
+                                                 slice_groups)
+from crescent.services.prefill.handoff_mover import GRPC, SHM, HandoffMovers
 from crescent.services.prefill.prompt_export import PromptExport
 
 TAIL_TIMEOUT_S = 60.0  # decode's reply after the tail, as a whole handoff's deadline before
@@ -61,7 +73,10 @@ def supports_layerwise(engine: Engine) -> bool:
 class LayerwiseHandoff:
     """One prompt's layer-wise handoff: the stream's parts, fed by the engine's layer hook."""
 
-    def __init__(self, engine: Engine, seq: Sequence, export: PromptExport, header: decode_pb2.HandoffHeader) -> None:
+    def __init__(self, engine: Engine, seq: Sequence, export: PromptExport, header: decode_pb2.HandoffHeader,
+                 movers: HandoffMovers | None = None, peer: str = "") -> None:
+        """``movers``, ``peer``: a shared memory segment for the buffers if the mover to decode
+        ``peer`` is shared memory (None: the bytes go on the stream)."""
         self._engine, self._seq, self.export = engine, seq, export
         self.layout = layout = engine.cache.layer_layout()
         self.prompt_tokens = export.prompt_tokens
@@ -70,22 +85,31 @@ class LayerwiseHandoff:
         self._last_hook = len(layout.wire_layers) - 1
         self._tokens = [block_tokens(i, self.prompt_tokens, engine.page_size) for i in range(self.num_blocks)]
         self._layer_bytes = [layout.layer_bytes(t) for t in self._tokens]
-        self._heads, self._buffers = block_buffers(layout, self._layer_bytes)
+        self._movers, self.peer = movers, peer
+        self.segment = movers.segment(peer, buffers_nbytes(layout, self._layer_bytes)) if movers is not None else None
+        self._heads, self._buffers = block_buffers(layout, self._layer_bytes,
+                                                   self.segment.buf if self.segment is not None else None)
         self._state_sent = not layout.state_bytes
+        self._state_ready = False  # the last block's state is in its buffer
         self._next_block = [0] * self.num_layers  # per layer: the first block not sent yet
+        self._avail = [0] * self.num_layers  # per layer: the blocks whose layer is in the cache
         self._loop = asyncio.get_running_loop()
-        self._ready: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        self._changed = asyncio.Event()  # a layer (or the state) became ready
+        self._generation = 0  # of the stream now sent: a refused one's generator stops at its next step
         self._tail: asyncio.Future[decode_pb2.HandoffTail] = self._loop.create_future()
         self.copied = asyncio.Event()  # every block's payload is in its buffer (or the stream stopped)
         export.filled_by(self.copied)
         header.num_layers = self.num_layers
+        if self.segment is not None:
+            header.shm_segment, header.shm_identity = self.segment.name, self.segment.identity
         self.header = header
+        self.mover = SHM if self.segment is not None else GRPC
         self.computed_at: float | None = None  # perf_counter when the prompt's last layer was computed
         self.bytes_sent = 0
         self.bytes_early = 0  # sent before the last layer was computed
         if seq.num_computed:  # cached prefix blocks: every layer is ready now
             for layer in range(self.num_layers):
-                self._ready.put_nowait((layer, seq.num_computed))
+                self._take(layer, seq.num_computed)
         self._task: asyncio.Task | None = None
 
     # ---- the engine thread's side ----------------------------------------------------------------
@@ -98,18 +122,28 @@ class LayerwiseHandoff:
             self.computed_at = time.perf_counter()
         wire = layout.wire_layers[layer]
         if wire is not None:
-            self._loop.call_soon_threadsafe(self._ready.put_nowait, (wire, end))
+            self._loop.call_soon_threadsafe(self._ready, wire, end)
         if layout.state_bytes and layer == layout.states_after and end == self.prompt_tokens:
             # the prompt's last KDA layer ran: its live state is final; into the last block's head
             self._engine.cache.copy_live_state(self._seq.state, self._buffers[-1][: self._heads[-1]])
-            self._loop.call_soon_threadsafe(self._ready.put_nowait, (STATE, end))
+            self._loop.call_soon_threadsafe(self._ready, STATE, end)
 
     # ---- the stream --------------------------------------------------------------------------
 
     def start(self, call) -> None:  # noqa: ANN001 - a stream-unary multicallable
-        """Open the Handoff call now; its parts come as layers are computed."""
+        """Open the Handoff call now; its parts come as layers are computed (once more, with the
+        bytes, if decode cannot map the shared memory)."""
         async def send() -> decode_pb2.HandoffReply:
-            return await call(self._parts())  # a gRPC call is awaitable, not a coroutine
+            if self.mover == SHM:
+                try:
+                    return await call(self._parts())  # a gRPC call is awaitable, not a coroutine
+                except grpc.aio.AioRpcError as exc:
+                    assert self._movers is not None
+                    if not self._movers.refused(self.peer, exc):
+                        raise
+                    self._unlink()
+                    self.mover = GRPC
+            return await call(self._parts())
 
         self._task = asyncio.create_task(send(), name=f"handoff-{self.header.request_id}")
 
@@ -118,7 +152,10 @@ class LayerwiseHandoff:
         assert self._task is not None, "start() first"
         self._tail.set_result(decode_pb2.HandoffTail(first_token_id=firsts[0], first_token_ids=firsts if len(firsts) > 1 else [],
                                                      finished_choices=finished))
-        return await asyncio.wait_for(asyncio.shield(self._task), TAIL_TIMEOUT_S)
+        reply = await asyncio.wait_for(asyncio.shield(self._task), TAIL_TIMEOUT_S)
+        if self._movers is not None:
+            self._movers.handed_off(self.peer, self.mover, self.bytes_sent)
+        return reply
 
     async def close(self) -> None:
         """Stop the stream if it still runs (no handoff wanted, or a failure) and wait for it:
@@ -128,29 +165,92 @@ class LayerwiseHandoff:
         if self._task is not None:
             with contextlib.suppress(BaseException):
                 await self._task
+        self._unlink()  # decode unlinked it when it mapped it, unless it never did
         self.copied.set()
 
+    def _unlink(self) -> None:
+        if self.segment is not None:
+            self.segment.unlink()
+
     async def _parts(self) -> AsyncIterator[HandoffWirePart]:
-        yield HandoffWirePart(header=self.header)
-        while min(self._next_block) < self.num_blocks or not self._state_sent:
-            layer, end = await self._ready.get()
-            if layer == STATE:
-                for part in self._state_parts():
-                    yield part
-                continue
-            stop = self.num_blocks if end >= self.prompt_tokens else end // self._engine.page_size
-            first = self._next_block[layer]
-            for a, b in slice_groups(first, stop, self._layer_bytes):
-                pieces = [self._copy(layer, i) for i in range(a, b)]
-                part = HandoffWirePart(layer=layer_slice(layer, a, pieces, self._tokens[b - 1]))
-                nbytes = sum(len(p) for p in pieces)
-                self.bytes_sent += nbytes
-                if self.computed_at is None:
-                    self.bytes_early += nbytes
+        """The stream: over shared memory (``self.mover``), notes; else the bytes, first those
+        of every slice an earlier (refused) stream put into the buffers."""
+        self._generation += 1
+        generation, shm = self._generation, self.mover == SHM
+        header = self.header
+        if not shm and header.shm_segment:
+            header = decode_pb2.HandoffHeader()
+            header.CopyFrom(self.header)
+            header.ClearField("shm_segment")
+            header.ClearField("shm_identity")
+        yield HandoffWirePart(header=header)
+        if not shm:
+            for part in self._resent():
                 yield part
-            self._next_block[layer] = max(first, stop)
+        while True:
+            self._changed.clear()  # before looking: a layer ready from here on wakes the wait below
+            for layer in range(self.num_layers):
+                while self._next_block[layer] < self._sendable(layer):
+                    a, b = next(slice_groups(self._next_block[layer], self._sendable(layer), self._layer_bytes))
+                    part, nbytes = self._slice(layer, a, b, shm)
+                    self._next_block[layer] = b  # before the yield: a stream stopped there resends it
+                    self.bytes_sent += nbytes
+                    if self.computed_at is None:
+                        self.bytes_early += nbytes
+                    yield part
+                    if generation != self._generation:
+                        return
+            if self._state_ready and not self._state_sent:
+                for part in self._state_parts(shm):
+                    yield part
+            if min(self._next_block) >= self.num_blocks and self._state_sent:
+                break
+            await self._changed.wait()
+            if generation != self._generation:
+                return  # refused; the stream after it sends from here
         self._adopt_all()
-        yield HandoffWirePart(tail=await self._tail)
+        yield HandoffWirePart(tail=await asyncio.shield(self._tail))  # shielded: a refused stream's stop spares it
+
+    def _sendable(self, layer: int) -> int:
+        """The blocks whose layer ``layer`` may go now: those in the cache, but none past the
+        blocks the layer before has gone for (a block's layers go in order)."""
+        return min(self._avail[layer], self._next_block[layer - 1]) if layer else self._avail[0]
+
+    def _ready(self, layer: int, end: int) -> None:
+        self._take(layer, end)
+        self._changed.set()
+
+    def _take(self, layer: int, end: int) -> None:
+        if layer == STATE:
+            self._state_ready = True
+            return
+        stop = self.num_blocks if end >= self.prompt_tokens else end // self._engine.page_size
+        self._avail[layer] = max(self._avail[layer], stop)
+
+    def _slice(self, layer: int, a: int, b: int, shm: bool) -> tuple[HandoffWirePart, int]:
+        """Layer ``layer`` of blocks ``[a, b)``, copied out of the cache: its bytes, or over
+        shared memory its note (the CRC32 of the bytes, read while still in cache)."""
+        pieces = [self._copy(layer, i) for i in range(a, b)]
+        nbytes = sum(len(p) for p in pieces)
+        if not shm:
+            return HandoffWirePart(layer=layer_slice(layer, a, pieces, self._tokens[b - 1])), nbytes
+        crc = 0
+        for piece in pieces:
+            crc = crc32(piece, crc)
+        return HandoffWirePart(layer=layer_note(layer, a, b - a, self._tokens[b - 1], nbytes, crc)), nbytes
+
+    def _resent(self) -> list[HandoffWirePart]:
+        """The bytes of every slice already in the buffers (a refused shared memory stream's),
+        read back from them, and the state if it was sent."""
+        parts = []
+        for layer in range(self.num_layers):
+            for a, b in slice_groups(0, self._next_block[layer], self._layer_bytes):
+                pieces = [layer_piece(self.layout, self._buffers[i][self._heads[i] :], self._tokens[i], layer)
+                          for i in range(a, b)]
+                parts.append(HandoffWirePart(layer=layer_slice(layer, a, pieces, self._tokens[b - 1])))
+        if self._state_sent and self.layout.state_bytes:
+            parts += self._state_parts(False, count=False)
+        return parts
 
     def _copy(self, layer: int, block: int) -> memoryview:
         """Layer ``layer`` of block ``block``, out of the cache into its payload buffer (this
@@ -167,21 +267,27 @@ class LayerwiseHandoff:
         self.layout.place(kv, tokens, layer, out)
         return out
 
-    def _state_parts(self) -> list[HandoffWirePart]:
-        """The last block's state, final and in its buffer's head: decode continues from it."""
+    def _state_parts(self, shm: bool, count: bool = True) -> list[HandoffWirePart]:
+        """The last block's state, final and in its buffer's head: decode continues from it
+        (over shared memory, its note)."""
         head = self._heads[-1]
         meta = common_pb2.BlockMeta(key=f"{self.header.request_id}/state".encode(), model_id=self.header.model_id,
                                     dtype="float32", shape=[head // 4], nbytes=head, found=True)
-        self.bytes_sent += head
-        if self.computed_at is None:
-            self.bytes_early += head
+        if count:
+            self.bytes_sent += head
+            if self.computed_at is None:
+                self.bytes_early += head
         self._state_sent = True
+        if shm:
+            return [HandoffWirePart(state=state_note(meta, crc32(self._buffers[-1][:head])))]
         return [HandoffWirePart(state=chunk)
                 for chunk in block_chunks(meta, self._buffers[-1][:head], DEFAULT_MAX_CHUNK_BYTES)]
 
     def _adopt_all(self) -> None:
         """Every block complete: its buffer becomes the kvstore export's payload too, but for a
         block whose page keeps a snapshot (the export copies it with it, as ``block_payload``)."""
+        if self.copied.is_set():
+            return  # adopted by a refused stream's generator already
         cache = self._engine.cache
         for i, buffer in enumerate(self._buffers):
             if not self.layout.state_bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import grpc
@@ -15,6 +16,7 @@ from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.config import ENV_PREFIX, PrefillBaseSettings, PrefillSettings
+from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.servicer import PrefillServicer, add_prefill_to_server
 
 
@@ -73,7 +75,10 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
                                                                      engine.config.eos_token_ids),
                                    tls=instance.tls, max_batch_tokens=settings.max_batch_tokens,
                                    layerwise_handoff=settings.layerwise_handoff,
-                                   layerwise_kvstore=settings.layerwise_kvstore)
+                                   layerwise_kvstore=settings.layerwise_kvstore,
+                                   handoff_movers=HandoffMovers(
+                                       settings.instance_id or f"prefill-{socket.gethostname()}-{settings.listen.port}",
+                                       settings.shm_handoff))
         servicer.load.on_change = instance.nudge
         add_prefill_to_server(servicer, server)
         return PrefillRole(servicer, kvstore)

@@ -56,6 +56,7 @@ from crescent.services.engine.wire import (
 )
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.batcher import PrefillBatcher
+from crescent.services.prefill.handoff_mover import GRPC, HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise
 from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
 from crescent.services.prefill.layerwise_store_hybrid import (HybridLayerwiseStoreExport, stores_hybrid_layerwise,
@@ -104,12 +105,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: Engine, worker: EngineWorker, kvstore: KvStoreClient | None, lease_ms: int,
                  on_blocks_stored, scheduler_address: str = "", constraints: Constraints | None = None,
                  tls: PeerTls | None = None, max_batch_tokens: int = 0, layerwise_handoff: bool = False,
-                 layerwise_kvstore: bool = False) -> None:
+                 layerwise_kvstore: bool = False, handoff_movers: HandoffMovers | None = None) -> None:
         """``max_batch_tokens``: prompt tokens per forward shared by queued prompts (``PrefillBatcher``);
         0: one prompt per forward. ``layerwise_handoff``: send the KV to decode a layer at a time
         while the prompt computes (``layerwise.py``), where the model's cache allows it;
         ``layerwise_kvstore``: write new blocks to the kvstore that way too (``layerwise_store.py``),
-        where the node is on this host."""
+        where the node is on this host. ``handoff_movers``: a layer-wise handoff to a decode on this
+        host goes through shared memory (``handoff_mover.py``; None: always gRPC bytes)."""
         self.engine = engine
         self._tls = tls  # this process's key pair for its channels (None: plaintext)
         self.constraints = constraints
@@ -120,6 +122,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.layerwise_kvstore = layerwise_kvstore and stores_layerwise(engine) and kvstore is not None
         self._hybrid_store = stores_hybrid_layerwise(engine)  # kimi_k3: its own layer-wise export
         self._on_blocks_stored = on_blocks_stored
+        self.handoff_movers = handoff_movers
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = engine_metrics("prefill")
@@ -214,7 +217,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             mask = submit_masks([constraint]) if constraint is not None else None  # computed while the forward runs
             export = PromptExport(self.engine, self.worker, seq, len(tokens))  # one copy for kvstore and handoff
             if self.layerwise_handoff and request.decode_address and request.sampling.max_tokens != 1:
-                streamed = LayerwiseHandoff(self.engine, seq, export, self._handoff_header(request, [0], []))
+                streamed = LayerwiseHandoff(self.engine, seq, export, self._handoff_header(request, [0], []),
+                                            self.handoff_movers, request.decode_address)
                 streamed.start(self._handoff_call(request.decode_address))
 
             layered = self._layered_export(seq, local_hit + peer_hit + remote_hit)
@@ -423,6 +427,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ]
         parts = handoff_parts(self._handoff_header(request, firsts, finished), blocks)
         await self._handoff_call(request.decode_address)(parts, timeout=60)
+        if self.handoff_movers is not None:
+            self.handoff_movers.handed_off(request.decode_address, GRPC, sum(len(p) for p in payloads))
         self.metrics.transfer_bytes.labels("prefill", "handoff_out").inc(sum(len(p) for p in payloads))
         self.metrics.transfer_seconds.labels("prefill", "handoff_out").observe(time.perf_counter() - start)
         self.metrics.transfer_seconds.labels("prefill", "handoff_exposed").observe(time.perf_counter() - start)

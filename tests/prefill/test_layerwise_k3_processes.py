@@ -71,6 +71,8 @@ def test_a_k3_prompt_handed_off_layerwise_decodes_as_one_process(tmp_path) -> No
         assert through(off, decode, "off", tokens, 8) == (expected, 0)
         assert 0 < on.metric(METRIC, direction="handoff_hidden") < on.metric(METRIC, direction="handoff_out")
         assert off.metric(METRIC, direction="handoff_hidden") == 0
+        # on one host the layer-wise handoff's KV (the latents, the state) went through shared memory
+        assert on.metric("crescent_handoff_total", peer=decode.address, mover="shm") == 1
 
         again = tokens[: 6 * PAGE] + prompt(3 * PAGE + 2, seed=2)  # 6 blocks cached on "on": they go whole
         reply, cached = through(on, decode, "again", again, 6)
