@@ -17,6 +17,12 @@ tail with the first tokens and decode's reply), and
 the bytes sent before the last layer was computed (``handoff_hidden``). Prints medians over
 rounds and the share of the handoff hidden behind compute: 1 - exposed(on) / handoff(off).
 
+``--movers``: the layer-wise handoff's two byte movers side by side (``docs/prefill.md``, "Layer-wise
+handoff"): three prefill processes, layer-wise through shared memory (``shm_handoff`` on, the
+default), layer-wise over gRPC bytes (``shm_handoff`` off) and whole (the baseline the share
+hidden is measured against). Adds per prompt the CPU seconds of the prefill and of the decode
+process (``/proc/<pid>/stat``: user + system, every thread), and the bytes each mover carried.
+
 ``--overhead``: what streaming costs the compute, without processes or sockets: the same
 prompt's ``Engine.prefill`` in this process, alone and with a ``LayerwiseHandoff`` copying and
 encoding every layer's slices on the event loop's thread as it does in prefill (the parts go
@@ -60,9 +66,17 @@ def snapshot(prefill: DecodeProcess) -> dict[str, float]:
     }
 
 
+def cpu_seconds(process: DecodeProcess) -> float:
+    """User + system CPU seconds of a process so far (all its threads)."""
+    assert process.proc is not None
+    fields = Path(f"/proc/{process.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
 def one_prompt(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, tokens: list[int]) -> dict[str, float]:
-    """Send one prompt through prefill to decode; the metric deltas it caused, and its TTFT."""
-    before = snapshot(prefill)
+    """Send one prompt through prefill to decode; the metric deltas it caused, its TTFT and the
+    CPU seconds both processes spent on it."""
+    before = snapshot(prefill) | {"prefill_cpu_s": cpu_seconds(prefill), "decode_cpu_s": cpu_seconds(decode)}
     start = time.perf_counter()
     ttft = 0.0
     with grpc.insecure_channel(prefill.address) as channel:
@@ -74,7 +88,7 @@ def one_prompt(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, t
     with grpc.insecure_channel(decode.address) as channel:
         for _ in decode_pb2_grpc.DecodeStub(channel).StreamTokens(decode_pb2.StreamRequest(request_id=request_id), timeout=120):
             pass
-    after = snapshot(prefill)
+    after = snapshot(prefill) | {"prefill_cpu_s": cpu_seconds(prefill), "decode_cpu_s": cpu_seconds(decode)}
     return {k: after[k] - before[k] for k in after} | {"ttft_s": ttft}
 
 
@@ -131,6 +145,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8064], help="prompt lengths (< 8192, the context)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead", action="store_true", help="in-process: the compute's cost of streaming")
+    parser.add_argument("--movers", action="store_true", help="layer-wise through shared memory vs over gRPC bytes")
     parser.add_argument("--model", default="", help="a preset other than the default (e.g. kimi-k3-nano)")
     args = parser.parse_args()
     if args.overhead:
@@ -148,26 +163,34 @@ def main() -> None:
     results: dict[tuple[int, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for name, extra in [("decode", {}), ("on", {"layerwise_handoff": True}), ("off", {"layerwise_handoff": False})]:
+            prefills = MOVERS if args.movers else {"on": {"layerwise_handoff": True}, "off": {"layerwise_handoff": False}}
+            for name, extra in [("decode", {}), *prefills.items()]:
                 run_dir = Path(tmp) / name
                 run_dir.mkdir()
                 role = "decode" if name == "decode" else "prefill"
                 processes[name] = DecodeProcess(run_dir, scheduler.address, capacity, role=role, extra={**extra, **engine})
                 processes[name].start()
             decode = processes["decode"]
-            for mode in ("on", "off"):  # warm-up
+            modes = list(prefills)
+            for mode in modes:  # warm-up
                 one_prompt(processes[mode], decode, f"warm-{mode}", prompt(256, 0, vocab))
             for r in range(args.rounds):
                 for n in args.tokens:
                     tokens = prompt(n, 1000 * r + n, vocab)
-                    for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):  # alternate who goes first
+                    for mode in (modes if r % 2 == 0 else modes[::-1]):  # alternate who goes first
                         results.setdefault((n, mode), []).append(
                             one_prompt(processes[mode], decode, f"r{r}-{n}-{mode}", tokens))
+            counts = {m: {mv: processes[m].metric("crescent_handoff_total", mover=mv) for mv in ("shm", "grpc")}
+                      for m in modes}
         finally:
             for process in processes.values():
                 process.stop()
             scheduler.stop()
 
+    if args.movers:
+        movers_table(args, results)
+        print("handoffs by mover, per prefill process:", counts)
+        return
     load = os.getloadavg()
     print(f"{args.model or 'default model'}, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
           f"{load[1]:.2f}; median of {args.rounds} rounds")
@@ -184,6 +207,33 @@ def main() -> None:
         rounds = " ".join(f"{a['exposed_s']:.3f}/{b['exposed_s']:.3f}" for a, b in zip(on, off))
         print(f"{n:>6} {med(on, 'out_bytes') / 1e6:6.1f} {med(off, 'prefill_s'):9.2f} {before:13.3f} {after:12.3f}"
               f" {1 - after / before:7.0%} {early:11.0%} {med(off, 'ttft_s'):8.2f} {med(on, 'ttft_s'):7.2f}  {rounds}")
+
+
+MOVERS = {  # --movers: the prefill processes
+    "shm": {"layerwise_handoff": True, "shm_handoff": True},
+    "grpc": {"layerwise_handoff": True, "shm_handoff": False},
+    "off": {"layerwise_handoff": False},
+}
+
+
+def movers_table(args: argparse.Namespace, results: dict[tuple[int, str], list[dict[str, float]]]) -> None:
+    def med(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.median(row[key] for row in rows)
+
+    load = os.getloadavg()
+    print(f"{args.model or 'default model'}, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
+          f"{load[1]:.2f}; median of {args.rounds} rounds")
+    print(f"{'tokens':>6} {'mover':>5} {'KV MB':>6} {'prefill s':>9} {'TTFT s':>7} {'exposed ms':>10} {'hidden':>7}"
+          f" {'early':>6} {'prefill CPU s':>13} {'decode CPU s':>12}")
+    for n in args.tokens:
+        whole = med(results[(n, "off")], "exposed_s")
+        for mode in ("shm", "grpc", "off"):
+            rows = results[(n, mode)]
+            exposed = med(rows, "exposed_s")
+            early = statistics.median(row["hidden_bytes"] / row["out_bytes"] for row in rows)
+            print(f"{n:>6} {mode:>5} {med(rows, 'out_bytes') / 1e6:6.1f} {med(rows, 'prefill_s'):9.2f} {med(rows, 'ttft_s'):7.2f}"
+                  f" {exposed * 1e3:10.1f} {1 - exposed / whole:7.0%} {early:6.0%} {med(rows, 'prefill_cpu_s'):13.2f}"
+                  f" {med(rows, 'decode_cpu_s'):12.3f}")
 
 
 if __name__ == "__main__":
