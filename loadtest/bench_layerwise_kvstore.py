@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Layer-wise kvstore export on and off (issue 16, item 3), real prefill and kvstore processes.
 
-    .venv/bin/python loadtest/bench_layerwise_kvstore.py [--tokens 2048 8064] [--rounds 3]
+    .venv/bin/python loadtest/bench_layerwise_kvstore.py [--tokens 2048 8064] [--rounds 3] [--model kimi-k3-nano]
 
 Starts a kvstore node (host tier, shared memory) and two prefill processes writing to it
 (``layerwise_kvstore`` on and off), with a stand-in scheduler, all on 127.0.0.1 with the default
-model (SmolLM2-135M, float32) and one torch thread each. Each round sends, to each prefill in
+model (SmolLM2-135M, float32; or ``--model``, e.g. the hybrid ``kimi-k3-nano``, whose MLA latents
+go a layer at a time and whose KDA state snapshots once final: ``layerwise_store_hybrid.py``) and
+one torch thread each. Each round sends, to each prefill in
 turn (which one first alternates), the same cold prompt of random tokens (a fresh cache salt)
 with ``max_tokens`` 1 and no decode: the kvstore export alone is measured. ``--with-handoff``
 adds a decode process and sends ``max_tokens`` 2 to it, so the layer-wise handoff (on in both
@@ -48,11 +50,12 @@ from tests.decode.process import BLOCK, DecodeProcess, SchedulerStandIn  # noqa:
 from tests.kvstore.conftest import Node, start_node  # noqa: E402
 
 VOCAB = 49152  # the default model's (SmolLM2-135M)
+KIMI_VOCAB = 163840  # the kimi_k3 presets' (the Kimi tokenizer's id space)
 BYTES, SECONDS = "crescent_engine_kv_transfer_bytes_total", "crescent_engine_kv_transfer_seconds"
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(10, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def prompt(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def snapshot(prefill: DecodeProcess) -> dict[str, float]:
@@ -160,7 +163,10 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="in-process: the compute's cost of the export")
     parser.add_argument("--no-shared-memory", action="store_true",
                         help="prefill reaches the node over the TCP side channel (as from another pod): chunk by chunk")
+    parser.add_argument("--model", default="", help="a preset other than the default (e.g. kimi-k3-nano)")
     args = parser.parse_args()
+    if args.overhead and args.model:
+        parser.error("--overhead measures the default model only")
     if args.overhead:
         for n in args.tokens:
             overhead(n, args.rounds)
@@ -169,6 +175,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped by ``timeout``: stop the processes too
     os.environ["OMP_NUM_THREADS"] = "1"
     capacity = max(args.tokens) + 2 * BLOCK
+    vocab = KIMI_VOCAB if args.model.startswith("kimi") else VOCAB
+    engine = {"engine": {"model": args.model, "kv_capacity_tokens": capacity, "block_size": BLOCK, "threads": 1}} if args.model else {}
     scheduler = SchedulerStandIn()
     processes: dict[str, DecodeProcess] = {}
     node: Node | None = None
@@ -178,7 +186,7 @@ def main() -> None:
             node = start_node({"tiers": {"host": {"capacity_bytes": 1 << 30}}}, Path(tmp), "kvstore")
             if args.with_handoff:
                 (Path(tmp) / "decode").mkdir()
-                processes["decode"] = DecodeProcess(Path(tmp) / "decode", scheduler.address, capacity)
+                processes["decode"] = DecodeProcess(Path(tmp) / "decode", scheduler.address, capacity, extra=engine)
                 processes["decode"].start()
             decode = processes.get("decode")
             for mode in ("on", "off"):
@@ -186,13 +194,13 @@ def main() -> None:
                 run_dir.mkdir()
                 processes[mode] = DecodeProcess(run_dir, scheduler.address, capacity, role="prefill",
                                                 extra={"kvstore_address": node.address, "layerwise_kvstore": mode == "on",
-                                                       "kvstore_shared_memory": not args.no_shared_memory})
+                                                       "kvstore_shared_memory": not args.no_shared_memory, **engine})
                 processes[mode].start()
             for mode in ("on", "off"):  # warm-up
-                one_prompt(processes[mode], node, f"warm-{mode}", prompt(512, 0), decode)
+                one_prompt(processes[mode], node, f"warm-{mode}", prompt(512, 0, vocab), decode)
             for r in range(args.rounds):
                 for n in args.tokens:
-                    tokens = prompt(n, 1000 * r + n)
+                    tokens = prompt(n, 1000 * r + n, vocab)
                     for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
                         results.setdefault((n, mode), []).append(
                             one_prompt(processes[mode], node, f"r{r}-{n}-{mode}", tokens, decode))
@@ -204,7 +212,7 @@ def main() -> None:
             scheduler.stop()
 
     load = os.getloadavg()
-    print(f"default model, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
+    print(f"{args.model or 'default model'}, float32, 1 torch thread per process, {os.cpu_count()} cores, load {load[0]:.2f} "
           f"{load[1]:.2f}; median of {args.rounds} rounds{'; with the layer-wise handoff to decode' if decode else ''}"
           f"{'; over the TCP side channel' if args.no_shared_memory else ''}")
     print(f"{'tokens':>6} {'KV MB':>6} {'prefill s':>9} {'export off s':>12} {'exposed on s':>12} {'hidden':>7}"

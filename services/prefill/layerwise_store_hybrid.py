@@ -95,7 +95,8 @@ class HybridLayerwiseStoreExport:
         self.first = already_cached // page
         self.end = len(seq.block_keys) if seq.keeps_blocks else self.first  # blocks [first, end) are new
         self._states = bool(layout.state_bytes) and layout.states_after is not None
-        self._live_block = self._prompt_tokens // page - 1 if self._prompt_tokens % page == 0 else None
+        full_last = self._states and self._prompt_tokens % page == 0  # Engine.block_payload: with the live state
+        self._live_block = self._prompt_tokens // page - 1 if full_last else None
         self._last_hook = len(layout.wire_layers) - 1
         self._dtype = kv_dtype(cache)
         # the engine thread's

@@ -1,10 +1,12 @@
 """The layer-wise kvstore export of a kimi_k3 prompt through real prefill and kvstore processes.
 
 What a user would notice: with ``layerwise_kvstore`` on (the default) a cold kimi-k3-nano
-prompt's new blocks reach the node while the prompt computes
-(``crescent_kv_mover_bytes{mover="shm-layers"}``, most of them before its last layer) and read
-back exactly as the whole-block export after the prompt stores them — latents, and the KDA
-states the snapshot pool still kept — which is what the setting off still does (``mover="shm"``).
+prompt's new blocks reach the node through its pool as the prompt computes
+(``crescent_kv_mover_bytes{mover="shm-layers"}``) and read back exactly as the whole-block
+export after the prompt stores them — latents, and the KDA states the snapshot pool still kept —
+which is what the setting off still does (``mover="shm"``). (How much lands before the prompt's
+last layer, which a loaded machine's timing decides here, is checked paced in
+``test_layerwise_store_k3.py``.)
 """
 
 from __future__ import annotations
@@ -55,9 +57,7 @@ def test_a_k3_prompt_streams_into_the_node_and_reads_back_as_the_whole_export_st
         assert prefills["on"].metric(mover, mover="shm", direction="put") == 0
         assert prefills["off"].metric(mover, mover="shm-layers", direction="put") == 0
         assert prefills["off"].metric(mover, mover="shm", direction="put") == kv_bytes
-        hidden = "crescent_engine_kv_transfer_bytes_total"
-        assert 0 < prefills["on"].metric(hidden, direction="to_kvstore_hidden") <= kv_bytes
-        assert prefills["off"].metric(hidden, direction="to_kvstore_hidden") == 0
+        assert prefills["off"].metric("crescent_engine_kv_transfer_bytes_total", direction="to_kvstore_hidden") == 0
     finally:
         for process in prefills.values():
             process.stop()
