@@ -24,9 +24,12 @@ planned that forward then, and nothing else plans until it ends):
 
 A block's CRC is taken at commit over its room (its bytes in payload order: token-major rows do
 not follow the layer order); the node recomputes it over the same room before the block becomes
-readable. What goes whole after the prompt (``finished``): blocks without room (another host,
-the node had none, stale room, no answer), and a state-carrying block whose state could not be
-copied. A prompt that stops copies nothing more and gives its open room back.
+readable. A node this client cannot write through shared memory (another host or pod: found
+out by the first reservation) gets each block whole as soon as it is final and all its layers
+are in a buffer of its own (filled the same way), put while later forwards compute. What goes
+whole after the prompt (``finished``): blocks without room (the node had none, stale room, no
+answer), and a state-carrying block whose state could not be copied. A prompt that stops copies
+nothing more and gives its open room back.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from crescent.services.engine.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers.shm_layers import LayeredRoom
 from crescent.services.kvwire.fused_copy import crc32, empty_buffer
-from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION
+from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION, KvBlock
 from crescent.services.prefill.layerwise import hands_off_layerwise, supports_layerwise
 
 log = logging.getLogger(__name__)
@@ -106,6 +109,7 @@ class HybridLayerwiseStoreExport:
         # the event loop's
         self._carries: dict[int, bool] = {}  # block -> carries a state (room asked for)
         self._room: dict[int, _Room] = {}  # block -> its room
+        self._staged: dict[int, memoryview] = {}  # block -> its own buffer (no shared pool: put whole)
         self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> MLA layers in its room
         self._state_in: set[int] = set()
         self._streaming: list[int] = []  # the current forward's streamed blocks
@@ -124,8 +128,7 @@ class HybridLayerwiseStoreExport:
 
     @property
     def wanted(self) -> bool:
-        """New blocks, and a node this client may write through shared memory (else: whole)."""
-        return self.end > self.first and self._kvstore.takes_layers
+        return self.end > self.first
 
     def start(self, spawn: Callable[[Coroutine], None]) -> None:
         """Run the export's task through ``spawn`` (its owner awaits or cancels it)."""
@@ -218,6 +221,7 @@ class HybridLayerwiseStoreExport:
                 if self._stopped:
                     break
                 await self._commit_whole()
+                await self._put_staged()
                 self.events_handled += 1
         finally:
             if not self._done.done():
@@ -232,7 +236,10 @@ class HybridLayerwiseStoreExport:
         blocks = sorted([*plan.streamed, *plan.evicted, *plan.kept])
         if blocks and self._kvstore.takes_layers:
             await self._reserve(blocks)
-        self._streaming = [i for i in plan.streamed if i in self._room]
+        if blocks and not self._kvstore.takes_layers:  # no shared pool (found out now or before): whole puts
+            for i in blocks:
+                self._staged[i] = empty_buffer(self._meta(i).nbytes)
+        self._streaming = [i for i in plan.streamed if i in self._room or i in self._staged]
         for i in [*plan.evicted, *plan.kept]:
             for layer in range(self.num_layers):
                 self._write_layer(i, layer)
@@ -261,7 +268,9 @@ class HybridLayerwiseStoreExport:
         )
 
     def _view(self, i: int) -> memoryview | None:
-        """Block ``i``'s room, if it is still being written and still safely ours."""
+        """Block ``i``'s room, if it is still being written and still safely ours (or its own buffer)."""
+        if i in self._staged:
+            return self._staged[i]
         chunk = self._room.get(i)
         if chunk is None or i not in chunk.writing:
             return None
@@ -281,7 +290,8 @@ class HybridLayerwiseStoreExport:
         self._engine.cache.copy_layer(self._seq.pages[i], layer, page, self._scratch)
         self.layout.place(view[head:], page, layer, self._scratch)
         self._layers[i] = layer + 1
-        self._count(len(self._scratch))
+        if i in self._room:  # in the node's room already (a staged block counts when put)
+            self._count(len(self._scratch))
 
     def _write_states(self, states: dict[int, memoryview]) -> None:
         for i in (i for i, carries in self._carries.items() if carries):
@@ -289,11 +299,15 @@ class HybridLayerwiseStoreExport:
             if view is None:
                 continue
             if i not in states:  # its snapshot was gone: whole after the prompt
-                self._room[i].writing.discard(i)
+                if i in self._staged:
+                    del self._staged[i]
+                else:
+                    self._room[i].writing.discard(i)
                 continue
             view[: self.layout.state_bytes] = states[i]
             self._state_in.add(i)
-            self._count(self.layout.state_bytes)
+            if i in self._room:
+                self._count(self.layout.state_bytes)
 
     def _count(self, nbytes: int) -> None:
         self.bytes_written += nbytes
@@ -326,6 +340,28 @@ class HybridLayerwiseStoreExport:
             self._kvstore.layers_moved(sum(h.nbytes for h, ok in zip(headers, written) if ok))
             if result.rejected:
                 log.warning("kvstore refused %d layer-wise blocks at commit (damaged)", result.rejected)
+
+    async def _put_staged(self) -> None:
+        """Put the staged blocks that are whole, through the client's mover (the TCP side channel,
+        NIXL, gRPC), while later forwards compute."""
+        ready = [i for i in self._staged if self._whole(i)]
+        if not ready:
+            return
+        blocks = []
+        for i in ready:
+            payload = self._staged.pop(i).toreadonly()
+            crc = crc32(payload)
+            blocks.append(KvBlock.from_meta(self._meta(i, crc), payload, payload_crc=crc))
+        early = self.computed_at is None
+        result = await self._kvstore.put(blocks)
+        if result.failed:
+            return  # the node did not answer: put them whole after the prompt
+        self._settled.update(ready)
+        self.stored += result.stored
+        self.rejected += result.rejected
+        nbytes = sum(b.nbytes for b in blocks)
+        self.bytes_written += nbytes
+        self.bytes_early += nbytes if early else 0
 
     async def _release_open(self) -> None:
         """Give back room still open (the prompt stopped, or an event never came)."""

@@ -353,7 +353,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _layered_export(self, seq: Sequence, already_cached: int) -> LayerwiseStoreExport | HybridLayerwiseStoreExport | None:
         """A layer-wise export of the prompt's new blocks, started (a chunk at a time where the
-        node takes no layer-wise puts; kimi_k3: whole after the prompt then)."""
+        node takes no layer-wise puts; kimi_k3: each block once final)."""
         if not self.layerwise_kvstore:
             return None
         assert self.kvstore is not None  # layerwise_kvstore is on only with a kvstore

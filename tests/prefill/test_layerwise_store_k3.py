@@ -6,7 +6,7 @@ after the prompt stores — latents token-major, with a state exactly where that
 pool evicted while the prompt computed, in fp32 and bf16 caches, with a cached prefix; a block
 whose state cannot be had in time goes whole, never stored without or with a wrong state; a
 prompt stopped midway leaves nothing and gives its room back; a node without a shared pool gets
-every block whole after the prompt. (Real processes: ``test_layerwise_store_k3_process.py``.)
+each block whole (over the TCP side channel) as soon as it is final. (Real processes: ``test_layerwise_store_k3_process.py``.)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.wire import kv_dtype
@@ -153,9 +154,20 @@ def test_a_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_
     assert stat.tiers[0].blocks == 0 and stat.tiers[0].reserved_bytes == 0
 
 
-def test_a_node_without_a_shared_pool_gets_every_block_whole_after_the_prompt(kvstore_node) -> None:  # noqa: F811
+def test_a_node_without_a_shared_pool_gets_each_block_whole_once_final(kvstore_node) -> None:  # noqa: F811
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "shared_memory": False})
-    engine = make_engine(chunk=2 * PAGE)
-    layered, left, got, _, stat = export(engine, node.address, prompt(5 * PAGE + 1, seed=6))
-    assert left == [0, 1, 2, 3, 4] and layered.bytes_written == 0 and got == {}
-    assert stat.tiers[0].reserved_bytes == 0
+    engine = make_engine(every=0, chunk=2 * PAGE)  # a snapshot only at the prompt's last full block
+    before = {m: mover_bytes(node.address, m) for m in ("shm-layers", "tcp")}
+    layered, left, got, whole, stat = export(engine, node.address, prompt(5 * PAGE + 1, seed=6))
+    assert left == [] and layered.stored == 5 and stat.tiers[0].reserved_bytes == 0
+    assert {k: bytes(b.payload) for k, b in got.items()} == {k: bytes(b.payload) for k, b in whole.items()}
+    assert mover_bytes(node.address, "shm-layers") == before["shm-layers"]
+    assert mover_bytes(node.address, "tcp") - before["tcp"] == layered.bytes_written == sum(b.nbytes for b in whole.values())
+    # blocks 0-3 (latents only) went while later forwards computed; block 4, with its snapshot, after
+    assert layered.bytes_early == sum(b.nbytes for b in list(whole.values())[:4])
+    assert carries_state(engine, list(whole.values())[4])
+
+
+def mover_bytes(address: str, mover: str) -> float:
+    return REGISTRY.get_sample_value("crescent_kv_mover_bytes_total",
+                                     {"peer": address, "mover": mover, "direction": "put"}) or 0.0
