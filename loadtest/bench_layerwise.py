@@ -22,6 +22,9 @@ handoff"): three prefill processes, layer-wise through shared memory (``shm_hand
 default), layer-wise over gRPC bytes (``shm_handoff`` off) and whole (the baseline the share
 hidden is measured against). Adds per prompt the CPU seconds of the prefill and of the decode
 process (``/proc/<pid>/stat``: user + system, every thread), and the bytes each mover carried.
+Each cold prompt is then sent again to the same prefill with the same cache salt ("warm"): its
+blocks are in prefill's cache, so all its layers are ready at once and the request is mostly
+the handoff itself — what each mover costs in time and CPU, with little compute around it.
 
 ``--overhead``: what streaming costs the compute, without processes or sockets: the same
 prompt's ``Engine.prefill`` in this process, alone and with a ``LayerwiseHandoff`` copying and
@@ -73,7 +76,8 @@ def cpu_seconds(process: DecodeProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
 
 
-def one_prompt(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, tokens: list[int]) -> dict[str, float]:
+def one_prompt(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, tokens: list[int],
+               salt: str = "") -> dict[str, float]:
     """Send one prompt through prefill to decode; the metric deltas it caused, its TTFT and the
     CPU seconds both processes spent on it."""
     before = snapshot(prefill) | {"prefill_cpu_s": cpu_seconds(prefill), "decode_cpu_s": cpu_seconds(decode)}
@@ -81,7 +85,7 @@ def one_prompt(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, t
     ttft = 0.0
     with grpc.insecure_channel(prefill.address) as channel:
         for event in prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
-                request_id=request_id, token_ids=tokens, cache_salt=request_id.encode(), decode_address=decode.address,
+                request_id=request_id, token_ids=tokens, cache_salt=(salt or request_id).encode(), decode_address=decode.address,
                 sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)), timeout=600):
             if event.WhichOneof("event") == "first_token":
                 ttft = time.perf_counter() - start
@@ -180,6 +184,9 @@ def main() -> None:
                     for mode in (modes if r % 2 == 0 else modes[::-1]):  # alternate who goes first
                         results.setdefault((n, mode), []).append(
                             one_prompt(processes[mode], decode, f"r{r}-{n}-{mode}", tokens))
+                        if args.movers:  # the same prompt again: its KV is in prefill's cache
+                            results.setdefault((n, f"{mode}-warm"), []).append(
+                                one_prompt(processes[mode], decode, f"r{r}-{n}-{mode}-warm", tokens, f"r{r}-{n}-{mode}"))
             counts = {m: {mv: processes[m].metric("crescent_handoff_total", mover=mv) for mv in ("shm", "grpc")}
                       for m in modes}
         finally:
@@ -234,6 +241,13 @@ def movers_table(args: argparse.Namespace, results: dict[tuple[int, str], list[d
             print(f"{n:>6} {mode:>5} {med(rows, 'out_bytes') / 1e6:6.1f} {med(rows, 'prefill_s'):9.2f} {med(rows, 'ttft_s'):7.2f}"
                   f" {exposed * 1e3:10.1f} {1 - exposed / whole:7.0%} {early:6.0%} {med(rows, 'prefill_cpu_s'):13.2f}"
                   f" {med(rows, 'decode_cpu_s'):12.3f}")
+    print("warm (the prompt's KV in prefill's cache: the request is mostly its handoff)")
+    print(f"{'tokens':>6} {'mover':>5} {'TTFT s':>7} {'exposed ms':>10} {'prefill CPU s':>13} {'decode CPU s':>12}")
+    for n in args.tokens:
+        for mode in ("shm", "grpc", "off"):
+            rows = results[(n, f"{mode}-warm")]
+            print(f"{n:>6} {mode:>5} {med(rows, 'ttft_s'):7.3f} {med(rows, 'exposed_s') * 1e3:10.1f}"
+                  f" {med(rows, 'prefill_cpu_s'):13.2f} {med(rows, 'decode_cpu_s'):12.3f}")
 
 
 if __name__ == "__main__":
