@@ -238,3 +238,24 @@ def test_a_peer_that_never_took_shared_memory_may_not_understand_it_one_that_did
     assert not movers.refused("new:1", error(grpc.StatusCode.INVALID_ARGUMENT, "CRC32"))  # a real refusal
     assert not movers.refused("new:1", error(grpc.StatusCode.RESOURCE_EXHAUSTED))
     assert movers.refused("new:1", error(grpc.StatusCode.FAILED_PRECONDITION, "shm handoff: moved to another pod"))
+
+
+def test_decode_maps_only_the_very_segment_prefill_made() -> None:
+    from crescent.services.kvwire.handoff_shm import ShmUnusable
+
+    segment = HandoffSegment.create(instance_tag("test"), 4096)
+    try:
+        with pytest.raises(ShmUnusable, match="not prefill's segment"):  # same name, another file (another host)
+            HandoffSegment.attach(segment.name, "another-boot:1:2", 4096)
+        with pytest.raises(ShmUnusable, match="bytes"):
+            HandoffSegment.attach(segment.name, segment.identity, 8192)
+        with pytest.raises(ShmUnusable, match="not a handoff segment name"):
+            HandoffSegment.attach("../etc/passwd", segment.identity, 4096)
+        mapped = HandoffSegment.attach(segment.name, segment.identity, 4096)
+        segment.buf[:5] = b"hello"
+        assert bytes(mapped.buf[:5]) == b"hello"  # one memory, two mappings
+        assert not (SHM_DIR / segment.name).exists()  # decode unlinked the name once mapped
+        with pytest.raises(ShmUnusable, match="another host, pod or user"):
+            HandoffSegment.attach(segment.name, segment.identity, 4096)
+    finally:
+        segment.unlink()
