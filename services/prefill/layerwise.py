@@ -9,8 +9,10 @@ blocks it completed into the blocks' payload buffers and sends it as ``LayerSlic
 (``kvwire/layer_wire.py``: one join per message, up to 4 MiB each) while the engine computes
 the next layers. The first tokens follow in the ``HandoffTail`` once prefill sampled them.
 
-The payload buffers are the ones the kvstore export reads (``PromptExport.adopt``): a block is
-still copied out of the cache once for both. Where a layer lies in them is the cache's
+The payload buffers are the ones the kvstore export reads (``PromptExport.adopt``), and the
+layer-wise kvstore export takes its layers from them too (``layer_view``): whichever stream
+needs a (block, layer) first copies it out of the cache, the other reads that copy, so a block
+is copied out of the cache once for both. Where a layer lies in them is the cache's
 ``LayerLayout``. The hybrid kimi_k3 cache: the wire's layers are its MLA layers (a KDA layer's
 hook sends nothing), each copied to a contiguous slice and placed into the token-major payload;
 the last block's live state is copied into its buffer in the hook of the prompt's last KDA
@@ -92,6 +94,7 @@ class LayerwiseHandoff:
         self._state_sent = not layout.state_bytes
         self._state_ready = False  # the last block's state is in its buffer
         self._next_block = [0] * self.num_layers  # per layer: the first block not sent yet
+        self._in_buffer: set[tuple[int, int]] = set()  # (block, layer) copied out of the cache already
         self._avail = [0] * self.num_layers  # per layer: the blocks whose layer is in the cache
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()  # a layer (or the state) became ready
@@ -260,12 +263,25 @@ class LayerwiseHandoff:
         kv = self._buffers[block][self._heads[block] :]
         if not self.layout.token_major:
             out = kv[layer * size : (layer + 1) * size]
-            self._engine.cache.copy_layer(page, layer, tokens, out)
+            if (block, layer) not in self._in_buffer:
+                self._engine.cache.copy_layer(page, layer, tokens, out)
+                self._in_buffer.add((block, layer))
             return out
         out = empty_buffer(size)
         self._engine.cache.copy_layer(page, layer, tokens, out)
         self.layout.place(kv, tokens, layer, out)
         return out
+
+    def layer_view(self, block: int, layer: int) -> memoryview:
+        """Layer ``layer`` of block ``block`` in its payload buffer, copied out of the cache now
+        if the stream has not yet: the layer-wise kvstore export's source (this event loop's
+        thread; layer ``layer`` of the block is final). Layer-after-layer payloads only."""
+        assert not self.layout.token_major, "a token-major payload has no contiguous layer"
+        return self._copy(layer, block)
+
+    def block_view(self, block: int) -> memoryview:
+        """Block ``block``'s payload buffer (filled by ``layer_view``s and the stream's copies)."""
+        return self._buffers[block][self._heads[block] :]
 
     def _state_parts(self, shm: bool, count: bool = True) -> list[HandoffWirePart]:
         """The last block's state, final and in its buffer's head: decode continues from it

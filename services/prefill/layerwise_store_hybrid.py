@@ -130,6 +130,11 @@ class HybridLayerwiseStoreExport:
     def wanted(self) -> bool:
         return self.end > self.first
 
+    @property
+    def bytes_from_cache(self) -> int:
+        """Copied out of the cache by this export: all it wrote (it reads no handoff's copies)."""
+        return self.bytes_written
+
     def start(self, spawn: Callable[[Coroutine], None]) -> None:
         """Run the export's task through ``spawn`` (its owner awaits or cancels it)."""
         spawn(self._run())

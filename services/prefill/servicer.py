@@ -221,7 +221,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                             self.handoff_movers, request.decode_address)
                 streamed.start(self._handoff_call(request.decode_address))
 
-            layered = self._layered_export(seq, local_hit + peer_hit + remote_hit)
+            layered = self._layered_export(seq, local_hit + peer_hit + remote_hit, streamed)
             hooks = [h.on_layer for h in (streamed, layered) if h is not None]
             logits = await self._prompt_logits(seq, _fan_out(hooks) if hooks else None)
             computed_at = time.perf_counter()
@@ -351,14 +351,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.transfer_seconds.labels("prefill", "from_kvstore").observe(time.perf_counter() - start)
         return added
 
-    def _layered_export(self, seq: Sequence, already_cached: int) -> LayerwiseStoreExport | HybridLayerwiseStoreExport | None:
+    def _layered_export(self, seq: Sequence, already_cached: int,
+                        streamed: LayerwiseHandoff | None) -> LayerwiseStoreExport | HybridLayerwiseStoreExport | None:
         """A layer-wise export of the prompt's new blocks, started (a chunk at a time where the
-        node takes no layer-wise puts; kimi_k3: each block once final)."""
+        node takes no layer-wise puts; kimi_k3: each block once final). With a layer-wise
+        handoff ``streamed``, the Llama export reads the layers it copied out of the cache."""
         if not self.layerwise_kvstore:
             return None
         assert self.kvstore is not None  # layerwise_kvstore is on only with a kvstore
-        kind = HybridLayerwiseStoreExport if self._hybrid_store else LayerwiseStoreExport
-        layered = kind(self.engine, seq, already_cached, self.kvstore)
+        if self._hybrid_store:
+            layered = HybridLayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore)
+        else:
+            layered = LayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore, source=streamed)
         if not layered.wanted:
             return None
         layered.start(self._spawn)
@@ -396,7 +400,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             m = self.metrics
             m.transfer_bytes.labels("prefill", "to_kvstore").inc(layered.bytes_written)
             m.transfer_bytes.labels("prefill", "to_kvstore_hidden").inc(layered.bytes_early)
-            m.transfer_bytes.labels("prefill", "copied_out").inc(layered.bytes_written)  # straight into the pool
+            m.transfer_bytes.labels("prefill", "copied_out").inc(layered.bytes_from_cache)
         if blocks:
             await self._store_blocks(blocks)
         if blocks or (layered is not None and layered.bytes_written):

@@ -155,9 +155,10 @@ def test_a_cold_prompt_is_copied_once_and_decode_continues_it_exactly(tmp_path, 
         copied = prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="copied_out")
         assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_out") == len(tokens) * per_token
         assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="to_kvstore") == 4 * BLOCK * per_token
-        # each block copied out of the cache once for decode, and the new full blocks once more,
-        # straight into the kvstore's pool during the prompt (layer-wise export: no buffer -> pool copy)
-        assert copied == (len(tokens) + 4 * BLOCK) * per_token
+        if layerwise:  # each block copied out of the cache once, for decode and the kvstore's pool both
+            assert copied == len(tokens) * per_token
+        else:  # once for decode after the prompt, and the new full blocks once more, straight into the
+            assert copied == (len(tokens) + 4 * BLOCK) * per_token  # pool during the prompt
         assert prefill.metric("crescent_kv_mover_bytes_total", mover="shm-layers", direction="put") == 4 * BLOCK * per_token
         assert kvstore.metric("crescent_kvstore_blocks", tier="host") == 4
         hidden = prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_hidden")

@@ -3,8 +3,9 @@ a time while the prompt computes, and become readable only once whole and checke
 
 What a user would notice: the blocks read back are byte for byte those a whole-block export
 stores; a prompt stopped midway leaves nothing in the store and its reserved room goes back; a
-layer damaged on its way is refused at commit and never served. (The setting on and off through
-a real prefill process: ``test_layerwise_store_process.py``.)
+layer damaged on its way is refused at commit and never served; beside a layer-wise handoff, the
+export reads the handoff's copies and copies nothing out of the cache itself. (The setting on
+and off through a real prefill process: ``test_layerwise_store_process.py``.)
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from crescent.protos import decode_pb2
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.kv_block import KvBlock
+from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
-from crescent.services.prefill.prompt_export import owned_bytes
+from crescent.services.prefill.prompt_export import PromptExport, owned_bytes
 from tests.engine.tiny_model import tiny_model
 from tests.kvstore.conftest import kvstore_node  # noqa: F401  (the fixture)
 
@@ -46,18 +49,23 @@ def whole_blocks(engine: Engine, seq) -> list[KvBlock]:  # noqa: ANN001
 
 
 def export(engine: Engine, address: str, tokens: list[int], *, hook=None, stop_after_writes: bool = False,  # noqa: ANN001
-           wrap=None, paced: bool = False):  # noqa: ANN001
+           wrap=None, paced: bool = False, beside_handoff: bool = False):  # noqa: ANN001
     """Prefill ``tokens`` on a thread with a ``LayerwiseStoreExport`` fed by its layer hook;
     (the sequence, the export, the blocks it left to a whole put, a get of its keys, the node's
     stat, the client). ``hook``: its ``landed``; ``stop_after_writes``: the prompt stops (as a
     cancelled call does) once a layer has landed, before its last layer; ``wrap``: called with the client first;
-    ``paced``: the engine waits for each layer to land before computing the next (a slow forward)."""
+    ``paced``: the engine waits for each layer to land before computing the next (a slow forward);
+    ``beside_handoff``: a layer-wise handoff of the prompt (its stream not started) is the source,
+    as ``layered.source``."""
     async def main():
         client = KvStoreClient(address, shared_memory=True)
         if wrap is not None:
             wrap(client)
         seq = engine.add_sequence("s", tokens)
-        layered = LayerwiseStoreExport(engine, seq, seq.num_computed, client)
+        source = (LayerwiseHandoff(engine, seq, PromptExport(engine, None, seq, len(tokens)), decode_pb2.HandoffHeader())
+                  if beside_handoff else None)
+        layered = LayerwiseStoreExport(engine, seq, seq.num_computed, client, source=source)
+        layered.source = source
         if hook is not None:
             layered.landed = hook
         tasks: list[asyncio.Task] = []
@@ -92,12 +100,19 @@ def mover_bytes(address: str, mover: str) -> float:
                                      {"peer": address, "mover": mover, "direction": "put"}) or 0.0
 
 
-def test_blocks_stream_per_layer_and_read_back_as_a_whole_block_export_stores_them(kvstore_node) -> None:  # noqa: F811
+def handoff_holds(layered: LayerwiseStoreExport, whole: list[KvBlock]) -> None:
+    """The export copied nothing out of the cache: the handoff beside it did, into its buffers."""
+    assert layered.bytes_from_cache == 0
+    assert [bytes(layered.source.block_view(i)) for i in range(len(whole))] == [bytes(b.payload) for b in whole]
+
+
+@pytest.mark.parametrize("beside_handoff", [False, True], ids=["alone", "beside-handoff"])
+def test_blocks_stream_per_layer_and_read_back_as_a_whole_block_export_stores_them(kvstore_node, beside_handoff) -> None:  # noqa: F811
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     engine = make_engine(chunk=8)
     tokens = [(5 * i + 3) % 97 for i in range(23)]  # 5 full blocks in 3 chunks, and a partial one
     before = mover_bytes(node.address, "shm-layers")
-    seq, layered, left, got, stat, client = export(engine, node.address, tokens, paced=True)
+    seq, layered, left, got, stat, client = export(engine, node.address, tokens, paced=True, beside_handoff=beside_handoff)
     assert left == [] and layered.stored == 5 and layered.rejected == 0
     # every layer went in as it was computed: all but the last layer of the last block before the prompt's end
     assert layered.bytes_written == sum(b.nbytes for b in whole_blocks(engine, seq))
@@ -108,6 +123,10 @@ def test_blocks_stream_per_layer_and_read_back_as_a_whole_block_export_stores_th
     assert stat.tiers[0].reserved_bytes == 0 and stat.tiers[0].blocks == 5
     assert mover_bytes(node.address, "shm-layers") - before == layered.bytes_written
     assert not client.errors
+    if beside_handoff:
+        handoff_holds(layered, whole_blocks(engine, seq))
+    else:
+        assert layered.bytes_from_cache == layered.bytes_written
 
 
 def test_a_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_node) -> None:  # noqa: F811
@@ -157,12 +176,13 @@ def test_blocks_the_node_holds_are_not_sent_again(kvstore_node) -> None:  # noqa
     assert layered.bytes_written == 0 and left == [] and len(got) == 4 and stat.tiers[0].blocks == 4
 
 
-def test_a_node_without_a_shared_pool_gets_each_chunk_s_blocks_whole_while_the_next_computes(kvstore_node) -> None:  # noqa: F811
+@pytest.mark.parametrize("beside_handoff", [False, True], ids=["alone", "beside-handoff"])
+def test_a_node_without_a_shared_pool_gets_each_chunk_s_blocks_whole_while_the_next_computes(kvstore_node, beside_handoff) -> None:  # noqa: F811
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "shared_memory": False})
     before = {m: mover_bytes(node.address, m) for m in ("shm-layers", "tcp")}
     engine = make_engine(chunk=8)
     tokens = [(13 * i) % 97 for i in range(23)]  # 5 full blocks in 3 chunks
-    seq, layered, left, got, _, client = export(engine, node.address, tokens, paced=True)
+    seq, layered, left, got, _, client = export(engine, node.address, tokens, paced=True, beside_handoff=beside_handoff)
     assert not client.takes_layers  # asked once: whole puts (the TCP side channel here) from then on
     assert left == [] and layered.stored == 5
     whole = whole_blocks(engine, seq)
@@ -171,6 +191,8 @@ def test_a_node_without_a_shared_pool_gets_each_chunk_s_blocks_whole_while_the_n
     assert mover_bytes(node.address, "tcp") - before["tcp"] == layered.bytes_written == sum(b.nbytes for b in whole)
     # the first two chunks' blocks went while later chunks computed; the last chunk's after
     assert layered.bytes_early == 4 * whole[0].nbytes
+    if beside_handoff:  # the blocks put were the handoff's buffers themselves
+        handoff_holds(layered, whole)
 
 
 def test_room_held_too_long_is_given_back_and_its_blocks_left_to_the_whole_put(kvstore_node) -> None:  # noqa: F811
