@@ -59,49 +59,20 @@ class LayerSource(Protocol):
     def block_view(self, block: int) -> memoryview: ...
 
 
-@dataclass(eq=False)
-class _Chunk:
-    """Room reserved for consecutive blocks (one chunk's), committed together."""
+class StoreExportTask:
+    """What both layer-wise kvstore exports (this one, kimi_k3's) share: the new blocks
+    ``[first, end)``, the events their hook queues, the task that acts on them, and its end."""
 
-    room: LayeredRoom
-    first: int  # the block of the room's first slot
-    blocks: list[int]  # the blocks written into it (slots with room)
-
-
-class LayerwiseStoreExport:
-    """One prompt's new full blocks, streamed to the kvstore a layer at a time."""
-
-    def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient,
-                 source: LayerSource | None = None) -> None:
-        """``already_cached``: the prompt's leading tokens that came from a cache (not exported);
-        ``source``: the layer-wise handoff of the same prompt, whose copies are read instead."""
-        cache = engine.cache
-        self._engine, self._seq, self._kvstore, self._source = engine, seq, kvstore, source
-        self.num_layers = cache.num_layers
-        self._page = engine.page_size
-        self.first = already_cached // self._page
-        self.end = len(seq.block_keys) if seq.keeps_blocks else self.first  # blocks [first, end) are new
-        self._layer_bytes = self._page * cache.token_layer_bytes()
-        self._shape = cache.payload_shape(self._page)
-        self._dtype = kv_dtype(cache)
-        self._next_block = [self.first] * self.num_layers  # per layer: the first block not written yet
-        self._reserved_to = self.first  # blocks below were offered room
-        self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
-        self._stale: list[_Chunk] = []  # rooms given up, to give back
-        self._staged: dict[int, memoryview] = {}  # block -> its payload, filled layer by layer, put whole
-        self._staged_is_source: set[int] = set()  # staged blocks whose payload is the source's buffer
-        self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
-        self._crc = dict.fromkeys(range(self.first, self.end), 0)
+    def _init_task(self, first: int, end: int) -> None:
+        self.first, self.end = first, end
         self._settled: set[int] = set()  # committed (stored or refused) or held already; the rest go whole
         self._loop = asyncio.get_running_loop()
-        self._ready: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+        self._ready: asyncio.Queue[tuple | None] = asyncio.Queue()
         self._stopped = False
         self._done: asyncio.Future[list[int]] = self._loop.create_future()
         self.computed_at: float | None = None  # perf_counter when the prompt's last layer was computed
         self.stored = self.rejected = 0
-        self.bytes_written = self.bytes_early = 0  # layer bytes into the room; before the last layer was computed
-        self.bytes_from_cache = 0  # copied out of the cache by this export (not read from ``source``)
-        self._prompt_tokens = seq.num_tokens
+        self.bytes_written = self.bytes_early = 0  # bytes into the node; before the last layer was computed
 
     @property
     def wanted(self) -> bool:
@@ -110,16 +81,6 @@ class LayerwiseStoreExport:
     def start(self, spawn: Callable[[Coroutine], None]) -> None:
         """Run the export's task through ``spawn`` (its owner awaits or cancels it)."""
         spawn(self._run())
-
-    # ---- the engine thread's side ----------------------------------------------------------------
-
-    def on_layer(self, layer: int, end: int) -> None:
-        """``Engine``'s hook (on the engine thread): layer ``layer`` of the first ``end`` tokens is final."""
-        if end == self._prompt_tokens and layer == self.num_layers - 1:
-            self.computed_at = time.perf_counter()
-        self._loop.call_soon_threadsafe(self._ready.put_nowait, (layer, end))
-
-    # ---- the event loop's side -------------------------------------------------------------------
 
     def stop(self) -> None:
         """The prompt stopped before it was exported (failed, cancelled): no copy from its pages
@@ -132,8 +93,68 @@ class LayerwiseStoreExport:
         self.stop()
 
     async def finished(self) -> list[int]:
-        """Once every layer has been written and committed: the new blocks left to put whole."""
+        """Once every layer (and state) has been written and committed: the new blocks left to put whole."""
         return await asyncio.shield(self._done)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    async def _release_open(self) -> None:
+        raise NotImplementedError
+
+    async def _end(self) -> None:
+        """The task's end, however it came: the blocks left to put whole (none once stopped), and
+        the room still open given back."""
+        if not self._done.done():
+            self._done.set_result([] if self._stopped else [i for i in range(self.first, self.end) if i not in self._settled])
+        await self._release_open()
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """Room reserved for consecutive blocks (one chunk's), committed together."""
+
+    room: LayeredRoom
+    first: int  # the block of the room's first slot
+    blocks: list[int]  # the blocks written into it (slots with room)
+
+
+class LayerwiseStoreExport(StoreExportTask):
+    """One prompt's new full blocks, streamed to the kvstore a layer at a time."""
+
+    def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient,
+                 source: LayerSource | None = None) -> None:
+        """``already_cached``: the prompt's leading tokens that came from a cache (not exported);
+        ``source``: the layer-wise handoff of the same prompt, whose copies are read instead."""
+        cache = engine.cache
+        self._engine, self._seq, self._kvstore, self._source = engine, seq, kvstore, source
+        self.num_layers = cache.num_layers
+        self._page = engine.page_size
+        first = already_cached // self._page
+        self._init_task(first, len(seq.block_keys) if seq.keeps_blocks else first)  # blocks [first, end) are new
+        self._layer_bytes = self._page * cache.token_layer_bytes()
+        self._shape = cache.payload_shape(self._page)
+        self._dtype = kv_dtype(cache)
+        self._next_block = [self.first] * self.num_layers  # per layer: the first block not written yet
+        self._reserved_to = self.first  # blocks below were offered room
+        self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
+        self._stale: list[_Chunk] = []  # rooms given up, to give back
+        self._staged: dict[int, memoryview] = {}  # block -> its payload, filled layer by layer, put whole
+        self._staged_is_source: set[int] = set()  # staged blocks whose payload is the source's buffer
+        self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
+        self._crc = dict.fromkeys(range(self.first, self.end), 0)
+        self.bytes_from_cache = 0  # copied out of the cache by this export (not read from ``source``)
+        self._prompt_tokens = seq.num_tokens
+
+    # ---- the engine thread's side ----------------------------------------------------------------
+
+    def on_layer(self, layer: int, end: int) -> None:
+        """``Engine``'s hook (on the engine thread): layer ``layer`` of the first ``end`` tokens is final."""
+        if end == self._prompt_tokens and layer == self.num_layers - 1:
+            self.computed_at = time.perf_counter()
+        self._loop.call_soon_threadsafe(self._ready.put_nowait, (layer, end))
+
+    # ---- the event loop's side -------------------------------------------------------------------
 
     async def _run(self) -> None:
         try:
@@ -160,10 +181,7 @@ class LayerwiseStoreExport:
                     await self._stale.pop().room.release()
                 await self._commit_whole()
         finally:
-            if not self._done.done():
-                left = [] if self._stopped else [i for i in range(self.first, self.end) if i not in self._settled]
-                self._done.set_result(left)
-            await self._release_open()
+            await self._end()
 
     async def _reserve(self, first: int, stop: int) -> None:
         room = await self._kvstore.reserve_layers([self._meta(i) for i in range(first, stop)])

@@ -34,10 +34,8 @@ nothing more and gives its open room back.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 from crescent.protos import common_pb2
@@ -48,6 +46,7 @@ from crescent.services.kvstore.movers.shm_layers import LayeredRoom
 from crescent.services.kvwire.fused_copy import crc32, empty_buffer
 from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION, KvBlock
 from crescent.services.prefill.layerwise import hands_off_layerwise, supports_layerwise
+from crescent.services.prefill.layerwise_store import StoreExportTask
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class _Room:
     writing: set[int] = field(default_factory=set)  # blocks with a view, not given up
 
 
-class HybridLayerwiseStoreExport:
+class HybridLayerwiseStoreExport(StoreExportTask):
     """One prompt's new full blocks of a kimi_k3 cache, streamed into the node's pool."""
 
     def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient) -> None:
@@ -95,8 +94,8 @@ class HybridLayerwiseStoreExport:
         self.num_layers = layout.num_layers
         self._page = page = engine.page_size
         self._prompt_tokens = seq.num_tokens
-        self.first = already_cached // page
-        self.end = len(seq.block_keys) if seq.keeps_blocks else self.first  # blocks [first, end) are new
+        first = already_cached // page
+        self._init_task(first, len(seq.block_keys) if seq.keeps_blocks else first)  # blocks [first, end) are new
         self._states = bool(layout.state_bytes) and layout.states_after is not None
         full_last = self._states and self._prompt_tokens % page == 0  # Engine.block_payload: with the live state
         self._live_block = self._prompt_tokens // page - 1 if full_last else None
@@ -113,31 +112,15 @@ class HybridLayerwiseStoreExport:
         self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> MLA layers in its room
         self._state_in: set[int] = set()
         self._streaming: list[int] = []  # the current forward's streamed blocks
-        self._settled: set[int] = set()  # committed (stored or refused) or held already
         self._scratch = empty_buffer(layout.layer_bytes(page))
-        self._loop = asyncio.get_running_loop()
-        self._ready: asyncio.Queue[tuple | None] = asyncio.Queue()
         self._last_layer_seen = False
         self._states_seen = not self._states
-        self._stopped = False
-        self._done: asyncio.Future[list[int]] = self._loop.create_future()
-        self.computed_at: float | None = None  # perf_counter when the prompt's last layer was computed
-        self.stored = self.rejected = 0
-        self.bytes_written = self.bytes_early = 0  # bytes into the room; before the last layer was computed
         self.events_handled = 0  # hook events this loop has acted on (a test paces the engine by it)
-
-    @property
-    def wanted(self) -> bool:
-        return self.end > self.first
 
     @property
     def bytes_from_cache(self) -> int:
         """Copied out of the cache by this export: all it wrote (it reads no handoff's copies)."""
         return self.bytes_written
-
-    def start(self, spawn: Callable[[Coroutine], None]) -> None:
-        """Run the export's task through ``spawn`` (its owner awaits or cancels it)."""
-        spawn(self._run())
 
     # ---- the engine thread's side ----------------------------------------------------------------
 
@@ -193,20 +176,6 @@ class HybridLayerwiseStoreExport:
 
     # ---- the event loop's side -------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """The prompt stopped before it was exported: no copy from its pages after this returns;
-        room not committed yet goes back."""
-        self._stopped = True
-        self._ready.put_nowait(None)
-
-    async def close(self) -> None:
-        """``stop`` (every copy runs on this loop's thread: none is left in flight)."""
-        self.stop()
-
-    async def finished(self) -> list[int]:
-        """Once the last forward's layers and states are in and committed: the new blocks left to put whole."""
-        return await asyncio.shield(self._done)
-
     async def _run(self) -> None:
         try:
             while not self._stopped and not (self._last_layer_seen and self._states_seen):
@@ -229,10 +198,7 @@ class HybridLayerwiseStoreExport:
                 await self._put_staged()
                 self.events_handled += 1
         finally:
-            if not self._done.done():
-                left = [] if self._stopped else [i for i in range(self.first, self.end) if i not in self._settled]
-                self._done.set_result(left)
-            await self._release_open()
+            await self._end()
 
     async def _start_forward(self, plan: _Plan) -> None:
         """Room for the blocks this forward settles; the evicted and kept ones copied whole now."""
