@@ -256,32 +256,38 @@ class LayerwiseHandoff:
         return parts
 
     def _copy(self, layer: int, block: int) -> memoryview:
-        """Layer ``layer`` of block ``block``, out of the cache into its payload buffer (this
-        thread; the engine thread computes later layers, which never touch this memory).
-        Token-major payloads: into a slice of its own first, which is what goes on the wire."""
+        """Layer ``layer`` of block ``block``, out of the cache into its payload buffer unless it
+        is there already (this thread; the engine thread computes later layers, which never
+        touch this memory), as it goes on the wire. Token-major payloads: into a slice of its
+        own first, then placed; once placed, gathered back from the buffer."""
         size, tokens, page = self._layer_bytes[block], self._tokens[block], self._seq.pages[block]
         kv = self._buffers[block][self._heads[block] :]
+        copied = (block, layer) in self._in_buffer
         if not self.layout.token_major:
             out = kv[layer * size : (layer + 1) * size]
-            if (block, layer) not in self._in_buffer:
+            if not copied:
                 self._engine.cache.copy_layer(page, layer, tokens, out)
-                self._in_buffer.add((block, layer))
-            return out
-        out = empty_buffer(size)
-        self._engine.cache.copy_layer(page, layer, tokens, out)
-        self.layout.place(kv, tokens, layer, out)
+        elif copied:
+            return layer_piece(self.layout, kv, tokens, layer)
+        else:
+            out = empty_buffer(size)
+            self._engine.cache.copy_layer(page, layer, tokens, out)
+            self.layout.place(kv, tokens, layer, out)
+        self._in_buffer.add((block, layer))
         return out
 
     def layer_view(self, block: int, layer: int) -> memoryview:
-        """Layer ``layer`` of block ``block`` in its payload buffer, copied out of the cache now
-        if the stream has not yet: the layer-wise kvstore export's source (this event loop's
-        thread; layer ``layer`` of the block is final). Layer-after-layer payloads only."""
-        assert not self.layout.token_major, "a token-major payload has no contiguous layer"
+        """Layer ``layer`` of block ``block`` as on the wire, copied out of the cache into its
+        payload buffer now if the stream has not yet: the layer-wise kvstore export's source
+        (this event loop's thread; layer ``layer`` of the block is final). A view of the buffer,
+        or for a token-major payload a slice of its own."""
         return self._copy(layer, block)
 
     def block_view(self, block: int) -> memoryview:
-        """Block ``block``'s payload buffer (filled by ``layer_view``s and the stream's copies)."""
-        return self._buffers[block][self._heads[block] :]
+        """Block ``block``'s payload buffer (filled by ``layer_view``s and the stream's copies;
+        layer after layer: the Llama cache's block payload)."""
+        assert not self.layout.token_major and not self._heads[block], "not a whole block payload"
+        return self._buffers[block]
 
     def _state_parts(self, shm: bool, count: bool = True) -> list[HandoffWirePart]:
         """The last block's state, final and in its buffer's head: decode continues from it

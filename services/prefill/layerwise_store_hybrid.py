@@ -22,6 +22,11 @@ planned that forward then, and nothing else plans until it ends):
   KDA layer of the last forward (``states_after``: final, and no forward can evict it while this
   one runs), then written into the rooms.
 
+Beside a layer-wise handoff of the same prompt (``source``), an MLA layer is copied out of the
+cache once: whichever of the two needs it first copies it into the handoff's buffer
+(``LayerwiseHandoff.layer_view``), and this export places that slice into its rows. The states
+are copied out here either way (the handoff carries the last block's live state alone).
+
 A block's CRC is taken at commit over its room (its bytes in payload order: token-major rows do
 not follow the layer order); the node recomputes it over the same room before the block becomes
 readable. A node this client cannot write through shared memory (another host or pod: found
@@ -46,7 +51,7 @@ from crescent.services.kvstore.movers.shm_layers import LayeredRoom
 from crescent.services.kvwire.fused_copy import crc32, empty_buffer
 from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION, KvBlock
 from crescent.services.prefill.layerwise import hands_off_layerwise, supports_layerwise
-from crescent.services.prefill.layerwise_store import StoreExportTask
+from crescent.services.prefill.layerwise_store import LayerSource, StoreExportTask
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +91,12 @@ class _Room:
 class HybridLayerwiseStoreExport(StoreExportTask):
     """One prompt's new full blocks of a kimi_k3 cache, streamed into the node's pool."""
 
-    def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient) -> None:
-        """``already_cached``: the prompt's leading tokens that came from a cache (not exported)."""
+    def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient,
+                 source: LayerSource | None = None) -> None:
+        """``already_cached``: the prompt's leading tokens that came from a cache (not exported);
+        ``source``: the layer-wise handoff of the same prompt, whose layer copies are read instead."""
         cache = engine.cache
-        self._engine, self._seq, self._kvstore, self._cache = engine, seq, kvstore, cache
+        self._engine, self._seq, self._kvstore, self._cache, self._source = engine, seq, kvstore, cache, source
         self.layout = layout = cache.layer_layout()
         self.num_layers = layout.num_layers
         self._page = page = engine.page_size
@@ -115,12 +122,8 @@ class HybridLayerwiseStoreExport(StoreExportTask):
         self._scratch = empty_buffer(layout.layer_bytes(page))
         self._last_layer_seen = False
         self._states_seen = not self._states
+        self.bytes_from_cache = 0  # copied out of the cache by this export (not read from ``source``)
         self.events_handled = 0  # hook events this loop has acted on (a test paces the engine by it)
-
-    @property
-    def bytes_from_cache(self) -> int:
-        """Copied out of the cache by this export: all it wrote (it reads no handoff's copies)."""
-        return self.bytes_written
 
     # ---- the engine thread's side ----------------------------------------------------------------
 
@@ -251,15 +254,21 @@ class HybridLayerwiseStoreExport(StoreExportTask):
         return chunk.room.views[chunk.blocks.index(i)]
 
     def _write_layer(self, i: int, layer: int) -> None:
-        """MLA layer ``layer`` of block ``i``: cache -> scratch -> its rows in the room (this thread;
-        the engine thread computes later layers, which never touch this page's finished latents)."""
+        """MLA layer ``layer`` of block ``i``: cache -> scratch (or the handoff's copy) -> its rows in
+        the room (this thread; the engine thread computes later layers, which never touch this
+        page's finished latents)."""
         view = self._view(i)
         if view is None:
             return
         assert self._layers[i] == layer, f"block {i}: layer {layer} after {self._layers[i]}"
         page, head = self._page, self.layout.state_bytes if self._carries[i] else 0
-        self._engine.cache.copy_layer(self._seq.pages[i], layer, page, self._scratch)
-        self.layout.place(view[head:], page, layer, self._scratch)
+        if self._source is not None:
+            piece = self._source.layer_view(i, layer)
+        else:
+            piece = self._scratch
+            self._engine.cache.copy_layer(self._seq.pages[i], layer, page, piece)
+            self.bytes_from_cache += len(piece)
+        self.layout.place(view[head:], page, layer, piece)
         self._layers[i] = layer + 1
         if i in self._room:  # in the node's room already (a staged block counts when put)
             self._count(len(self._scratch))
@@ -276,6 +285,7 @@ class HybridLayerwiseStoreExport(StoreExportTask):
                     self._room[i].writing.discard(i)
                 continue
             view[: self.layout.state_bytes] = states[i]
+            self.bytes_from_cache += len(states[i])
             self._state_in.add(i)
             if i in self._room:
                 self._count(self.layout.state_bytes)

@@ -355,14 +355,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                         streamed: LayerwiseHandoff | None) -> LayerwiseStoreExport | HybridLayerwiseStoreExport | None:
         """A layer-wise export of the prompt's new blocks, started (a chunk at a time where the
         node takes no layer-wise puts; kimi_k3: each block once final). With a layer-wise
-        handoff ``streamed``, the Llama export reads the layers it copied out of the cache."""
+        handoff ``streamed``, the export reads the layers it copied out of the cache."""
         if not self.layerwise_kvstore:
             return None
         assert self.kvstore is not None  # layerwise_kvstore is on only with a kvstore
-        if self._hybrid_store:
-            layered = HybridLayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore)
-        else:
-            layered = LayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore, source=streamed)
+        kind = HybridLayerwiseStoreExport if self._hybrid_store else LayerwiseStoreExport
+        layered = kind(self.engine, seq, already_cached, self.kvstore, source=streamed)
         if not layered.wanted:
             return None
         layered.start(self._spawn)

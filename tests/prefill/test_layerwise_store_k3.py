@@ -6,7 +6,8 @@ after the prompt stores — latents token-major, with a state exactly where that
 pool evicted while the prompt computed, in fp32 and bf16 caches, with a cached prefix; a block
 whose state cannot be had in time goes whole, never stored without or with a wrong state; a
 prompt stopped midway leaves nothing and gives its room back; a node without a shared pool gets
-each block whole (over the TCP side channel) as soon as it is final. (Real processes: ``test_layerwise_store_k3_process.py``.)
+each block whole (over the TCP side channel) as soon as it is final; beside a layer-wise handoff
+the latents are copied out of the cache once, by the handoff. (Real processes: ``test_layerwise_store_k3_process.py``.)
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
+from crescent.protos import decode_pb2
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.kv_block import KvBlock
-from crescent.services.prefill.layerwise import supports_layerwise
+from crescent.services.prefill.layerwise import LayerwiseHandoff, supports_layerwise
 from crescent.services.prefill.layerwise_store_hybrid import HybridLayerwiseStoreExport, stores_layerwise
-from crescent.services.prefill.prompt_export import owned_bytes
+from crescent.services.prefill.prompt_export import PromptExport, owned_bytes
 from tests.engine.test_kimi_k3_snapshots import BF16_CFG, PAGE, TEST_CFG, make_engine, prompt
 from tests.kvstore.conftest import kvstore_node  # noqa: F401  (the fixture)
 
@@ -41,16 +43,19 @@ def whole_blocks(engine: Engine, seq) -> dict[bytes, KvBlock]:  # noqa: ANN001
 
 
 def export(engine: Engine, address: str, tokens: list[int], *, before_layer=None, stop_at: int | None = None,  # noqa: ANN001
-           paced: bool = True):
+           paced: bool = True, beside_handoff: bool = False):
     """Prefill ``tokens`` on a thread with a ``HybridLayerwiseStoreExport`` fed by its layer hook;
     (the export, the blocks it left to a whole put, a get of the prompt's keys, the whole-block
     export's blocks, the node's stat). ``before_layer(seq, layer, end)`` runs in the hook first;
     ``stop_at``: the prompt stops (as a cancelled call does) at that layer of its last forward;
-    ``paced``: the engine waits for each event to be acted on before computing on (a slow forward)."""
+    ``paced``: the engine waits for each event to be acted on before computing on (a slow forward);
+    ``beside_handoff``: a layer-wise handoff of the prompt (its stream not started) is the source."""
     async def main():
         client = KvStoreClient(address, shared_memory=True)
         seq = engine.add_sequence("s", tokens)
-        layered = HybridLayerwiseStoreExport(engine, seq, seq.num_computed, client)
+        source = (LayerwiseHandoff(engine, seq, PromptExport(engine, None, seq, len(tokens)), decode_pb2.HandoffHeader())
+                  if beside_handoff else None)
+        layered = HybridLayerwiseStoreExport(engine, seq, seq.num_computed, client, source=source)
         tasks: list[asyncio.Task] = []
         layered.start(lambda coro: tasks.append(asyncio.create_task(coro)))
         loop = asyncio.get_running_loop()
@@ -111,6 +116,18 @@ def test_blocks_read_back_as_the_whole_block_export_stores_them(kvstore_node, cf
     last_forward_blocks = blocks - (n - 1) // chunk * chunk // PAGE
     assert layered.bytes_written - layered.bytes_early == last_forward_blocks * engine.cache.layer_layout().layer_bytes(PAGE)
     assert stat.tiers[0].reserved_bytes == 0 and stat.tiers[0].blocks == blocks
+
+
+@pytest.mark.parametrize(("blocks", "extra", "slots"), [(13, 5, 3), (12, 0, 3)], ids=["evicting", "live-state"])
+def test_beside_a_handoff_the_latents_are_copied_out_of_the_cache_once(kvstore_node, blocks, extra, slots) -> None:  # noqa: F811, ANN001
+    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
+    engine = make_engine(slots=slots, chunk=4 * PAGE)
+    layered, left, got, whole, _ = export(engine, node.address, prompt(blocks * PAGE + extra, seed=blocks), beside_handoff=True)
+    assert left == [] and layered.stored == blocks
+    assert {k: bytes(b.payload) for k, b in got.items()} == {k: bytes(b.payload) for k, b in whole.items()}
+    # only the states came out of the cache here; every latent came from the handoff's copy
+    states = sum(carries_state(engine, b) for b in whole.values())
+    assert layered.bytes_from_cache == states * engine.cache.layer_layout().state_bytes
 
 
 def test_a_cached_prefix_is_not_exported_again(kvstore_node) -> None:  # noqa: F811
