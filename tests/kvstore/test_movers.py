@@ -23,6 +23,7 @@ from crescent.protos import kvstore_pb2
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers import nixl as nixl_mover
 from crescent.services.kvwire.fused_copy import crc32
+from crescent.services.kvwire.nixl_engine import API_MODULES
 from crescent.services.kvwire import side_channel
 from crescent.services.kvwire.side_channel import SideChannelServer, joined_crcs, send_payloads, stripe_pieces
 
@@ -127,10 +128,21 @@ async def test_a_connection_without_the_issued_token_writes_nothing(kvstore_node
         await reader.close()
 
 
-async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvstore_node, monkeypatch) -> None:
-    if _nixl_installed():
-        pytest.skip("NIXL is installed here; this test is about its absence")
-    node = kvstore_node({"nixl": True})  # asked for, but NIXL is not installed here: the node serves the rest
+def hide_nixl(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """As if no NIXL package were installed: in this process, and in the processes started after
+    (packages of those names first on their path, each failing to import as an absent one does)."""
+    packages = {name.split(".")[0] for name in API_MODULES}
+    for name in packages | set(API_MODULES):
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in packages:
+        (tmp_path / "no-nixl" / name).mkdir(parents=True)
+        (tmp_path / "no-nixl" / name / "__init__.py").write_text(f"raise ModuleNotFoundError('hidden', name={name!r})\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "no-nixl"), os.environ.get("PYTHONPATH")])))
+
+
+async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvstore_node, monkeypatch, tmp_path) -> None:
+    hide_nixl(monkeypatch, tmp_path)
+    node = kvstore_node({"nixl": True})  # asked for, but NIXL is not installed there: the node serves the rest
     client = KvStoreClient(node.address, movers=["nixl"])
     try:
         assert not client.movers[0].usable, "an absent engine is given up at once"
