@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices", "num_layers", "shm_segment", "shm_identity")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices", "num_layers", "shm_segment", "shm_identity", "tcp_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class HandoffHeader(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SHM_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    TCP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -35,7 +36,24 @@ class HandoffHeader(_message.Message):
     num_layers: int
     shm_segment: str
     shm_identity: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., shm_segment: _Optional[str] = ..., shm_identity: _Optional[str] = ...) -> None: ...
+    tcp_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., shm_segment: _Optional[str] = ..., shm_identity: _Optional[str] = ..., tcp_token: _Optional[bytes] = ...) -> None: ...
+
+class OpenHandoffRequest(_message.Message):
+    __slots__ = ("request_id", "total_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    total_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenHandoffReply(_message.Message):
+    __slots__ = ("address", "token")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    token: bytes
+    def __init__(self, address: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class LayerSliceMeta(_message.Message):
     __slots__ = ("layer", "first_block", "num_blocks", "last_block_tokens", "nbytes", "crc32")

@@ -49,6 +49,11 @@ class DecodeStub:
                 request_serializer=crescent_dot_protos_dot_decode__pb2.AbortRequest.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_decode__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.OpenHandoff = channel.unary_unary(
+                '/crescent.v1.Decode/OpenHandoff',
+                request_serializer=crescent_dot_protos_dot_decode__pb2.OpenHandoffRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_decode__pb2.OpenHandoffReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -76,6 +81,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenHandoff(self, request, context):
+        """Room for a layer-wise handoff's KV on decode's TCP side channel: the address and a one-time
+        token (FAILED_PRECONDITION: no side channel here; RESOURCE_EXHAUSTED: too large).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=crescent_dot_protos_dot_decode__pb2.AbortRequest.FromString,
                     response_serializer=crescent_dot_protos_dot_decode__pb2.AbortReply.SerializeToString,
+            ),
+            'OpenHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenHandoff,
+                    request_deserializer=crescent_dot_protos_dot_decode__pb2.OpenHandoffRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_decode__pb2.OpenHandoffReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Decode:
             '/crescent.v1.Decode/Abort',
             crescent_dot_protos_dot_decode__pb2.AbortRequest.SerializeToString,
             crescent_dot_protos_dot_decode__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.Decode/OpenHandoff',
+            crescent_dot_protos_dot_decode__pb2.OpenHandoffRequest.SerializeToString,
+            crescent_dot_protos_dot_decode__pb2.OpenHandoffReply.FromString,
             options,
             channel_credentials,
             insecure,

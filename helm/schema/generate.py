@@ -109,6 +109,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "gateway.service.type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
     "kvstore.hostMemoryGiB": {"minimum": 1},
     "kvstore.sideChannel.port": PORT,
+    "decode.handoffSideChannel.port": PORT,
     "kvstore.ssd.capacityGiB": {"minimum": 1},
     "kvstore.ssd.volume": {"enum": ["hostPath", "ephemeral"]},
     "kvstore.ssd.hostPath": {"pattern": "^(/.*)?$"},

@@ -105,6 +105,7 @@ PREFILL_RULES = {
 }
 DECODE_RULES = {
     "Handoff": rule(*PREFILLERS),
+    "OpenHandoff": rule(*PREFILLERS),  # room on the handoff side channel, for a Handoff to come
     "StreamTokens": rule(GATEWAY),
     "Abort": rule(GATEWAY),
 }

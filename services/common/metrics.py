@@ -239,12 +239,13 @@ def kv_mover_metrics() -> KvMoverMetrics:
 
 @dataclass(frozen=True)
 class HandoffMetrics:
-    """Prefill -> decode handoffs by byte mover (``shm``: shared memory on one host, ``grpc``:
-    the bytes on the Handoff stream), per decode instance (``peer``, its address: few)."""
+    """Prefill -> decode handoffs by byte mover (``shm``: shared memory on one host, ``tcp``:
+    decode's handoff side channel, ``grpc``: the bytes on the Handoff stream), per decode instance (``peer``, its address: few)."""
 
     handoffs: Counter          # by peer, mover: handoffs decode accepted
     moved_bytes: Counter       # by peer, mover: their KV bytes
     shm_refused: Counter       # by peer: shared memory handoffs decode could not map (sent again as bytes)
+    tcp_refused: Counter       # by peer: decode side channels found unusable (handoffs sent as bytes from then on)
 
 
 @cache
@@ -255,6 +256,8 @@ def handoff_metrics() -> HandoffMetrics:
         moved_bytes=Counter("crescent_handoff_bytes", "KV bytes handed to decode by byte mover", labels),
         shm_refused=Counter("crescent_handoff_shm_refused",
                             "Shared memory handoffs a decode instance could not map (then sent over gRPC)", ["peer"]),
+        tcp_refused=Counter("crescent_handoff_tcp_refused",
+                            "Decode handoff side channels found unusable (handoffs to it then go over gRPC)", ["peer"]),
     )
 
 

@@ -26,4 +26,16 @@ class DecodeSettings(StrictModel):
                     "refuse it, and that prefill sends this instance the bytes over gRPC (docs/prefill.md, "
                     "\"Layer-wise handoff\")",
     )
+    tcp_handoff: bool = Field(
+        default=True,
+        description="serve the handoff side channel: a prefill that cannot use shared memory with this instance "
+                    "(another pod or host) writes a layer-wise handoff's KV over a TCP socket of its own, opened "
+                    "by a one-time token (OpenHandoff, prefill role only), mutual TLS with tls set; off: it sends "
+                    "the bytes over gRPC (docs/prefill.md, \"Layer-wise handoff\")",
+    )
+    handoff_side_channel_port: int = Field(
+        default=0, ge=0, le=65535,
+        description="port of the handoff side channel (on listen.host); 0: any free one (set one where a "
+                    "firewall or a NetworkPolicy must name it)",
+    )
     engine: EngineSettings = EngineSettings()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import grpc
@@ -11,10 +12,16 @@ from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
 from crescent.services.decode.batcher import DRAINING, Batcher
 from crescent.services.decode.config import ENV_PREFIX, DecodeSettings
+from crescent.services.decode.handoff_side import HandoffSideChannel
 from crescent.services.decode.servicer import DecodeServicer, add_decode_to_server
+from crescent.services.common.tls import PeerTls
 from crescent.services.engine.constraints import Constraints
+from crescent.services.engine.engine import Engine
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+from crescent.services.kvwire.side_channel import tls_contexts
+
+log = logging.getLogger(__name__)
 
 END_STREAMS_WAIT_S = 1.0  # after ending the streams: time for their readers to get the status
 
@@ -22,8 +29,9 @@ END_STREAMS_WAIT_S = 1.0  # after ending the streams: time for their readers to 
 class DecodeRole:
     """The decode part of an engine instance: load reports and drain, over the batcher."""
 
-    def __init__(self, batcher: Batcher) -> None:
+    def __init__(self, batcher: Batcher, side: HandoffSideChannel | None = None) -> None:
         self.batcher = batcher
+        self.side = side
 
     def load(self) -> EngineLoad:
         b = self.batcher
@@ -52,7 +60,27 @@ class DecodeRole:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
         await self.batcher.stop()
+
+
+def handoff_side_channel(settings: DecodeSettings, engine: Engine, tls: PeerTls | None) -> HandoffSideChannel | None:
+    """The handoff side channel on listen.host, mutual TLS when gRPC has it; None when the cache
+    takes no layer-wise handoff. Advertised as the host of advertise_address, else listen.host
+    (prefill replaces an unspecified one with the host it dials for gRPC)."""
+    cache = engine.cache
+    if not hasattr(cache, "layer_layout"):
+        return None
+    layout = cache.layer_layout()
+    max_bytes = cache.capacity_tokens * layout.token_layer_bytes * layout.num_layers + layout.state_bytes
+    host = settings.listen.host
+    advertise = settings.advertise_address.rpartition(":")[0] if settings.advertise_address else host
+    side = HandoffSideChannel(host, settings.handoff_side_channel_port, advertise, max_bytes,
+                              server_tls=tls_contexts(tls)[0] if tls is not None else None)
+    log.info("handoff side channel on %s:%d (%s)", host, side.server.port,
+             "mutual TLS + one-time tokens" if tls is not None else "one-time tokens")
+    return side
 
 
 async def serve(settings: DecodeSettings, instance: EngineInstance, signals: ShutdownSignals) -> None:
@@ -63,8 +91,9 @@ async def serve(settings: DecodeSettings, instance: EngineInstance, signals: Shu
         batcher.start()
         engine = instance.engine
         constraints = Constraints.for_model(settings.engine.model, engine.config.vocab_size, engine.config.eos_token_ids)
-        add_decode_to_server(DecodeServicer(batcher, constraints, shm_handoff=settings.shm_handoff), server)
-        return DecodeRole(batcher)
+        side = handoff_side_channel(settings, engine, instance.tls) if settings.tcp_handoff else None
+        add_decode_to_server(DecodeServicer(batcher, constraints, shm_handoff=settings.shm_handoff, side=side), server)
+        return DecodeRole(batcher, side)
 
     await instance.run(attach, signals)
 

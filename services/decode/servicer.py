@@ -25,12 +25,14 @@ from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, MappedLayerAssembler, ShmUnusable
+from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL, HandoffLanding, HandoffTcpError
 from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens, buffers_nbytes
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import Batcher
+from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
 from crescent.services.engine.engine import Sequence
@@ -113,9 +115,12 @@ def add_decode_to_server(servicer: DecodeServicer, server: grpc.aio.Server) -> N
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, batcher: Batcher, constraints: Constraints | None = None, shm_handoff: bool = True) -> None:
-        """``shm_handoff``: map a layer-wise handoff's shared memory segment (off: refuse it)."""
+    def __init__(self, batcher: Batcher, constraints: Constraints | None = None, shm_handoff: bool = True,
+                 side: HandoffSideChannel | None = None) -> None:
+        """``shm_handoff``: map a layer-wise handoff's shared memory segment (off: refuse it);
+        ``side``: the handoff side channel (TCP) OpenHandoff opens handoffs on (None: refuse)."""
         self.batcher = batcher
+        self.side = side
         self.shm_handoff = shm_handoff
         self.constraints = constraints
         self.engine = batcher.engine
@@ -129,6 +134,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         assembler = BlockAssembler()
         layers: LayerAssembler | None = None  # a layer-wise handoff's (header.num_layers > 0)
         tail: decode_pb2.HandoffTail | None = None
+        landing: HandoffLanding | None = None  # a handoff over the side channel's (header.tcp_token)
         payloads: list[torch.Tensor] = []
         received = 0
         try:
@@ -145,6 +151,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         layers = self._layer_assembler(header)
                         if header.shm_segment:
                             layers = await self._mapped_assembler(header, layers, context)
+                        elif header.tcp_token:
+                            layers, landing = await self._landed_assembler(header, layers, context)
                     continue
                 if header is None:
                     raise BlockFormatError("KV block before the handoff header")
@@ -153,6 +161,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if part.tail is not None or part.layer is not None or part.state is not None:
                     if layers is None:
                         raise BlockFormatError("a layer slice, state or tail in a handoff that is not layer-wise")
+                    if part.tail is None and landing is not None:
+                        await self._wait_landed(landing, context)  # the note's bytes, off the side channel
                     if part.tail is not None:
                         tail = part.tail
                     elif part.state is not None:
@@ -177,6 +187,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 received = layers.received
         except BlockFormatError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed handoff: {exc}")
+        finally:
+            if landing is not None:
+                landing.close()  # every note checked (or refused): its connection lands nothing more
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty handoff")
         problem = self._check(header, payloads)
@@ -272,6 +285,45 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except ShmUnusable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSAL} {exc}")
         return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, segment)
+
+    async def OpenHandoff(self, request: decode_pb2.OpenHandoffRequest,
+                          context: grpc.aio.ServicerContext) -> decode_pb2.OpenHandoffReply:
+        """Room for a layer-wise handoff's KV on the side channel (``handoff_side.py``)."""
+        request_id_var.set(request.request_id)
+        if self.side is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{TCP_REFUSAL} no side channel on this decode instance")
+        if self.batcher.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        try:
+            token = self.side.open(request.request_id, request.total_bytes)
+        except HandoffTooLarge as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return decode_pb2.OpenHandoffReply(address=self.side.address, token=token)
+
+    async def _landed_assembler(self, header: decode_pb2.HandoffHeader, layers: LayerAssembler,
+                                context: grpc.aio.ServicerContext) -> tuple[MappedLayerAssembler, HandoffLanding]:
+        """The buffer OpenHandoff allocated for this handoff, as a mapped assembler's; FAILED_PRECONDITION
+        (``TCP_REFUSAL``) for a token this instance does not hold (expired): prefill sends the bytes."""
+        landing = self.side.take(header.tcp_token, header.request_id) if self.side is not None else None
+        if landing is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{TCP_REFUSAL} no side channel handoff of {header.request_id} open here")
+        size = buffers_nbytes(layers.layout, [layers.layout.layer_bytes(block_tokens(i, layers.prompt_tokens, layers.page_size))
+                                              for i in range(layers.num_blocks)])
+        if len(landing.buf) != size:
+            landing.close()
+            raise BlockFormatError(f"a side channel handoff of {len(landing.buf)} bytes; the prompt's KV takes {size}")
+        return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing.buf), landing
+
+    async def _wait_landed(self, landing: HandoffLanding, context: grpc.aio.ServicerContext) -> None:
+        try:
+            await landing.wait_next()
+        except HandoffTcpError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{TCP_REFUSAL} {exc}")
 
     def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
         """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""

@@ -155,9 +155,11 @@ class MappedLayerAssembler(LayerAssembler):
     """A ``LayerAssembler`` whose payload buffers are prefill's segment: each note is checked
     (order, range, length as a slice's, then the CRC of its bytes there) instead of copied."""
 
-    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, segment: HandoffSegment) -> None:
-        super().__init__(layout, prompt_tokens, page_size, into=segment.buf)
-        self.segment = segment
+    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, mapped: HandoffSegment | memoryview) -> None:
+        """``mapped``: the segment, or a buffer the bytes land in otherwise (the TCP side channel's,
+        ``handoff_tcp.py``), laid out as a segment is."""
+        super().__init__(layout, prompt_tokens, page_size, into=mapped.buf if isinstance(mapped, HandoffSegment) else mapped)
+        self.segment = mapped if isinstance(mapped, HandoffSegment) else None
 
     def feed(self, chunk: WireChunk) -> None:
         meta = chunk.meta

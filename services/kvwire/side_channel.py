@@ -73,7 +73,7 @@ KEEP_FLAG = 0x80               # in the hello's stripe count: the client will re
 IDLE_TIMEOUT_S = 30.0          # the node closes a kept connection with no next hello within this
 CLIENT_IDLE_S = 20.0           # a client reuses a kept connection idle for less (well inside the node's)
 MAX_IDLE_PER_PEER = STRIPES    # kept connections a client holds per node and direction
-_RECEIVE, _SEND = "receive", "send"
+_RECEIVE, _SEND, _STREAM = "receive", "send", "stream"
 
 Piece = tuple[int, int, int]  # payload index, start, end (bytes of that payload)
 
@@ -204,6 +204,7 @@ class _Transfer:
     parts: list[tuple[Piece, int]] = field(default_factory=list)
     results: bytes | None = None     # receive: one byte per payload, once every stripe is in
     over: threading.Event = field(default_factory=threading.Event)
+    serve: Callable[[Connection], None] | None = None  # stream: reads its one connection itself
 
     def __post_init__(self) -> None:
         self.done = self.loop.create_future()
@@ -270,6 +271,14 @@ class SideChannelServer:
         transfer = _Transfer(_SEND, list(buffers), [], asyncio.get_running_loop())
         return self._register(transfer), transfer.done
 
+    def expect_stream(self, serve: Callable[[Connection], None]) -> tuple[bytes, asyncio.Future]:
+        """A transfer of one connection (one stripe) whose bytes ``serve`` reads itself on the
+        connection's thread, after the token (and TLS) let it in: a framed stream whose sizes
+        the control call did not fix (the layer-wise handoff, ``handoff_tcp.py``). ``serve``
+        sets its own timeouts; its future is done when it returns (or fails with its error)."""
+        transfer = _Transfer(_STREAM, [], [], asyncio.get_running_loop(), serve=serve)
+        return self._register(transfer), transfer.done
+
     def withdraw(self, token: bytes) -> bool:
         """Forget a transfer no connection opened; False when one has (its buffers are in use
         until its future is done)."""
@@ -304,7 +313,7 @@ class SideChannelServer:
         with self._lock:
             transfer = self._pending.get(token)
             if transfer is None or not 0 < stripes <= MAX_STRIPES or stripe >= stripes or stripe in transfer.opened \
-                    or transfer.stripes not in (0, stripes):
+                    or transfer.stripes not in (0, stripes) or (transfer.kind == _STREAM and stripes != 1):
                 return None
             transfer.stripes = stripes
             transfer.opened.add(stripe)
@@ -355,6 +364,12 @@ class SideChannelServer:
         try:
             conn.settimeout(self.timeout_s)
             pieces = stripe_pieces([len(b) for b in transfer.buffers], stripe, transfer.stripes)
+            if transfer.kind == _STREAM:
+                assert transfer.serve is not None
+                transfer.serve(conn)
+                self._forget(transfer)
+                transfer.finish(None)
+                return False  # a stream's end is its connection's
             if transfer.kind == _RECEIVE:
                 parts = _receive_pieces(conn, transfer.buffers, pieces)
                 self._stripe_done(transfer, parts)
@@ -471,6 +486,24 @@ def _connect(address: str, timeout_s: float, client_tls: ssl.SSLContext | None, 
         raise
     # wrap_socket detaches ``sock``: an SSLSocket is then the socket to watch; a TlsStream is not one
     return conn, conn if isinstance(conn, socket.socket) else sock
+
+
+UNSPECIFIED_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def dial_target(side_address: str, grpc_address: str, client_tls: ssl.SSLContext | None
+                ) -> tuple[str, ssl.SSLContext | None]:
+    """Where to connect for a side channel a server advertised as ``side_address`` (``tls://``
+    first: mutual TLS), and with which TLS context: an unspecified host (it listens on every
+    interface) becomes the host we dial it at for gRPC (``grpc_address``). ``ssl.SSLError``
+    when it asks for TLS and this client has no certificate."""
+    wants_tls = side_address.startswith("tls://")
+    host, _, port = side_address.removeprefix("tls://").rpartition(":")
+    if host in UNSPECIFIED_HOSTS:
+        host = grpc_address.rpartition(":")[0]
+    if wants_tls and client_tls is None:
+        raise ssl.SSLError("the side channel asks for TLS and this client has no certificate")
+    return f"{host}:{port}", client_tls if wants_tls else None
 
 
 def _striped(address: str, token: bytes, sizes: list[int], work, timeout_s: float,  # noqa: ANN001

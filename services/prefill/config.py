@@ -51,6 +51,14 @@ class PrefillSettings(PrefillBaseSettings):
                     "gets the bytes over gRPC from then on. Off: always gRPC (docs/prefill.md, \"Layer-wise "
                     "handoff\")",
     )
+    tcp_handoff: bool = Field(
+        default=True,
+        description="layer-wise handoffs to a decode instance shared memory does not reach (another pod or host): "
+                    "its KV over that decode's handoff side channel (TCP, opened by OpenHandoff's one-time token; "
+                    "mutual TLS when decode has tls), the Handoff stream carrying only the notes; a decode without "
+                    "one, or whose side channel cannot be reached or breaks, gets the bytes over gRPC from then on "
+                    "(docs/prefill.md, \"Layer-wise handoff\")",
+    )
     layerwise_kvstore: bool = Field(
         default=True,
         description="write the prompt's new full blocks into the node's kvstore a layer at a time while the "

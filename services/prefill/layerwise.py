@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import AsyncIterator
 
@@ -44,13 +45,15 @@ from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.kvwire.chunk_wire import block_chunks
 from crescent.services.kvwire.fused_copy import crc32, empty_buffer
 from crescent.services.kvwire.handoff_shm import layer_note, state_note
+from crescent.services.kvwire.handoff_tcp import HandoffSender
 from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
 from crescent.services.kvwire.layer_wire import (block_buffers, block_tokens, buffers_nbytes, layer_piece, layer_slice,
                                                  slice_groups)
-from crescent.services.prefill.handoff_mover import GRPC, SHM, HandoffMovers
+from crescent.services.prefill.handoff_mover import GRPC, SHM, TCP, HandoffMovers
 from crescent.services.prefill.prompt_export import PromptExport
 
+OPEN_TIMEOUT_S = 10.0  # decode's OpenHandoff reply
 TAIL_TIMEOUT_S = 60.0  # decode's reply after the tail, as a whole handoff's deadline before
 STATE = -1  # the event of the last block's state being final (layers are >= 0)
 
@@ -88,9 +91,17 @@ class LayerwiseHandoff:
         self._tokens = [block_tokens(i, self.prompt_tokens, engine.page_size) for i in range(self.num_blocks)]
         self._layer_bytes = [layout.layer_bytes(t) for t in self._tokens]
         self._movers, self.peer = movers, peer
-        self.segment = movers.segment(peer, buffers_nbytes(layout, self._layer_bytes)) if movers is not None else None
-        self._heads, self._buffers = block_buffers(layout, self._layer_bytes,
-                                                   self.segment.buf if self.segment is not None else None)
+        total = buffers_nbytes(layout, self._layer_bytes)
+        self.segment = movers.segment(peer, total) if movers is not None else None
+        tcp = self.segment is None and movers is not None and movers.uses_tcp(peer)
+        flat = self.segment.buf if self.segment is not None else empty_buffer(total) if tcp else None
+        self._heads, self._buffers = block_buffers(layout, self._layer_bytes, flat)
+        # over TCP: each buffer's offset in the flat buffer, which decode's mirrors
+        self._offsets = [0] * self.num_blocks
+        for i in range(1, self.num_blocks):
+            self._offsets[i] = self._offsets[i - 1] + len(self._buffers[i - 1])
+        self._sender: HandoffSender | None = None  # over TCP, once the side channel is open
+        self._groups = 0  # over TCP: groups sent (the n-th note's bytes are the n-th group)
         self._state_sent = not layout.state_bytes
         self._state_ready = False  # the last block's state is in its buffer
         self._next_block = [0] * self.num_layers  # per layer: the first block not sent yet
@@ -106,7 +117,7 @@ class LayerwiseHandoff:
         if self.segment is not None:
             header.shm_segment, header.shm_identity = self.segment.name, self.segment.identity
         self.header = header
-        self.mover = SHM if self.segment is not None else GRPC
+        self.mover = SHM if self.segment is not None else TCP if tcp else GRPC
         self.computed_at: float | None = None  # perf_counter when the prompt's last layer was computed
         self.bytes_sent = 0
         self.bytes_early = 0  # sent before the last layer was computed
@@ -133,18 +144,22 @@ class LayerwiseHandoff:
 
     # ---- the stream --------------------------------------------------------------------------
 
-    def start(self, call) -> None:  # noqa: ANN001 - a stream-unary multicallable
+    def start(self, call, open_handoff=None) -> None:  # noqa: ANN001 - a stream-unary, a unary multicallable
         """Open the Handoff call now; its parts come as layers are computed (once more, with the
-        bytes, if decode cannot map the shared memory)."""
+        bytes, if decode cannot map the shared memory or its side channel failed). Over TCP,
+        first ``open_handoff`` (decode's OpenHandoff) and the connection, while the prompt computes."""
         async def send() -> decode_pb2.HandoffReply:
-            if self.mover == SHM:
+            if self.mover == TCP:
+                await self._open_side_channel(open_handoff)
+            if self.mover != GRPC:
                 try:
                     return await call(self._parts())  # a gRPC call is awaitable, not a coroutine
                 except grpc.aio.AioRpcError as exc:
                     assert self._movers is not None
-                    if not self._movers.refused(self.peer, exc):
+                    if not self._movers.refused(self.peer, exc, self.mover):
                         raise
                     self._unlink()
+                    self._stop_sender(abort=True)
                     self.mover = GRPC
             return await call(self._parts())
 
@@ -156,6 +171,7 @@ class LayerwiseHandoff:
         self._tail.set_result(decode_pb2.HandoffTail(first_token_id=firsts[0], first_token_ids=firsts if len(firsts) > 1 else [],
                                                      finished_choices=finished))
         reply = await asyncio.wait_for(asyncio.shield(self._task), TAIL_TIMEOUT_S)
+        self._stop_sender()
         if self._movers is not None:
             self._movers.handed_off(self.peer, self.mover, self.bytes_sent)
         return reply
@@ -169,23 +185,48 @@ class LayerwiseHandoff:
             with contextlib.suppress(BaseException):
                 await self._task
         self._unlink()  # decode unlinked it when it mapped it, unless it never did
+        self._stop_sender(abort=True)
         self.copied.set()
 
     def _unlink(self) -> None:
         if self.segment is not None:
             self.segment.unlink()
 
+    async def _open_side_channel(self, open_handoff) -> None:  # noqa: ANN001 - a unary multicallable
+        """Room on decode's side channel and a connection to it (``kvwire/handoff_tcp.py``); on
+        any failure the bytes go on the stream (and, unless it was passing, from now on)."""
+        assert self._movers is not None
+        try:
+            if open_handoff is None:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, None, None, details="no OpenHandoff to call")
+            reply = await open_handoff(decode_pb2.OpenHandoffRequest(
+                request_id=self.header.request_id, total_bytes=sum(len(b) for b in self._buffers)), timeout=OPEN_TIMEOUT_S)
+            address, tls, server_name = self._movers.side_target(self.peer, reply.address)
+            self._sender = await asyncio.to_thread(HandoffSender.connect, address, reply.token, tls, server_name)
+        except (grpc.aio.AioRpcError, OSError, ssl.SSLError) as exc:
+            self._movers.tcp_failed(self.peer, exc)
+            self.mover = GRPC
+            return
+        self.header.tcp_token = reply.token
+
+    def _stop_sender(self, abort: bool = False) -> None:
+        """Over TCP: close the side channel once its groups are out (``abort``: now)."""
+        if self._sender is not None:
+            self._sender.close(abort)
+            self._sender = None
+
     async def _parts(self) -> AsyncIterator[HandoffWirePart]:
-        """The stream: over shared memory (``self.mover``), notes; else the bytes, first those
-        of every slice an earlier (refused) stream put into the buffers."""
+        """The stream: over shared memory or TCP (``self.mover``), notes; else the bytes, first
+        those of every slice an earlier (refused) stream put into the buffers."""
         self._generation += 1
-        generation, shm = self._generation, self.mover == SHM
+        generation, shm = self._generation, self.mover != GRPC  # notes, not bytes
         header = self.header
-        if not shm and header.shm_segment:
+        if not shm and (header.shm_segment or header.tcp_token):
             header = decode_pb2.HandoffHeader()
             header.CopyFrom(self.header)
             header.ClearField("shm_segment")
             header.ClearField("shm_identity")
+            header.ClearField("tcp_token")
         yield HandoffWirePart(header=header)
         if not shm:
             for part in self._resent():
@@ -240,7 +281,26 @@ class LayerwiseHandoff:
         crc = 0
         for piece in pieces:
             crc = crc32(piece, crc)
+        if self._sender is not None:
+            self._send_group(layer, a, pieces)
         return HandoffWirePart(layer=layer_note(layer, a, b - a, self._tokens[b - 1], nbytes, crc)), nbytes
+
+    def _send_group(self, layer: int, first: int, pieces: list[memoryview]) -> None:
+        """Over TCP: a slice's pieces (``_copy``'s) to where decode's flat buffer holds them,
+        before its note (``STATE`` as ``layer``: the last block's state)."""
+        assert self._sender is not None
+        self._groups += 1
+        if layer == STATE:
+            self._sender.send(self._groups, [(self._offsets[-1], pieces[0])])
+            return
+        layout, heads = self.layout, self._heads
+        if not layout.token_major:
+            self._sender.send(self._groups, [(self._offsets[i] + heads[i] + layer * len(p), p)
+                                             for i, p in enumerate(pieces, start=first)])
+            return
+        row = layout.token_layer_bytes  # a token-major layer: one row per token, strided in the payload
+        self._sender.send(self._groups, [(self._offsets[i] + heads[i] + layer * row, p) for i, p in enumerate(pieces, start=first)],
+                          row=row, stride=row * layout.num_layers)
 
     def _resent(self) -> list[HandoffWirePart]:
         """The bytes of every slice already in the buffers (a refused shared memory stream's),
@@ -301,6 +361,8 @@ class LayerwiseHandoff:
                 self.bytes_early += head
         self._state_sent = True
         if shm:
+            if self._sender is not None:
+                self._send_group(STATE, 0, [self._buffers[-1][:head]])
             return [HandoffWirePart(state=state_note(meta, crc32(self._buffers[-1][:head])))]
         return [HandoffWirePart(state=chunk)
                 for chunk in block_chunks(meta, self._buffers[-1][:head], DEFAULT_MAX_CHUNK_BYTES)]

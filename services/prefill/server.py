@@ -78,7 +78,7 @@ async def serve(settings: PrefillSettings, instance: EngineInstance, signals: Sh
                                    layerwise_kvstore=settings.layerwise_kvstore,
                                    handoff_movers=HandoffMovers(
                                        settings.instance_id or f"prefill-{socket.gethostname()}-{settings.listen.port}",
-                                       settings.shm_handoff))
+                                       settings.shm_handoff, settings.tcp_handoff, instance.tls))
         servicer.load.on_change = instance.nudge
         add_prefill_to_server(servicer, server)
         return PrefillRole(servicer, kvstore)

@@ -165,6 +165,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             HANDOFF_METHOD, request_serializer=encode_part, response_deserializer=decode_pb2.HandoffReply.FromString,
         )
 
+    def _open_handoff_call(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
+        """Decode's OpenHandoff at ``address`` (room on its handoff side channel), on the Handoff's channel."""
+        self._handoff_call(address)  # opens the channel
+        return self._decode_channels[address].unary_unary(
+            "/crescent.v1.Decode/OpenHandoff", request_serializer=decode_pb2.OpenHandoffRequest.SerializeToString,
+            response_deserializer=decode_pb2.OpenHandoffReply.FromString)
+
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         request_id_var.set(request.request_id)
         if self.draining:
@@ -219,7 +226,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if self.layerwise_handoff and request.decode_address and request.sampling.max_tokens != 1:
                 streamed = LayerwiseHandoff(self.engine, seq, export, self._handoff_header(request, [0], []),
                                             self.handoff_movers, request.decode_address)
-                streamed.start(self._handoff_call(request.decode_address))
+                streamed.start(self._handoff_call(request.decode_address), self._open_handoff_call(request.decode_address))
 
             layered = self._layered_export(seq, local_hit + peer_hit + remote_hit, streamed)
             hooks = [h.on_layer for h in (streamed, layered) if h is not None]

@@ -149,7 +149,8 @@ def test_a_prompt_handed_through_shared_memory_decodes_as_one_process(tmp_path) 
     decode = DecodeProcess(dirs[0], scheduler.address, 8 * BLOCK)
     refusing = DecodeProcess(dirs[1], scheduler.address, 8 * BLOCK, extra={"shm_handoff": False})  # "another host"
     prefill = DecodeProcess(dirs[2], scheduler.address, 8 * BLOCK, role="prefill",
-                            extra={"layerwise_handoff": True, "engine": {"kv_capacity_tokens": 8 * BLOCK,
+                            extra={"layerwise_handoff": True, "tcp_handoff": False,  # shm or gRPC only (tcp: test_handoff_tcp.py)
+                                   "engine": {"kv_capacity_tokens": 8 * BLOCK,
                                    "block_size": BLOCK, "threads": 1, "prefill_chunk_tokens": 96}})
     try:
         for process in (decode, refusing, prefill):

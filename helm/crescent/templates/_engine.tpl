@@ -208,6 +208,10 @@ instance id and advertised address are per pod, so they come from env vars in th
 {{- if and (has .role (list "prefill" "aggregated")) $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}
+{{- if eq .role "decode" }}
+{{- $_ := set $cfg "tcp_handoff" $v.handoffSideChannel.enabled }}
+{{- $_ := set $cfg "handoff_side_channel_port" (int $v.handoffSideChannel.port) }}
+{{- end }}
 {{- include "crescent.internalTlsSettings" (dict "root" $root "cfg" $cfg) }}
 {{- $cfg = mustMergeOverwrite $cfg (deepCopy $v.settings) }}
 apiVersion: v1

@@ -61,6 +61,12 @@ spec:
           containerPort: {{ $v.grpcPort }}
         - name: admin
           containerPort: {{ $v.adminPort }}
+        {{- if and (eq .role "decode") (not .worker) }}
+        {{- with include "crescent.decodeHandoffSideChannelPort" $root }}
+        - name: handoff-side
+          containerPort: {{ . }}
+        {{- end }}
+        {{- end }}
       env:
         {{- include "crescent.baseEnv" $root | nindent 8 }}
         - name: CRESCENT_GROUP

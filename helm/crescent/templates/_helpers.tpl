@@ -180,6 +180,15 @@ sideChannel); empty when the kvstore or its side channel is off. */}}
 {{- end }}
 {{- end }}
 
+{{/* Decode's handoff side-channel port as its config ends up (decode.settings may override
+handoffSideChannel); empty when decode or its side channel is off. */}}
+{{- define "crescent.decodeHandoffSideChannelPort" -}}
+{{- $v := .Values.decode }}
+{{- if and $v.enabled (ternary (get $v.settings "tcp_handoff") $v.handoffSideChannel.enabled (hasKey $v.settings "tcp_handoff")) }}
+{{- ternary (get $v.settings "handoff_side_channel_port") $v.handoffSideChannel.port (hasKey $v.settings "handoff_side_channel_port") | int }}
+{{- end }}
+{{- end }}
+
 {{- define "crescent.adminPorts" -}}
 {{- $ports := list }}
 {{- range $c := list "scheduler" "prefill" "decode" "aggregated" "kvstore" }}

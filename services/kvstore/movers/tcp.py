@@ -26,6 +26,7 @@ from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.side_channel import (
     SideChannelUnreachable,
     close_kept_connections,
+    dial_target,
     receive_payloads,
     send_payloads,
     tls_contexts,
@@ -33,7 +34,6 @@ from crescent.services.kvwire.side_channel import (
 
 MOVER = "tcp"
 GIVE_UP_AFTER = 3  # transfers failed in a row before the side channel is given up for this node
-_UNSPECIFIED_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 
 class TcpSideChannelMover(Mover):
@@ -51,14 +51,7 @@ class TcpSideChannelMover(Mover):
     def _target(self, side_address: str) -> tuple[str, ssl.SSLContext | None]:
         """Where to connect, and with which TLS context: the node's host as we dial it for gRPC
         when it advertises an unspecified one (it listens on every interface)."""
-        wants_tls = side_address.startswith("tls://")
-        address = side_address.removeprefix("tls://")
-        host, _, port = address.rpartition(":")
-        if host in _UNSPECIFIED_HOSTS:
-            host = self.link.address.rpartition(":")[0]
-        if wants_tls and self._client_tls is None:
-            raise ssl.SSLError("the node's side channel asks for TLS and this client has no certificate")
-        return f"{host}:{port}", self._client_tls if wants_tls else None
+        return dial_target(side_address, self.link.address, self._client_tls)
 
     def _unreachable(self, operation: str, exc: BaseException) -> None:
         """A transfer failed: this call goes another way; the mover is dropped for good when the
