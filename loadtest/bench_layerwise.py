@@ -17,10 +17,11 @@ tail with the first tokens and decode's reply), and
 the bytes sent before the last layer was computed (``handoff_hidden``). Prints medians over
 rounds and the share of the handoff hidden behind compute: 1 - exposed(on) / handoff(off).
 
-``--movers``: the layer-wise handoff's two byte movers side by side (``docs/prefill.md``, "Layer-wise
-handoff"): three prefill processes, layer-wise through shared memory (``shm_handoff`` on, the
-default), layer-wise over gRPC bytes (``shm_handoff`` off) and whole (the baseline the share
-hidden is measured against). Adds per prompt the CPU seconds of the prefill and of the decode
+``--movers``: the layer-wise handoff's three byte movers side by side (``docs/prefill.md``, "Layer-wise
+handoff"): four prefill processes, layer-wise through shared memory (``shm_handoff`` on, the
+default), over decode's TCP side channel (``shm_handoff`` off, ``tcp_handoff`` on: what a prefill
+in another pod does), over gRPC bytes (both off) and whole (the baseline the share hidden is
+measured against). Adds per prompt the CPU seconds of the prefill and of the decode
 process (``/proc/<pid>/stat``: user + system, every thread), and the bytes each mover carried.
 Each cold prompt is then sent again to the same prefill with the same cache salt ("warm"): its
 blocks are in prefill's cache, so all its layers are ready at once and the request is mostly
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8064], help="prompt lengths (< 8192, the context)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead", action="store_true", help="in-process: the compute's cost of streaming")
-    parser.add_argument("--movers", action="store_true", help="layer-wise through shared memory vs over gRPC bytes")
+    parser.add_argument("--movers", action="store_true", help="layer-wise through shared memory vs TCP vs gRPC bytes")
     parser.add_argument("--model", default="", help="a preset other than the default (e.g. kimi-k3-nano)")
     args = parser.parse_args()
     if args.overhead:
@@ -187,7 +188,7 @@ def main() -> None:
                         if args.movers:  # the same prompt again: its KV is in prefill's cache
                             results.setdefault((n, f"{mode}-warm"), []).append(
                                 one_prompt(processes[mode], decode, f"r{r}-{n}-{mode}-warm", tokens, f"r{r}-{n}-{mode}"))
-            counts = {m: {mv: processes[m].metric("crescent_handoff_total", mover=mv) for mv in ("shm", "grpc")}
+            counts = {m: {mv: processes[m].metric("crescent_handoff_total", mover=mv) for mv in ("shm", "tcp", "grpc")}
                       for m in modes}
         finally:
             for process in processes.values():
@@ -218,7 +219,8 @@ def main() -> None:
 
 MOVERS = {  # --movers: the prefill processes
     "shm": {"layerwise_handoff": True, "shm_handoff": True},
-    "grpc": {"layerwise_handoff": True, "shm_handoff": False},
+    "tcp": {"layerwise_handoff": True, "shm_handoff": False, "tcp_handoff": True},
+    "grpc": {"layerwise_handoff": True, "shm_handoff": False, "tcp_handoff": False},
     "off": {"layerwise_handoff": False},
 }
 
@@ -234,7 +236,7 @@ def movers_table(args: argparse.Namespace, results: dict[tuple[int, str], list[d
           f" {'early':>6} {'prefill CPU s':>13} {'decode CPU s':>12}")
     for n in args.tokens:
         whole = med(results[(n, "off")], "exposed_s")
-        for mode in ("shm", "grpc", "off"):
+        for mode in MOVERS:
             rows = results[(n, mode)]
             exposed = med(rows, "exposed_s")
             early = statistics.median(row["hidden_bytes"] / row["out_bytes"] for row in rows)
@@ -244,7 +246,7 @@ def movers_table(args: argparse.Namespace, results: dict[tuple[int, str], list[d
     print("warm (the prompt's KV in prefill's cache: the request is mostly its handoff)")
     print(f"{'tokens':>6} {'mover':>5} {'TTFT s':>7} {'exposed ms':>10} {'prefill CPU s':>13} {'decode CPU s':>12}")
     for n in args.tokens:
-        for mode in ("shm", "grpc", "off"):
+        for mode in MOVERS:
             rows = results[(n, f"{mode}-warm")]
             print(f"{n:>6} {mode:>5} {med(rows, 'ttft_s'):7.3f} {med(rows, 'exposed_s') * 1e3:10.1f}"
                   f" {med(rows, 'prefill_cpu_s'):13.2f} {med(rows, 'decode_cpu_s'):12.3f}")

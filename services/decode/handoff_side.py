@@ -20,6 +20,7 @@ from crescent.services.kvwire.side_channel import SideChannelServer
 log = logging.getLogger(__name__)
 
 OPEN_TTL_S = 120.0  # an opened handoff's header comes within this (the prompt computes in between)
+MAX_CONNECTIONS = 256  # handoffs in flight at once (each holds its connection while its prompt computes)
 
 
 class HandoffTooLarge(ValueError):
@@ -33,7 +34,7 @@ class HandoffSideChannel:
                  server_tls: ssl.SSLContext | None = None) -> None:
         """``max_bytes``: the largest handoff (the KV of a whole cache); ``server_tls``: mutual
         TLS on the side channel (the process's gRPC key pair)."""
-        self.server = SideChannelServer(host, port, server_tls=server_tls)
+        self.server = SideChannelServer(host, port, server_tls=server_tls, max_connections=MAX_CONNECTIONS)
         self.address = f"{'tls://' if server_tls is not None else ''}{advertise_host}:{self.server.port}"
         self.max_bytes = max_bytes
         self.max_open_bytes = 4 * max_bytes

@@ -31,6 +31,10 @@ the token, then the payloads (or reads them); the commit call goes over gRPC aga
   on a fresh one: if the node had read the hello on the dead one, the token's stripe is open
   and the retry is refused, so no byte is ever written twice.
 
+- **Streams.** ``expect_stream`` registers a transfer of one connection whose bytes a callback
+  reads itself on the connection's thread, once the token (and TLS) let it in: the layer-wise
+  handoff's groups, whose sizes come as prefill computes (``handoff_tcp.py``).
+
 Frames, per transfer: ``token (32 bytes) | stripe index (1) | stripe count (1, | KEEP_FLAG)``,
 then that stripe's bytes (sizes are known to both sides from the control call), then for a
 receive the result bytes back; on a kept connection the next hello follows.
