@@ -4,7 +4,8 @@ What a user would notice: a prompt handed from a real prefill process to a real 
 that shared memory cannot reach goes over the side channel (the metrics say so) and decodes
 the same greedy tokens as one process; a decode without a side channel still gets its requests
 (gRPC bytes, without asking again); a side channel that dies mid-handoff costs that handoff its
-speed, not its request (sent again as bytes, the peer remembered); a connection with a wrong
+speed, not its request (a real decode refuses it with FAILED_PRECONDITION and admits nothing;
+prefill sends it again as bytes, the peer remembered); a connection with a wrong
 token, or a group outside the handoff's buffer, is closed having written nothing. Both cache
 layouts land exactly what gRPC bytes would: layer-major (Llama) and token-major with a state
 (kimi_k3). (OpenHandoff's role check: ``tests/security/test_access_matrix.py``, every RPC.)
@@ -21,10 +22,11 @@ import pytest
 
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
-from crescent.services.kvwire.handoff_shm import MappedLayerAssembler
-from crescent.services.kvwire.handoff_tcp import GROUP, PIECE, TCP_REFUSAL, HandoffTcpError
-from crescent.services.kvwire.handoff_wire import decode_part, encode_part
-from crescent.services.kvwire.layer_wire import LayerAssembler
+from crescent.services.kvwire.fused_copy import crc32
+from crescent.services.kvwire.handoff_shm import MappedLayerAssembler, layer_note
+from crescent.services.kvwire.handoff_tcp import GROUP, PIECE, TCP_REFUSAL, HandoffSender, HandoffTcpError
+from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part
+from crescent.services.kvwire.layer_wire import LayerAssembler, block_buffers, block_tokens, buffers_nbytes
 from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.prompt_export import PromptExport
@@ -194,7 +196,49 @@ def test_a_prompt_handed_over_tcp_between_processes_decodes_as_one_process(tmp_p
         assert prefill.metric(HANDOFFS, peer=plain.address, mover="grpc") == 2
         assert prefill.metric("crescent_handoff_tcp_refused_total", peer=plain.address) == 1
         assert prefill.metric(HANDOFFS, peer=plain.address, mover="tcp") == 0
+        refused_broken_side_channel(decode.address, prompts, tokens)
     finally:
         for process in (prefill, plain, decode):
             process.stop()
         scheduler.stop()
+
+
+def refused_broken_side_channel(address: str, prompts: PromptKv, tokens: list[int]) -> None:
+    """A real decode process: OpenHandoff checks its size; a handoff whose side channel closes
+    after the first note's bytes is refused at the second note with FAILED_PRECONDITION ("tcp
+    handoff:", so prefill would resend it as bytes) and admits nothing."""
+    engine = prompts.engine
+    layout = engine.cache.layer_layout()
+    sizes = [layout.layer_bytes(block_tokens(i, len(tokens), BLOCK)) for i in range(-(-len(tokens) // BLOCK))]
+    total = buffers_nbytes(layout, sizes)
+    channel, stub = decode_stub(address)
+    with channel:
+        for size, code in [(0, grpc.StatusCode.INVALID_ARGUMENT), (1 << 40, grpc.StatusCode.RESOURCE_EXHAUSTED)]:
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.OpenHandoff(decode_pb2.OpenHandoffRequest(request_id="sized", total_bytes=size), timeout=10)
+            assert caught.value.code() == code
+        opened = stub.OpenHandoff(decode_pb2.OpenHandoffRequest(request_id="cut", total_bytes=total), timeout=10)
+        _, buffers = block_buffers(layout, sizes, memoryview(bytearray(os.urandom(total))))
+        sender = HandoffSender.connect(opened.address, opened.token)
+        sender.send(1, [(0, buffers[0][: sizes[0]])])  # layer 0 of block 0 (layer-major: first in the block)
+        sender.close()  # then the side channel is gone
+        notes = [layer_note(0, i, 1, BLOCK, sizes[i], crc32(buffers[i][: sizes[i]])) for i in (0, 1)]
+
+        def parts():
+            yield HandoffWirePart(header=decode_pb2.HandoffHeader(
+                request_id="cut", model_id=engine.model_id, prompt_token_ids=tokens, num_layers=layout.num_layers,
+                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True), kv_dtype="float32",
+                kv_block_shape=list(engine.cache.block_shape), num_blocks=len(sizes), tcp_token=opened.token))
+            for note in notes:
+                yield HandoffWirePart(layer=note)
+            yield HandoffWirePart(tail=decode_pb2.HandoffTail(first_token_id=1))
+
+        call = channel.stream_unary("/crescent.v1.Decode/Handoff", request_serializer=encode_part,
+                                    response_deserializer=decode_pb2.HandoffReply.FromString)
+        with pytest.raises(grpc.RpcError) as caught:
+            call(parts(), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert caught.value.details().startswith(TCP_REFUSAL) and "note 2" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as gone:  # nothing was accepted
+            list(stub.StreamTokens(decode_pb2.StreamRequest(request_id="cut"), timeout=10))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
