@@ -25,7 +25,7 @@ from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, MappedLayerAssembler, ShmUnusable
-from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL, HandoffLanding, HandoffTcpError
+from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL, HandoffLanding, HandoffTcpError, LandedLayerAssembler
 from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens, buffers_nbytes
@@ -305,7 +305,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.OpenHandoffReply(address=self.side.address, token=token)
 
     async def _landed_assembler(self, header: decode_pb2.HandoffHeader, layers: LayerAssembler,
-                                context: grpc.aio.ServicerContext) -> tuple[MappedLayerAssembler, HandoffLanding]:
+                                context: grpc.aio.ServicerContext) -> tuple[LandedLayerAssembler, HandoffLanding]:
         """The buffer OpenHandoff allocated for this handoff, as a mapped assembler's; FAILED_PRECONDITION
         (``TCP_REFUSAL``) for a token this instance does not hold (expired): prefill sends the bytes."""
         landing = self.side.take(header.tcp_token, header.request_id) if self.side is not None else None
@@ -317,7 +317,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if len(landing.buf) != size:
             landing.close()
             raise BlockFormatError(f"a side channel handoff of {len(landing.buf)} bytes; the prompt's KV takes {size}")
-        return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing.buf), landing
+        return LandedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing), landing
 
     async def _wait_landed(self, landing: HandoffLanding, context: grpc.aio.ServicerContext) -> None:
         try:

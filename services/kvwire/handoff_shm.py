@@ -155,6 +155,8 @@ class MappedLayerAssembler(LayerAssembler):
     """A ``LayerAssembler`` whose payload buffers are prefill's segment: each note is checked
     (order, range, length as a slice's, then the CRC of its bytes there) instead of copied."""
 
+    where = "shared memory"  # for errors: where the bytes are
+
     def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, mapped: HandoffSegment | memoryview) -> None:
         """``mapped``: the segment, or a buffer the bytes land in otherwise (the TCP side channel's,
         ``handoff_tcp.py``), laid out as a segment is."""
@@ -168,14 +170,22 @@ class MappedLayerAssembler(LayerAssembler):
         if len(chunk.data):
             raise BlockFormatError("a layer slice with data in a shared memory handoff")
         self._check_slice(meta, meta.nbytes)
+        crc = self._slice_crc(meta)
+        if crc != meta.crc32:
+            raise BlockFormatError(f"layer {meta.layer} of blocks [{meta.first_block}, {meta.first_block + meta.num_blocks}) "
+                                   f"in {self.where}: CRC32 {crc:08x}, the note says {meta.crc32:08x}")
+        self._took(meta)
+
+    def _slice_crc(self, meta: decode_pb2.LayerSliceMeta) -> int:
+        """The CRC32 of the slice ``meta`` names, over its bytes where they lie."""
         crc = 0
         for block in range(meta.first_block, meta.first_block + meta.num_blocks):
             tokens = block_tokens(block, self.prompt_tokens, self.page_size)
             crc = crc32(layer_piece(self.layout, self._buffers[block][self._heads[block] :], tokens, meta.layer), crc)
-        if crc != meta.crc32:
-            raise BlockFormatError(f"layer {meta.layer} of blocks [{meta.first_block}, {meta.first_block + meta.num_blocks}) "
-                                   f"in shared memory: CRC32 {crc:08x}, the note says {meta.crc32:08x}")
-        self._took(meta)
+        return crc
+
+    def _state_crc(self, head: int) -> int:
+        return crc32(self._buffers[-1][:head])
 
     def feed_state(self, chunk: WireChunk) -> None:
         if not self.layout.state_bytes:
@@ -185,9 +195,9 @@ class MappedLayerAssembler(LayerAssembler):
         head = self._heads[-1]
         if chunk.meta is None or not chunk.last or len(chunk.data) or chunk.meta.nbytes != head:
             raise BlockFormatError(f"a shared memory handoff's state comes as one note of {head} bytes")
-        crc = crc32(self._buffers[-1][:head])
+        crc = self._state_crc(head)
         if crc != chunk.meta.checksum:
-            raise BlockFormatError(f"the recurrent state in shared memory: CRC32 {crc:08x}, "
+            raise BlockFormatError(f"the recurrent state in {self.where}: CRC32 {crc:08x}, "
                                    f"the note says {chunk.meta.checksum:08x}")
         self._state_done = True
         self.received += head

@@ -9,9 +9,11 @@ listener's threads and connection slots). Prefill connects, says the token, and 
 it puts on the Handoff stream first writes one *group* here: the bytes of that note's slice (or
 of the state), each piece straight to its place in decode's buffer. The Handoff stream then
 carries the same data-less notes (CRC32) as over shared memory, its header ``tcp_token``; the
-n-th note is the n-th group. Decode's connection thread lands each group, then tells the event
-loop "groups up to n landed"; on note n decode waits (``LAND_TIMEOUT_S`` at most) for that,
-then checks the note's CRC over the landed bytes as with shared memory.
+n-th note is the n-th group. Decode's connection thread lands each group, taking its CRC32 as
+the bytes land (still in cache: no second pass over them), then tells the event loop "groups
+up to n landed"; on note n decode waits (``LAND_TIMEOUT_S`` at most) for that, then checks the
+note's CRC against the group's (``LandedLayerAssembler``) and takes the slice as with shared
+memory.
 
 A group: ``seq | count | row | stride`` (4 x u32, big-endian), ``count`` x ``offset (u64) |
 nbytes (u32)``, then the pieces' bytes in order. ``row == 0``: each piece lands contiguously at
@@ -36,8 +38,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from crescent.protos import decode_pb2
 from crescent.services.kvwire.fused_copy import empty_buffer
-from crescent.services.kvwire.side_channel import CONNECT_TIMEOUT_S, Connection, _connect, _receive_exact
+from crescent.services.kvwire.handoff_shm import MappedLayerAssembler
+from crescent.services.kvwire.layer_wire import LayerLayout
+from crescent.services.kvwire.side_channel import (CONNECT_TIMEOUT_S, Connection, _connect, _receive_exact,
+                                                   receive_checked)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,7 @@ class HandoffLanding:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self.landed = 0  # groups landed (1..n), on the loop
+        self._crcs: dict[int, int] = {}  # CRC32 of each landed group whose note has not come yet
         self.ended = ""  # why no more groups will come ("": they may)
         self._notes = 0  # notes taken by ``wait_next``
         self._closed = threading.Event()  # the handoff is over: land nothing more
@@ -98,9 +105,10 @@ class HandoffLanding:
             pieces = [PIECE.unpack_from(table, i * PIECE.size) for i in range(count)]
             for offset, nbytes in pieces:  # every piece checked before any byte lands
                 self._check(offset, nbytes, row, stride)
+            crc = 0
             for offset, nbytes in pieces:
-                self._land(conn, offset, nbytes, row, stride)
-            self._tell(self._advance, seq)
+                crc = self._land(conn, offset, nbytes, row, stride, crc)
+            self._tell(self._advance, (seq, crc))
             expected += 1
 
     def _check(self, offset: int, nbytes: int, row: int, stride: int) -> None:
@@ -113,16 +121,17 @@ class HandoffLanding:
         if end > len(self.buf):
             raise ValueError(f"a piece [{offset}, {end}) outside the handoff's {len(self.buf)} bytes")
 
-    def _land(self, conn: Connection, offset: int, nbytes: int, row: int, stride: int) -> None:
+    def _land(self, conn: Connection, offset: int, nbytes: int, row: int, stride: int, crc: int) -> int:
+        """Land one piece; the CRC32 of the group so far, continued over its bytes as they came."""
         if not row:
-            _receive_exact(conn, self.buf[offset : offset + nbytes])
-            return
+            return receive_checked(conn, self.buf[offset : offset + nbytes], crc)
         rows = empty_buffer(nbytes)  # a token-major layer: its rows land strided
-        _receive_exact(conn, rows)
+        crc = receive_checked(conn, rows, crc)
         count = nbytes // row
         if count:
             target = np.ndarray((count, row), dtype=np.uint8, buffer=self.buf, offset=offset, strides=(stride, 1))
             target[:] = np.frombuffer(rows, dtype=np.uint8).reshape(count, row)
+        return crc
 
     def _tell(self, fn, arg) -> None:  # noqa: ANN001 - one of the loop-side methods below
         with contextlib.suppress(RuntimeError):  # the loop closed (shutdown): nobody waits
@@ -130,8 +139,10 @@ class HandoffLanding:
 
     # ---- the event loop --------------------------------------------------------------------------
 
-    def _advance(self, seq: int) -> None:
+    def _advance(self, landed: tuple[int, int]) -> None:
+        seq, crc = landed
         self.landed = max(self.landed, seq)
+        self._crcs[seq] = crc
         self._changed.set()
 
     def _end(self, why: str) -> None:
@@ -154,9 +165,30 @@ class HandoffLanding:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
 
+    def note_crc(self) -> int:
+        """The CRC32 of the group of the note ``wait_next`` last waited for (once)."""
+        return self._crcs.pop(self._notes)
+
     def close(self) -> None:
         """The handoff is over (taken or refused): the connection lands nothing more."""
         self._closed.set()
+
+
+class LandedLayerAssembler(MappedLayerAssembler):
+    """A ``MappedLayerAssembler`` over a landing's buffer whose notes' CRCs are checked against
+    those taken as each group landed (the servicer waits for each note's group first)."""
+
+    where = "the side channel's buffer"
+
+    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, landing: HandoffLanding) -> None:
+        super().__init__(layout, prompt_tokens, page_size, landing.buf)
+        self.landing = landing
+
+    def _slice_crc(self, meta: decode_pb2.LayerSliceMeta) -> int:  # noqa: ARG002 - the group is the slice
+        return self.landing.note_crc()
+
+    def _state_crc(self, head: int) -> int:  # noqa: ARG002
+        return self.landing.note_crc()
 
 
 class HandoffSender:

@@ -173,11 +173,10 @@ def _next_hello(conn: Connection, hello: bytearray) -> bool:
     return True
 
 
-def receive_checked(sock: Connection, into: memoryview) -> int:
-    """Fill ``into`` from ``sock`` and return the CRC32 of the bytes, each slice checksummed
-    as it lands (still in cache)."""
+def receive_checked(sock: Connection, into: memoryview, crc: int = 0) -> int:
+    """Fill ``into`` from ``sock`` and return the CRC32 of the bytes (continuing ``crc``), each
+    slice checksummed as it lands (still in cache)."""
     into = into.cast("B") if into.format != "B" else into
-    crc = 0
     for start in range(0, len(into), SLICE_BYTES):
         piece = into[start : start + SLICE_BYTES]
         _receive_exact(sock, piece)

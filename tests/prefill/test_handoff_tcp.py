@@ -23,8 +23,9 @@ import pytest
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
 from crescent.services.kvwire.fused_copy import crc32
-from crescent.services.kvwire.handoff_shm import MappedLayerAssembler, layer_note
-from crescent.services.kvwire.handoff_tcp import GROUP, PIECE, TCP_REFUSAL, HandoffSender, HandoffTcpError
+from crescent.services.kvwire.handoff_shm import layer_note
+from crescent.services.kvwire.handoff_tcp import (GROUP, PIECE, TCP_REFUSAL, HandoffSender, HandoffTcpError,
+                                                  LandedLayerAssembler)
 from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_buffers, block_tokens, buffers_nbytes
 from crescent.services.prefill.handoff_mover import HandoffMovers
@@ -43,7 +44,7 @@ PEER = "127.0.0.1:1"  # decode's gRPC address as prefill knows it (the side chan
 def hand_off(engine, tokens: list[int], tcp: bool, break_after: int | None = None, seq_id: str = "s"):
     """Prefill ``tokens`` while a ``LayerwiseHandoff`` streams them to a stand-in decode that
     does what the servicer does over a real ``HandoffSideChannel`` (take the landing, wait for
-    each note's bytes, check its CRC there), or (``tcp`` False) assembles the gRPC bytes;
+    each note's bytes, check its CRC against theirs as they landed), or (``tcp`` False) assembles the gRPC bytes;
     ``break_after``: the side channel's connection is cut after that many notes.
     (the streams' payloads, the handoff, the movers)."""
     async def main():
@@ -68,7 +69,7 @@ def hand_off(engine, tokens: list[int], tcp: bool, break_after: int | None = Non
                     layers = LayerAssembler(layout, len(tokens), engine.page_size)
                     if part.header.tcp_token:
                         landing = side.take(part.header.tcp_token, seq_id)
-                        layers = MappedLayerAssembler(layout, len(tokens), engine.page_size, landing.buf)
+                        layers = LandedLayerAssembler(layout, len(tokens), engine.page_size, landing)
                     continue
                 if part.tail is not None:
                     break
@@ -206,7 +207,8 @@ def test_a_prompt_handed_over_tcp_between_processes_decodes_as_one_process(tmp_p
 def refused_broken_side_channel(address: str, prompts: PromptKv, tokens: list[int]) -> None:
     """A real decode process: OpenHandoff checks its size; a handoff whose side channel closes
     after the first note's bytes is refused at the second note with FAILED_PRECONDITION ("tcp
-    handoff:", so prefill would resend it as bytes) and admits nothing."""
+    handoff:", so prefill would resend it as bytes); one whose landed bytes are not the note's
+    (CRC32) is INVALID_ARGUMENT; neither is admitted."""
     engine = prompts.engine
     layout = engine.cache.layer_layout()
     sizes = [layout.layer_bytes(block_tokens(i, len(tokens), BLOCK)) for i in range(-(-len(tokens) // BLOCK))]
@@ -224,9 +226,9 @@ def refused_broken_side_channel(address: str, prompts: PromptKv, tokens: list[in
         sender.close()  # then the side channel is gone
         notes = [layer_note(0, i, 1, BLOCK, sizes[i], crc32(buffers[i][: sizes[i]])) for i in (0, 1)]
 
-        def parts():
+        def parts(request_id: str):
             yield HandoffWirePart(header=decode_pb2.HandoffHeader(
-                request_id="cut", model_id=engine.model_id, prompt_token_ids=tokens, num_layers=layout.num_layers,
+                request_id=request_id, model_id=engine.model_id, prompt_token_ids=tokens, num_layers=layout.num_layers,
                 sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True), kv_dtype="float32",
                 kv_block_shape=list(engine.cache.block_shape), num_blocks=len(sizes), tcp_token=opened.token))
             for note in notes:
@@ -236,9 +238,19 @@ def refused_broken_side_channel(address: str, prompts: PromptKv, tokens: list[in
         call = channel.stream_unary("/crescent.v1.Decode/Handoff", request_serializer=encode_part,
                                     response_deserializer=decode_pb2.HandoffReply.FromString)
         with pytest.raises(grpc.RpcError) as caught:
-            call(parts(), timeout=30)
+            call(parts("cut"), timeout=30)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert caught.value.details().startswith(TCP_REFUSAL) and "note 2" in caught.value.details()
-        with pytest.raises(grpc.RpcError) as gone:  # nothing was accepted
-            list(stub.StreamTokens(decode_pb2.StreamRequest(request_id="cut"), timeout=10))
-        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        # bytes that are not what the note says (damaged on the way): refused as malformed
+        opened = stub.OpenHandoff(decode_pb2.OpenHandoffRequest(request_id="corrupt", total_bytes=total), timeout=10)
+        sender = HandoffSender.connect(opened.address, opened.token)
+        sender.send(1, [(0, buffers[0][: sizes[0]])])
+        notes = [layer_note(0, 0, 1, BLOCK, sizes[0], crc32(buffers[0][: sizes[0]]) ^ 0x5A)]
+        with pytest.raises(grpc.RpcError) as caught:
+            call(parts("corrupt"), timeout=30)
+        sender.close()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "CRC32" in caught.value.details()
+        for request_id in ("cut", "corrupt"):  # nothing was accepted
+            with pytest.raises(grpc.RpcError) as gone:
+                list(stub.StreamTokens(decode_pb2.StreamRequest(request_id=request_id), timeout=10))
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
