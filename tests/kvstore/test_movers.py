@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import importlib.util
+import json
 import os
 import socket
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
@@ -37,13 +41,31 @@ def selected(address: str, mover: str) -> float | None:
 
 
 def _nixl_installed() -> bool:
-    from crescent.services.kvwire.nixl_engine import _import_api
+    """Whether a NIXL package is installed, found without importing it: loaded into the test
+    process, NIXL 1.5.1's native libraries make grpc_tools' protoc crash it later (a segfault in
+    tests/test_protos.py), so the real agent runs in a process of its own (``NIXL_CLIENT``)."""
+    return any(importlib.util.find_spec(name.split(".")[0]) is not None for name in API_MODULES)
 
-    try:
-        _import_api()
-        return True
-    except Exception:  # noqa: BLE001 - absent or broken alike
-        return False
+
+# A NIXL client in its own process: three blocks put one-sided, the last damaged on the way.
+NIXL_CLIENT = """
+import asyncio, dataclasses, hashlib, json, sys
+from crescent.services.kvstore.client import KvStoreClient
+from tests.kvstore.helpers import make_chain
+
+async def main():
+    client = KvStoreClient(sys.argv[1], movers=["nixl"])
+    chain = make_chain(3, floats=int(sys.argv[2]))
+    damaged = bytearray(chain[2].payload)
+    damaged[-1] ^= 1
+    result = await client.put([*chain[:2], dataclasses.replace(chain[2], payload=bytes(damaged))])
+    print(json.dumps({"stored": result.stored, "rejected": result.rejected, "mover": client.mover,
+                      "keys": [b.key.hex() for b in chain],
+                      "sha256": [hashlib.sha256(b.payload).hexdigest() for b in chain]}))
+    await client.close()
+
+asyncio.run(main())
+"""
 
 
 async def test_the_side_channel_moves_blocks_both_ways_and_across_several_calls(kvstore_node) -> None:
@@ -177,19 +199,19 @@ async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvs
 @pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed here (pip install 'crescent[nixl]')")
 async def test_with_nixl_blocks_are_written_one_sided_and_checked_at_commit(kvstore_node) -> None:
     node = kvstore_node({"nixl": True, "tiers": {"host": {"capacity_bytes": 64 * MIB}}})
-    client = KvStoreClient(node.address, movers=["nixl"])
+    writer = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", NIXL_CLIENT, node.address, str(MIB // 4), cwd=Path(__file__).parents[2],
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(writer.communicate(), 120)
+    assert writer.returncode == 0, err.decode()[-2000:]
+    put = json.loads(out.decode().splitlines()[-1])
+    assert (put["stored"], put["rejected"], put["mover"]) == (2, 1, "nixl")
+    assert node.metric("crescent_kvstore_checksum_failures_total", tier="put") == 1  # verified at commit
     reader = KvStoreClient(node.address, movers=["grpc"])
     try:
-        chain = make_chain(3, floats=MIB // 4)
-        damaged = bytearray(chain[2].payload)
-        damaged[-1] ^= 1
-        result = await client.put([*chain[:2], dataclasses.replace(chain[2], payload=bytes(damaged))])
-        assert (result.stored, result.rejected) == (2, 1) and client.mover == "nixl"
-        assert node.metric("crescent_kvstore_checksum_failures_total", tier="put") == 1  # verified at commit
-        got = await reader.get_prefix([b.key for b in chain], MODEL)
-        assert [bytes(b.payload) for b in got] == [bytes(b.payload) for b in chain[:2]]
+        got = await reader.get_prefix([bytes.fromhex(k) for k in put["keys"]], MODEL)
+        assert [hashlib.sha256(b.payload).hexdigest() for b in got] == put["sha256"][:2]
     finally:
-        await client.close()
         await reader.close()
 
 
