@@ -42,7 +42,7 @@ from crescent.protos import decode_pb2
 from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.handoff_shm import MappedLayerAssembler
 from crescent.services.kvwire.layer_wire import LayerLayout
-from crescent.services.kvwire.side_channel import (CONNECT_TIMEOUT_S, Connection, _connect, _receive_exact,
+from crescent.services.kvwire.side_channel import (CONNECT_TIMEOUT_S, Connection, connect_to, receive_exact,
                                                    receive_checked)
 
 log = logging.getLogger(__name__)
@@ -96,12 +96,12 @@ class HandoffLanding:
             got = conn.recv_into(memoryview(head), len(head))
             if got == 0:
                 return  # closed between groups: a normal end
-            _receive_exact(conn, memoryview(head)[got:])
+            receive_exact(conn, memoryview(head)[got:])
             seq, count, row, stride = GROUP.unpack(head)
             if seq != expected or count > MAX_PIECES:
                 raise ValueError(f"group {seq} of {count} pieces; group {expected} of at most {MAX_PIECES} expected")
             table = bytearray(PIECE.size * count)
-            _receive_exact(conn, memoryview(table))
+            receive_exact(conn, memoryview(table))
             pieces = [PIECE.unpack_from(table, i * PIECE.size) for i in range(count)]
             for offset, nbytes in pieces:  # every piece checked before any byte lands
                 self._check(offset, nbytes, row, stride)
@@ -208,7 +208,7 @@ class HandoffSender:
     def connect(cls, address: str, token: bytes, client_tls: ssl.SSLContext | None = None,
                 server_name: str = "") -> HandoffSender:
         """Connect to decode's side channel at ``address`` and open the handoff of ``token``."""
-        conn, _ = _connect(address, CONNECT_TIMEOUT_S, client_tls, server_name, receiving=False)
+        conn, _ = connect_to(address, CONNECT_TIMEOUT_S, client_tls, server_name, receiving=False)
         try:
             conn.settimeout(IDLE_TIMEOUT_S)
             conn.sendall(token + bytes([0, 1]))  # the side channel's hello: stripe 0 of 1

@@ -150,7 +150,7 @@ def _tune(sock: socket.socket) -> None:
 Connection = socket.socket | TlsStream  # what the transfer code reads and writes
 
 
-def _receive_exact(sock: Connection, view: memoryview) -> None:
+def receive_exact(sock: Connection, view: memoryview) -> None:
     pos = 0
     while pos < len(view):
         got = sock.recv_into(view[pos:], len(view) - pos)
@@ -167,7 +167,7 @@ def _next_hello(conn: Connection, hello: bytearray) -> bool:
         got = conn.recv_into(view, len(view))
         if got == 0:
             return False
-        _receive_exact(conn, view[got:])
+        receive_exact(conn, view[got:])
     except (OSError, ssl.SSLError):
         return False
     return True
@@ -179,7 +179,7 @@ def receive_checked(sock: Connection, into: memoryview, crc: int = 0) -> int:
     into = into.cast("B") if into.format != "B" else into
     for start in range(0, len(into), SLICE_BYTES):
         piece = into[start : start + SLICE_BYTES]
-        _receive_exact(sock, piece)
+        receive_exact(sock, piece)
         crc = crc32(piece, crc)
     return crc
 
@@ -334,7 +334,7 @@ class SideChannelServer:
             if self._tls is not None:
                 conn = TlsStream(raw, self._tls, server_side=True)
             hello = bytearray(HELLO_BYTES)
-            _receive_exact(conn, memoryview(hello))
+            receive_exact(conn, memoryview(hello))
         except (OSError, ssl.SSLError, ValueError) as exc:
             self._on_refused()
             log.warning("side channel: dropped a connection before its token: %s", exc)
@@ -469,7 +469,7 @@ def _peer_closed(raw: socket.socket) -> bool:
         return True
 
 
-def _connect(address: str, timeout_s: float, client_tls: ssl.SSLContext | None, server_name: str,
+def connect_to(address: str, timeout_s: float, client_tls: ssl.SSLContext | None, server_name: str,
              receiving: bool) -> tuple[Connection, socket.socket]:
     host, _, port = address.rpartition(":")
     try:
@@ -532,7 +532,7 @@ def _striped(address: str, token: bytes, sizes: list[int], work, timeout_s: floa
             else:
                 _KEPT.give(key, kept, kept_raw)
                 return result
-        conn, raw = _connect(address, timeout_s, client_tls, server_name, receiving)
+        conn, raw = connect_to(address, timeout_s, client_tls, server_name, receiving)
         try:
             conn.sendall(hello)
             result = work(conn, pieces)
@@ -557,7 +557,7 @@ def send_payloads(address: str, token: bytes, payloads: Sequence[bytes | memoryv
     def work(sock: Connection, pieces: list[Piece]) -> bytes:
         _send_pieces(sock, payloads, pieces)
         answer = bytearray(len(payloads))
-        _receive_exact(sock, memoryview(answer))
+        receive_exact(sock, memoryview(answer))
         return bytes(answer)
 
     answers = _striped(address, token, [len(p) for p in payloads], work, timeout_s, client_tls, server_name,
