@@ -156,21 +156,9 @@ def test_a_prompt_handed_through_shared_memory_decodes_as_one_process(tmp_path) 
         for process in (decode, refusing, prefill):
             process.start()
         per_token = prompts.engine.cache.token_layer_bytes() * prompts.engine.config.num_layers  # KV bytes
-        lengths: dict[str, int] = {}
-        for name, target, text in [("shm", decode, TEXTS[0]), ("refused", refusing, TEXTS[1]),
-                                   ("again", refusing, TEXTS[2])]:
-            tokens = prompts.prompt(text * 12)[: 3 * BLOCK + 17]
-            lengths[name] = len(tokens)
-            expected = prompts.reference(tokens, 8)
-            with grpc.insecure_channel(prefill.address) as channel:
-                events = list(prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
-                    request_id=name, token_ids=tokens, decode_address=target.address,
-                    sampling=common_pb2.SamplingParams(max_tokens=8, ignore_eos=True)), timeout=120))
-            assert [e.WhichOneof("event") for e in events] == ["first_token", "handed_off"]
-            channel, stub = decode_stub(target.address)
-            with channel:
-                rest, reason = stream_all(stub, name)
-            assert [events[0].first_token.token_id, *rest] == expected and reason == "length", name
+        sent = hand_off_each(prompts, prefill, [("shm", decode, TEXTS[0]), ("refused", refusing, TEXTS[1]),
+                                                ("again", refusing, TEXTS[2])])
+        lengths = {name: len(tokens) for name, tokens in sent.items()}
         assert prefill.metric(HANDOFFS, peer=decode.address, mover="shm") == 1
         assert prefill.metric(BYTES, peer=decode.address, mover="shm") == lengths["shm"] * per_token
         assert prefill.metric(HANDOFFS, peer=decode.address, mover="grpc") == 0
@@ -179,12 +167,32 @@ def test_a_prompt_handed_through_shared_memory_decodes_as_one_process(tmp_path) 
         assert prefill.metric(BYTES, peer=refusing.address, mover="grpc") == (lengths["refused"] + lengths["again"]) * per_token
         assert prefill.metric("crescent_handoff_shm_refused_total", peer=refusing.address) == 1
         assert prefill.metric(HANDOFFS, peer=refusing.address, mover="shm") == 0
-        refused_bad_segments(decode.address, prompts, tokens)
+        refused_bad_segments(decode.address, prompts, sent["again"])
         assert segments_of(prefill.proc.pid, decode.proc.pid, os.getpid()) == []
     finally:
         for process in (prefill, refusing, decode):
             process.stop()
         scheduler.stop()
+
+
+def hand_off_each(prompts: PromptKv, prefill: DecodeProcess,
+                  runs: list[tuple[str, DecodeProcess, str]]) -> dict[str, list[int]]:
+    """Each run ``(request id, decode, text)``: a prompt of the text prefilled by ``prefill`` and
+    handed to that decode, whose tokens must be a one-process run's; the prompts by id."""
+    sent: dict[str, list[int]] = {}
+    for name, target, text in runs:
+        sent[name] = tokens = prompts.prompt(text * 12)[: 3 * BLOCK + 17]
+        expected = prompts.reference(tokens, 8)
+        with grpc.insecure_channel(prefill.address) as channel:
+            events = list(prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
+                request_id=name, token_ids=tokens, decode_address=target.address,
+                sampling=common_pb2.SamplingParams(max_tokens=8, ignore_eos=True)), timeout=120))
+        assert [e.WhichOneof("event") for e in events] == ["first_token", "handed_off"]
+        channel, stub = decode_stub(target.address)
+        with channel:
+            rest, reason = stream_all(stub, name)
+        assert [events[0].first_token.token_id, *rest] == expected and reason == "length", name
+    return sent
 
 
 def refused_bad_segments(address: str, prompts: PromptKv, tokens: list[int]) -> None:

@@ -20,7 +20,7 @@ import socket
 import grpc
 import pytest
 
-from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
+from crescent.protos import common_pb2, decode_pb2
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
 from crescent.services.kvwire.fused_copy import crc32
 from crescent.services.kvwire.handoff_shm import layer_note
@@ -31,7 +31,8 @@ from crescent.services.kvwire.layer_wire import LayerAssembler, block_buffers, b
 from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.prompt_export import PromptExport
-from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
+from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub
+from tests.prefill.test_handoff_shm import hand_off_each
 from tests.prefill.test_layerwise import make_engine
 from tests.prefill.test_layerwise_k3 import InlineWorker
 
@@ -176,20 +177,9 @@ def test_a_prompt_handed_over_tcp_between_processes_decodes_as_one_process(tmp_p
         for process in (decode, plain, prefill):
             process.start()
         per_token = prompts.engine.cache.token_layer_bytes() * prompts.engine.config.num_layers
-        lengths: dict[str, int] = {}
-        for name, target, text in [("tcp", decode, TEXTS[0]), ("plain", plain, TEXTS[1]), ("again", plain, TEXTS[2])]:
-            tokens = prompts.prompt(text * 12)[: 3 * BLOCK + 17]
-            lengths[name] = len(tokens)
-            expected = prompts.reference(tokens, 8)
-            with grpc.insecure_channel(prefill.address) as channel:
-                events = list(prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
-                    request_id=name, token_ids=tokens, decode_address=target.address,
-                    sampling=common_pb2.SamplingParams(max_tokens=8, ignore_eos=True)), timeout=120))
-            assert [e.WhichOneof("event") for e in events] == ["first_token", "handed_off"]
-            channel, stub = decode_stub(target.address)
-            with channel:
-                rest, reason = stream_all(stub, name)
-            assert [events[0].first_token.token_id, *rest] == expected and reason == "length", name
+        sent = hand_off_each(prompts, prefill, [("tcp", decode, TEXTS[0]), ("plain", plain, TEXTS[1]),
+                                                ("again", plain, TEXTS[2])])
+        lengths = {name: len(tokens) for name, tokens in sent.items()}
         assert prefill.metric(HANDOFFS, peer=decode.address, mover="tcp") == 1
         assert prefill.metric(BYTES, peer=decode.address, mover="tcp") == lengths["tcp"] * per_token
         assert prefill.metric(HANDOFFS, peer=decode.address, mover="grpc") == 0
@@ -197,7 +187,7 @@ def test_a_prompt_handed_over_tcp_between_processes_decodes_as_one_process(tmp_p
         assert prefill.metric(HANDOFFS, peer=plain.address, mover="grpc") == 2
         assert prefill.metric("crescent_handoff_tcp_refused_total", peer=plain.address) == 1
         assert prefill.metric(HANDOFFS, peer=plain.address, mover="tcp") == 0
-        refused_broken_side_channel(decode.address, prompts, tokens)
+        refused_broken_side_channel(decode.address, prompts, sent["again"])
     finally:
         for process in (prefill, plain, decode):
             process.stop()
