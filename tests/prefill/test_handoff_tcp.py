@@ -28,11 +28,13 @@ from crescent.services.kvwire.handoff_tcp import (GROUP, PIECE, TCP_REFUSAL, Han
                                                   LandedLayerAssembler)
 from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_buffers, block_tokens, buffers_nbytes
+from crescent.services.kvwire.side_channel import tls_contexts
 from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.prompt_export import PromptExport
 from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub
 from tests.prefill.test_handoff_shm import hand_off_each
+from tests.security.support import Pki, make_test_pki
 from tests.prefill.test_layerwise import make_engine
 from tests.prefill.test_layerwise_k3 import InlineWorker
 
@@ -42,18 +44,21 @@ PEER = "127.0.0.1:1"  # decode's gRPC address as prefill knows it (the side chan
 
 # ---- in one process: a real side channel, the decode servicer's steps -------------------------------
 
-def hand_off(engine, tokens: list[int], tcp: bool, break_after: int | None = None, seq_id: str = "s"):
+def hand_off(engine, tokens: list[int], tcp: bool, break_after: int | None = None, seq_id: str = "s",
+             pki: Pki | None = None):
     """Prefill ``tokens`` while a ``LayerwiseHandoff`` streams them to a stand-in decode that
     does what the servicer does over a real ``HandoffSideChannel`` (take the landing, wait for
     each note's bytes, check its CRC against theirs as they landed), or (``tcp`` False) assembles the gRPC bytes;
-    ``break_after``: the side channel's connection is cut after that many notes.
-    (the streams' payloads, the handoff, the movers)."""
+    ``break_after``: the side channel's connection is cut after that many notes; ``pki``: the side
+    channel in mutual TLS, decode's and prefill's certificates. (the streams' payloads, the handoff, the movers)."""
     async def main():
         layout = engine.cache.layer_layout()
-        side = HandoffSideChannel("127.0.0.1", 0, "127.0.0.1", max_bytes=1 << 30)
+        server_tls = tls_contexts(pki.by_role["decode"])[0] if pki is not None else None
+        side = HandoffSideChannel("127.0.0.1", 0, "127.0.0.1", max_bytes=1 << 30, server_tls=server_tls)
         seq = engine.add_sequence(seq_id, tokens)
         export = PromptExport(engine, InlineWorker(), seq, len(tokens))
-        movers = HandoffMovers(f"test-{os.getpid()}", shared_memory=False, tcp=tcp)
+        movers = HandoffMovers(f"test-{os.getpid()}", shared_memory=False, tcp=tcp,
+                               tls=pki.by_role["prefill"] if pki is not None else None)
         streamed = LayerwiseHandoff(engine, seq, export, decode_pb2.HandoffHeader(request_id=seq_id, prompt_token_ids=tokens),
                                     movers, PEER)
         streams: list[list[bytes]] = []
@@ -106,6 +111,29 @@ def test_a_layer_major_prompt_lands_over_tcp_exactly_as_grpc_bytes_would() -> No
     (over_tcp,), streamed, movers = hand_off(make_engine(chunk=8), tokens, tcp=True)
     assert streamed.mover == "tcp" and over_tcp == over_grpc
     assert movers.uses_tcp(PEER)
+
+
+def test_over_mutual_tls_a_prompt_lands_as_grpc_bytes_would_and_a_plaintext_client_lands_nothing(tmp_path) -> None:
+    pki = make_test_pki(tmp_path)
+    tokens = [(11 * i + 2) % 97 for i in range(23)]
+    (over_grpc,), _, _ = hand_off(make_engine(chunk=8), tokens, tcp=False)
+    (over_tls,), streamed, movers = hand_off(make_engine(chunk=8), tokens, tcp=True, pki=pki)
+    assert streamed.mover == "tcp" and over_tls == over_grpc and movers.uses_tcp(PEER)
+
+    async def plaintext_to_tls() -> None:
+        side = HandoffSideChannel("127.0.0.1", 0, "127.0.0.1", max_bytes=4096,
+                                  server_tls=tls_contexts(pki.by_role["decode"])[0])
+        try:
+            assert side.address.startswith("tls://")
+            token = side.open("r", 1024)
+            landing = side._open[token]
+            landing.buf[:] = bytes(1024)
+            group = GROUP.pack(1, 1, 0, 0) + PIECE.pack(0, 16) + b"x" * 16
+            assert await asyncio.to_thread(speak, side.server.port, token + bytes([0, 1]) + group) == b""
+            assert bytes(landing.buf) == bytes(1024) and landing.landed == 0
+        finally:
+            side.close()
+    asyncio.run(plaintext_to_tls())
 
 
 def test_a_token_major_prompt_with_a_state_lands_over_tcp_exactly_as_grpc_bytes_would() -> None:
