@@ -19,6 +19,7 @@ from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+from crescent.services.kvwire.layer_wire import buffers_nbytes
 from crescent.services.kvwire.side_channel import tls_contexts
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def handoff_side_channel(settings: DecodeSettings, engine: Engine, tls: PeerTls 
     if not hasattr(cache, "layer_layout"):
         return None
     layout = cache.layer_layout()
-    max_bytes = cache.capacity_tokens * layout.token_layer_bytes * layout.num_layers + layout.state_bytes
+    max_bytes = buffers_nbytes(layout, [layout.layer_bytes(cache.capacity_tokens)])
     host = settings.listen.host
     advertise = settings.advertise_address.rpartition(":")[0] if settings.advertise_address else host
     side = HandoffSideChannel(host, settings.handoff_side_channel_port, advertise, max_bytes,

@@ -28,7 +28,7 @@ from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, Mapped
 from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL, HandoffLanding, HandoffTcpError, LandedLayerAssembler
 from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
-from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens, buffers_nbytes
+from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import Batcher
@@ -278,10 +278,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         this process cannot see it or may not map it: prefill then sends the bytes."""
         if not self.shm_handoff:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSAL} turned off on this decode instance")
-        size = buffers_nbytes(layers.layout, [layers.layout.layer_bytes(block_tokens(i, layers.prompt_tokens, layers.page_size))
-                                              for i in range(layers.num_blocks)])
         try:
-            segment = await asyncio.to_thread(HandoffSegment.attach, header.shm_segment, header.shm_identity, size)
+            segment = await asyncio.to_thread(HandoffSegment.attach, header.shm_segment, header.shm_identity, layers.nbytes)
         except ShmUnusable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSAL} {exc}")
         return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, segment)
@@ -312,11 +310,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if landing is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{TCP_REFUSAL} no side channel handoff of {header.request_id} open here")
-        size = buffers_nbytes(layers.layout, [layers.layout.layer_bytes(block_tokens(i, layers.prompt_tokens, layers.page_size))
-                                              for i in range(layers.num_blocks)])
-        if len(landing.buf) != size:
+        if len(landing.buf) != layers.nbytes:
             landing.close()
-            raise BlockFormatError(f"a side channel handoff of {len(landing.buf)} bytes; the prompt's KV takes {size}")
+            raise BlockFormatError(f"a side channel handoff of {len(landing.buf)} bytes; the prompt's KV takes {layers.nbytes}")
         return LandedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing), landing
 
     async def _wait_landed(self, landing: HandoffLanding, context: grpc.aio.ServicerContext) -> None:

@@ -151,6 +151,7 @@ class LayerAssembler:
         self._layer_bytes = [layout.layer_bytes(block_tokens(i, prompt_tokens, page_size))
                              for i in range(self.num_blocks)]
         self._heads, self._buffers = block_buffers(layout, self._layer_bytes, into)
+        self.nbytes = buffers_nbytes(layout, self._layer_bytes)  # of all the buffers: a segment's size
         self._next_layer = [0] * self.num_blocks  # per block: the layer it takes next
         self._state = BlockAssembler()
         self._state_done = layout.state_bytes == 0

@@ -366,13 +366,13 @@ class SideChannelServer:
         transfer, stripe, keep = opened
         try:
             conn.settimeout(self.timeout_s)
-            pieces = stripe_pieces([len(b) for b in transfer.buffers], stripe, transfer.stripes)
             if transfer.kind == _STREAM:
                 assert transfer.serve is not None
                 transfer.serve(conn)
                 self._forget(transfer)
                 transfer.finish(None)
                 return False  # a stream's end is its connection's
+            pieces = stripe_pieces([len(b) for b in transfer.buffers], stripe, transfer.stripes)
             if transfer.kind == _RECEIVE:
                 parts = _receive_pieces(conn, transfer.buffers, pieces)
                 self._stripe_done(transfer, parts)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -97,9 +98,7 @@ class LayerwiseHandoff:
         flat = self.segment.buf if self.segment is not None else empty_buffer(total) if tcp else None
         self._heads, self._buffers = block_buffers(layout, self._layer_bytes, flat)
         # over TCP: each buffer's offset in the flat buffer, which decode's mirrors
-        self._offsets = [0] * self.num_blocks
-        for i in range(1, self.num_blocks):
-            self._offsets[i] = self._offsets[i - 1] + len(self._buffers[i - 1])
+        self._offsets = list(itertools.accumulate((len(b) for b in self._buffers[:-1]), initial=0))
         self._sender: HandoffSender | None = None  # over TCP, once the side channel is open
         self._groups = 0  # over TCP: groups sent (the n-th note's bytes are the n-th group)
         self._state_sent = not layout.state_bytes

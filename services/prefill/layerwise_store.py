@@ -140,7 +140,6 @@ class LayerwiseStoreExport(StoreExportTask):
         self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
         self._stale: list[_Chunk] = []  # rooms given up, to give back
         self._staged: dict[int, memoryview] = {}  # block -> its payload, filled layer by layer, put whole
-        self._staged_is_source: set[int] = set()  # staged blocks whose payload is the source's buffer
         self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
         self._crc = dict.fromkeys(range(self.first, self.end), 0)
         self.bytes_from_cache = 0  # copied out of the cache by this export (not read from ``source``)
@@ -223,8 +222,8 @@ class LayerwiseStoreExport(StoreExportTask):
         if self._source is None:
             self._engine.cache.copy_layer(self._seq.pages[i], layer, self._page, out)
             self.bytes_from_cache += len(out)
-        elif i in self._staged_is_source:
-            self._source.layer_view(i, layer)  # in the buffer ``out`` is a view of
+        elif chunk is None:  # staged: ``out`` is a view of the source's buffer
+            self._source.layer_view(i, layer)
         else:
             out[:] = self._source.layer_view(i, layer)
         self._crc[i] = crc32(out, self._crc[i])  # still in cache
@@ -244,7 +243,6 @@ class LayerwiseStoreExport(StoreExportTask):
             if self._source is not None:
                 self._staged[i] = self._source.block_view(i)
                 assert len(self._staged[i]) == self._layer_bytes * self.num_layers, "the handoff's block is another size"
-                self._staged_is_source.add(i)
             else:
                 self._staged[i] = empty_buffer(self._layer_bytes * self.num_layers)
 

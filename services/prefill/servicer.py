@@ -156,19 +156,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {exc}")
         raise AssertionError("abort raises")
 
+    def _decode_channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._decode_channels:
+            self._decode_channels[address] = open_channel(address, self._tls)
+        return self._decode_channels[address]
+
     def _handoff_call(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         """Decode's Handoff at ``address``, its parts encoded by ``handoff_wire`` (payloads joined
         once into the message, no protobuf copies)."""
-        if address not in self._decode_channels:
-            self._decode_channels[address] = open_channel(address, self._tls)
-        return self._decode_channels[address].stream_unary(
+        return self._decode_channel(address).stream_unary(
             HANDOFF_METHOD, request_serializer=encode_part, response_deserializer=decode_pb2.HandoffReply.FromString,
         )
 
     def _open_handoff_call(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
         """Decode's OpenHandoff at ``address`` (room on its handoff side channel), on the Handoff's channel."""
-        self._handoff_call(address)  # opens the channel
-        return self._decode_channels[address].unary_unary(
+        return self._decode_channel(address).unary_unary(
             "/crescent.v1.Decode/OpenHandoff", request_serializer=decode_pb2.OpenHandoffRequest.SerializeToString,
             response_deserializer=decode_pb2.OpenHandoffReply.FromString)
 
