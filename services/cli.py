@@ -34,6 +34,11 @@ app.command("usage")(usage_command)
 app.command("plan")(plan_command)
 
 
+class EngineBackend(str, Enum):
+    native = "native"
+    vllm = "vllm"
+
+
 class Service(str, Enum):
     gateway = "gateway"
     scheduler = "scheduler"
@@ -91,8 +96,9 @@ def up(
     model: Annotated[str, typer.Option(help="preset name, .gguf file or Hugging Face directory")] = DEFAULT_MODEL,
     prefill: Annotated[int, typer.Option(min=1, help="prefill instances")] = 1,
     decode: Annotated[int, typer.Option(min=1, help="decode instances")] = 1,
-    aggregated: Annotated[int, typer.Option(
-        min=0, help="aggregated instances (prefill and decode in one process) instead of the two pools")] = 0,
+    aggregated: Annotated[int | None, typer.Option(
+        min=0, help="aggregated instances (prefill and decode in one process) instead of the two pools "
+                    "(default: 0, the pools; with --engine vllm: 1)", show_default=False)] = None,
     port: Annotated[int, typer.Option(min=1, max=65535, help="gateway HTTP port")] = 8000,
     host: Annotated[str, typer.Option(help="address every service listens on")] = "127.0.0.1",
     kv_capacity_tokens: Annotated[int, typer.Option(min=64, help="paged KV cache per engine instance")] = 32768,
@@ -101,17 +107,33 @@ def up(
     ttft_slo: Annotated[float | None, typer.Option(help="seconds; requests predicted to miss it get 429")] = None,
     drain_grace: Annotated[float, typer.Option(min=0.0, help="seconds in-flight requests may finish on Ctrl-C")] = 30.0,
     run_dir: Annotated[Path | None, typer.Option(help="configs, logs and services.json; default: a temp dir")] = None,
-    ready_timeout: Annotated[float, typer.Option(help="seconds to wait for every service")] = 600.0,
+    ready_timeout: Annotated[float | None, typer.Option(
+        help="seconds to wait for every service (default: 600; with --engine vllm: 900)", show_default=False)] = None,
     tls: Annotated[bool, typer.Option(help="mutual TLS between the services (--no-tls: plaintext, loopback only)")] = True,
+    engine: Annotated[EngineBackend, typer.Option(
+        help="what computes in the engines: Crescent's own engine, or vLLM's CPU build (its own venv, "
+             "`make install-vllm`; aggregated instances only)")] = EngineBackend.native,
 ) -> None:
     """Start all five services as separate processes and keep them running (a crashed one is
     restarted with backoff); drain and stop them all on Ctrl-C or SIGTERM (twice: at once)."""
-    from crescent.services.launcher import LaunchError, Platform, PlatformPlan, StopRequested
+    from crescent.services.engine_vllm.interpreter import VllmNotInstalledError
+    from crescent.services.launcher import (
+        READY_TIMEOUT_S, LaunchError, PlanError, Platform, PlatformPlan, StopRequested,
+    )
 
-    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
-    plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9), block_size,
-                        ttft_slo, drain_grace, tls, aggregated=aggregated)
-    platform = Platform(plan, run_dir)
+    backend = engine.value
+    if aggregated is None:
+        aggregated = 1 if backend == "vllm" else 0
+    if ready_timeout is None:
+        ready_timeout = READY_TIMEOUT_S[backend]
+    try:  # a plan that cannot run, or no vLLM to run it, is said before anything starts
+        plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9),
+                            block_size, ttft_slo, drain_grace, tls, aggregated=aggregated, backend=backend)
+        run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
+        platform = Platform(plan, run_dir)
+    except (PlanError, VllmNotInstalledError) as exc:
+        say(("crescent up:", "red"), f" {exc}")
+        raise typer.Exit(2) from None
 
     def on_signal(signum: int, _frame: object) -> None:
         platform.request_stop()  # the loops below notice within a fraction of a second
@@ -119,6 +141,8 @@ def up(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     engines = f"{aggregated} aggregated" if aggregated else f"{prefill} prefill, {decode} decode"
+    if backend == "vllm":
+        engines += f" on vLLM (first start takes minutes; waiting up to {ready_timeout:.0f} s)"
     say(f"Starting Crescent ({model}: {engines}); logs in {run_dir}")
     failed = False
     try:

@@ -11,6 +11,11 @@ Children get SIGTERM if this process dies, so a killed launcher leaves no orphan
 Internal gRPC is mutual TLS (docs/security.md): the launcher makes a throwaway CA and one
 certificate per process in ``<run dir>/tls`` (keys 0600), plus ``admin.pem`` for operators'
 debug tools (``admin_tls``), and points every service at its files.
+
+``--engine vllm`` (``PlatformPlan.backend``): every engine's config asks for the vLLM backend
+(``engine.backend: vllm``) and those processes run on the vLLM venv's Python
+(services/engine_vllm/interpreter.py); the other services on this one. Aggregated instances only,
+for now.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import yaml
 from crescent.services.common.certs import LOCAL_HOSTS, make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 from crescent.services.cpu_share import available_cores, share_cores
+from crescent.services.engine_vllm.interpreter import vllm_python
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,12 @@ REQUEST_PATH = ("gateway", "prefill", "decode", "aggregated")  # drained first: 
 DRAINS_AFTER_PREFILL = ("decode",)
 BACKEND_GRACE_S = 10.0  # scheduler and kvstore: nothing in flight to finish
 KILL_MARGIN_S = 5.0  # past a service's own drain grace before SIGKILL
+Backend = Literal["native", "vllm"]
+BACKENDS: tuple[Backend, ...] = ("native", "vllm")
+# How long `crescent up` waits for every service by default: vLLM's CPU build takes 100-190 s to
+# start one engine on 2 cores (torch.compile, KV cache allocation), more when engines share them.
+READY_TIMEOUT_S: dict[str, float] = {"native": 600.0, "vllm": 900.0}
+VLLM_AGGREGATED_ONLY = "the vLLM backend runs as aggregated instances for now"
 
 
 class LaunchError(RuntimeError):
@@ -53,6 +65,10 @@ class LaunchError(RuntimeError):
 
 class StopRequested(Exception):
     """Ctrl-C or SIGTERM arrived while the platform was starting."""
+
+
+class PlanError(ValueError):
+    """A ``crescent up`` plan that cannot run (said before anything starts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +83,19 @@ class ServiceSpec:
 
 
 def child_env(spec: ServiceSpec) -> dict[str, str]:
-    """A service process's environment: this one's, then the launcher's defaults, then the spec's."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-            **spec.env}
+    """A service process's environment: this one's, then the launcher's defaults, then the spec's.
+    A vLLM-backed engine finds its own venv's programs first on the PATH (ninja, the compilers'
+    wrappers vLLM and torch.compile look up), not those of the venv the launcher runs in."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+           **spec.env}
+    if backend_of(spec.config) == "vllm":
+        bin_dir = os.path.dirname(interpreter(spec))
+        env["PATH"] = os.pathsep.join(p for p in (bin_dir, env.get("PATH", "")) if p)
+        if os.path.exists(os.path.join(bin_dir, "..", "pyvenv.cfg")):
+            env["VIRTUAL_ENV"] = os.path.dirname(bin_dir)
+        else:
+            env.pop("VIRTUAL_ENV", None)
+    return env
 
 
 def _drain_setting(service: str, grace_s: float) -> dict[str, Any]:
@@ -103,6 +129,14 @@ class PlatformPlan:
     tls: bool = True  # mutual TLS between the services (off: plaintext, loopback only)
     cores: int | None = None  # cores the engines share (None: this process's affinity mask)
     aggregated: int = 0  # > 0: this many aggregated engines (prefill and decode in one) instead of the two pools
+    backend: Backend = "native"  # what computes in every engine: Crescent's engine or vLLM (its own venv)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise PlanError(f"unknown engine backend {self.backend!r}; choose {' or '.join(BACKENDS)}")
+        if self.backend == "vllm" and not self.aggregated:
+            raise PlanError(f"{VLLM_AGGREGATED_ONLY}: prefill and decode pools on vLLM are not built yet "
+                            "(--aggregated N with N >= 1, or --engine native for the pools)")
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -135,7 +169,12 @@ class PlatformPlan:
             "listen": kv_listen, "node_id": "kvstore-0", "scheduler_address": scheduler,
             "tiers": {"host": {"capacity_bytes": self.kvstore_capacity_bytes}},
         }, kvstore, f"{kv_admin}/health", f"{kv_admin}/metrics"))
-        engine = {"model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size}
+        engine: dict[str, Any] = {"model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens,
+                                  "block_size": self.block_size}
+        if self.backend == "vllm":
+            # vLLM's CPU build (the .venv-vllm one crescent up uses): float32, which is the fast
+            # dtype on CPUs without AVX-512 bf16 and comparable with the native engine.
+            engine = {"backend": "vllm", **engine, "vllm": {"dtype": "float32"}}
         pools = (("aggregated", self.aggregated),) if self.aggregated else (("prefill", self.prefill), ("decode", self.decode))
         threads = share_cores(self.cores or available_cores(), *(count for _, count in pools))
         for role, count in pools:
@@ -238,6 +277,19 @@ class _Child:
     last_health_check: float = 0.0
 
 
+def backend_of(config: dict[str, Any]) -> str:
+    """Which engine backend a service's config asks for ('native' for services without an engine)."""
+    engine = config.get("engine")
+    return str(engine.get("backend", "native")) if isinstance(engine, dict) else "native"
+
+
+def interpreter(spec: ServiceSpec) -> str:
+    """The Python a service runs on: a vLLM-backed engine on the one with vLLM (its own venv,
+    services/engine_vllm/interpreter.py), everything else on this one. Raises
+    ``VllmNotInstalledError`` when vLLM is needed and absent."""
+    return vllm_python() if backend_of(spec.config) == "vllm" else sys.executable
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: ask the kernel for SIGTERM when the launcher dies."""
     try:
@@ -261,6 +313,8 @@ class Platform:
 
     def __post_init__(self) -> None:
         self.specs = self.plan.services()
+        for spec in self.specs:  # a missing vLLM venv is said now, before anything is made or started
+            interpreter(spec)
         if self.plan.tls:
             self.specs = with_tls(self.specs, self.run_dir / TLS_DIR, self.plan.host)
         for spec in self.specs:
@@ -290,7 +344,7 @@ class Platform:
         self.stop_requested = True
 
     def command(self, spec: ServiceSpec, config_path: Path) -> list[str]:
-        return [sys.executable, "-m", "crescent.services.cli", "serve", spec.service, "--config", str(config_path)]
+        return [interpreter(spec), "-m", "crescent.services.cli", "serve", spec.service, "--config", str(config_path)]
 
     def _spawn(self, child: _Child) -> None:
         """Start (or restart) one service from its config, rewritten, so on the same ports."""

@@ -89,6 +89,11 @@ def main(config_path: Path | None = None) -> None:
     configure_logging("aggregated")
     keep_large_buffers_warm()
     settings = load_settings(AggregatedSettings, config_path, env_prefix=ENV_PREFIX)
+    if settings.engine.backend == "vllm":  # vLLM's engine in this process (services/engine_vllm)
+        from crescent.services.engine_vllm.server import main as serve_on_vllm
+
+        serve_on_vllm(settings)
+        return
     instance = EngineInstance("aggregated", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address, settings.tls)
     run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

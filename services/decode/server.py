@@ -9,12 +9,13 @@ from pathlib import Path
 import grpc
 
 from crescent.services.common.logs import configure_logging
-from crescent.services.common.settings import load_settings
+from crescent.services.common.settings import SettingsError, load_settings
 from crescent.services.decode.batcher import DRAINING, Batcher
 from crescent.services.decode.config import ENV_PREFIX, DecodeSettings
 from crescent.services.decode.handoff_side import HandoffSideChannel
 from crescent.services.decode.servicer import DecodeServicer, add_decode_to_server
 from crescent.services.common.tls import PeerTls
+from crescent.services.engine.cache_api import LayeredKvCache
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.instance import EngineInstance, EngineLoad
@@ -71,7 +72,7 @@ def handoff_side_channel(settings: DecodeSettings, engine: Engine, tls: PeerTls 
     takes no layer-wise handoff. Advertised as the host of advertise_address, else listen.host
     (prefill replaces an unspecified one with the host it dials for gRPC)."""
     cache = engine.cache
-    if not hasattr(cache, "layer_layout"):
+    if not isinstance(cache, LayeredKvCache):
         return None
     layout = cache.layer_layout()
     max_bytes = buffers_nbytes(layout, [layout.layer_bytes(cache.capacity_tokens)])
@@ -102,6 +103,9 @@ async def serve(settings: DecodeSettings, instance: EngineInstance, signals: Shu
 def main(config_path: Path | None = None) -> None:
     configure_logging("decode")
     settings = load_settings(DecodeSettings, config_path, env_prefix=ENV_PREFIX)
+    if settings.engine.backend != "native":
+        raise SettingsError(f"engine.backend {settings.engine.backend!r}: the vLLM backend runs as aggregated "
+                            "instances for now (crescent serve aggregated); decode pools are native only")
     instance = EngineInstance("decode", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address, settings.tls)
     run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

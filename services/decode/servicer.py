@@ -34,6 +34,7 @@ from crescent.services.common.stop_rule import stop_token_ids
 from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
+from crescent.services.engine.cache_api import LayeredKvCache, StatefulKvCache
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
 from crescent.services.engine.engine import Sequence
 from crescent.services.engine.wire import block_tensor, kv_dtype, logprob_message, sampling_config
@@ -263,7 +264,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def _layer_assembler(self, header: decode_pb2.HandoffHeader) -> LayerAssembler:
         """Where a layer-wise handoff's slices land; its layout must be this cache's."""
         cache = self.engine.cache
-        if not hasattr(cache, "layer_layout"):
+        if not isinstance(cache, LayeredKvCache):
             raise BlockFormatError("this decode instance's cache takes no layer-wise handoff")
         layout = cache.layer_layout()
         if (header.kv_dtype != kv_dtype(cache) or tuple(header.kv_block_shape) != cache.block_shape
@@ -359,8 +360,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return str(exc)
         if covered != prompt_len:
             return "KV blocks do not cover the prompt exactly"
-        has_state = getattr(self.engine.cache, "payload_has_state", None)  # recurrent-state models (kimi_k3)
-        if has_state is not None and not has_state(payloads[-1].shape):
+        cache = self.engine.cache  # recurrent-state models (kimi_k3): the last block carries the state
+        if isinstance(cache, StatefulKvCache) and not cache.payload_has_state(payloads[-1].shape):
             return "the last KV block carries no recurrent state to continue from"
         return None
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from crescent.services.engine.cache_api import StatefulKvCache
 from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.llama import ForwardBatch, LlamaModel, SeqChunk
@@ -99,7 +100,7 @@ class Engine:
             self.cache = PagedKvCache(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim)
         # A cache with recurrent states (kimi_k3) gives each sequence one live state, and a prefix
         # hit resumes only where it kept a state snapshot (see kimi_k3/cache.py).
-        self._stateful = hasattr(self.cache, "open_state")
+        self._stateful = isinstance(self.cache, StatefulKvCache)
 
     # ---- sequences -------------------------------------------------------------------------
 

@@ -68,6 +68,53 @@ def kv_format(engine: Engine) -> str:
     return "paged-v1:" + "x".join(str(d) for d in engine.cache.block_shape)
 
 
+class ServingBackend(Protocol):
+    """What the shell needs of whatever computes (the native engine, vLLM): the facts it registers
+    with, and the blocks its own cache holds for the scheduler's prefix index."""
+
+    model_id: str
+    block_size: int
+    kv_capacity_tokens: int
+    kv_format: str
+    kv_dtype: str
+
+    def unpromised_tokens(self) -> int:
+        """KV tokens nobody was promised (the load report's default ``free_kv_tokens``)."""
+
+    def block_events(self) -> list[common_pb2.BlockEvent]:
+        """Blocks stored in or evicted from the engine's cache since the last call."""
+
+    def block_snapshot(self) -> list[common_pb2.BlockEvent]:
+        """Every block the engine's cache holds (a full resync of the scheduler's index)."""
+
+    def details(self) -> dict[str, object]:
+        """What ``/health`` shows of it."""
+
+
+class NativeBackend:
+    """Crescent's own engine as the shell sees it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.model_id = engine.model_id
+        self.block_size = engine.page_size
+        self.kv_capacity_tokens = engine.cache.capacity_tokens
+        self.kv_format = kv_format(engine)
+        self.kv_dtype = kv_dtype(engine.cache)
+
+    def unpromised_tokens(self) -> int:
+        return self.engine.cache.pages.unpromised_pages * self.engine.page_size
+
+    def block_events(self) -> list[common_pb2.BlockEvent]:
+        return block_events(self.engine)
+
+    def block_snapshot(self) -> list[common_pb2.BlockEvent]:
+        return block_snapshot(self.engine)
+
+    def details(self) -> dict[str, object]:
+        return {"backend": "native", "model": self.model_id, "cached_blocks": self.engine.cache.pages.cached_blocks}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """A role's load for the next heartbeat."""
@@ -107,7 +154,9 @@ class EngineInstance:
     """One prefill or decode process: engine + worker + gRPC service + scheduler agent."""
 
     def __init__(self, role: str, listen: ListenSettings, engine_settings: EngineSettings, scheduler_address: str,
-                 instance_id: str, advertise_address: str, tls: TlsSettings = TlsSettings()) -> None:
+                 instance_id: str, advertise_address: str, tls: TlsSettings = TlsSettings(),
+                 load_backend: Callable[[], Awaitable[ServingBackend]] | None = None) -> None:
+        """``load_backend``: starts another engine backend (vLLM); None: the native engine."""
         self.role_name = role
         self.tls_settings = tls
         self.tls: PeerTls | None = None  # this process's key pair, once the gRPC service has read it
@@ -116,7 +165,9 @@ class EngineInstance:
         self.scheduler_address = scheduler_address
         self._instance_id = instance_id
         self._advertise = advertise_address
-        self.engine: Engine | None = None
+        self.engine: Engine | None = None  # the native engine, when that is the backend
+        self.backend: ServingBackend | None = None
+        self._load_backend = load_backend
         self.worker = EngineWorker(role)
         self.agent: SchedulerAgent | None = None
         self.role: EngineRole | None = None
@@ -131,7 +182,12 @@ class EngineInstance:
 
     async def run(self, attach: Callable[[grpc.aio.Server], Awaitable[EngineRole]], signals: ShutdownSignals) -> None:
         """Load the engine, serve until a shutdown signal, drain, stop. ``attach`` adds the servicers."""
-        self.engine = await self.worker.run(build_engine, self.engine_settings)
+        if self._load_backend is None:
+            self.engine = await self.worker.run(build_engine, self.engine_settings)
+            self.backend = NativeBackend(self.engine)
+        else:
+            self.backend = await self._load_backend()
+        backend = self.backend
         self.group_size = self.engine_settings.parallel.resolve().size
         engine_metrics(self.role_name).group_size.labels(self.role_name).set(self.group_size)
 
@@ -149,8 +205,8 @@ class EngineInstance:
             self.address = info.address
             self.agent = SchedulerAgent(
                 self.scheduler_address, info, self._load_message,
-                events=(lambda: block_events(self.engine)) if self.role_name in PREFILLING else None,
-                snapshot=(lambda: block_snapshot(self.engine)) if self.role_name in PREFILLING else None,
+                events=backend.block_events if self.role_name in PREFILLING else None,
+                snapshot=backend.block_snapshot if self.role_name in PREFILLING else None,
                 tls=self.tls,
             )
             self.agent.start()
@@ -208,22 +264,23 @@ class EngineInstance:
         log.info("drained")
 
     def _info(self, port: int) -> scheduler_pb2.InstanceInfo:
-        assert self.engine is not None
+        backend = self.backend
+        assert backend is not None
         address = self._advertise or f"{self.listen.host}:{port}"
         return scheduler_pb2.InstanceInfo(
             instance_id=self._instance_id or f"{self.role_name}-{socket.gethostname()}-{port}",
-            role=ROLES[self.role_name], address=address, model_id=self.engine.model_id,
-            block_size=self.engine.page_size, kv_capacity_tokens=self.engine.cache.capacity_tokens,
-            max_batch_size=self.engine_settings.max_batch_size, kv_format=kv_format(self.engine),
-            kv_dtype=kv_dtype(self.engine.cache),
+            role=ROLES[self.role_name], address=address, model_id=backend.model_id,
+            block_size=backend.block_size, kv_capacity_tokens=backend.kv_capacity_tokens,
+            max_batch_size=self.engine_settings.max_batch_size, kv_format=backend.kv_format,
+            kv_dtype=backend.kv_dtype,
         )
 
     def _load_message(self) -> scheduler_pb2.InstanceLoad:
-        assert self.engine is not None and self.agent is not None
+        assert self.backend is not None and self.agent is not None
         load = self.role.load() if self.role is not None else EngineLoad()
         free = load.free_kv_tokens
         if free is None:
-            free = self.engine.cache.pages.unpromised_pages * self.engine.page_size
+            free = self.backend.unpromised_tokens()
         return scheduler_pb2.InstanceLoad(
             instance_id=self.agent.instance_id, queued_requests=load.queued_requests,
             queued_tokens=load.queued_tokens, running_requests=load.running_requests, free_kv_tokens=free,
@@ -233,8 +290,7 @@ class EngineInstance:
         )
 
     def _details(self) -> dict[str, object]:
-        engine = self.engine
-        if engine is None:
+        if self.backend is None:
             return {"role": self.role_name}
-        return {"role": self.role_name, "model": engine.model_id, "cached_blocks": engine.cache.pages.cached_blocks,
-                "draining": self.draining, "group_size": self.group_size}
+        return {"role": self.role_name, **self.backend.details(), "draining": self.draining,
+                "group_size": self.group_size}

@@ -9,10 +9,17 @@ from pydantic import Field
 from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
 from crescent.services.engine.parallel.settings import ParallelSettings
+from crescent.services.engine_vllm.settings import VllmSettings
 from crescent.services.model.model_source import DEFAULT_MODEL
 
 
 class EngineSettings(StrictModel):
+    backend: Literal["native", "vllm"] = Field(
+        default="native",
+        description="what computes: 'native', Crescent's own engine (the CPU default and the bit-exact reference), "
+                    "or 'vllm', vLLM's engine in this process with Crescent's KV connector (GPU pools; any model "
+                    "vLLM serves). docs/engine-backends.md",
+    )
     model: str = Field(default=DEFAULT_MODEL, description="preset name, .gguf path or Hugging Face directory")
     kv_capacity_tokens: int = Field(default=32768, ge=1, description="token slots in the paged KV cache")
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, le=4096, description="tokens per KV block/page")
@@ -60,4 +67,7 @@ class EngineSettings(StrictModel):
         default=ParallelSettings(),
         description="tensor parallelism: this instance computed by a group of processes (a LeaderWorkerSet's pods; "
                     "docs/operators.md, \"Multi-node engines\"); by default one process",
+    )
+    vllm: VllmSettings = Field(
+        default=VllmSettings(), description="backend 'vllm': vLLM's engine arguments (ignored by the native backend)"
     )

@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from crescent.protos import common_pb2, decode_pb2
+from crescent.services.engine.cache_api import LayerCopyingKvCache
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.kvwire.chunk_wire import block_chunks
 from crescent.services.kvwire.fused_copy import crc32, empty_buffer
@@ -63,7 +64,7 @@ def hands_off_layerwise(engine: Engine) -> bool:
     """Whether the engine's cache can hand a prompt off a layer at a time (both model families).
     A tensor-parallel cache (engine/parallel) has a layout, so its decode takes layer-wise
     handoffs, but no ``copy_layer``: its prefill hands prompts off whole."""
-    return hasattr(engine.cache, "layer_layout") and hasattr(engine.cache, "copy_layer")
+    return isinstance(engine.cache, LayerCopyingKvCache)
 
 
 def supports_layerwise(engine: Engine) -> bool:

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 
 from crescent.protos import common_pb2
+from crescent.services.engine.cache_api import StatefulKvCache
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
@@ -59,7 +60,7 @@ log = logging.getLogger(__name__)
 def stores_hybrid_layerwise(engine: Engine) -> bool:
     """Whether the engine's cache is a hybrid one this export writes (token-major, with states)."""
     return (hands_off_layerwise(engine) and engine.cache.layer_layout().token_major
-            and hasattr(engine.cache, "copy_snapshot"))
+            and isinstance(engine.cache, StatefulKvCache))
 
 
 def stores_layerwise(engine: Engine) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from crescent.services.common.logs import configure_logging
-from crescent.services.common.settings import load_settings
+from crescent.services.common.settings import SettingsError, load_settings
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.instance import EngineInstance, EngineLoad
 from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
@@ -90,6 +90,9 @@ def main(config_path: Path | None = None) -> None:
     configure_logging("prefill")
     keep_large_buffers_warm()  # KV blocks arrive as multi-MB buffers: reuse them, do not fault them in
     settings = load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)
+    if settings.engine.backend != "native":
+        raise SettingsError(f"engine.backend {settings.engine.backend!r}: the vLLM backend runs as aggregated "
+                            "instances for now (crescent serve aggregated); prefill pools are native only")
     instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address, settings.tls)
     run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

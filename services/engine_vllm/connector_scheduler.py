@@ -1,0 +1,172 @@
+"""The connector's scheduler side (vLLM's engine-core process): which prompt blocks to load from
+the kvstore, which to save, and what vLLM's own cache holds (for the scheduler's prefix index).
+
+Keys are Crescent's (``hash(parent, tokens, model_id, salt)``, the tenant's salt from the
+request's vLLM cache salt), so a vLLM instance and a native one of the same model name the same
+prefixes alike. A prompt the instance marked private (Kimi's short-prompt rule) is neither looked
+up nor saved nor reported. Lookups ask the node which leading blocks it holds (``Exists``);
+the last prompt token is never loaded (vLLM computes at least one token to sample from).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from crescent.protos import common_pb2
+from crescent.services.engine_vllm.block_events import BlockEventSender
+from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata, LoadSpec, SaveSpec
+from crescent.services.engine_vllm.connector_options import ConnectorOptions, crescent_salt
+from crescent.services.engine_vllm.store_link import StoreLink
+from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+EVICTION_CHECK_S = 0.5  # how often vLLM's blocks are checked for evictions (a scan of those reported)
+
+
+@dataclass
+class _Prompt:
+    """One request's prompt as the connector follows it."""
+
+    tokens: list[int]
+    salt: bytes | None          # None: private, never shared
+    keys: list[BlockKey]
+    block_ids: list[int] = field(default_factory=list)
+    load_first: int = 0         # blocks [load_first, load_first + load_count) come from the kvstore
+    load_count: int = 0
+    save_from: int = 0          # blocks before it were cached here or loaded: not saved again
+    saved_upto: int = 0
+    reported_upto: int = 0      # blocks reported held in vLLM's cache
+
+
+class ConnectorScheduler:
+    def __init__(self, options: ConnectorOptions, link: StoreLink | None) -> None:
+        self.options = options
+        self.block_size = options.block_size
+        self.link = link
+        self.events = BlockEventSender(options.events_socket) if options.events_socket else None
+        self.pool: BlockPool | None = None
+        self._prompts: dict[str, _Prompt] = {}
+        self._held: dict[int, tuple[object, bytes]] = {}  # vLLM block id -> (its hash then, Crescent key)
+        self._last_eviction_check = 0.0
+
+    def _prompt(self, request: Request) -> _Prompt:
+        found = self._prompts.get(request.request_id)
+        if found is None:
+            tokens = list(request.prompt_token_ids or [])
+            salt = crescent_salt(getattr(request, "cache_salt", None))
+            keys = [] if salt is None else prefix_block_keys(tokens, self.block_size, self.options.model_id, salt)
+            found = self._prompts[request.request_id] = _Prompt(tokens, salt, keys)
+        return found
+
+    # -- lookups -----------------------------------------------------------------------------------
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        prompt = self._prompt(request)
+        prompt.load_count = 0
+        prompt.load_first = num_computed_tokens // self.block_size
+        if prompt.salt is None or self.link is None:
+            return 0
+        usable = (len(prompt.tokens) - 1) // self.block_size  # the last token is always computed
+        first = prompt.load_first  # vLLM's own cache has the blocks before it
+        if usable <= first:
+            return 0
+        prompt.load_count = self.link.leading_hits(prompt.keys[first:usable])
+        return prompt.load_count * self.block_size
+
+    def after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        prompt = self._prompt(request)
+        if num_external_tokens == 0:
+            prompt.load_count = 0
+        prompt.save_from = max(prompt.save_from, prompt.load_first + prompt.load_count)
+
+    # -- each step ---------------------------------------------------------------------------------
+
+    def build_meta(self, out: SchedulerOutput) -> CrescentConnectorMetadata:
+        meta = CrescentConnectorMetadata()
+        for new in out.scheduled_new_reqs:
+            prompt = self._prompts.get(new.req_id)
+            if prompt is None:
+                continue
+            prompt.block_ids = list(new.block_ids[0])
+            self._plan(new.req_id, prompt, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id], meta)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            prompt = self._prompts.get(req_id)
+            if prompt is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                prompt.block_ids = list(new_ids[0]) if new_ids else []  # a resumed request's whole table
+            elif new_ids:
+                prompt.block_ids.extend(new_ids[0])
+            self._plan(req_id, prompt, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id], meta)
+        self._report_held()
+        return meta
+
+    def _plan(self, req_id: str, prompt: _Prompt, computed_after: int, meta: CrescentConnectorMetadata) -> None:
+        if prompt.load_count:
+            end = prompt.load_first + prompt.load_count
+            b = self.block_size
+            meta.loads.append(LoadSpec(
+                req_id, tuple(prompt.keys[prompt.load_first:end]),
+                tuple(tuple(prompt.tokens[i * b:(i + 1) * b]) for i in range(prompt.load_first, end)),
+                tuple(prompt.block_ids[prompt.load_first:end])))
+            prompt.load_count = 0
+        if prompt.salt is None or self.link is None:
+            return
+        full = min(computed_after, len(prompt.tokens)) // self.block_size
+        b = self.block_size
+        for i in range(max(prompt.saved_upto, prompt.save_from), min(full, len(prompt.block_ids))):
+            meta.saves.append(SaveSpec(prompt.keys[i], prompt.keys[i - 1] if i else None,
+                                       tuple(prompt.tokens[i * b:(i + 1) * b]), prompt.block_ids[i]))
+        prompt.saved_upto = max(prompt.saved_upto, full)
+
+    def finished(self, request: Request) -> None:
+        self._prompts.pop(request.request_id, None)
+
+    # -- what vLLM's cache holds -------------------------------------------------------------------
+
+    def _report_held(self) -> None:
+        """Blocks vLLM now holds (hashed, so reusable by later prompts) and those it evicted."""
+        if self.events is None or self.pool is None:
+            return
+        events: list[common_pb2.BlockEvent] = []
+        for prompt in self._prompts.values():
+            if prompt.salt is None:
+                continue
+            for i in range(prompt.reported_upto, min(len(prompt.keys), len(prompt.block_ids))):
+                block = self.pool.blocks[prompt.block_ids[i]]
+                if block.block_hash is None:
+                    break
+                previous = self._held.get(block.block_id)
+                if previous is not None and previous[1] != prompt.keys[i]:
+                    events.append(self._event(common_pb2.BLOCK_EVENT_REMOVED, previous[1]))
+                self._held[block.block_id] = (block.block_hash, prompt.keys[i])
+                events.append(self._event(common_pb2.BLOCK_EVENT_STORED, prompt.keys[i],
+                                          prompt.keys[i - 1] if i else None))
+                prompt.reported_upto = i + 1
+        now = time.monotonic()
+        if now - self._last_eviction_check >= EVICTION_CHECK_S:
+            self._last_eviction_check = now
+            for block_id, (block_hash, key) in list(self._held.items()):
+                if self.pool.blocks[block_id].block_hash != block_hash:
+                    del self._held[block_id]
+                    events.append(self._event(common_pb2.BLOCK_EVENT_REMOVED, key))
+        self.events.send(events)
+
+    def _event(self, kind: int, key: bytes, parent: bytes | None = None) -> common_pb2.BlockEvent:
+        return common_pb2.BlockEvent(kind=kind, key=key, parent_key=parent or b"", tier=common_pb2.KV_TIER_ENGINE,
+                                     num_tokens=self.block_size)
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()

@@ -1,0 +1,145 @@
+"""``crescent serve aggregated`` with ``engine.backend: vllm``: vLLM's engine in this process,
+behind the same process shell (registration, heartbeats, drain, /health, /metrics) and the same
+gRPC services as a native aggregated instance; gateway, scheduler and kvstore cannot tell them
+apart. Crescent's KV connector runs inside vLLM (its scheduler and workers) and sends what vLLM's
+cache holds back here over a Unix socket, for the scheduler's prefix index.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from crescent.services.aggregated.config import AggregatedSettings
+from crescent.services.decode.servicer import add_decode_to_server
+from crescent.services.engine.instance import EngineInstance, EngineLoad
+from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+from crescent.services.engine_vllm.block_events import EngineBlockSet
+from crescent.services.engine_vllm.connector_options import ConnectorOptions
+from crescent.services.engine_vllm.engine import BackendFacts, prepare_environment, start_engine
+from crescent.services.engine_vllm.model_dir import vllm_model
+from crescent.services.engine_vllm.servicer import VllmServicer
+from crescent.services.prefill.servicer import add_prefill_to_server
+
+log = logging.getLogger(__name__)
+
+
+class VllmBackend:
+    """The shell's view of vLLM (``ServingBackend``): its facts, and the blocks its cache holds
+    as the connector reports them."""
+
+    def __init__(self, facts: BackendFacts, blocks: EngineBlockSet) -> None:
+        self.facts = facts
+        self.blocks = blocks
+        self.model_id = facts.model_id
+        self.block_size = facts.block_size
+        self.kv_capacity_tokens = facts.kv_capacity_tokens
+        self.kv_format = facts.kv_format
+        self.kv_dtype = facts.kv_dtype
+        self.reserved_tokens = lambda: 0  # the servicer's promises, once it exists
+
+    def unpromised_tokens(self) -> int:
+        return max(self.kv_capacity_tokens - self.reserved_tokens(), 0)
+
+    def block_events(self) -> list:
+        return self.blocks.drain_events()
+
+    def block_snapshot(self) -> list:
+        return self.blocks.snapshot()
+
+    def details(self) -> dict[str, object]:
+        return {"backend": "vllm", "model": self.model_id, "cached_blocks": len(self.blocks.held),
+                "kv_capacity_tokens": self.kv_capacity_tokens}
+
+
+class VllmRole:
+    """Load reports and drains (``EngineRole``) over the servicer's requests."""
+
+    def __init__(self, servicer: VllmServicer) -> None:
+        self.servicer = servicer
+
+    def load(self) -> EngineLoad:
+        held = list(self.servicer.requests.values())
+        waiting = [h for h in held if not h.handed_off]
+        running = [h for h in held if h.handed_off]
+        left, self.servicer.left = self.servicer.left, []
+        return EngineLoad(
+            running_requests=len(running), active_request_ids=sorted(h.request_id for h in held),
+            finished_request_ids=left, prefill_queued_requests=len(waiting),
+            prefill_queued_tokens=sum(h.prompt_tokens for h in waiting),
+        )
+
+    def stop_accepting(self) -> None:
+        self.servicer.accepting = False
+
+    def busy(self) -> bool:
+        return bool(self.servicer.requests)
+
+    async def end_remaining(self) -> None:
+        self.servicer.end_remaining()
+
+    async def close(self) -> None:
+        await self.servicer.close()
+
+
+async def serve(settings: AggregatedSettings, instance: EngineInstance, signals: ShutdownSignals,
+                run_dir: Path) -> None:
+    blocks = EngineBlockSet(settings.engine.block_size)
+    state: dict[str, object] = {}
+
+    async def load_backend() -> VllmBackend:
+        model = vllm_model(settings.engine.model)
+        socket_path = run_dir / "block-events.sock"
+        await blocks.listen(str(socket_path))
+        connector = None
+        if settings.engine.vllm.kv_connector:
+            tls = settings.tls
+            connector = ConnectorOptions(
+                model_id=model.model_id, block_size=settings.engine.block_size,
+                kvstore_address=settings.kvstore_address, kvstore_shared_memory=settings.kvstore_shared_memory,
+                lease_ms=settings.kvstore_lease_ms, events_socket=str(socket_path),
+                tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, tls_server_name=tls.server_name)
+        log.info("starting vLLM on %s (%s); this takes minutes on a CPU", model.directory, model.model_id)
+        llm, facts = start_engine(settings.engine, model, connector)
+        state["llm"] = llm
+        log.info("vLLM ready: %s, %d KV tokens, blocks %s (%s)", facts.model_id, facts.kv_capacity_tokens,
+                 facts.kv_format, facts.kv_dtype)
+        backend = VllmBackend(facts, blocks)
+        state["backend"] = backend
+        return backend
+
+    async def attach(server: grpc.aio.Server) -> VllmRole:
+        backend = state["backend"]
+        assert isinstance(backend, VllmBackend)
+        servicer = VllmServicer(state["llm"], backend.facts, own_address=lambda: instance.address,
+                                unclaimed_timeout_s=settings.unclaimed_timeout_s,
+                                min_cached_prompt_tokens=settings.engine.min_cached_prompt_tokens,
+                                on_change=instance.nudge)
+        backend.reserved_tokens = lambda: sum(h.reserve_tokens for h in servicer.requests.values())
+        add_prefill_to_server(servicer, server)
+        add_decode_to_server(servicer, server)
+        return VllmRole(servicer)
+
+    instance._load_backend = load_backend  # noqa: SLF001 - set before run(), which calls it
+    try:
+        await instance.run(attach, signals)
+    finally:
+        await blocks.close()
+        llm = state.get("llm")
+        if llm is not None:
+            llm.shutdown()
+
+
+def main(settings: AggregatedSettings) -> None:
+    prepare_environment(settings.engine, Path.home() / ".cache" / "crescent")
+    run_dir = Path(tempfile.mkdtemp(prefix="crescent-vllm-"))
+    instance = EngineInstance("aggregated", settings.listen, settings.engine, settings.scheduler_address,
+                              settings.instance_id, settings.advertise_address, settings.tls)
+    try:
+        run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals, run_dir))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,255 @@
+"""Crescent over vLLM, as a user meets it: the OpenAI API of a real gateway, a real scheduler and
+kvstore, and aggregated instances whose engine is vLLM's CPU build (``engine.backend: vllm``),
+all separate processes on loopback; beside them a standalone vLLM server on the same weights.
+
+vLLM starts in minutes on this machine, so the module starts its processes once and the tests
+run in order on them (the last ones stop and replace the vLLM instance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
+from crescent.services.engine_vllm.model_dir import vllm_model
+from crescent.services.model.model_source import DEFAULT_MODEL
+from tests.engine_vllm.vllm_stack import (
+    VLLM_START_S, Service, listen, start_peer, start_service, vllm_interpreter, wait_healthy,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(vllm_interpreter() is None, reason="make install-vllm first")]
+
+ADMIN_KEY = "admin-" + uuid.uuid4().hex
+BLOCK = 64
+MODEL = DEFAULT_MODEL
+MIGRATE_TOKENS = 160  # long enough on this CPU that a kill lands mid-stream
+
+
+class VllmStack:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.python = vllm_interpreter()
+        self.services: dict[str, Service] = {}
+        self.gateway_url = ""
+        self.peer_url = ""
+        self.keys: dict[str, str] = {}
+
+    def start(self) -> None:
+        run = self.run_dir
+        scheduler = start_service(run, "scheduler", "scheduler", {"listen": listen()})
+        kv = {"listen": listen(), "node_id": "kvstore-0", "scheduler_address": scheduler.grpc,
+              "tiers": {"host": {"capacity_bytes": 2_000_000_000}}}
+        kvstore = start_service(run, "kvstore", "kvstore", kv)
+        port = listen()["port"]
+        gateway = start_service(run, "gateway", "gateway", {
+            "listen": {"host": "127.0.0.1", "port": port}, "scheduler_address": scheduler.grpc, "model": MODEL,
+            "auth": {"enabled": True, "admin_key": ADMIN_KEY, "database_url": f"sqlite:///{run}/gateway.sqlite3"},
+            "ledger": {"journal_dir": str(run / "ledger-journal")}})
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        self.services.update(scheduler=scheduler, kvstore=kvstore, gateway=gateway)
+        model = vllm_model(MODEL)  # the HF directory both vLLMs load (exported once from the GGUF)
+        engine = self.start_engine("aggregated-0")
+        peer, self.peer_url = start_peer(run, self.python, model.directory, MODEL, BLOCK)
+        self.services["peer"] = peer
+        wait_healthy([scheduler, kvstore, gateway], 120)
+        wait_healthy([engine, peer], VLLM_START_S)
+        wait_healthy([gateway], 60)
+        for tenant in ("acme", "globex"):
+            reply = httpx.post(f"{self.gateway_url}/admin/keys", json={"tenant": tenant, "create_tenant": True},
+                               headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+            assert reply.status_code == 201, reply.text
+            self.keys[tenant] = reply.json()["key"]
+
+    def start_engine(self, name: str) -> Service:
+        config = {"listen": listen(), "instance_id": name, "scheduler_address": self.services["scheduler"].grpc,
+                  "kvstore_address": self.services["kvstore"].grpc,
+                  "engine": {"backend": "vllm", "model": MODEL, "block_size": BLOCK, "threads": 1,
+                             "drain_grace_s": 20, "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1}}}
+        engine = start_service(self.run_dir, name, "aggregated", config, python=self.python)
+        self.services[name] = engine
+        return engine
+
+    def client(self, tenant: str = "acme") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=300, max_retries=0)
+
+    def peer(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.peer_url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+    def instances(self) -> dict[str, scheduler_pb2.InstanceStatus]:
+        with grpc.insecure_channel(self.services["scheduler"].grpc) as channel:
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).ListInstances(scheduler_pb2.ListInstancesRequest(),
+                                                                           timeout=5)
+        return {s.info.instance_id: s for s in reply.instances}
+
+    def stop(self) -> None:
+        for service in reversed(list(self.services.values())):
+            service.stop(timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
+    running = VllmStack(tmp_path_factory.mktemp("vllm"))
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+def prompt_ids(words: int, nonce: str) -> list[int]:
+    """A token-id prompt of about ``words`` tokens (ids of plain words, so both servers take it alike)."""
+    tokenizer = Tokenizer.from_file(str(vllm_model(MODEL).directory / "tokenizer.json"))
+    text = f"Note {nonce}. " + " ".join(f"crate {i} goes to dock {i * 7 % 11}." for i in range(words // 8))
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def completion(client: openai.OpenAI, prompt: list[int], max_tokens: int = 24, **kwargs):  # noqa: ANN201
+    return client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+def cached(reply) -> int:  # noqa: ANN001
+    details = reply.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+def test_greedy_outputs_equal_a_standalone_vllm(stack: VllmStack) -> None:
+    for words, nonce in ((20, "a1"), (320, "b2"), (720, "c3")):
+        prompt = prompt_ids(words, nonce)
+        ours = completion(stack.client(), prompt)
+        theirs = completion(stack.peer(), prompt)
+        assert ours.choices[0].text == theirs.choices[0].text, f"{len(prompt)}-token prompt"
+        assert ours.usage.prompt_tokens == len(prompt)
+        assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+
+
+def test_a_streamed_reply_is_the_same_reply(stack: VllmStack) -> None:
+    prompt = prompt_ids(150, "d4")
+    whole = completion(stack.client(), prompt).choices[0].text
+    streamed = "".join(c.choices[0].text for c in completion(stack.client(), prompt, stream=True) if c.choices)
+    assert streamed == whole
+
+
+def test_a_repeated_long_prompt_reuses_its_blocks(stack: VllmStack) -> None:
+    prompt = prompt_ids(720, "e5")
+    first = completion(stack.client(), prompt)
+    again = completion(stack.client(), prompt)
+    assert cached(first) == 0
+    assert cached(again) >= (len(prompt) - 1) // BLOCK * BLOCK - BLOCK  # every full block but the last's
+    assert again.choices[0].text == first.choices[0].text
+
+
+def test_a_short_prompt_leaves_nothing_to_hit(stack: VllmStack) -> None:
+    prompt = prompt_ids(180, "f6")  # 256 tokens or fewer: Kimi's rule, never cached
+    assert len(prompt) <= 256
+    completion(stack.client(), prompt)
+    assert cached(completion(stack.client(), prompt)) == 0
+
+
+def test_the_scheduler_indexes_what_vllm_caches(stack: VllmStack) -> None:
+    completion(stack.client(), prompt_ids(720, "g7"))
+    status = stack.instances()["aggregated-0"]
+    assert status.info.kv_format.startswith("paged-v1:30x2x64x3x64")  # the native engine's block layout
+    assert status.indexed_blocks >= 10, "vLLM's cached prompt blocks reach the Conductor's prefix index"
+    health = httpx.get(stack.services["aggregated-0"].health, timeout=5).json()
+    assert health.get("backend") == "vllm" or "vllm" in json.dumps(health)
+
+
+def test_sampling_surface_reaches_vllm(stack: VllmStack) -> None:
+    client = stack.client()
+    prompt = prompt_ids(40, "h8")
+    two = client.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=16)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    again = client.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=16)
+    assert [c.text for c in sorted(two.choices, key=lambda c: c.index)] == \
+           [c.text for c in sorted(again.choices, key=lambda c: c.index)], "a seed fixes every choice"
+    one = completion(client, prompt, max_tokens=1)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+    lp = completion(client, prompt, logprobs=2, max_tokens=4).choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(top) >= 2 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object with a name."}],
+        response_format={"type": "json_object"}, max_tokens=40, temperature=0)
+    text = chat.choices[0].message.content
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.lstrip().startswith("{")
+
+
+def test_a_fresh_instance_loads_the_prefix_from_the_kvstore_and_only_for_its_tenant(stack: VllmStack) -> None:
+    prompt = prompt_ids(720, "i9")
+    first = completion(stack.client("acme"), prompt)
+    # SIGTERM with a stream in flight: the instance drains it to its end, then exits 0.
+    stream = completion(stack.client("acme"), prompt_ids(60, "j0"), max_tokens=MIGRATE_TOKENS, stream=True,
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    assert stack.services["aggregated-0"].stop() == 0, "SIGTERM drains and exits cleanly"
+    usage = None
+    for chunk in chunks:
+        text += chunk.choices[0].text if chunk.choices else ""
+        usage = chunk.usage or usage
+    assert usage is not None and usage.completion_tokens == MIGRATE_TOKENS, "the drained stream ran to its end"
+
+    fresh = stack.start_engine("aggregated-1")
+    wait_healthy([fresh], VLLM_START_S)
+    again = completion(stack.client("acme"), prompt)
+    assert cached(again) >= 10 * BLOCK, "the blocks came from the kvstore: this vLLM process never saw the prompt"
+    assert again.choices[0].text == first.choices[0].text
+    other = completion(stack.client("globex"), prompt)
+    assert cached(other) == 0, "another tenant never loads acme's blocks"
+    assert other.choices[0].text == first.choices[0].text
+
+
+def test_kill_9_of_a_vllm_instance_migrates_its_streams(stack: VllmStack) -> None:
+    second = stack.start_engine("aggregated-2")
+    wait_healthy([second], VLLM_START_S)
+    prompts = [prompt_ids(60, f"k{i}") for i in range(3)]
+    ignore_eos = {"extra_body": {"ignore_eos": True}}
+    reference = [completion(stack.client(), p, max_tokens=MIGRATE_TOKENS, **ignore_eos).choices[0].text
+                 for p in prompts]
+    results: list[tuple[str, int] | BaseException] = [("", 0)] * len(prompts)
+    started = [threading.Event() for _ in prompts]
+
+    def read(i: int) -> None:
+        try:
+            text, chunks, usage = "", 0, None
+            for chunk in completion(stack.client(), prompts[i], max_tokens=MIGRATE_TOKENS, stream=True,
+                                    stream_options={"include_usage": True}, **ignore_eos):
+                text += chunk.choices[0].text if chunk.choices else ""
+                usage = chunk.usage or usage
+                chunks += 1
+                if chunks >= 4:
+                    started[i].set()
+            results[i] = (text, usage.completion_tokens if usage else -1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            results[i] = exc
+            started[i].set()
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
+    for reader in readers:
+        reader.start()
+    for event in started:
+        assert event.wait(120)
+    load = {name: status.load.running_requests for name, status in stack.instances().items()}
+    victim = max(("aggregated-1", "aggregated-2"), key=lambda name: load.get(name, 0))
+    os.kill(stack.services[victim].proc.pid, signal.SIGKILL)
+    for reader in readers:
+        reader.join(300)
+    for i, result in enumerate(results):
+        assert not isinstance(result, BaseException), f"stream {i} failed: {result!r}"
+        text, tokens = result
+        assert tokens == MIGRATE_TOKENS, f"stream {i}: no token lost or repeated"
+        assert text == reference[i], f"stream {i}: greedy text continues where it stopped"
