@@ -3,9 +3,10 @@
     python helm/schema/generate.py          # regenerate the committed schema and README table
     python helm/schema/generate.py --check  # exit 1 if either is stale
 
-Types come from the defaults in values.yaml; every object rejects keys it does not list
-(additionalProperties: false) except the free-form Kubernetes objects named in FREE_FORM, so a
-misspelt key fails `helm install`. CONSTRAINTS adds enums, ranges and list item shapes.
+Types come from the defaults in values.yaml (a null default takes its type from CONSTRAINTS);
+every object rejects keys it does not list (additionalProperties: false) except the free-form
+Kubernetes objects named in FREE_FORM, so a misspelt key fails `helm install`. CONSTRAINTS adds
+enums, ranges and list item shapes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ TOKEN_INTERVAL_BUCKETS = [0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 
 
 # Keys holding Kubernetes or service objects the chart passes through unchanged.
 FREE_FORM = {"resources", "nodeSelector", "affinity", "podAnnotations", "settings", "annotations", "labels",
-             "podSecurityContext", "securityContext", "metricsNamespaceSelector", "proxyNamespaceSelector"}
+             "podSecurityContext", "securityContext", "metricsNamespaceSelector", "proxyNamespaceSelector",
+             "engineArgs"}
 # List keys whose items are Kubernetes objects.
 OBJECT_LISTS = {"extraEnv", "extraVolumes", "extraVolumeMounts", "tolerations"}
 
@@ -54,6 +56,9 @@ def _set_friendly(numbers: list[float]) -> dict[str, Any]:
 FRACTION = {"type": ["number", "string"], "exclusiveMinimum": 0, "exclusiveMaximum": 1, "pattern": "^0?\\.[0-9]*[1-9][0-9]*$"}
 IMAGE_DIGEST = {"type": "string", "pattern": "^(sha256:[a-f0-9]{64})?$"}
 IMAGE_TAG = {"type": "string", "minLength": 1, "not": {"const": "latest"}}
+# A share in (0, 1], as a number or as the string `helm --set` passes.
+SHARE = {"type": ["number", "string"], "exclusiveMinimum": 0, "maximum": 1,
+         "pattern": "^(0?\\.[0-9]*[1-9][0-9]*|1(\\.0*)?)$"}
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "imagePullSecrets": {"items": {"type": "string", "minLength": 1}},
     "logLevel": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR"]},
@@ -145,6 +150,26 @@ for _role in ("prefill", "decode", "aggregated"):
     CONSTRAINTS[f"{_role}.multiNode.nodesPerInstance"] = {"minimum": 2}
     CONSTRAINTS[f"{_role}.multiNode.workerArgs"] = {"items": {"type": "string"}}
     CONSTRAINTS[f"{_role}.multiNode.startupPolicy"] = {"enum": ["LeaderCreated", "LeaderReady"]}
+    CONSTRAINTS[f"{_role}.backend"] = {"enum": ["native", "vllm"]}
+    CONSTRAINTS[f"{_role}.startupProbeSeconds"] = {"minimum": 10}
+# The vLLM backend's values (engine.vllm, services/engine_vllm/settings.py): the chart runs it on
+# aggregated instances only for now.
+CONSTRAINTS.update({
+    "aggregated.image.vllm.repository": {"minLength": 1},
+    "aggregated.image.vllm.tag": IMAGE_TAG,
+    "aggregated.image.vllm.digest": IMAGE_DIGEST,
+    "aggregated.vllm.dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
+    "aggregated.vllm.maxModelLen": {"type": ["integer", "null"], "minimum": 16},
+    "aggregated.vllm.tensorParallelSize": {"minimum": 1},
+    "aggregated.vllm.pipelineParallelSize": {"minimum": 1},
+    "aggregated.vllm.dataParallelSize": {"minimum": 1},
+    "aggregated.vllm.quantization": {"type": ["string", "null"], "minLength": 1},
+    "aggregated.vllm.kvCacheDtype": {"minLength": 1},
+    "aggregated.vllm.gpuMemoryUtilization": SHARE,
+    "aggregated.vllm.cpuKvCacheGb": {"exclusiveMinimum": 0},
+    "aggregated.vllm.maxNumSeqs": {"type": ["integer", "null"], "minimum": 1},
+    "aggregated.vllm.maxNumBatchedTokens": {"type": ["integer", "null"], "minimum": 1},
+})
 
 
 def infer(value: Any, path: str) -> dict[str, Any]:
@@ -169,6 +194,8 @@ def infer(value: Any, path: str) -> dict[str, Any]:
         schema = {"type": "string"}
     elif isinstance(value, list):
         schema = {"type": "array"}
+    elif value is None and "type" in CONSTRAINTS.get(path, {}):
+        schema = {}  # the type (null among them) comes from CONSTRAINTS below
     else:
         raise ValueError(f"values.yaml: cannot infer a type for {path} (null?); give it a typed default")
     schema.update(CONSTRAINTS.get(path, {}))

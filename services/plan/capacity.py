@@ -104,6 +104,9 @@ class LayoutPlan:
     cache_budget_per_gpu: int    # what memory_utilization leaves after the weights (may be < 0)
     sequence_bytes_per_gpu: int  # one sequence's cache on each GPU that holds it
     sequences: int               # full-context sequences the instance holds at once
+    tensor_parallel: int = 1     # GPUs each attention group splits its layers over (t)
+    data_parallel: int = 1       # attention groups, each with its own sequences (n / t)
+    expert_parallel: bool = False  # whole experts spread over all n GPUs
 
     @property
     def fits(self) -> bool:
@@ -117,18 +120,19 @@ def layout_plans(cfg: K3Config, weights: WeightBytes, seq: SequenceBytes, gpus: 
     n = gpus
     experts_per_gpu = math.ceil(cfg.num_experts / n)
     ep_routed = math.ceil(weights.routed_bytes * experts_per_gpu / cfg.num_experts)
-    rows = [(f"TP{n}", math.ceil(weights.total_bytes / n), n)]
+    rows = [(f"TP{n}", math.ceil(weights.total_bytes / n), n, False)]
     for t in (d for d in range(n, 0, -1) if n % d == 0):
         attn = f"TP{t}" if t == n else f"DP{n}" if t == 1 else f"TP{t}×DP{n // t}"
-        rows.append((f"EP{n}, attn {attn}", ep_routed + math.ceil(weights.other_bytes / t), t))
+        rows.append((f"EP{n}, attn {attn}", ep_routed + math.ceil(weights.other_bytes / t), t, True))
     plans = []
-    for name, w, t in rows:
+    for name, w, t, ep in rows:
         # a sequence's latents sit on every GPU of its group; its KDA state is split by value head
         head_share = math.ceil(cfg.kda_num_v_heads / t) / cfg.kda_num_v_heads
         per_seq = seq.latent_bytes + math.ceil((seq.state_bytes + seq.snapshot_bytes) * head_share)
         budget = usable - w
         fit = max(0, budget) // per_seq * (n // t) if per_seq else 0
-        plans.append(LayoutPlan(name, w, budget, per_seq, fit))
+        plans.append(LayoutPlan(name, w, budget, per_seq, fit, tensor_parallel=t, data_parallel=n // t,
+                                expert_parallel=ep))
     return plans
 
 

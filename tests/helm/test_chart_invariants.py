@@ -40,14 +40,15 @@ def _label_selector_matches(selector: dict[str, Any], labels: dict[str, str]) ->
     return _selects(selector.get("matchLabels", {}), labels)
 
 
-def test_one_supernode_puts_eight_gpus_on_its_pools() -> None:
+def test_one_supernode_puts_eight_gpus_on_its_engines() -> None:
     docs = render(values=[EXAMPLES / "one-supernode-8gpu.yaml"])
     deployments = by_kind(docs, "Deployment")
-    prefill, decode = deployments["crescent-prefill-sn0"], deployments["crescent-decode-sn0"]
-    assert (prefill["spec"]["replicas"], _gpus(prefill)) == (2, 2)
-    assert (decode["spec"]["replicas"], _gpus(decode)) == (4, 1)
+    # Qwen3-32B on vLLM: 4 aggregated pods, tensor parallel 2 (the native engine cannot load it).
+    aggregated = deployments["crescent-aggregated-sn0"]
+    assert (aggregated["spec"]["replicas"], _gpus(aggregated)) == (4, 2)
+    assert "crescent-prefill-sn0" not in deployments and "crescent-decode-sn0" not in deployments
     assert sum(d["spec"]["replicas"] * _gpus(d) for d in deployments.values()) == 8
-    for workload in (prefill, decode):
+    for workload in (aggregated,):
         spec = _pod_spec(workload)
         assert spec["nodeSelector"] == {
             "nvidia.com/gpu.present": "true",
@@ -59,7 +60,7 @@ def test_one_supernode_puts_eight_gpus_on_its_pools() -> None:
         assert shm["emptyDir"]["medium"] == "Memory"
     # Only the engines ask for GPUs.
     for name, workload in deployments.items():
-        if "-prefill-" not in name and "-decode-" not in name:
+        if "-aggregated-" not in name:
             assert _gpus(workload) == 0, name
 
 
@@ -114,8 +115,8 @@ def test_kvstore_runs_on_gpu_nodes_with_host_memory_and_local_ssd() -> None:
     # Engines find their node's kvstore through a node-local Service.
     local = by_kind(docs, "Service")["crescent-kvstore-local"]
     assert local["spec"]["internalTrafficPolicy"] == "Local"
-    prefill_config = yaml.safe_load(by_kind(docs, "ConfigMap")["crescent-prefill"]["data"]["config.yaml"])
-    assert prefill_config["kvstore_address"] == "crescent-kvstore-local:50054"
+    engine_config = yaml.safe_load(by_kind(docs, "ConfigMap")["crescent-aggregated"]["data"]["config.yaml"])
+    assert engine_config["kvstore_address"] == "crescent-kvstore-local:50054"
 
 
 def test_cpu_dev_install_asks_for_no_gpu_and_runs_a_kvstore_on_every_node() -> None:

@@ -6,23 +6,27 @@ in step with services/*/config.py: a renamed setting fails here, not in a crash-
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.helm.test_chart import VALUES_FILES
-from tests.helm.tools import by_kind, render
+from tests.helm.tools import CHART, by_kind, render
 
 SETTINGS = {
     "gateway": ("crescent.services.gateway.config", "GatewaySettings"),
     "scheduler": ("crescent.services.scheduler.config", "SchedulerSettings"),
     "prefill": ("crescent.services.prefill.config", "PrefillSettings"),
     "decode": ("crescent.services.decode.config", "DecodeSettings"),
+    "aggregated": ("crescent.services.aggregated.config", "AggregatedSettings"),
     "kvstore": ("crescent.services.kvstore.config", "KvStoreSettings"),
 }
+ENGINES = ("prefill", "decode", "aggregated")
 # What the downward API would give the pod.
 POD_FIELDS = {"POD_NAME": "crescent-prefill-g0-abcde", "POD_IP": "10.1.2.3", "NODE_NAME": "gpu-node-0"}
 FIELD_PATHS = {"metadata.name": "POD_NAME", "status.podIP": "POD_IP", "spec.nodeName": "NODE_NAME"}
@@ -39,13 +43,30 @@ def _pod_env(container: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("service", sorted(SETTINGS))
-@pytest.mark.parametrize("name", sorted(VALUES_FILES))
+def _enabled(values_files: list[Path], service: str) -> bool:
+    """Whether the service is on, by the chart's defaults and the example's values."""
+    enabled = yaml.safe_load((CHART / "values.yaml").read_text())[service].get("enabled", True)
+    for path in values_files:
+        enabled = (yaml.safe_load(path.read_text()).get(service) or {}).get("enabled", enabled)
+    return enabled
+
+
+CASES = [(name, service) for name in sorted(VALUES_FILES) for service in sorted(SETTINGS)
+         if _enabled(VALUES_FILES[name], service)]
+
+
+@functools.cache
+def _rendered(name: str) -> list[dict[str, Any]]:
+    """Each example rendered once for every service's case (renders are slow)."""
+    return render(values=VALUES_FILES[name])
+
+
+@pytest.mark.parametrize(("name", "service"), CASES)
 def test_rendered_settings_load_in_the_service(tmp_path: Path, name: str, service: str) -> None:
     module_name, class_name = SETTINGS[service]
     module = pytest.importorskip(module_name, reason=f"{module_name} is not written yet")
     settings_module = importlib.import_module("crescent.services.common.settings")
-    docs = render(values=VALUES_FILES[name])
+    docs = _rendered(name)
     config = by_kind(docs, "ConfigMap")[f"crescent-{service}"]["data"]["config.yaml"]
     path = tmp_path / "config.yaml"
     path.write_text(config)
@@ -64,7 +85,7 @@ def test_rendered_settings_load_in_the_service(tmp_path: Path, name: str, servic
         assert settings.listen.port == ports["http"]
     else:
         assert (settings.listen.port, settings.listen.admin_port) == (ports["grpc"], ports["admin"])
-    if service in ("prefill", "decode"):
+    if service in ENGINES:
         assert settings.instance_id == f"{service}-{POD_FIELDS['POD_NAME']}-{ports['grpc']}"  # as discovery names it
         assert settings.advertise_address == f"{POD_FIELDS['POD_IP']}:{ports['grpc']}"
     if service == "kvstore":
@@ -73,7 +94,7 @@ def test_rendered_settings_load_in_the_service(tmp_path: Path, name: str, servic
         assert settings.discovery.enabled  # every example leaves scheduler.kubernetesDiscovery on
     if service == "gateway":
         assert settings.drain_grace_s > 0  # from terminationGracePeriodSeconds, see test_lifecycle
-    if service in ("prefill", "decode"):
+    if service in ENGINES:
         assert settings.engine.drain_grace_s > 0
     if service != "scheduler" and hasattr(settings, "scheduler_address"):
         assert settings.scheduler_address == "crescent-scheduler:50051"

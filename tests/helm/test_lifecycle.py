@@ -37,8 +37,11 @@ def drain_grace_of(docs: list[dict[str, Any]], component: str) -> float:
 def test_draining_pods_sleep_in_prestop_then_drain_within_their_grace(name: str) -> None:
     docs = render("--set", "aggregated.enabled=true", values=VALUES_FILES[name])
     for component in DRAINING:
+        workloads = workloads_of(docs, component)
+        if not workloads:  # the example turns the role off
+            continue
         drain = drain_grace_of(docs, component)
-        for workload in workloads_of(docs, component):
+        for workload in workloads:
             spec = workload["spec"]["template"]["spec"]
             command = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
             assert command[0] == "sleep"

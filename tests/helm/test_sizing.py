@@ -72,6 +72,12 @@ def _worst_node_load(example: str, node: dict[str, Any]) -> dict[str, float]:
              if _lands_on(w["spec"]["template"]["spec"], node, pins)]
     choices = [(w["spec"]["template"]["spec"], _max_replicas(docs, name, w))
                for name, w in by_kind(docs, "Deployment").items() if _lands_on(w["spec"]["template"]["spec"], node, pins)]
+    # A LeaderWorkerSet's instances: a leader and size - 1 workers each.
+    for name, lws in by_kind(docs, "LeaderWorkerSet").items():
+        template, instances = lws["spec"]["leaderWorkerTemplate"], _max_replicas(docs, name, lws)
+        for key, per_instance in (("leaderTemplate", 1), ("workerTemplate", template["size"] - 1)):
+            if _lands_on(template[key]["spec"], node, pins):
+                choices.append((template[key]["spec"], instances * per_instance))
     worst = {"cpu": 0.0, "memory": 0.0, "memory_limit": 0.0}
     for counts in itertools.product(*(range(n + 1) for _, n in choices)):
         mix = fixed + [spec for (spec, _), count in zip(choices, counts) for _ in range(count)]

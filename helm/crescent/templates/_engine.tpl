@@ -208,6 +208,11 @@ instance id and advertised address are per pod, so they come from env vars in th
 {{- if and (has .role (list "prefill" "aggregated")) $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}
+{{- /* The engine backend (_vllm.tpl): native, or vLLM with its arguments. */}}
+{{- $_ := set $cfg.engine "backend" $v.backend }}
+{{- if include "crescent.isVllm" . }}
+{{- $_ := set $cfg.engine "vllm" (include "crescent.vllmSettings" . | fromJson) }}
+{{- end }}
 {{- if eq .role "decode" }}
 {{- $_ := set $cfg "tcp_handoff" $v.handoffSideChannel.enabled }}
 {{- $_ := set $cfg "handoff_side_channel_port" (int $v.handoffSideChannel.port) }}

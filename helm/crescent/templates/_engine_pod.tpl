@@ -4,7 +4,8 @@ and workers (worker true). The leader is the instance: it runs the role's servic
 one instance with the scheduler. Workers carry the component label "<role>-worker", so the
 role's headless Service, discovery, PDB and ServiceMonitor never count them as instances; they
 run multiNode.workerArgs (by default `crescent serve <role>-worker`: a tensor-parallel rank of
-the leader's instance), and LeaderWorkerSet gives every pod LWS_LEADER_ADDRESS, LWS_GROUP_SIZE
+the leader's instance; with backend vllm, vLLM's headless engines for the pod's data-parallel
+ranks, _vllm.tpl), and LeaderWorkerSet gives every pod LWS_LEADER_ADDRESS, LWS_GROUP_SIZE
 and LWS_WORKER_INDEX, from which the engine's group settings (engine.parallel) default. Call with (dict "root" $ "role" "prefill" "group" <group>
 "worker" false).
 */}}
@@ -14,9 +15,10 @@ and LWS_WORKER_INDEX, from which the engine's group settings (engine.parallel) d
 {{- $component := dict "root" $root "component" .role }}
 {{- $labels := dict "root" $root "component" (ternary (printf "%s-worker" .role) .role (.worker | default false)) }}
 {{- $resources := deepCopy $v.resources }}
-{{- if gt (int $v.gpus) 0 }}
+{{- $gpus := include "crescent.engineGpus" . | int }}
+{{- if gt $gpus 0 }}
 {{- $limits := get $resources "limits" | default dict }}
-{{- $_ := set $limits "nvidia.com/gpu" (int $v.gpus) }}
+{{- $_ := set $limits "nvidia.com/gpu" $gpus }}
 {{- $_ = set $resources "limits" $limits }}
 {{- end -}}
 metadata:
@@ -45,11 +47,13 @@ spec:
   {{- with include "crescent.weightsInitContainers" (dict "root" $root "component" .role) }}{{ . | trim | nindent 2 }}{{ end }}
   containers:
     - name: {{ .role }}
-      image: {{ include "crescent.image" $v }}
+      image: {{ include "crescent.engineImage" . }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       {{- if and .worker $v.multiNode.workerArgs }}
       args:
         {{- toYaml $v.multiNode.workerArgs | nindent 8 }}
+      {{- else if and .worker (include "crescent.isVllm" .) }}
+      {{- include "crescent.vllmWorkerCommand" . | nindent 6 }}
       {{- else if .worker }}
       # Crescent's tensor-parallel worker: the role's settings, the rank from LWS_WORKER_INDEX.
       args: [{{ .role }}-worker, --config, /etc/crescent/config.yaml]
@@ -78,12 +82,13 @@ spec:
           value: {{ .role }}-$(POD_NAME)-{{ $v.grpcPort }}
         - name: CRESCENT_{{ upper .role }}__ADVERTISE_ADDRESS
           value: $(POD_IP):{{ $v.grpcPort }}
+        {{- with include "crescent.vllmLeaderEnv" . }}{{ . | trim | nindent 8 }}{{ end }}
         {{- end }}
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
       {{- if not .worker }}
-      {{- include "crescent.probes" (dict "port" "admin" "startupFailures" 900) | nindent 6 }}
+      {{- include "crescent.probes" (dict "port" "admin" "startupSeconds" $v.startupProbeSeconds) | nindent 6 }}
       {{- include "crescent.preStop" $v | nindent 6 }}
       {{- end }}
       resources:

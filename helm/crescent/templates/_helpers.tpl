@@ -111,12 +111,13 @@ affinity:
 {{- end }}
 {{- end }}
 
-{{/* Probes on the admin (or gateway) HTTP port named "admin" / "http". */}}
+{{/* Probes on the admin (or gateway) HTTP port named "admin" / "http"; the startup probe allows
+startupFailures misses (default 150), or startupSeconds when given. */}}
 {{- define "crescent.probes" -}}
 startupProbe:
   httpGet: {path: /health, port: {{ .port }}}
   periodSeconds: 2
-  failureThreshold: {{ .startupFailures | default 150 }}
+  failureThreshold: {{ if .startupSeconds }}{{ div (int .startupSeconds) 2 }}{{ else }}{{ .startupFailures | default 150 }}{{ end }}
 readinessProbe:
   httpGet: {path: /health, port: {{ .port }}}
   periodSeconds: 2
