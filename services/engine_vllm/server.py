@@ -22,6 +22,7 @@ from crescent.services.engine_vllm.block_events import EngineBlockSet
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.engine import BackendFacts, prepare_environment, start_engine
 from crescent.services.engine_vllm.model_dir import vllm_model
+from crescent.services.engine_vllm.reaper import watch_descendants
 from crescent.services.engine_vllm.servicer import VllmServicer
 from crescent.services.prefill.servicer import add_prefill_to_server
 
@@ -135,6 +136,7 @@ async def serve(settings: AggregatedSettings, instance: EngineInstance, signals:
 
 
 def main(settings: AggregatedSettings) -> None:
+    watch_descendants()  # before any thread: vLLM's processes must not outlive a killed instance
     prepare_environment(settings.engine, Path.home() / ".cache" / "crescent")
     run_dir = Path(tempfile.mkdtemp(prefix="crescent-vllm-"))
     instance = EngineInstance("aggregated", settings.listen, settings.engine, settings.scheduler_address,

@@ -8,10 +8,12 @@ run in order on them (the last ones stop and replace the vLLM instance).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +22,19 @@ import grpc
 import httpx
 import openai
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
+from crescent.services.engine.engine import Engine
+from crescent.services.engine.llama import LlamaModel
+from crescent.services.engine.loader import load_model
+from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.kvwire.kv_block import KvBlock
+from crescent.services.model.model_source import resolve_model
 from crescent.services.engine_vllm.model_dir import vllm_model
+from crescent.services.engine_vllm.reaper import process_stat, descendants
 from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.engine_vllm.vllm_stack import (
     VLLM_START_S, Service, listen, start_peer, start_service, vllm_interpreter, wait_healthy,
@@ -166,6 +177,37 @@ def test_the_scheduler_indexes_what_vllm_caches(stack: VllmStack) -> None:
     assert health.get("backend") == "vllm" or "vllm" in json.dumps(health)
 
 
+async def test_stored_blocks_are_the_native_engines_kv(stack: VllmStack) -> None:
+    """A block a vLLM instance stored is what the native engine computes for the same tokens (the
+    same layout, RoPE convention and values within fp32 noise), so a mixed fleet shares blocks."""
+    prompt = prompt_ids(400, "m1")
+    completion(stack.client(), prompt, max_tokens=1)
+    client = KvStoreClient(stack.services["kvstore"].grpc)
+    try:
+        found: KvBlock | None = None
+        for _ in range(50):  # the connector's puts are in the background
+            listed = await client.list_blocks()
+            keys = [BlockKey(b.key) for b in listed.blocks] if listed is not None else []
+            blocks = await client.get(keys, MODEL)
+            found = next((b for b in blocks.values() if list(b.token_ids) == prompt[:BLOCK]), None)
+            if found is not None:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    assert found is not None, "the prompt's first block is in the kvstore"
+    torch.set_num_threads(1)
+    loaded = load_model(resolve_model(MODEL), progress=False)
+    engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=MODEL, kv_capacity_tokens=1024,
+                    page_size=BLOCK, min_cached_prompt_tokens=0)
+    seq = engine.add_sequence("native", prompt[:2 * BLOCK])
+    engine.prefill(seq)
+    native = engine.block_payload(seq, 0)
+    stored = torch.frombuffer(bytearray(found.payload), dtype=torch.float32).view(found.shape)
+    assert tuple(found.shape) == tuple(native.shape)
+    assert torch.allclose(stored, native, atol=2e-3, rtol=1e-3), (stored - native).abs().max()
+
+
 def test_sampling_surface_reaches_vllm(stack: VllmStack) -> None:
     client = stack.client()
     prompt = prompt_ids(40, "h8")
@@ -245,6 +287,8 @@ def test_kill_9_of_a_vllm_instance_migrates_its_streams(stack: VllmStack) -> Non
         assert event.wait(120)
     load = {name: status.load.running_requests for name, status in stack.instances().items()}
     victim = max(("aggregated-1", "aggregated-2"), key=lambda name: load.get(name, 0))
+    engine_processes = descendants(stack.services[victim].proc.pid)  # vLLM's engine core and workers
+    assert engine_processes
     os.kill(stack.services[victim].proc.pid, signal.SIGKILL)
     for reader in readers:
         reader.join(300)
@@ -253,3 +297,7 @@ def test_kill_9_of_a_vllm_instance_migrates_its_streams(stack: VllmStack) -> Non
         text, tokens = result
         assert tokens == MIGRATE_TOKENS, f"stream {i}: no token lost or repeated"
         assert text == reference[i], f"stream {i}: greedy text continues where it stopped"
+    deadline = time.monotonic() + 10
+    while any(process_stat(pid) is not None and process_stat(pid)[1] == start for pid, start in engine_processes.items()):
+        assert time.monotonic() < deadline, "vLLM's processes outlived the killed instance"
+        time.sleep(0.2)
