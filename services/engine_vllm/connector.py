@@ -6,7 +6,8 @@ vLLM builds one in its scheduler (role SCHEDULER) and one in each worker (role W
 halves live in ``connector_scheduler.py`` and ``connector_worker.py``. Both reach the node's
 kvstore through Crescent's own client (every byte mover, CRC-checked blocks in Crescent's
 format under Crescent's salted keys), so blocks a vLLM instance stores are blocks a native
-instance of the same model can load, and the other way round.
+instance of the same model can load, and the other way round, where vLLM's attention layout converts
+to the native one (``kv_layout.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMe
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.connector_scheduler import ConnectorScheduler
 from crescent.services.engine_vllm.connector_worker import ConnectorWorker
+from crescent.services.engine_vllm.kv_layout import attention_layout
 from crescent.services.engine_vllm.store_link import StoreLink
 
 if TYPE_CHECKING:
@@ -49,7 +51,8 @@ class CrescentConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(options, link)
         else:
-            self._worker = ConnectorWorker(options, link, mla=vllm_config.model_config.use_mla)
+            num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+            self._worker = ConnectorWorker(options, link, attention_layout(vllm_config), num_blocks)
         self._link = link
 
     # -- worker side -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 
 from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
-from crescent.services.engine_vllm.kv_layout import LayerGeometry, geometry, layer_rows, write_block
+from crescent.services.engine_vllm.kv_layout import LayerGeometry, geometry, read_layer, write_block
 from crescent.services.engine_vllm.store_link import StoreLink
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
@@ -35,10 +35,11 @@ def _layer_order(name: str) -> tuple[int, str]:
 
 
 class ConnectorWorker:
-    def __init__(self, options: ConnectorOptions, link: StoreLink | None, mla: bool) -> None:
+    def __init__(self, options: ConnectorOptions, link: StoreLink | None, layout: str, num_blocks: int) -> None:
         self.options = options
         self.link = link
-        self.mla = mla
+        self.layout = layout          # vLLM's attention layout (kv_layout.attention_layout)
+        self.num_blocks = num_blocks
         self.layers: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self.geo: LayerGeometry | None = None
@@ -51,7 +52,7 @@ class ConnectorWorker:
         names = sorted(kv_caches, key=_layer_order)
         self.layer_index = {name: i for i, name in enumerate(names)}
         self.layers = [kv_caches[name] for name in names]
-        self.geo = geometry(self.layers, self.mla)
+        self.geo = geometry(self.layers, self.layout, self.num_blocks)
         log.info("Crescent connector: %d KV layers, blocks %s (%s)", len(names), self.geo.kv_format, self.geo.dtype_name)
 
     # -- loads -------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ class ConnectorWorker:
             staging = self._staging.get(spec.block_id)
             if staging is None:
                 staging = self._staging[spec.block_id] = torch.empty(self.geo.block_shape, dtype=self.geo.dtype)
-            staging[layer].copy_(layer_rows(self.geo, kv_layer, spec.block_id))
+            read_layer(self.geo, kv_layer, spec.block_id, staging[layer])
 
     def finish_saves(self, meta: CrescentConnectorMetadata) -> None:
         if self.link is None or self.geo is None or not meta.saves:

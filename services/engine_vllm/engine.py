@@ -87,14 +87,15 @@ def start_engine(settings: EngineSettings, model: VllmModel, connector: Connecto
 
 
 def facts_of(config, model_id: str) -> BackendFacts:  # noqa: ANN001 - vllm.config.VllmConfig
+    from crescent.services.engine_vllm.kv_layout import NATIVE_LAYOUTS, attention_layout
+
     model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
-    layers = model.get_num_layers(parallel)
-    if model.use_mla:
-        shape = (layers, cache.block_size, model.get_head_size())
-        kv_format = "mla-v1:" + "x".join(map(str, shape))
-    else:
-        shape = (layers, 2, cache.block_size, model.get_num_kv_heads(parallel), model.get_head_size())
-        kv_format = "paged-v1:" + "x".join(map(str, shape))
+    layout = attention_layout(config)
+    layers, heads, dim = model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size()
+    if layout in NATIVE_LAYOUTS:  # blocks are the native engine's (kv_layout.py)
+        kv_format = "paged-v1:" + "x".join(map(str, (layers, 2, cache.block_size, heads, dim)))
+    else:  # vLLM's own rows, named by layout: shared only with vLLM instances that hold the same
+        kv_format = f"vllm-{layout}:" + "x".join(map(str, (layers, heads, cache.block_size, dim)))
     dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
     blocks = cache.num_gpu_blocks or 0
     return BackendFacts(model_id=model_id, block_size=cache.block_size, kv_capacity_tokens=blocks * cache.block_size,

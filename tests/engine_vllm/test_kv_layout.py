@@ -15,38 +15,47 @@ from crescent.services.engine_vllm.block_events import BlockEventSender, EngineB
 from crescent.services.engine_vllm.connector_options import (
     PRIVATE_SALT_PREFIX, ConnectorOptions, crescent_salt, tenant_salt,
 )
-from crescent.services.engine_vllm.kv_layout import geometry, layer_rows, write_block
+from crescent.services.engine_vllm.kv_layout import geometry, read_layer, write_block
 
 LAYERS, HEADS, BLOCK, DIM, PAGES = 3, 2, 16, 8, 5
 
 
 def vllm_views_of(cache: PagedKvCache) -> list[torch.Tensor]:
-    """What vLLM's CPU build hands a connector for the same KV: per layer ``[blocks, heads,
-    block_size, key|value]`` (its 'LBHNC' layout), built independently from the native pool
-    ``[pages, layers, 2, tokens, heads, dim]``."""
+    """What vLLM's CPU build (``vec`` kernels) holds for the same KV, built element by element from
+    the native pool ``[pages, layers, 2, tokens, heads, dim]``: per layer a ``[blocks, heads,
+    block_size, 2 x dim]`` tensor whose (block, head) memory is the keys dim-major, then the values
+    token-major (as measured against a real vLLM: tests/engine_vllm/test_vllm_backend.py)."""
     views = []
     for layer in range(LAYERS):
         view = torch.empty(PAGES, HEADS, BLOCK, 2 * DIM)
         for page in range(PAGES):
             for head in range(HEADS):
+                memory = view[page, head].view(-1)
                 for token in range(BLOCK):
-                    view[page, head, token, :DIM] = cache.pool[page, layer, 0, token, head]
-                    view[page, head, token, DIM:] = cache.pool[page, layer, 1, token, head]
+                    for d in range(DIM):
+                        memory[d * BLOCK + token] = cache.pool[page, layer, 0, token, head, d]
+                        memory[BLOCK * DIM + token * DIM + d] = cache.pool[page, layer, 1, token, head, d]
         views.append(view)
     return views
 
 
-def test_a_vllm_block_is_the_native_engines_block_byte_for_byte() -> None:
+def payload_of(geo, views: list[torch.Tensor], page: int) -> torch.Tensor:  # noqa: ANN001
+    out = torch.empty(geo.block_shape)
+    for layer, view in enumerate(views):
+        read_layer(geo, view, page, out[layer])
+    return out
+
+
+def test_a_vllm_cpu_block_is_the_native_engines_block_byte_for_byte() -> None:
     torch.manual_seed(0)
     native = PagedKvCache(PAGES, LAYERS, BLOCK, HEADS, DIM)
     native.pool.copy_(torch.randn_like(native.pool))
     views = vllm_views_of(native)
-    geo = geometry(views, mla=False)
+    geo = geometry(views, "cpu-vec", PAGES)
     assert geo.block_shape == native.block_shape
     assert geo.kv_format == "paged-v1:" + "x".join(map(str, native.block_shape))
     for page in range(PAGES):
-        payload = torch.stack([layer_rows(geo, view, page) for view in views])
-        assert torch.equal(payload, native.read_block(page))
+        assert torch.equal(payload_of(geo, views, page), native.read_block(page))
 
 
 def test_a_native_block_written_into_vllm_views_reads_back_the_same() -> None:
@@ -54,22 +63,30 @@ def test_a_native_block_written_into_vllm_views_reads_back_the_same() -> None:
     native = PagedKvCache(PAGES, LAYERS, BLOCK, HEADS, DIM)
     native.pool.copy_(torch.randn_like(native.pool))
     views = [torch.full((PAGES, HEADS, BLOCK, 2 * DIM), float("nan")) for _ in range(LAYERS)]
-    geo = geometry(views, mla=False)
+    geo = geometry(views, "cpu-vec", PAGES)
     write_block(geo, views, 3, native.read_block(1))
-    assert torch.equal(torch.stack([layer_rows(geo, v, 3) for v in views]), native.read_block(1))
+    assert torch.equal(payload_of(geo, views, 3), native.read_block(1))
+    assert torch.equal(views[0][3], vllm_views_of(native)[0][1]), "the very memory layout vLLM's kernels read"
     assert torch.isnan(views[0][2]).all(), "other blocks untouched"
 
 
-def test_an_mla_layer_is_stored_token_major() -> None:
-    views = [torch.randn(PAGES, 1, BLOCK, 12) for _ in range(LAYERS)]
-    geo = geometry(views, mla=True)
-    assert geo.block_shape == (LAYERS, BLOCK, 12) and geo.kv_format.startswith("mla-v1:")
-    assert torch.equal(layer_rows(geo, views[1], 2), views[1][2, 0])
+def test_another_layout_is_kept_as_vllm_holds_it_under_its_own_format() -> None:
+    views = [torch.randn(2, PAGES, BLOCK, HEADS, DIM) for _ in range(LAYERS)]  # e.g. a GPU backend's [2, blocks, ...]
+    geo = geometry(views, "cuda", PAGES)
+    assert geo.block_dim == 1 and geo.block_shape == (LAYERS, 2, BLOCK, HEADS, DIM)
+    assert geo.kv_format.startswith("vllm-cuda:"), "never taken for the native layout"
+    payload = payload_of(geo, views, 4)
+    assert torch.equal(payload[1], views[1][:, 4])
+    fresh = [torch.zeros_like(v) for v in views]
+    write_block(geo, fresh, 4, payload)
+    assert torch.equal(fresh[2][:, 4], views[2][:, 4])
 
 
-def test_layers_that_disagree_are_refused() -> None:
+def test_layers_that_disagree_or_lack_their_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match="differ"):
-        geometry([torch.zeros(2, 2, 4, 8), torch.zeros(2, 3, 4, 8)], mla=False)
+        geometry([torch.zeros(2, 2, 4, 8), torch.zeros(2, 3, 4, 8)], "cpu-vec", 2)
+    with pytest.raises(ValueError, match="blocks"):
+        geometry([torch.zeros(3, 2, 4, 8)], "cpu-vec", 7)
 
 
 def test_salts_round_trip_and_private_prompts_stay_private() -> None:
