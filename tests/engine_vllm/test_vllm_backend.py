@@ -40,7 +40,9 @@ from tests.engine_vllm.vllm_stack import (
     VLLM_START_S, Service, listen, start_peer, start_service, vllm_interpreter, wait_healthy,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(vllm_interpreter() is None, reason="make install-vllm first")]
+# A test's time includes the module's vLLM starts (2-4 min each on a cold compile cache, more on busy cores).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
+              pytest.mark.skipif(vllm_interpreter() is None, reason="make install-vllm first")]
 
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 BLOCK = 64
