@@ -42,7 +42,8 @@ def prepare_environment(settings: EngineSettings, cache_dir: Path) -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if settings.threads else "auto")
+    # CPU build: engine.threads OpenMP threads, unpinned, as crescent up shares the cores among processes
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.threads))
 
 
