@@ -83,7 +83,15 @@ def start_engine(settings: EngineSettings, model: VllmModel, connector: Connecto
     """Start vLLM (minutes on a CPU: it loads, profiles and compiles); returns (AsyncLLM, facts)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(engine_args(settings, model, connector))
+    config = engine_args(settings, model, connector).create_engine_config()
+    if connector is not None and config.model_config.is_hybrid:
+        # vLLM keeps a hybrid model's recurrent state in its hybrid KV manager, which it turns off
+        # for a connector that does not support it (SupportsHMA); such a model would not start.
+        log.warning("%s is a hybrid model: Crescent's KV connector does not carry recurrent state yet, so this "
+                    "instance serves without it (no kvstore prefix cache, no engine blocks in the scheduler's index)",
+                    model.model_id)
+        config = engine_args(settings, model, None).create_engine_config()
+    llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
     return llm, facts_of(llm.vllm_config, model.model_id)
 
 
