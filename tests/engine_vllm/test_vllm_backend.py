@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import signal
 import threading
@@ -230,6 +231,14 @@ def test_sampling_surface_reaches_vllm(stack: VllmStack) -> None:
         assert isinstance(json.loads(text), dict)
     else:
         assert text.lstrip().startswith("{")
+    pick = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sea wet?"}], max_tokens=8, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert pick.choices[0].message.content in ("yes", "no"), "the engine enforces the choice"
+    digits = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a number."}], max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[0-9]{2}", digits.choices[0].message.content), "the engine enforces the regex"
 
 
 def test_a_fresh_instance_loads_the_prefix_from_the_kvstore_and_only_for_its_tenant(stack: VllmStack) -> None:
