@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from crescent.services.engine.wire import block_tensor
 from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.kv_layout import LayerGeometry, geometry, read_layer, write_block
@@ -85,9 +86,7 @@ class ConnectorWorker:
             log.warning("a kvstore block of another layout (%s %s, here %s %s): a miss",
                         block.dtype, block.shape, geo.dtype_name, geo.block_shape)
             return None
-        raw = torch.frombuffer(bytearray(block.payload) if isinstance(block.payload, bytes) else block.payload,
-                               dtype=torch.uint8)
-        return raw.view(geo.dtype).view(geo.block_shape)
+        return block_tensor(block, geo.block_shape)  # no copy: write_block copies it into vLLM's blocks
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

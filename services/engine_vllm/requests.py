@@ -14,18 +14,13 @@ from dataclasses import dataclass, field
 
 from crescent.protos import common_pb2
 
-ABORTED = "aborted"
-DRAINING = "draining"
-ERROR = "error"
-ENDINGS = (ABORTED, DRAINING, ERROR)  # a stream that ends without a finish
-
 
 @dataclass(frozen=True, slots=True)
 class TokenUpdate:
     index: int
     token_ids: tuple[int, ...]
     logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
-    finish_reason: str | None = None   # "stop", "length", one of ENDINGS, None while running
+    finish_reason: str | None = None   # "stop", "length", one of decode.request.ENDINGS, None while running
     detail: str = ""
 
 

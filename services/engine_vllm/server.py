@@ -33,7 +33,8 @@ class VllmBackend:
     """The shell's view of vLLM (``ServingBackend``): its facts, and the blocks its cache holds
     as the connector reports them."""
 
-    def __init__(self, facts: BackendFacts, blocks: EngineBlockSet) -> None:
+    def __init__(self, llm, facts: BackendFacts, blocks: EngineBlockSet) -> None:  # noqa: ANN001 - AsyncLLM
+        self.llm = llm
         self.facts = facts
         self.blocks = blocks
         self.model_id = facts.model_id
@@ -87,36 +88,32 @@ class VllmRole:
         await self.servicer.close()
 
 
-async def serve(settings: AggregatedSettings, instance: EngineInstance, signals: ShutdownSignals,
-                run_dir: Path) -> None:
+async def start_backend(settings: AggregatedSettings, run_dir: Path) -> VllmBackend:
+    """vLLM started with Crescent's connector, whose block events this process listens for."""
+    model = vllm_model(settings.engine.model)
     blocks = EngineBlockSet(settings.engine.block_size)
-    state: dict[str, object] = {}
+    socket_path = run_dir / "block-events.sock"
+    await blocks.listen(str(socket_path))
+    connector = None
+    if settings.engine.vllm.kv_connector:
+        tls = settings.tls
+        connector = ConnectorOptions(
+            model_id=model.model_id, block_size=settings.engine.block_size,
+            kvstore_address=settings.kvstore_address, kvstore_shared_memory=settings.kvstore_shared_memory,
+            lease_ms=settings.kvstore_lease_ms, events_socket=str(socket_path),
+            tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, tls_server_name=tls.server_name)
+    log.info("starting vLLM on %s (%s); this takes minutes on a CPU", model.directory, model.model_id)
+    llm, facts = start_engine(settings.engine, model, connector)
+    log.info("vLLM ready: %s, %d KV tokens, blocks %s (%s)", facts.model_id, facts.kv_capacity_tokens,
+             facts.kv_format, facts.kv_dtype)
+    return VllmBackend(llm, facts, blocks)
 
-    async def load_backend() -> VllmBackend:
-        model = vllm_model(settings.engine.model)
-        socket_path = run_dir / "block-events.sock"
-        await blocks.listen(str(socket_path))
-        connector = None
-        if settings.engine.vllm.kv_connector:
-            tls = settings.tls
-            connector = ConnectorOptions(
-                model_id=model.model_id, block_size=settings.engine.block_size,
-                kvstore_address=settings.kvstore_address, kvstore_shared_memory=settings.kvstore_shared_memory,
-                lease_ms=settings.kvstore_lease_ms, events_socket=str(socket_path),
-                tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, tls_server_name=tls.server_name)
-        log.info("starting vLLM on %s (%s); this takes minutes on a CPU", model.directory, model.model_id)
-        llm, facts = start_engine(settings.engine, model, connector)
-        state["llm"] = llm
-        log.info("vLLM ready: %s, %d KV tokens, blocks %s (%s)", facts.model_id, facts.kv_capacity_tokens,
-                 facts.kv_format, facts.kv_dtype)
-        backend = VllmBackend(facts, blocks)
-        state["backend"] = backend
-        return backend
 
+async def serve(settings: AggregatedSettings, instance: EngineInstance, signals: ShutdownSignals) -> None:
     async def attach(server: grpc.aio.Server) -> VllmRole:
-        backend = state["backend"]
+        backend = instance.backend
         assert isinstance(backend, VllmBackend)
-        servicer = VllmServicer(state["llm"], backend.facts, own_address=lambda: instance.address,
+        servicer = VllmServicer(backend.llm, backend.facts, own_address=lambda: instance.address,
                                 unclaimed_timeout_s=settings.unclaimed_timeout_s,
                                 min_cached_prompt_tokens=settings.engine.min_cached_prompt_tokens,
                                 on_change=instance.nudge)
@@ -125,14 +122,13 @@ async def serve(settings: AggregatedSettings, instance: EngineInstance, signals:
         add_decode_to_server(servicer, server)
         return VllmRole(servicer)
 
-    instance._load_backend = load_backend  # noqa: SLF001 - set before run(), which calls it
     try:
         await instance.run(attach, signals)
     finally:
-        await blocks.close()
-        llm = state.get("llm")
-        if llm is not None:
-            llm.shutdown()
+        backend = instance.backend
+        if isinstance(backend, VllmBackend):
+            await backend.blocks.close()
+            backend.llm.shutdown()
 
 
 def main(settings: AggregatedSettings) -> None:
@@ -140,8 +136,9 @@ def main(settings: AggregatedSettings) -> None:
     prepare_environment(settings.engine, Path.home() / ".cache" / "crescent")
     run_dir = Path(tempfile.mkdtemp(prefix="crescent-vllm-"))
     instance = EngineInstance("aggregated", settings.listen, settings.engine, settings.scheduler_address,
-                              settings.instance_id, settings.advertise_address, settings.tls)
+                              settings.instance_id, settings.advertise_address, settings.tls,
+                              load_backend=lambda: start_backend(settings, run_dir))
     try:
-        run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals, run_dir))
+        run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -23,9 +23,8 @@ from crescent.services.common.logs import request_id_var
 from crescent.services.decode.servicer import never_fits_message, reserve_tokens
 from crescent.services.engine_vllm.connector_options import PRIVATE_SALT_PREFIX, tenant_salt
 from crescent.services.engine_vllm.engine import BackendFacts
-from crescent.services.engine_vllm.requests import (
-    ABORTED, DRAINING, ENDINGS, ERROR, ChoiceState, FirstTokens, HeldRequest, TokenUpdate,
-)
+from crescent.services.decode.request import ABORTED, DRAINING, ENDINGS, ERROR
+from crescent.services.engine_vllm.requests import ChoiceState, FirstTokens, HeldRequest, TokenUpdate
 from crescent.services.engine_vllm.sampling import UnsupportedSampling, vllm_sampling
 
 log = logging.getLogger(__name__)
