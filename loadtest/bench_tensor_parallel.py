@@ -23,7 +23,7 @@ import time
 import torch
 
 from crescent.services.engine.engine import Engine
-from crescent.services.engine.runtime import build_engine
+from crescent.services.instance.runtime import build_engine
 from crescent.services.engine.settings import EngineSettings
 from crescent.services.model.model_source import DEFAULT_MODEL
 

@@ -12,6 +12,9 @@ before the next one starts:
 - ``crescent``: ``crescent up --engine vllm --no-tls`` on a free port with its own ``--run-dir``
   (gateway, scheduler, kvstore and one aggregated instance whose engine is vLLM's CPU build with
   Crescent's KV connector); ready when the gateway's /health answers 200 and a completion succeeds.
+- ``crescent-pools`` (not run by default): the same with ``--aggregated 0``, one vLLM prefill and
+  one vLLM decode instance, each prompt handed from one to the other through the kvstore (two
+  engine processes sharing the cores, against one for the others).
 - ``vllm``: vLLM's own OpenAI server on the float32 Hugging Face directory Crescent's loader
   exported (the very weights Crescent's instance loads), ``--block-size 64 --max-model-len 8192
   --enable-prompt-tokens-details --disable-log-stats``; by default with the OpenMP settings Crescent's launcher gives
@@ -72,7 +75,8 @@ from loadtest.replay.run import ReplayConfig, replay  # noqa: E402
 from loadtest.simulator.trace import DEFAULT_TRACE, load_trace  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-TARGETS = ("crescent", "vllm")
+TARGETS = ("crescent", "crescent-pools", "vllm")
+DEFAULT_TARGETS = ("crescent", "vllm")
 OVERHEAD_TARGET = 1.10
 console = Console(width=150)
 err = Console(stderr=True)
@@ -233,18 +237,20 @@ class Server:
             signal.signal(signal.SIGINT, old)
 
 
-def start_crescent(args: argparse.Namespace, run_dir: Path) -> Server:
+def start_crescent(args: argparse.Namespace, run_dir: Path, name: str = "crescent") -> Server:
     port = free_port()
-    crescent_dir = run_dir / "crescent"
+    crescent_dir = run_dir / name
     crescent_dir.mkdir(parents=True, exist_ok=True)
-    log = run_dir / "crescent-up.log"
+    log = run_dir / f"{name}-up.log"
     cmd = [sys.executable, "-m", "crescent.services.cli", "up", "--engine", "vllm", "--no-tls", "--port", str(port),
            "--run-dir", str(crescent_dir), "--ready-timeout", str(args.ready_timeout)]
+    if name == "crescent-pools":  # one vLLM prefill and one vLLM decode, the prompt handed over through the kvstore
+        cmd += ["--aggregated", "0"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_die_with_parent,
                                 env={**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
-    return Server("crescent", f"http://127.0.0.1:{port}", proc, log,
+    return Server(name, f"http://127.0.0.1:{port}", proc, log,
                   ladder=((signal.SIGINT, 90), (signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 10)))
 
 
@@ -461,16 +467,20 @@ def print_target(result: dict) -> None:
 
 
 def compare(results: dict[str, dict]) -> dict:
-    c, v = results.get("crescent"), results.get("vllm")
-    if not (c and v):
-        return {}
+    """Each Crescent target against standalone vLLM."""
+    return {name: compare_one(name, results) for name in ("crescent", "crescent-pools")
+            if results.get(name) and results.get("vllm")}
+
+
+def compare_one(name: str, results: dict[str, dict]) -> dict:
+    c, v = results[name], results["vllm"]
     cs = (c.get("light_load") or {}).get("summary") or {}
     vs = (v.get("light_load") or {}).get("summary") or {}
     ratios = []
     rows = (("TTFT p50, cold (all)", "ttft_p50_s", True), ("mean TBT p50, cold", "tbt_p50_s", True),
             ("TTFT p50, ~short cold", "ttft_p50_short_s", False), ("TTFT p50, ~long cold", "ttft_p50_long_s", False),
             ("TTFT p50, warm (cached prefix)", "warm_ttft_p50_s", False), ("mean TBT p50, warm", "warm_tbt_p50_s", False))
-    t = Table(title=f"light load: what Crescent adds (crescent / vllm; target < {OVERHEAD_TARGET:.2f})")
+    t = Table(title=f"light load: what Crescent adds ({name} / vllm; target < {OVERHEAD_TARGET:.2f})")
     for col in ("metric", "crescent", "vllm", "ratio", "added", "pass", "headline"):
         t.add_column(col)
     for label, key, headline in rows:
@@ -484,7 +494,7 @@ def compare(results: dict[str, dict]) -> dict:
                   "[green]pass[/]" if ok else "[red]FAIL[/]", "yes" if headline else "")
     console.print(t)
     goodput = []
-    t = Table(title="goodput per load level (effective request capacity; target: crescent >= vllm)")
+    t = Table(title=f"goodput per load level (effective request capacity; target: {name} >= vllm)")
     for col in ("rate", "crescent offered", "crescent", "vllm offered", "vllm", "difference", "pass"):
         t.add_column(col)
     by_rate = {r["rate"]: r for r in v["sweep"]}
@@ -499,14 +509,14 @@ def compare(results: dict[str, dict]) -> dict:
         t.add_row(f"{rc['rate']:g}", fmt(rc["offered_rps"]), fmt(a, ".0%"), fmt(rv["offered_rps"]), fmt(b, ".0%"),
                   "-" if a is None or b is None else f"{100 * (a - b):+.1f} pts", "[green]pass[/]" if ok else "[red]FAIL[/]")
     console.print(t)
-    cap = {n: rate_capacity(results[n]["sweep"]) for n in ("crescent", "vllm")}
+    cap = {n: rate_capacity(results[n]["sweep"]) for n in (name, "vllm")}
     for n, (rate, at_least) in cap.items():
         console.print(f"{n}: effective request capacity {'below the lowest level' if rate is None else ('at least ' if at_least else '') + f'{rate:.2f} req/s'}")
     overhead_pass = all(r["pass"] for r in ratios if r["headline"])
     goodput_pass = bool(goodput) and all(g["pass"] for g in goodput)
     console.print(f"overhead target (TTFT and TBT p50 at light load < {OVERHEAD_TARGET:.2f}x vLLM's): "
                   f"{'[green]pass[/]' if overhead_pass else '[red]FAIL[/]'}; "
-                  f"goodput target (crescent >= vllm at every level): {'[green]pass[/]' if goodput_pass else '[red]FAIL[/]'}")
+                  f"goodput target ({name} >= vllm at every level): {'[green]pass[/]' if goodput_pass else '[red]FAIL[/]'}")
     return {"light_load_ratios": ratios, "goodput": goodput, "overhead_pass": overhead_pass, "goodput_pass": goodput_pass,
             "rate_capacity": {n: {"rps": r, "at_least": a} for n, (r, a) in cap.items()}}
 
@@ -514,7 +524,7 @@ def compare(results: dict[str, dict]) -> dict:
 # ---------------------------------------------------------------- the run
 def run_target(name: str, args: argparse.Namespace, run_dir: Path) -> dict:
     result: dict[str, Any] = {"target": name, "started_at": now_utc(), "loadavg_start": loadavg()}
-    server = (start_crescent if name == "crescent" else start_vllm)(args, run_dir)
+    server = start_vllm(args, run_dir) if name == "vllm" else start_crescent(args, run_dir, name)
     result["log"] = str(server.log)
     try:
         wait_ready(server, args.ready_timeout)
@@ -541,7 +551,9 @@ def run_target(name: str, args: argparse.Namespace, run_dir: Path) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated, in order: crescent, vllm")
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                   help="comma-separated, in order, of: crescent (one aggregated vLLM instance), crescent-pools "
+                        "(a vLLM prefill and a vLLM decode), vllm")
     p.add_argument("--requests", type=int, default=12, help="light load: sequential requests (after a warm-up)")
     p.add_argument("--warm", type=int, default=4, help="light load: then send this many of those prompts again")
     p.add_argument("--short-tokens", type=int, default=300, help="light load: the short prompt's size (tokens)")

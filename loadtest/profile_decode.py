@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import ForwardBatch
-from crescent.services.engine.runtime import build_engine
+from crescent.services.instance.runtime import build_engine
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 from crescent.services.engine.settings import EngineSettings
 

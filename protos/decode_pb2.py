@@ -23,39 +23,40 @@ _sym_db = _symbol_database.Default()
 
 
 from crescent.protos import common_pb2 as crescent_dot_protos_dot_common__pb2
+from crescent.protos import prefill_pb2 as crescent_dot_protos_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rescent/protos/decode.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\"\xd9\x02\n\rHandoffHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.crescent.v1.SamplingParams\x12\x10\n\x08kv_dtype\x18\x06 \x01(\t\x12\x16\n\x0ekv_block_shape\x18\x07 \x03(\x03\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\t \x03(\x05\x12\x18\n\x10\x66inished_choices\x18\n \x03(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x13\n\x0bshm_segment\x18\x0c \x01(\t\x12\x14\n\x0cshm_identity\x18\r \x01(\t\x12\x11\n\ttcp_token\x18\x0e \x01(\x0c\"=\n\x12OpenHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\"2\n\x10OpenHandoffReply\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x82\x01\n\x0eLayerSliceMeta\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x19\n\x11last_block_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"S\n\nLayerSlice\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.crescent.v1.LayerSliceMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"X\n\x0bHandoffTail\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10\x66inished_choices\x18\x03 \x03(\x05\"\xeb\x01\n\x0bHandoffPart\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.crescent.v1.HandoffHeaderH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.crescent.v1.BlockChunkH\x00\x12(\n\x05layer\x18\x03 \x01(\x0b\x32\x17.crescent.v1.LayerSliceH\x00\x12(\n\x04tail\x18\x04 \x01(\x0b\x32\x18.crescent.v1.HandoffTailH\x00\x12(\n\x05state\x18\x05 \x01(\x0b\x32\x17.crescent.v1.BlockChunkH\x00\x42\x06\n\x04part\" \n\x0cHandoffReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"U\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\none_choice\x18\x03 \x01(\x08\x12\r\n\x05index\x18\x04 \x01(\x05\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x84\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.crescent.v1.TokenLogprob2\x9d\x02\n\x06\x44\x65\x63ode\x12@\n\x07Handoff\x12\x18.crescent.v1.HandoffPart\x1a\x19.crescent.v1.HandoffReply(\x01\x12\x45\n\x0cStreamTokens\x12\x1a.crescent.v1.StreamRequest\x1a\x17.crescent.v1.TokenEvent0\x01\x12;\n\x05\x41\x62ort\x12\x19.crescent.v1.AbortRequest\x1a\x17.crescent.v1.AbortReply\x12M\n\x0bOpenHandoff\x12\x1f.crescent.v1.OpenHandoffRequest\x1a\x1d.crescent.v1.OpenHandoffReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63rescent/protos/decode.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\x1a\x1d\x63rescent/protos/prefill.proto\"\xf2\x02\n\rHandoffHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.crescent.v1.SamplingParams\x12\x10\n\x08kv_dtype\x18\x06 \x01(\t\x12\x16\n\x0ekv_block_shape\x18\x07 \x03(\x03\x12\x12\n\nnum_blocks\x18\x08 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\t \x03(\x05\x12\x18\n\x10\x66inished_choices\x18\n \x03(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x13\n\x0bshm_segment\x18\x0c \x01(\t\x12\x14\n\x0cshm_identity\x18\r \x01(\t\x12\x11\n\ttcp_token\x18\x0e \x01(\x0c\x12\x17\n\x0fvllm_cache_salt\x18\x0f \x01(\t\"=\n\x12OpenHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\"2\n\x10OpenHandoffReply\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x82\x01\n\x0eLayerSliceMeta\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x19\n\x11last_block_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"S\n\nLayerSlice\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.crescent.v1.LayerSliceMeta\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"X\n\x0bHandoffTail\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10\x66inished_choices\x18\x03 \x03(\x05\"\xeb\x01\n\x0bHandoffPart\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.crescent.v1.HandoffHeaderH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.crescent.v1.BlockChunkH\x00\x12(\n\x05layer\x18\x03 \x01(\x0b\x32\x17.crescent.v1.LayerSliceH\x00\x12(\n\x04tail\x18\x04 \x01(\x0b\x32\x18.crescent.v1.HandoffTailH\x00\x12(\n\x05state\x18\x05 \x01(\x0b\x32\x17.crescent.v1.BlockChunkH\x00\x42\x06\n\x04part\"O\n\x0cHandoffReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12-\n\x0c\x66irst_tokens\x18\x02 \x03(\x0b\x32\x17.crescent.v1.FirstToken\"U\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\none_choice\x18\x03 \x01(\x08\x12\r\n\x05index\x18\x04 \x01(\x05\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x84\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.crescent.v1.TokenLogprob2\x9d\x02\n\x06\x44\x65\x63ode\x12@\n\x07Handoff\x12\x18.crescent.v1.HandoffPart\x1a\x19.crescent.v1.HandoffReply(\x01\x12\x45\n\x0cStreamTokens\x12\x1a.crescent.v1.StreamRequest\x1a\x17.crescent.v1.TokenEvent0\x01\x12;\n\x05\x41\x62ort\x12\x19.crescent.v1.AbortRequest\x1a\x17.crescent.v1.AbortReply\x12M\n\x0bOpenHandoff\x12\x1f.crescent.v1.OpenHandoffRequest\x1a\x1d.crescent.v1.OpenHandoffReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crescent.protos.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDOFFHEADER']._serialized_start=76
-  _globals['_HANDOFFHEADER']._serialized_end=421
-  _globals['_OPENHANDOFFREQUEST']._serialized_start=423
-  _globals['_OPENHANDOFFREQUEST']._serialized_end=484
-  _globals['_OPENHANDOFFREPLY']._serialized_start=486
-  _globals['_OPENHANDOFFREPLY']._serialized_end=536
-  _globals['_LAYERSLICEMETA']._serialized_start=539
-  _globals['_LAYERSLICEMETA']._serialized_end=669
-  _globals['_LAYERSLICE']._serialized_start=671
-  _globals['_LAYERSLICE']._serialized_end=754
-  _globals['_HANDOFFTAIL']._serialized_start=756
-  _globals['_HANDOFFTAIL']._serialized_end=844
-  _globals['_HANDOFFPART']._serialized_start=847
-  _globals['_HANDOFFPART']._serialized_end=1082
-  _globals['_HANDOFFREPLY']._serialized_start=1084
-  _globals['_HANDOFFREPLY']._serialized_end=1116
-  _globals['_ABORTREQUEST']._serialized_start=1118
-  _globals['_ABORTREQUEST']._serialized_end=1203
-  _globals['_ABORTREPLY']._serialized_start=1205
-  _globals['_ABORTREPLY']._serialized_end=1232
-  _globals['_STREAMREQUEST']._serialized_start=1234
-  _globals['_STREAMREQUEST']._serialized_end=1269
-  _globals['_TOKENEVENT']._serialized_start=1272
-  _globals['_TOKENEVENT']._serialized_end=1404
-  _globals['_DECODE']._serialized_start=1407
-  _globals['_DECODE']._serialized_end=1692
+  _globals['_HANDOFFHEADER']._serialized_start=107
+  _globals['_HANDOFFHEADER']._serialized_end=477
+  _globals['_OPENHANDOFFREQUEST']._serialized_start=479
+  _globals['_OPENHANDOFFREQUEST']._serialized_end=540
+  _globals['_OPENHANDOFFREPLY']._serialized_start=542
+  _globals['_OPENHANDOFFREPLY']._serialized_end=592
+  _globals['_LAYERSLICEMETA']._serialized_start=595
+  _globals['_LAYERSLICEMETA']._serialized_end=725
+  _globals['_LAYERSLICE']._serialized_start=727
+  _globals['_LAYERSLICE']._serialized_end=810
+  _globals['_HANDOFFTAIL']._serialized_start=812
+  _globals['_HANDOFFTAIL']._serialized_end=900
+  _globals['_HANDOFFPART']._serialized_start=903
+  _globals['_HANDOFFPART']._serialized_end=1138
+  _globals['_HANDOFFREPLY']._serialized_start=1140
+  _globals['_HANDOFFREPLY']._serialized_end=1219
+  _globals['_ABORTREQUEST']._serialized_start=1221
+  _globals['_ABORTREQUEST']._serialized_end=1306
+  _globals['_ABORTREPLY']._serialized_start=1308
+  _globals['_ABORTREPLY']._serialized_end=1335
+  _globals['_STREAMREQUEST']._serialized_start=1337
+  _globals['_STREAMREQUEST']._serialized_end=1372
+  _globals['_TOKENEVENT']._serialized_start=1375
+  _globals['_TOKENEVENT']._serialized_end=1507
+  _globals['_DECODE']._serialized_start=1510
+  _globals['_DECODE']._serialized_end=1795
 # @@protoc_insertion_point(module_scope)

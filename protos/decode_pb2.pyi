@@ -1,4 +1,5 @@
 from crescent.protos import common_pb2 as _common_pb2
+from crescent.protos import prefill_pb2 as _prefill_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices", "num_layers", "shm_segment", "shm_identity", "tcp_token")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "first_token_id", "sampling", "kv_dtype", "kv_block_shape", "num_blocks", "first_token_ids", "finished_choices", "num_layers", "shm_segment", "shm_identity", "tcp_token", "vllm_cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +24,7 @@ class HandoffHeader(_message.Message):
     SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SHM_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     TCP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VLLM_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -37,7 +39,8 @@ class HandoffHeader(_message.Message):
     shm_segment: str
     shm_identity: str
     tcp_token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., shm_segment: _Optional[str] = ..., shm_identity: _Optional[str] = ..., tcp_token: _Optional[bytes] = ...) -> None: ...
+    vllm_cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_block_shape: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., finished_choices: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., shm_segment: _Optional[str] = ..., shm_identity: _Optional[str] = ..., tcp_token: _Optional[bytes] = ..., vllm_cache_salt: _Optional[str] = ...) -> None: ...
 
 class OpenHandoffRequest(_message.Message):
     __slots__ = ("request_id", "total_bytes")
@@ -106,10 +109,12 @@ class HandoffPart(_message.Message):
     def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., block: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ..., layer: _Optional[_Union[LayerSlice, _Mapping]] = ..., tail: _Optional[_Union[HandoffTail, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.BlockChunk, _Mapping]] = ...) -> None: ...
 
 class HandoffReply(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "first_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
-    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+    first_tokens: _containers.RepeatedCompositeFieldContainer[_prefill_pb2.FirstToken]
+    def __init__(self, accepted: _Optional[bool] = ..., first_tokens: _Optional[_Iterable[_Union[_prefill_pb2.FirstToken, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason", "one_choice", "index")

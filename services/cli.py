@@ -112,7 +112,7 @@ def up(
     tls: Annotated[bool, typer.Option(help="mutual TLS between the services (--no-tls: plaintext, loopback only)")] = True,
     engine: Annotated[EngineBackend, typer.Option(
         help="what computes in the engines: Crescent's own engine, or vLLM's CPU build (its own venv, "
-             "`make install-vllm`; aggregated instances only)")] = EngineBackend.native,
+             "`make install-vllm`; one aggregated instance unless --aggregated 0 asks for the pools)")] = EngineBackend.native,
 ) -> None:
     """Start all five services as separate processes and keep them running (a crashed one is
     restarted with backoff); drain and stop them all on Ctrl-C or SIGTERM (twice: at once)."""
@@ -219,7 +219,7 @@ def profile(
     from rich.progress import Progress
     from rich.table import Table
 
-    from crescent.services.engine.runtime import build_engine
+    from crescent.services.instance.runtime import build_engine
     from crescent.services.engine.settings import EngineSettings
     from crescent.services.cpu_share import available_cores, share_cores
     from crescent.services.profile import (

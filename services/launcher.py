@@ -14,8 +14,8 @@ debug tools (``admin_tls``), and points every service at its files.
 
 ``--engine vllm`` (``PlatformPlan.backend``): every engine's config asks for the vLLM backend
 (``engine.backend: vllm``) and those processes run on the vLLM venv's Python
-(services/engine_vllm/interpreter.py); the other services on this one. Aggregated instances only,
-for now.
+(services/engine_vllm/interpreter.py); the other services on this one. Aggregated instances by
+default; with pools, a vLLM decode reads its handoffs from the kvstore (services/engine_vllm/handoff.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ BACKENDS: tuple[Backend, ...] = ("native", "vllm")
 # How long `crescent up` waits for every service by default: vLLM's CPU build takes 100-190 s to
 # start one engine on 2 cores (torch.compile, KV cache allocation), more when engines share them.
 READY_TIMEOUT_S: dict[str, float] = {"native": 600.0, "vllm": 900.0}
-VLLM_AGGREGATED_ONLY = "the vLLM backend runs as aggregated instances for now"
 
 
 class LaunchError(RuntimeError):
@@ -134,9 +133,6 @@ class PlatformPlan:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise PlanError(f"unknown engine backend {self.backend!r}; choose {' or '.join(BACKENDS)}")
-        if self.backend == "vllm" and not self.aggregated:
-            raise PlanError(f"{VLLM_AGGREGATED_ONLY}: prefill and decode pools on vLLM are not built yet "
-                            "(--aggregated N with N >= 1, or --engine native for the pools)")
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -183,7 +179,7 @@ class PlatformPlan:
                 drain = _drain_setting(role, self.drain_grace_s)
                 config = {"listen": inst_listen, "instance_id": f"{role}-{i}", "scheduler_address": scheduler,
                           **drain, "engine": {**engine, "threads": threads.threads(role), **drain.get("engine", {})}}
-                if role in ("prefill", "aggregated"):
+                if role in ("prefill", "aggregated") or self.backend == "vllm":  # vLLM decode loads handoffs from it
                     config["kvstore_address"] = kvstore
                 specs.append(ServiceSpec(f"{role}-{i}", role, config, address, f"{admin}/health", f"{admin}/metrics",
                                          env=threads.env(role)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ from crescent.services import launcher
 from crescent.services.engine_vllm import interpreter
 from crescent.services.engine_vllm.interpreter import VllmNotInstalledError, vllm_python
 from crescent.services.launcher import (
-    VLLM_AGGREGATED_ONLY, PlanError, Platform, PlatformPlan, backend_of, child_env,
+    PlanError, Platform, PlatformPlan, backend_of, child_env,
 )
 from tests.ports import free_port
 
@@ -31,18 +30,19 @@ def vllm_plan(**kwargs) -> PlatformPlan:  # noqa: ANN003
                         **{"tls": False, "cores": 2, "aggregated": 1, "backend": "vllm", **kwargs})
 
 
-def test_up_with_vllm_pools_fails_at_once_and_starts_nothing(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    started = time.monotonic()
-    result = subprocess.run(
-        [*CLI, "up", "--engine", "vllm", "--aggregated", "0", "--port", str(free_port()), "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    assert VLLM_AGGREGATED_ONLY in " ".join(result.stderr.split())
-    assert not run_dir.exists(), "nothing may be made (configs, certificates, logs) for a plan that cannot run"
-    assert "Starting Crescent" not in result.stderr
-    assert time.monotonic() - started < 60
+def test_vllm_pools_give_decode_the_kvstore_it_loads_handoffs_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "vllm_python", lambda: VLLM_PY)
+    platform = Platform(vllm_plan(aggregated=0), tmp_path / "run")
+    by_role = {spec.service: spec for spec in platform.specs}
+    kvstore = by_role["kvstore"].grpc_address
+    for role in ("prefill", "decode"):
+        assert by_role[role].config["engine"]["backend"] == "vllm"
+        assert by_role[role].config["kvstore_address"] == kvstore
+        assert platform.command(by_role[role], tmp_path / "x.yaml")[0] == VLLM_PY
+    native = Platform(PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16, tls=False, cores=2),
+                      tmp_path / "native")
+    decode = next(spec for spec in native.specs if spec.service == "decode")
+    assert "kvstore_address" not in decode.config  # the native decode takes KV in the handoff itself
 
 
 def test_vllm_python_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,10 +106,8 @@ def test_native_engines_keep_this_python_and_their_configs(tmp_path: Path, monke
         assert platform.command(spec, tmp_path / "x.yaml")[0] == sys.executable
 
 
-def test_vllm_plans_with_pools_or_without_vllm_are_refused_before_anything_is_made(
+def test_vllm_plans_without_vllm_are_refused_before_anything_is_made(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(PlanError, match=VLLM_AGGREGATED_ONLY):
-        vllm_plan(aggregated=0)
     with pytest.raises(PlanError, match="unknown engine backend"):
         vllm_plan(backend="tensorrt")
 

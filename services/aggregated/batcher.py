@@ -27,7 +27,7 @@ import torch
 from crescent.services.decode.batcher import Batcher, Sampled, release_all, sample_rows
 from crescent.services.decode.request import ERROR, Choice, DecodeRequest, TokenUpdate
 from crescent.services.engine.engine import Engine, Sequence, prefill_step_end
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from crescent.services.common.settings import load_settings
 from crescent.services.decode.server import DecodeRole
 from crescent.services.decode.servicer import DecodeServicer, add_decode_to_server
 from crescent.services.engine.constraints import Constraints
-from crescent.services.engine.instance import EngineInstance, EngineLoad
-from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+from crescent.services.instance.shell import EngineInstance, EngineLoad
+from crescent.services.instance.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.server import PrefillRole, block_publisher, kvstore_client
 from crescent.services.prefill.servicer import add_prefill_to_server

@@ -60,7 +60,7 @@ class GrpcService:
 
     Draining: ``draining = True`` turns ``/health`` to 503 at once while the gRPC server keeps
     serving what is in flight; the owner calls ``stop`` (whose grace is short) only once its
-    drain is over (see engine/instance.py).
+    drain is over (see instance/shell.py).
     """
 
     def __init__(

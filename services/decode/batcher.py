@@ -38,7 +38,7 @@ from crescent.services.engine.constraints import ConstraintError, submit_masks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.logprobs import TokenLogprob, token_logprob
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 
 log = logging.getLogger(__name__)

@@ -38,4 +38,12 @@ class DecodeSettings(StrictModel):
         description="port of the handoff side channel (on listen.host); 0: any free one (set one where a "
                     "firewall or a NetworkPolicy must name it)",
     )
+    kvstore_address: str = Field(
+        default="", description="host:port of this node's kvstore: where a vLLM-backed decode loads a vLLM "
+                                "prefill's handoffs from (engine.backend vllm; the native decode takes KV directly)")
+    kvstore_lease_ms: int = Field(default=30_000, ge=0, description="how long fetched blocks stay pinned")
+    kvstore_shared_memory: bool = Field(
+        default=True,
+        description="move blocks through shared memory when the kvstore is on this host (gRPC otherwise, found by itself)",
+    )
     engine: EngineSettings = EngineSettings()

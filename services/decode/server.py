@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from crescent.services.common.logs import configure_logging
-from crescent.services.common.settings import SettingsError, load_settings
+from crescent.services.common.settings import load_settings
 from crescent.services.decode.batcher import DRAINING, Batcher
 from crescent.services.decode.config import ENV_PREFIX, DecodeSettings
 from crescent.services.decode.handoff_side import HandoffSideChannel
@@ -18,8 +18,8 @@ from crescent.services.common.tls import PeerTls
 from crescent.services.engine.cache_api import LayeredKvCache
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.engine import Engine
-from crescent.services.engine.instance import EngineInstance, EngineLoad
-from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+from crescent.services.instance.shell import EngineInstance, EngineLoad
+from crescent.services.instance.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvwire.layer_wire import buffers_nbytes
 from crescent.services.kvwire.side_channel import tls_contexts
 
@@ -103,9 +103,10 @@ async def serve(settings: DecodeSettings, instance: EngineInstance, signals: Shu
 def main(config_path: Path | None = None) -> None:
     configure_logging("decode")
     settings = load_settings(DecodeSettings, config_path, env_prefix=ENV_PREFIX)
-    if settings.engine.backend != "native":
-        raise SettingsError(f"engine.backend {settings.engine.backend!r}: the vLLM backend runs as aggregated "
-                            "instances for now (crescent serve aggregated); decode pools are native only")
+    if settings.engine.backend == "vllm":  # vLLM's engine in this process (services/engine_vllm)
+        from crescent.services.engine_vllm.server import main as serve_on_vllm
+        serve_on_vllm(settings, "decode")
+        return
     instance = EngineInstance("decode", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address, settings.tls)
     run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

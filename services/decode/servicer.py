@@ -37,7 +37,7 @@ from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, D
 from crescent.services.engine.cache_api import LayeredKvCache, StatefulKvCache
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
 from crescent.services.engine.engine import Sequence
-from crescent.services.engine.wire import block_tensor, kv_dtype, logprob_message, sampling_config
+from crescent.services.instance.wire import block_tensor, kv_dtype, logprob_message, sampling_config
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +335,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _check(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
         cfg = self.engine.config
+        if header.vllm_cache_salt:
+            return "a vLLM prefill's handoff (its KV in the kvstore, no first tokens) needs a vLLM-backed decode"
         if header.model_id != self.engine.model_id:
             return f"this instance serves {self.engine.model_id!r}, not {header.model_id!r}"
         prompt_len = len(header.prompt_token_ids)

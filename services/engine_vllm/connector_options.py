@@ -12,6 +12,11 @@ from typing import Any
 # looks them up nor saves them.
 PRIVATE_SALT_PREFIX = "private:"
 TENANT_SALT_PREFIX = "crs:"
+# A vLLM prefill's handoff of such a prompt to a vLLM decode (services/engine_vllm/handoff.py):
+# a fresh random salt that only that prefill and that decode know. Its blocks are saved and
+# loaded like a tenant's (the kvstore carries them across), never reported to the scheduler's
+# prefix index, and never hit by another request.
+HANDOFF_SALT_PREFIX = "handoff:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +31,9 @@ class ConnectorOptions:
     tls_cert: str = ""
     tls_key: str = ""
     tls_server_name: str = ""
+    # A prefill instance: its saves are how its prompts reach decode, so a full put queue holds
+    # the step until there is room instead of dropping the blocks (decode would recompute them).
+    saves_wait: bool = False
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"crescent": asdict(self)}
@@ -53,6 +61,15 @@ def crescent_salt(vllm_salt: str | None) -> bytes | None:
         return b""
     if vllm_salt.startswith(PRIVATE_SALT_PREFIX):
         return None
-    if vllm_salt.startswith(TENANT_SALT_PREFIX):
-        return bytes.fromhex(vllm_salt[len(TENANT_SALT_PREFIX):])
+    for prefix in (TENANT_SALT_PREFIX, HANDOFF_SALT_PREFIX):
+        if vllm_salt.startswith(prefix):
+            try:
+                return bytes.fromhex(vllm_salt[len(prefix):])
+            except ValueError:
+                return None
     return None  # a salt Crescent did not set: treat the prompt as private
+
+
+def shared_salt(vllm_salt: str | None) -> bool:
+    """Whether blocks under this salt are for other requests too (reported to the prefix index)."""
+    return not vllm_salt or vllm_salt.startswith(TENANT_SALT_PREFIX)

@@ -4,7 +4,8 @@ the kvstore, which to save, and what vLLM's own cache holds (for the scheduler's
 Keys are Crescent's (``hash(parent, tokens, model_id, salt)``, the tenant's salt from the
 request's vLLM cache salt), so a vLLM instance and a native one of the same model name the same
 prefixes alike. A prompt the instance marked private (Kimi's short-prompt rule) is neither looked
-up nor saved nor reported. Lookups ask the node which leading blocks it holds (``Exists``);
+up nor saved nor reported; one under a handoff's one-time salt is saved and loaded, not reported.
+Lookups ask the node which leading blocks it holds (``Exists``);
 the last prompt token is never loaded (vLLM computes at least one token to sample from).
 """
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from crescent.protos import common_pb2
 from crescent.services.engine_vllm.block_events import BlockEventSender
 from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata, LoadSpec, SaveSpec
-from crescent.services.engine_vllm.connector_options import ConnectorOptions, crescent_salt
+from crescent.services.engine_vllm.connector_options import ConnectorOptions, crescent_salt, shared_salt
 from crescent.services.engine_vllm.store_link import StoreLink
 from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
 
@@ -37,8 +38,9 @@ class _Prompt:
     """One request's prompt as the connector follows it."""
 
     tokens: list[int]
-    salt: bytes | None          # None: private, never shared
+    salt: bytes | None          # None: private, never looked up nor saved
     keys: list[BlockKey]
+    shared: bool                # False: a handoff's one-time salt, saved and loaded but not reported
     block_ids: list[int] = field(default_factory=list)
     load_first: int = 0         # blocks [load_first, load_first + load_count) come from the kvstore
     load_count: int = 0
@@ -62,9 +64,10 @@ class ConnectorScheduler:
         found = self._prompts.get(request.request_id)
         if found is None:
             tokens = list(request.prompt_token_ids or [])
-            salt = crescent_salt(getattr(request, "cache_salt", None))
+            vllm_salt = getattr(request, "cache_salt", None)
+            salt = crescent_salt(vllm_salt)
             keys = [] if salt is None else prefix_block_keys(tokens, self.block_size, self.options.model_id, salt)
-            found = self._prompts[request.request_id] = _Prompt(tokens, salt, keys)
+            found = self._prompts[request.request_id] = _Prompt(tokens, salt, keys, shared_salt(vllm_salt))
         return found
 
     # -- lookups -----------------------------------------------------------------------------------
@@ -141,7 +144,7 @@ class ConnectorScheduler:
             return
         events: list[common_pb2.BlockEvent] = []
         for prompt in self._prompts.values():
-            if prompt.salt is None:
+            if prompt.salt is None or not prompt.shared:
                 continue
             for i in range(prompt.reported_upto, min(len(prompt.keys), len(prompt.block_ids))):
                 block = self.pool.blocks[prompt.block_ids[i]]

@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from crescent.services.engine.wire import block_tensor
+from crescent.services.instance.wire import block_tensor
 from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.kv_layout import LayerGeometry, geometry, read_layer, write_block

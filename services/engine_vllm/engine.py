@@ -79,11 +79,17 @@ def engine_args(settings: EngineSettings, model: VllmModel, connector: Connector
     return AsyncEngineArgs(**args)
 
 
-def start_engine(settings: EngineSettings, model: VllmModel, connector: ConnectorOptions | None):  # noqa: ANN201
-    """Start vLLM (minutes on a CPU: it loads, profiles and compiles); returns (AsyncLLM, facts)."""
+def start_engine(settings: EngineSettings, model: VllmModel, connector: ConnectorOptions | None, *,  # noqa: ANN201
+                 require_connector: bool = False):
+    """Start vLLM (minutes on a CPU: it loads, profiles and compiles); returns (AsyncLLM, facts).
+    ``require_connector``: a prefill or decode instance, whose handoffs need the connector."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     config = engine_args(settings, model, connector).create_engine_config()
+    if connector is not None and config.model_config.is_hybrid and require_connector:
+        raise ValueError(f"{model.model_id} is a hybrid model: Crescent's KV connector does not carry recurrent state "
+                         "yet, so it cannot be handed from a vLLM prefill to a vLLM decode; serve it on aggregated "
+                         "instances (engine.backend vllm) or on native pools")
     if connector is not None and config.model_config.is_hybrid:
         # vLLM keeps a hybrid model's recurrent state in its hybrid KV manager, which it turns off
         # for a connector that does not support it (SupportsHMA); such a model would not start.

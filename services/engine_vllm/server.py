@@ -1,7 +1,7 @@
-"""``crescent serve aggregated`` with ``engine.backend: vllm``: vLLM's engine in this process,
-behind the same process shell (registration, heartbeats, drain, /health, /metrics) and the same
-gRPC services as a native aggregated instance; gateway, scheduler and kvstore cannot tell them
-apart. Crescent's KV connector runs inside vLLM (its scheduler and workers) and sends what vLLM's
+"""``crescent serve aggregated|prefill|decode`` with ``engine.backend: vllm``: vLLM's engine in
+this process, behind the same process shell (registration, heartbeats, drain, /health, /metrics)
+and the same gRPC services as a native instance of that role; gateway, scheduler and kvstore
+cannot tell them apart (prefill and decode: handoff.py). Crescent's KV connector runs inside vLLM (its scheduler and workers) and sends what vLLM's
 cache holds back here over a Unix socket, for the scheduler's prefix index.
 """
 
@@ -11,19 +11,25 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import grpc
 
 from crescent.services.aggregated.config import AggregatedSettings
+from crescent.services.common.settings import SettingsError
+from crescent.services.decode.config import DecodeSettings
 from crescent.services.decode.servicer import add_decode_to_server
-from crescent.services.engine.instance import EngineInstance, EngineLoad
-from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+from crescent.services.instance.shell import EngineInstance, EngineLoad
+from crescent.services.instance.runtime import ShutdownSignals, run_engine_process
 from crescent.services.engine_vllm.block_events import EngineBlockSet
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.engine import BackendFacts, prepare_environment, start_engine
 from crescent.services.engine_vllm.model_dir import vllm_model
 from crescent.services.engine_vllm.reaper import watch_descendants
+from crescent.services.engine_vllm.handoff import VllmDecodeServicer, VllmPrefillServicer
 from crescent.services.engine_vllm.servicer import VllmServicer
+from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.prefill.config import PrefillSettings
 from crescent.services.prefill.servicer import add_prefill_to_server
 
 log = logging.getLogger(__name__)
@@ -88,7 +94,11 @@ class VllmRole:
         await self.servicer.close()
 
 
-async def start_backend(settings: AggregatedSettings, run_dir: Path) -> VllmBackend:
+Role = Literal["aggregated", "prefill", "decode"]
+InstanceSettings = AggregatedSettings | PrefillSettings | DecodeSettings
+
+
+async def start_backend(settings: InstanceSettings, role: Role, run_dir: Path) -> VllmBackend:
     """vLLM started with Crescent's connector, whose block events this process listens for."""
     model = vllm_model(settings.engine.model)
     blocks = EngineBlockSet(settings.engine.block_size)
@@ -101,22 +111,40 @@ async def start_backend(settings: AggregatedSettings, run_dir: Path) -> VllmBack
             model_id=model.model_id, block_size=settings.engine.block_size,
             kvstore_address=settings.kvstore_address, kvstore_shared_memory=settings.kvstore_shared_memory,
             lease_ms=settings.kvstore_lease_ms, events_socket=str(socket_path),
-            tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, tls_server_name=tls.server_name)
-    log.info("starting vLLM on %s (%s); this takes minutes on a CPU", model.directory, model.model_id)
-    llm, facts = start_engine(settings.engine, model, connector)
+            tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, tls_server_name=tls.server_name,
+            saves_wait=role == "prefill")
+    log.info("starting vLLM on %s (%s) as %s; this takes minutes on a CPU", model.directory, model.model_id, role)
+    llm, facts = start_engine(settings.engine, model, connector, require_connector=role != "aggregated")
     log.info("vLLM ready: %s, %d KV tokens, blocks %s (%s)", facts.model_id, facts.kv_capacity_tokens,
              facts.kv_format, facts.kv_dtype)
     return VllmBackend(llm, facts, blocks)
 
 
-async def serve(settings: AggregatedSettings, instance: EngineInstance, signals: ShutdownSignals) -> None:
+def check_role(settings: InstanceSettings, role: Role) -> None:
+    """A prefill or decode instance on vLLM moves prompts through the kvstore (services/engine_vllm/handoff.py)."""
+    if role == "aggregated":
+        return
+    if not settings.engine.vllm.kv_connector:
+        raise SettingsError(f"a {role} instance on vLLM hands prompts over through Crescent's KV connector; "
+                            "engine.vllm.kv_connector must stay true")
+    if not settings.kvstore_address:
+        raise SettingsError(f"a {role} instance on vLLM needs kvstore_address: its prompts' KV moves from "
+                            "prefill to decode through the node's kvstore")
+
+
+async def serve(settings: InstanceSettings, role: Role, instance: EngineInstance, signals: ShutdownSignals) -> None:
     async def attach(server: grpc.aio.Server) -> VllmRole:
         backend = instance.backend
         assert isinstance(backend, VllmBackend)
-        servicer = VllmServicer(backend.llm, backend.facts, own_address=lambda: instance.address,
-                                unclaimed_timeout_s=settings.unclaimed_timeout_s,
-                                min_cached_prompt_tokens=settings.engine.min_cached_prompt_tokens,
-                                on_change=instance.nudge)
+        common = dict(own_address=lambda: instance.address, unclaimed_timeout_s=getattr(settings, "unclaimed_timeout_s", 10.0),
+                      min_cached_prompt_tokens=settings.engine.min_cached_prompt_tokens, on_change=instance.nudge)
+        if role == "prefill":
+            store = KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory, tls=instance.tls)
+            servicer: VllmServicer = VllmPrefillServicer(backend.llm, backend.facts, store=store, tls=instance.tls, **common)
+        elif role == "decode":
+            servicer = VllmDecodeServicer(backend.llm, backend.facts, **common)
+        else:
+            servicer = VllmServicer(backend.llm, backend.facts, **common)
         backend.reserved_tokens = lambda: sum(h.reserve_tokens for h in servicer.requests.values())
         add_prefill_to_server(servicer, server)
         add_decode_to_server(servicer, server)
@@ -131,14 +159,15 @@ async def serve(settings: AggregatedSettings, instance: EngineInstance, signals:
             backend.llm.shutdown()
 
 
-def main(settings: AggregatedSettings) -> None:
+def main(settings: InstanceSettings, role: Role = "aggregated") -> None:
+    check_role(settings, role)
     watch_descendants()  # before any thread: vLLM's processes must not outlive a killed instance
     prepare_environment(settings.engine, Path.home() / ".cache" / "crescent")
     run_dir = Path(tempfile.mkdtemp(prefix="crescent-vllm-"))
-    instance = EngineInstance("aggregated", settings.listen, settings.engine, settings.scheduler_address,
+    instance = EngineInstance(role, settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address, settings.tls,
-                              load_backend=lambda: start_backend(settings, run_dir))
+                              load_backend=lambda: start_backend(settings, role, run_dir))
     try:
-        run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))
+        run_engine_process(instance.worker, lambda signals: serve(settings, role, instance, signals))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

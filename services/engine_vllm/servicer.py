@@ -54,54 +54,67 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
         request_id_var.set(request.request_id)
         rid = request.request_id
         tokens = list(request.token_ids)
-        params = await self._admit(request, tokens, context)
-        held = HeldRequest(rid, len(tokens), len(params) * reserve_tokens(
-            len(tokens), max(request.sampling.max_tokens, 1), self.facts.max_model_len))
-        self.requests[rid] = held
-        self.on_change()
-        prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._salt(request, len(tokens)))
+        params = await self._admit(rid, request.model_id, tokens, request.sampling, context)
+        held = self._hold(rid, tokens, request.sampling, len(params))
+        prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._salt(request.sampling, request.cache_salt, len(tokens)))
         handed = False
         try:
-            firsts = [await self._start_choice(held, 0, prompt, params[0])]
-            # The others once the first has its first token: the prompt's blocks are cached by then.
-            firsts += await asyncio.gather(*(self._start_choice(held, i, prompt, p) for i, p in enumerate(params) if i))
-        except (ValueError, TypeError) as exc:  # vLLM refused the input (a grammar it cannot compile, ...)
-            self._drop(held, ABORTED, "refused")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the vLLM engine refused the request: {exc}")
-        except asyncio.CancelledError:
-            self._drop(held, ABORTED, "prefill call cancelled")
-            raise
-        except Exception as exc:
-            self._drop(held, ERROR, str(exc))
-            log.exception("request %s failed in vLLM", rid)
-            await context.abort(grpc.StatusCode.INTERNAL, f"the vLLM engine failed: {exc}")
-        try:
+            firsts = await self._start_choices(held, prompt, params, context)
             for index, first in enumerate(firsts):
-                yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
-                    token_id=first.token_id, prompt_tokens=len(tokens), cached_tokens=firsts[0].cached_tokens,
-                    finished=first.finish_reason is not None, finish_reason=first.finish_reason or "",
-                    index=index, logprob=first.logprob))
-            held.awaiting = {i for i, first in enumerate(firsts) if first.finish_reason is None}
-            if not held.awaiting:
-                self._forget(rid)
-                handed = True
-                return
-            held.handed_off = True
-            self._spawn(self._unclaimed_after(held))
+                yield prefill_pb2.PrefillEvent(first_token=first_token_message(first, index, len(tokens), firsts[0].cached_tokens))
             handed = True
-            yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=self._own_address()))
+            if self._await_reader(held, firsts):
+                yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=self._own_address()))
         finally:
             if not handed:
                 self._drop(held, ABORTED, "prefill call ended before the handoff")
 
-    async def _admit(self, request: prefill_pb2.PrefillRequest, tokens: list[int],
+    def _hold(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams, n: int) -> HeldRequest:
+        held = HeldRequest(rid, len(tokens), n * reserve_tokens(len(tokens), max(sampling.max_tokens, 1),
+                                                                self.facts.max_model_len))
+        self.requests[rid] = held
+        self.on_change()
+        return held
+
+    async def _start_choices(self, held: HeldRequest, prompt: TokensPrompt, params: list,
+                             context: grpc.aio.ServicerContext) -> list[FirstTokens]:
+        """Every choice started in vLLM; their first tokens. A failure drops the request and aborts the call."""
+        try:
+            firsts = [await self._start_choice(held, 0, prompt, params[0])]
+            # The others once the first has its first token: the prompt's blocks are cached by then.
+            firsts += await asyncio.gather(*(self._start_choice(held, i, prompt, p) for i, p in enumerate(params) if i))
+            return firsts
+        except (ValueError, TypeError) as exc:  # vLLM refused the input (a grammar it cannot compile, ...)
+            self._drop(held, ABORTED, "refused")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the vLLM engine refused the request: {exc}")
+        except asyncio.CancelledError:
+            self._drop(held, ABORTED, "call cancelled before the first tokens")
+            raise
+        except Exception as exc:
+            self._drop(held, ERROR, str(exc))
+            log.exception("request %s failed in vLLM", held.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"the vLLM engine failed: {exc}")
+        raise AssertionError("abort raises")
+
+    def _await_reader(self, held: HeldRequest, firsts: list[FirstTokens]) -> bool:
+        """After the first tokens: wait for the reader's StreamTokens (True), or forget a request
+        whose every choice ended at its first token (False)."""
+        held.awaiting = {i for i, first in enumerate(firsts) if first.finish_reason is None}
+        if not held.awaiting:
+            self._forget(held.request_id)
+            return False
+        held.handed_off = True
+        self._spawn(self._unclaimed_after(held))
+        return True
+
+    async def _admit(self, request_id: str, model_id: str, tokens: list[int], sampling: common_pb2.SamplingParams,
                      context: grpc.aio.ServicerContext) -> list:
         """Refuse what cannot run here; the vLLM parameters of each choice."""
         facts = self.facts
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this instance takes no new requests")
-        if request.model_id and request.model_id != facts.model_id:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"this instance serves {facts.model_id!r}, not {request.model_id!r}")
+        if model_id and model_id != facts.model_id:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this instance serves {facts.model_id!r}, not {model_id!r}")
         if not tokens:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty")
         if len(tokens) >= facts.max_model_len:
@@ -109,30 +122,31 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
                                 f"{len(tokens)} tokens leave no room in the {facts.max_model_len}-token context")
         if any(t < 0 or t >= facts.vocab_size for t in tokens):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be in [0, {facts.vocab_size})")
-        n = max(request.sampling.n, 1)
+        n = max(sampling.n, 1)
         if n > MAX_CHOICES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"n must be in [1, {MAX_CHOICES}]")
-        if n > 1 and request.sampling.first_step > 0:
+        if n > 1 and sampling.first_step > 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n > 1 is for new requests (first_step 0)")
-        if request.request_id in self.requests:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already here")
-        max_tokens = max(request.sampling.max_tokens, 1)
+        if request_id in self.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already here")
+        max_tokens = max(sampling.max_tokens, 1)
         reserve = n * reserve_tokens(len(tokens), max_tokens, facts.max_model_len)
         if facts.kv_capacity_tokens and reserve > facts.kv_capacity_tokens:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, never_fits_message(
                 len(tokens), max_tokens, reserve, n, facts.kv_capacity_tokens, where="this instance"))
         try:
-            return [vllm_sampling(request.sampling, i) for i in range(n)]
+            return [vllm_sampling(sampling, i) for i in range(n)]
         except (UnsupportedSampling, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    def _salt(self, request: prefill_pb2.PrefillRequest, prompt_tokens: int) -> str:
+    def _salt(self, sampling: common_pb2.SamplingParams, cache_salt: bytes, prompt_tokens: int,
+              private_prefix: str = PRIVATE_SALT_PREFIX) -> str:
         """vLLM's cache salt: the tenant's, or a fresh one for a prompt that must leave nothing
         shared (Kimi's rule, counted on the client's prompt: a migrated request's streamed tokens
         do not make it longer)."""
-        if prompt_tokens - max(request.sampling.first_step, 0) <= self.min_cached_prompt_tokens:
-            return PRIVATE_SALT_PREFIX + secrets.token_hex(16)
-        return tenant_salt(request.cache_salt)
+        if prompt_tokens - max(sampling.first_step, 0) <= self.min_cached_prompt_tokens:
+            return private_prefix + secrets.token_hex(16)
+        return tenant_salt(cache_salt)
 
     async def _start_choice(self, held: HeldRequest, index: int, prompt: TokensPrompt, params) -> FirstTokens:  # noqa: ANN001
         choice = ChoiceState(index, f"{held.request_id}#{index}", asyncio.get_running_loop().create_future())
@@ -279,6 +293,12 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def first_token_message(first: FirstTokens, index: int, prompt_tokens: int, cached_tokens: int) -> prefill_pb2.FirstToken:
+    return prefill_pb2.FirstToken(token_id=first.token_id, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                                  finished=first.finish_reason is not None, finish_reason=first.finish_reason or "",
+                                  index=index, logprob=first.logprob)
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -4,7 +4,8 @@ synchronously from vLLM's scheduler and workers, which have no loop of theirs to
 
 The store is only a cache: every failure is a miss or a dropped put, logged, never raised into
 a step. Puts do not hold the step: they are queued and sent in the background, a bounded number
-at a time; a put that finds the queue full is dropped (the block is recomputed some day).
+at a time; a put that finds the queue full is dropped (the block is recomputed some day), or on a
+prefill instance waits for room (its saves are its handoffs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 2.0   # a lookup that takes longer is a miss: the step must not wait on a slow node
 GET_TIMEOUT_S = 30.0
-MAX_PUTS_IN_FLIGHT = 64  # blocks queued for the store; beyond this new ones are dropped
+MAX_PUTS_IN_FLIGHT = 64  # blocks queued for the store; beyond this new ones are dropped (or wait)
+PUT_ROOM_TIMEOUT_S = 30.0  # the longest a prefill's step waits for room in the queue
 
 
 class StoreLink:
@@ -38,7 +40,7 @@ class StoreLink:
                                    server_name=options.tls_server_name))
         self._client: KvStoreClient = self._call(self._make_client(tls), 10.0)
         self._puts_in_flight = 0
-        self._lock = threading.Lock()
+        self._room = threading.Condition()
         self.dropped_puts = 0
 
     async def _make_client(self, tls) -> KvStoreClient:  # noqa: ANN001 - PeerTls | None
@@ -73,9 +75,13 @@ class StoreLink:
             return []
 
     def put_soon(self, blocks: list[KvBlock]) -> Future | None:
-        """Send ``blocks`` in the background; None when too many are already on their way."""
-        with self._lock:
-            if self._puts_in_flight + len(blocks) > MAX_PUTS_IN_FLIGHT:
+        """Send ``blocks`` in the background; None when too many are already on their way (or,
+        with ``saves_wait``, when there was still no room after ``PUT_ROOM_TIMEOUT_S``)."""
+        with self._room:
+            if self.options.saves_wait:
+                self._room.wait_for(lambda: self._puts_in_flight == 0
+                                    or self._puts_in_flight + len(blocks) <= MAX_PUTS_IN_FLIGHT, PUT_ROOM_TIMEOUT_S)
+            if self._puts_in_flight and self._puts_in_flight + len(blocks) > MAX_PUTS_IN_FLIGHT:
                 self.dropped_puts += len(blocks)
                 log.warning("kvstore puts backed up; %d block(s) not stored", len(blocks))
                 return None
@@ -91,8 +97,9 @@ class StoreLink:
         except Exception as exc:  # noqa: BLE001 - a lost put is a future miss
             log.warning("kvstore put failed: %s", exc)
         finally:
-            with self._lock:
+            with self._room:
                 self._puts_in_flight -= len(blocks)
+                self._room.notify_all()
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued put has been answered (tests, shutdown)."""

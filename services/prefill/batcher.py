@@ -33,7 +33,7 @@ import torch
 
 from crescent.services.common.metrics import EngineMetrics
 from crescent.services.engine.engine import Engine, LayerHook, Sequence, prefill_step_end
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 
 log = logging.getLogger(__name__)
 

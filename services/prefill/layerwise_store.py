@@ -42,7 +42,7 @@ from typing import Protocol
 
 from crescent.protos import common_pb2
 from crescent.services.engine.engine import Engine, Sequence
-from crescent.services.engine.wire import kv_dtype
+from crescent.services.instance.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers.shm_layers import LayeredRoom
 from crescent.services.kvwire.fused_copy import crc32, empty_buffer

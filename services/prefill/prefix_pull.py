@@ -29,8 +29,8 @@ from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, BlockIntegrityError, KvBlock
 from crescent.services.common.metrics import EngineMetrics
 from crescent.services.engine.engine import Engine, Sequence
-from crescent.services.engine.runtime import EngineWorker
-from crescent.services.engine.wire import block_matches, block_tensor, page_block
+from crescent.services.instance.runtime import EngineWorker
+from crescent.services.instance.wire import block_matches, block_tensor, page_block
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from crescent.services.engine.engine import Engine, Sequence
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from crescent.services.kvwire.fused_copy import empty_buffer
 
 EXPORT_BLOCKS_PER_CALL = 4  # KV blocks copied out per engine-thread call

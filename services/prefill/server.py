@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 
 from crescent.services.common.logs import configure_logging
-from crescent.services.common.settings import SettingsError, load_settings
+from crescent.services.common.settings import load_settings
 from crescent.services.engine.constraints import Constraints
-from crescent.services.engine.instance import EngineInstance, EngineLoad
-from crescent.services.engine.runtime import ShutdownSignals, run_engine_process
+from crescent.services.instance.shell import EngineInstance, EngineLoad
+from crescent.services.instance.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.config import ENV_PREFIX, PrefillBaseSettings, PrefillSettings
@@ -90,9 +90,10 @@ def main(config_path: Path | None = None) -> None:
     configure_logging("prefill")
     keep_large_buffers_warm()  # KV blocks arrive as multi-MB buffers: reuse them, do not fault them in
     settings = load_settings(PrefillSettings, config_path, env_prefix=ENV_PREFIX)
-    if settings.engine.backend != "native":
-        raise SettingsError(f"engine.backend {settings.engine.backend!r}: the vLLM backend runs as aggregated "
-                            "instances for now (crescent serve aggregated); prefill pools are native only")
+    if settings.engine.backend == "vllm":  # vLLM's engine in this process (services/engine_vllm)
+        from crescent.services.engine_vllm.server import main as serve_on_vllm
+        serve_on_vllm(settings, "prefill")
+        return
     instance = EngineInstance("prefill", settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address, settings.tls)
     run_engine_process(instance.worker, lambda signals: serve(settings, instance, signals))

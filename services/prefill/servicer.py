@@ -45,9 +45,9 @@ from crescent.services.engine.constraints import (
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, batch_logprobs
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from crescent.services.engine.sampler import sample_batch
-from crescent.services.engine.wire import (
+from crescent.services.instance.wire import (
     block_matches,
     block_tensor,
     kv_dtype,

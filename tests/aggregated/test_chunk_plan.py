@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from crescent.services.aggregated.batcher import MixedBatcher, PromptJob
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from tests.engine import test_engine
 
 PAGE = 16

@@ -12,7 +12,7 @@ import asyncio
 import threading
 
 from crescent.services.aggregated.batcher import MixedBatcher
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from tests.engine import test_engine
 
 

@@ -8,7 +8,7 @@ import asyncio
 from prometheus_client import REGISTRY
 
 from crescent.services.aggregated.batcher import MixedBatcher, PromptJob
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from tests.engine import test_engine
 
 

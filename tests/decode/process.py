@@ -23,7 +23,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
 from crescent.services.model.model_source import DEFAULT_MODEL, resolve_model
-from crescent.services.engine.wire import kv_dtype, payload_bytes
+from crescent.services.instance.wire import kv_dtype, payload_bytes
 from tests.ports import free_port
 
 BLOCK = 64

@@ -14,7 +14,7 @@ from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.choices import choice_seed
 from crescent.services.decode.batcher import Batcher, Choice, DecodeRequest
 from crescent.services.engine.engine import Engine
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 from tests.engine.tiny_model import TINY, tiny_model
 

@@ -14,7 +14,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.ffn import LatentMoe
 from crescent.services.engine.kimi_k3.loading import load_k3_model, save_hf_dir, seeded_weights
 from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, situ_glu
-from crescent.services.engine.runtime import build_engine
+from crescent.services.instance.runtime import build_engine
 from crescent.services.engine.settings import EngineSettings
 from crescent.services.model.model_source import resolve_model
 from tests.engine.k3_reference import TEST_CFG

@@ -27,7 +27,7 @@ from crescent.services.engine.kimi_k3.loading import load_k3_model, load_real_we
 from crescent.services.engine.kimi_k3.model import K3Model
 from crescent.services.engine.kimi_k3.weights import weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
-from crescent.services.engine.runtime import build_engine
+from crescent.services.instance.runtime import build_engine
 from crescent.services.engine.settings import EngineSettings
 from crescent.services.model.model_source import resolve_model
 from tests.engine.kimi_real_format import (

@@ -15,18 +15,12 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
-import grpc
 import httpx
-import openai
 import pytest
 import torch
-from tokenizers import Tokenizer
 
-from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
@@ -34,108 +28,26 @@ from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.model.model_source import resolve_model
-from crescent.services.engine_vllm.model_dir import vllm_model
 from crescent.services.engine_vllm.reaper import process_stat, descendants
-from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.engine_vllm.vllm_stack import (
-    VLLM_START_S, Service, listen, start_peer, start_service, vllm_interpreter, wait_healthy,
+    BLOCK, MODEL, VLLM_START_S, VllmStack, cached, completion, prompt_ids, vllm_interpreter, wait_healthy,
 )
 
 # A test's time includes the module's vLLM starts (2-4 min each on a cold compile cache, more on busy cores).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
               pytest.mark.skipif(vllm_interpreter() is None, reason="make install-vllm first")]
 
-ADMIN_KEY = "admin-" + uuid.uuid4().hex
-BLOCK = 64
-MODEL = DEFAULT_MODEL
 MIGRATE_TOKENS = 160  # long enough on this CPU that a kill lands mid-stream
-
-
-class VllmStack:
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.python = vllm_interpreter()
-        self.services: dict[str, Service] = {}
-        self.gateway_url = ""
-        self.peer_url = ""
-        self.keys: dict[str, str] = {}
-
-    def start(self) -> None:
-        run = self.run_dir
-        scheduler = start_service(run, "scheduler", "scheduler", {"listen": listen()})
-        kv = {"listen": listen(), "node_id": "kvstore-0", "scheduler_address": scheduler.grpc,
-              "tiers": {"host": {"capacity_bytes": 2_000_000_000}}}
-        kvstore = start_service(run, "kvstore", "kvstore", kv)
-        port = listen()["port"]
-        gateway = start_service(run, "gateway", "gateway", {
-            "listen": {"host": "127.0.0.1", "port": port}, "scheduler_address": scheduler.grpc, "model": MODEL,
-            "auth": {"enabled": True, "admin_key": ADMIN_KEY, "database_url": f"sqlite:///{run}/gateway.sqlite3"},
-            "ledger": {"journal_dir": str(run / "ledger-journal")}})
-        self.gateway_url = f"http://127.0.0.1:{port}"
-        self.services.update(scheduler=scheduler, kvstore=kvstore, gateway=gateway)
-        model = vllm_model(MODEL)  # the HF directory both vLLMs load (exported once from the GGUF)
-        engine = self.start_engine("aggregated-0")
-        peer, self.peer_url = start_peer(run, self.python, model.directory, MODEL, BLOCK)
-        self.services["peer"] = peer
-        wait_healthy([scheduler, kvstore, gateway], 120)
-        wait_healthy([engine, peer], VLLM_START_S)
-        wait_healthy([gateway], 60)
-        for tenant in ("acme", "globex"):
-            reply = httpx.post(f"{self.gateway_url}/admin/keys", json={"tenant": tenant, "create_tenant": True},
-                               headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
-            assert reply.status_code == 201, reply.text
-            self.keys[tenant] = reply.json()["key"]
-
-    def start_engine(self, name: str) -> Service:
-        config = {"listen": listen(), "instance_id": name, "scheduler_address": self.services["scheduler"].grpc,
-                  "kvstore_address": self.services["kvstore"].grpc,
-                  "engine": {"backend": "vllm", "model": MODEL, "block_size": BLOCK, "threads": 1,
-                             "drain_grace_s": 20, "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1}}}
-        engine = start_service(self.run_dir, name, "aggregated", config, python=self.python)
-        self.services[name] = engine
-        return engine
-
-    def client(self, tenant: str = "acme") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=300, max_retries=0)
-
-    def peer(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.peer_url}/v1", api_key="unused", timeout=300, max_retries=0)
-
-    def instances(self) -> dict[str, scheduler_pb2.InstanceStatus]:
-        with grpc.insecure_channel(self.services["scheduler"].grpc) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).ListInstances(scheduler_pb2.ListInstancesRequest(),
-                                                                           timeout=5)
-        return {s.info.instance_id: s for s in reply.instances}
-
-    def stop(self) -> None:
-        for service in reversed(list(self.services.values())):
-            service.stop(timeout_s=30)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
     running = VllmStack(tmp_path_factory.mktemp("vllm"))
     try:
-        running.start()
+        running.start({"aggregated-0": "aggregated"})
         yield running
     finally:
         running.stop()
-
-
-def prompt_ids(words: int, nonce: str) -> list[int]:
-    """A token-id prompt of about ``words`` tokens (ids of plain words, so both servers take it alike)."""
-    tokenizer = Tokenizer.from_file(str(vllm_model(MODEL).directory / "tokenizer.json"))
-    text = f"Note {nonce}. " + " ".join(f"crate {i} goes to dock {i * 7 % 11}." for i in range(words // 8))
-    return tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def completion(client: openai.OpenAI, prompt: list[int], max_tokens: int = 24, **kwargs):  # noqa: ANN201
-    return client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=max_tokens, **kwargs)
-
-
-def cached(reply) -> int:  # noqa: ANN001
-    details = reply.usage.prompt_tokens_details
-    return (details.cached_tokens or 0) if details is not None else 0
 
 
 def test_greedy_outputs_equal_a_standalone_vllm(stack: VllmStack) -> None:
@@ -256,7 +168,7 @@ def test_a_fresh_instance_loads_the_prefix_from_the_kvstore_and_only_for_its_ten
         usage = chunk.usage or usage
     assert usage is not None and usage.completion_tokens == MIGRATE_TOKENS, "the drained stream ran to its end"
 
-    fresh = stack.start_engine("aggregated-1")
+    fresh = stack.start_engine("aggregated-1", "aggregated")
     wait_healthy([fresh], VLLM_START_S)
     again = completion(stack.client("acme"), prompt)
     assert cached(again) >= 10 * BLOCK, "the blocks came from the kvstore: this vLLM process never saw the prompt"
@@ -267,7 +179,7 @@ def test_a_fresh_instance_loads_the_prefix_from_the_kvstore_and_only_for_its_ten
 
 
 def test_kill_9_of_a_vllm_instance_migrates_its_streams(stack: VllmStack) -> None:
-    second = stack.start_engine("aggregated-2")
+    second = stack.start_engine("aggregated-2", "aggregated")
     wait_healthy([second], VLLM_START_S)
     prompts = [prompt_ids(60, f"k{i}") for i in range(3)]
     ignore_eos = {"extra_body": {"ignore_eos": True}}

@@ -1,5 +1,5 @@
 """Real processes on loopback for the vLLM backend's tests: scheduler, kvstore and gateway from
-this interpreter, vLLM-backed aggregated instances and a standalone vLLM server from the vLLM
+this interpreter, vLLM-backed engine instances and a standalone vLLM server from the vLLM
 venv (``make install-vllm``). Started by hand rather than through ``crescent up`` so a test can
 stop, kill or add one engine instance while the rest keeps running.
 """
@@ -11,13 +11,20 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import httpx
+import openai
 import yaml
+from tokenizers import Tokenizer
 
+from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.engine_vllm.interpreter import VllmNotInstalledError, vllm_python
+from crescent.services.engine_vllm.model_dir import vllm_model
+from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.ports import free_port
 
 VLLM_START_S = 900  # vLLM's CPU start (load, profile, compile) takes 100-300 s on 2 busy cores
@@ -102,3 +109,89 @@ def wait_healthy(services: list[Service], timeout_s: float) -> None:
             raise RuntimeError(f"{', '.join(s.name for s in waiting)} not healthy after {timeout_s:g} s:\n"
                                + waiting[0].log_tail())
         time.sleep(0.5)
+
+
+ADMIN_KEY = "admin-" + uuid.uuid4().hex
+BLOCK = 64
+MODEL = DEFAULT_MODEL
+
+
+class VllmStack:
+    """Scheduler, kvstore and gateway (auth on, tenants acme and globex), vLLM-backed engine
+    instances of the roles asked for, and a standalone vLLM server on the same weights."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.python = vllm_interpreter()
+        self.services: dict[str, Service] = {}
+        self.gateway_url = ""
+        self.peer_url = ""
+        self.keys: dict[str, str] = {}
+
+    def start(self, engines: dict[str, str]) -> None:
+        """``engines``: instance id -> role (aggregated, prefill or decode)."""
+        run = self.run_dir
+        scheduler = start_service(run, "scheduler", "scheduler", {"listen": listen()})
+        kv = {"listen": listen(), "node_id": "kvstore-0", "scheduler_address": scheduler.grpc,
+              "tiers": {"host": {"capacity_bytes": 2_000_000_000}}}
+        kvstore = start_service(run, "kvstore", "kvstore", kv)
+        port = listen()["port"]
+        gateway = start_service(run, "gateway", "gateway", {
+            "listen": {"host": "127.0.0.1", "port": port}, "scheduler_address": scheduler.grpc, "model": MODEL,
+            "auth": {"enabled": True, "admin_key": ADMIN_KEY, "database_url": f"sqlite:///{run}/gateway.sqlite3"},
+            "ledger": {"journal_dir": str(run / "ledger-journal")}})
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        self.services.update(scheduler=scheduler, kvstore=kvstore, gateway=gateway)
+        model = vllm_model(MODEL)  # the HF directory every vLLM loads (exported once from the GGUF)
+        started = [self.start_engine(name, role) for name, role in engines.items()]
+        peer, self.peer_url = start_peer(run, self.python, model.directory, MODEL, BLOCK)
+        self.services["peer"] = peer
+        wait_healthy([scheduler, kvstore, gateway], 120)
+        wait_healthy([*started, peer], VLLM_START_S)
+        wait_healthy([gateway], 60)
+        for tenant in ("acme", "globex"):
+            reply = httpx.post(f"{self.gateway_url}/admin/keys", json={"tenant": tenant, "create_tenant": True},
+                               headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+            assert reply.status_code == 201, reply.text
+            self.keys[tenant] = reply.json()["key"]
+
+    def start_engine(self, name: str, role: str) -> Service:
+        config = {"listen": listen(), "instance_id": name, "scheduler_address": self.services["scheduler"].grpc,
+                  "kvstore_address": self.services["kvstore"].grpc,
+                  "engine": {"backend": "vllm", "model": MODEL, "block_size": BLOCK, "threads": 1,
+                             "drain_grace_s": 20, "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1}}}
+        engine = start_service(self.run_dir, name, role, config, python=self.python)
+        self.services[name] = engine
+        return engine
+
+    def client(self, tenant: str = "acme") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=300, max_retries=0)
+
+    def peer(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.peer_url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+    def instances(self) -> dict[str, scheduler_pb2.InstanceStatus]:
+        with grpc.insecure_channel(self.services["scheduler"].grpc) as channel:
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).ListInstances(scheduler_pb2.ListInstancesRequest(),
+                                                                           timeout=5)
+        return {s.info.instance_id: s for s in reply.instances}
+
+    def stop(self) -> None:
+        for service in reversed(list(self.services.values())):
+            service.stop(timeout_s=30)
+
+
+def prompt_ids(words: int, nonce: str) -> list[int]:
+    """A token-id prompt of about ``words`` tokens (ids of plain words, so both servers take it alike)."""
+    tokenizer = Tokenizer.from_file(str(vllm_model(MODEL).directory / "tokenizer.json"))
+    text = f"Note {nonce}. " + " ".join(f"crate {i} goes to dock {i * 7 % 11}." for i in range(words // 8))
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def completion(client: openai.OpenAI, prompt: list[int], max_tokens: int = 24, **kwargs):  # noqa: ANN201
+    return client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+def cached(reply) -> int:  # noqa: ANN001
+    details = reply.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0

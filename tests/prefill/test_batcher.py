@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.engine.engine import Engine, Sequence
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from crescent.services.prefill.batcher import PrefillBatcher, plan_step
 from tests.engine import test_engine, test_kimi_k3
 

@@ -21,7 +21,7 @@ import torch
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.engine.engine import Engine
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part
 from crescent.services.kvwire.layer_wire import layer_slice

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 
 from crescent.protos import decode_pb2
 from crescent.services.engine.engine import Engine
-from crescent.services.engine.wire import kv_dtype
+from crescent.services.instance.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.prefill.layerwise import LayerwiseHandoff, supports_layerwise

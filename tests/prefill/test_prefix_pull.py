@@ -12,7 +12,7 @@ import torch
 
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.engine.engine import Engine
-from crescent.services.engine.runtime import EngineWorker
+from crescent.services.instance.runtime import EngineWorker
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller
 from tests.engine.tiny_model import tiny_model

@@ -32,9 +32,9 @@ from crescent.services.common.settings import ListenSettings
 from crescent.services.common.tls import PeerTls, TlsSettings
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kv_cache import PageEventKind
-from crescent.services.engine.runtime import EngineWorker, FatalServiceError, ShutdownSignals, build_engine
+from crescent.services.instance.runtime import EngineWorker, FatalServiceError, ShutdownSignals, build_engine
 from crescent.services.engine.settings import EngineSettings
-from crescent.services.engine.wire import kv_dtype
+from crescent.services.instance.wire import kv_dtype
 
 log = logging.getLogger(__name__)
 
