@@ -152,24 +152,24 @@ for _role in ("prefill", "decode", "aggregated"):
     CONSTRAINTS[f"{_role}.multiNode.startupPolicy"] = {"enum": ["LeaderCreated", "LeaderReady"]}
     CONSTRAINTS[f"{_role}.backend"] = {"enum": ["native", "vllm"]}
     CONSTRAINTS[f"{_role}.startupProbeSeconds"] = {"minimum": 10}
-# The vLLM backend's values (engine.vllm, services/engine_vllm/settings.py): the chart runs it on
-# aggregated instances only for now.
-CONSTRAINTS.update({
-    "aggregated.image.vllm.repository": {"minLength": 1},
-    "aggregated.image.vllm.tag": IMAGE_TAG,
-    "aggregated.image.vllm.digest": IMAGE_DIGEST,
-    "aggregated.vllm.dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
-    "aggregated.vllm.maxModelLen": {"type": ["integer", "null"], "minimum": 16},
-    "aggregated.vllm.tensorParallelSize": {"minimum": 1},
-    "aggregated.vllm.pipelineParallelSize": {"minimum": 1},
-    "aggregated.vllm.dataParallelSize": {"minimum": 1},
-    "aggregated.vllm.quantization": {"type": ["string", "null"], "minLength": 1},
-    "aggregated.vllm.kvCacheDtype": {"minLength": 1},
-    "aggregated.vllm.gpuMemoryUtilization": SHARE,
-    "aggregated.vllm.cpuKvCacheGb": {"exclusiveMinimum": 0},
-    "aggregated.vllm.maxNumSeqs": {"type": ["integer", "null"], "minimum": 1},
-    "aggregated.vllm.maxNumBatchedTokens": {"type": ["integer", "null"], "minimum": 1},
-})
+# The vLLM backend's values (engine.vllm, services/engine_vllm/settings.py), for every engine role.
+for _role in ("prefill", "decode", "aggregated"):
+    CONSTRAINTS.update({
+        f"{_role}.image.vllm.repository": {"minLength": 1},
+        f"{_role}.image.vllm.tag": IMAGE_TAG,
+        f"{_role}.image.vllm.digest": IMAGE_DIGEST,
+        f"{_role}.vllm.dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
+        f"{_role}.vllm.maxModelLen": {"type": ["integer", "null"], "minimum": 16},
+        f"{_role}.vllm.tensorParallelSize": {"minimum": 1},
+        f"{_role}.vllm.pipelineParallelSize": {"minimum": 1},
+        f"{_role}.vllm.dataParallelSize": {"minimum": 1},
+        f"{_role}.vllm.quantization": {"type": ["string", "null"], "minLength": 1},
+        f"{_role}.vllm.kvCacheDtype": {"minLength": 1},
+        f"{_role}.vllm.gpuMemoryUtilization": SHARE,
+        f"{_role}.vllm.cpuKvCacheGb": {"exclusiveMinimum": 0},
+        f"{_role}.vllm.maxNumSeqs": {"type": ["integer", "null"], "minimum": 1},
+        f"{_role}.vllm.maxNumBatchedTokens": {"type": ["integer", "null"], "minimum": 1},
+    })
 
 
 def infer(value: Any, path: str) -> dict[str, Any]:

@@ -87,6 +87,22 @@ def test_a_request_that_could_never_fit_is_refused_with_the_numbers(decode, prom
     assert f"{KV_TOKENS} tokens" in refused.value.details()
 
 
+def test_a_vllm_prefills_handoff_is_refused_by_the_native_decode(decode, prompts: PromptKv) -> None:
+    """A vLLM prefill's handoff carries no KV (decode would load it from the kvstore and sample
+    the first tokens): a native decode says so rather than decoding without the prompt's KV."""
+    process, _ = decode
+    _, parts = prompts.handoff("from-vllm", padded(prompts, TEXTS[0]), MAX_TOKENS)
+    header = decode_pb2.HandoffHeader()
+    header.CopyFrom(parts[0].header)
+    header.num_blocks = 0
+    header.vllm_cache_salt = "crs:" + "ab" * 16
+    channel, stub = decode_stub(process.address)
+    with channel, pytest.raises(grpc.RpcError) as refused:
+        stub.Handoff(iter([decode_pb2.HandoffPart(header=header)]), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs a vLLM-backed decode" in refused.value.details()
+
+
 def test_abort_frees_a_request_and_refuses_a_handoff_that_comes_after_it(decode, prompts: PromptKv) -> None:
     process, _ = decode
     channel, stub = decode_stub(process.address)

@@ -23,6 +23,8 @@ import yaml
 
 from crescent.services.aggregated.config import ENV_PREFIX, AggregatedSettings
 from crescent.services.common.settings import load_settings
+from crescent.services.decode.config import ENV_PREFIX as DECODE_ENV, DecodeSettings
+from crescent.services.prefill.config import ENV_PREFIX as PREFILL_ENV, PrefillSettings
 from crescent.services.engine_vllm.settings import VllmSettings
 from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from tests.helm.crd_schemas import schema_errors
@@ -220,20 +222,50 @@ def _snake(camel: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", camel).lower()
 
 
-def test_the_vllm_values_are_the_engine_settings_one_to_one() -> None:
-    """values.yaml's aggregated.vllm has a key per VllmSettings field, with the field's default."""
-    values = yaml.safe_load((CHART / "values.yaml").read_text())["aggregated"]["vllm"]
+@pytest.mark.parametrize("role", ["aggregated", "prefill", "decode"])
+def test_the_vllm_values_are_the_engine_settings_one_to_one(role: str) -> None:
+    """values.yaml's <role>.vllm has a key per VllmSettings field, with the field's default."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())[role]["vllm"]
     assert {_snake(k) for k in values} == set(VllmSettings.model_fields)
     defaults = VllmSettings()
     for key, value in values.items():
         assert getattr(defaults, _snake(key)) == value, key
 
 
+def test_prefill_and_decode_pools_on_vllm_render_with_the_kvstore_between_them(tmp_path: Path) -> None:
+    """Both pools on vLLM: each pod on the vLLM image with the GPUs vLLM's parallelism needs, and
+    each role's rendered settings load in its service with the node's kvstore to hand over through."""
+    result = helm_template("--set", "prefill.backend=vllm", "--set", "decode.backend=vllm",
+                           "--set", "prefill.vllm.tensorParallelSize=2", "--set", "decode.vllm.tensorParallelSize=4",
+                           "--set", "decode.vllm.dataParallelSize=2")
+    assert result.returncode == 0, result.stderr
+    docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    deployments = by_kind(docs, "Deployment")
+    for role, loader, prefix, gpus in (("prefill", PrefillSettings, PREFILL_ENV, 2), ("decode", DecodeSettings, DECODE_ENV, 8)):
+        spec = deployments[f"crescent-{role}-g0"]["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        assert container["image"].endswith("-vllm"), container["image"]
+        assert _gpus(spec) == gpus
+        (path := tmp_path / f"{role}.yaml").write_text(by_kind(docs, "ConfigMap")[f"crescent-{role}"]["data"]["config.yaml"])
+        settings = load_settings(loader, path, env_prefix=prefix, environ=_pod_env(container))
+        assert settings.engine.backend == "vllm" and settings.engine.vllm.kv_connector
+        assert settings.kvstore_address, f"a vLLM {role} reaches the node's kvstore"
+    native = helm_template()
+    assert native.returncode == 0, native.stderr
+    decode = yaml.safe_load(by_kind([d for d in yaml.safe_load_all(native.stdout) if d], "ConfigMap")
+                            ["crescent-decode"]["data"]["config.yaml"])
+    assert "kvstore_address" not in decode, "the native decode takes its KV in the handoff"
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--set", "model.id=Qwen/Qwen3-32B"], 'native cannot load "Qwen/Qwen3-32B"'),
     (["--set", "model.weights.source=pvc", "--set", "model.weights.pvc.existingClaim=w",
       "--set", "model.weights.path=deepseek-ai/DeepSeek-V3"], "aggregated.backend=vllm"),
-    (["--set", "decode.backend=vllm"], "decode.backend: vllm runs as aggregated instances only for now"),
+    (["--set", "decode.backend=vllm"], "a vLLM prefill hands its prompts only to a vLLM decode"),
+    (["--set", "prefill.backend=vllm", "--set", "decode.backend=vllm", "--set", "kvstore.enabled=false"],
+     "through the node's kvstore: set kvstore.enabled=true"),
+    (["--set", "prefill.backend=vllm", "--set", "decode.backend=vllm", "--set", "decode.vllm.kvConnector=false"],
+     "decode.vllm.kvConnector: false leaves a vLLM decode without the handoff"),
     (["--values", str(VLLM_EXAMPLES["qwen3-32b"]), "--set", "model.weights.source=image"],
      'serves only the embedded smollm2-135m-instruct, not "qwen3-32b"'),
     (["--values", str(VLLM_EXAMPLES["kimi-k3"]), "--set", "aggregated.vllm.dataParallelSize=3"],

@@ -204,8 +204,8 @@ instance id and advertised address are per pod, so they come from env vars in th
   "listen" (dict "host" "0.0.0.0" "port" (int $v.grpcPort) "admin_port" (int $v.adminPort))
   "scheduler_address" (include "crescent.schedulerAddress" $root)
   "engine" (dict "model" (include "crescent.modelSpec" $root) "drain_grace_s" (include "crescent.drainGraceSeconds" $v | int)) }}
-{{- /* The roles that prefill read and write the node's kvstore. */}}
-{{- if and (has .role (list "prefill" "aggregated")) $root.Values.kvstore.enabled }}
+{{- /* The roles that prefill read and write the node's kvstore; a vLLM decode loads its handoffs from it. */}}
+{{- if and (or (has .role (list "prefill" "aggregated")) (include "crescent.isVllm" .)) $root.Values.kvstore.enabled }}
 {{- $_ := set $cfg "kvstore_address" (include "crescent.localKvstoreAddress" $root) }}
 {{- end }}
 {{- /* The engine backend (_vllm.tpl): native, or vLLM with its arguments. */}}

@@ -1,9 +1,9 @@
 {{/*
 The vLLM engine backend (<role>.backend: vllm): vLLM's engine inside the role's own process
-(`crescent serve aggregated`, engine.backend vllm, its arguments in engine.vllm), on image.vllm.
-For now only aggregated instances run it. One instance may span nodes as a LeaderWorkerSet
-(aggregated.multiNode): the leader runs the Crescent instance with the first
-dataParallelSize / nodesPerInstance data-parallel ranks, each worker pod runs
+(`crescent serve <role>`, engine.backend vllm, its arguments in engine.vllm), on image.vllm.
+Prefill and decode pools run it together (the handoff goes through the node's kvstore). One
+instance may span nodes as a LeaderWorkerSet (<role>.multiNode): the leader runs the Crescent
+instance with the first dataParallelSize / nodesPerInstance data-parallel ranks, each worker pod runs
 `vllm serve MODEL --headless` for the next ranks and joins the leader's data-parallel group
 (vLLM's multi-node data parallel deployment: --data-parallel-size-local, --data-parallel-start-rank,
 --data-parallel-address). Call the helpers with (dict "root" $ "role" <role>).
@@ -155,8 +155,17 @@ directories and kimi_k3 / kimi_linear ones): the families vLLM serves and it doe
 {{- fail (printf "%s.settings.engine.%s: set %s.%s instead (the chart renders engine.%s from it%s)" $role $key $role $key $key (ternary " and passes the same vLLM arguments to multi-node workers" "" (eq $key "vllm"))) }}
 {{- end }}
 {{- end }}
-{{- if and (eq $v.backend "vllm") (ne $role "aggregated") }}
-{{- fail (printf "%s.backend: vllm runs as aggregated instances only for now (prefill and decode pools on vLLM come later): set %s.backend=native, or serve with aggregated.enabled=true and aggregated.backend=vllm (prefill.enabled=false and decode.enabled=false for aggregated alone)" $role $role) }}
+{{- if and (ne $role "aggregated") $v.enabled }}
+{{- $other := index $root.Values (ternary "decode" "prefill" (eq $role "prefill")) }}
+{{- if and $other.enabled (ne $v.backend $other.backend) }}
+{{- fail (printf "prefill.backend %s and decode.backend %s: a vLLM prefill hands its prompts only to a vLLM decode, and a native one only to a native decode; set both to the same backend" $root.Values.prefill.backend $root.Values.decode.backend) }}
+{{- end }}
+{{- if and (eq $v.backend "vllm") (not $root.Values.kvstore.enabled) }}
+{{- fail (printf "%s.backend: vllm on the pools moves each prompt from prefill to decode through the node's kvstore: set kvstore.enabled=true" $role) }}
+{{- end }}
+{{- if and (eq $v.backend "vllm") (not $v.vllm.kvConnector) }}
+{{- fail (printf "%s.vllm.kvConnector: false leaves a vLLM %s without the handoff (it goes through Crescent's KV connector); keep it true, or serve on aggregated instances" $role $role) }}
+{{- end }}
 {{- end }}
 {{- if eq $v.backend "native" }}
 {{- range $name := $names }}
