@@ -1,4 +1,5 @@
-"""The Prefill and Decode services of an aggregated instance whose engine is vLLM.
+"""The Prefill and Decode services of an aggregated instance whose engine is vLLM (the prefill
+and decode roles on vLLM subclass it: handoff.py).
 
 The gateway drives it exactly as a native aggregated instance: ``Prefill`` answers each choice's
 first token and ``HandedOff`` naming this instance, then ``StreamTokens`` streams the rest,
