@@ -110,6 +110,9 @@ def up(
     ready_timeout: Annotated[float | None, typer.Option(
         help="seconds to wait for every service (default: 600; with --engine vllm: 900)", show_default=False)] = None,
     tls: Annotated[bool, typer.Option(help="mutual TLS between the services (--no-tls: plaintext, loopback only)")] = True,
+    allow_unauthenticated_network: Annotated[bool, typer.Option(
+        help="with --host other than loopback: serve keyless anyway (everyone who reaches it is the default "
+             "tenant; a network you trust only)")] = False,
     engine: Annotated[EngineBackend, typer.Option(
         help="what computes in the engines: Crescent's own engine, or vLLM's CPU build (its own venv, "
              "`make install-vllm`; one aggregated instance unless --aggregated 0 asks for the pools)")] = EngineBackend.native,
@@ -128,7 +131,8 @@ def up(
         ready_timeout = READY_TIMEOUT_S[backend]
     try:  # a plan that cannot run, or no vLLM to run it, is said before anything starts
         plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9),
-                            block_size, ttft_slo, drain_grace, tls, aggregated=aggregated, backend=backend)
+                            block_size, ttft_slo, drain_grace, tls, aggregated=aggregated, backend=backend,
+                            unauthenticated_network=allow_unauthenticated_network)
         run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
         platform = Platform(plan, run_dir)
     except (PlanError, VllmNotInstalledError) as exc:

@@ -38,7 +38,7 @@ import httpx
 import yaml
 
 from crescent.services.common.certs import LOCAL_HOSTS, make_pki
-from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
+from crescent.services.common.tls import PeerTls, TlsSettings, is_loopback, load_tls
 from crescent.services.cpu_share import available_cores, share_cores
 from crescent.services.engine_vllm.interpreter import vllm_python
 
@@ -129,10 +129,15 @@ class PlatformPlan:
     cores: int | None = None  # cores the engines share (None: this process's affinity mask)
     aggregated: int = 0  # > 0: this many aggregated engines (prefill and decode in one) instead of the two pools
     backend: Backend = "native"  # what computes in every engine: Crescent's engine or vLLM (its own venv)
+    unauthenticated_network: bool = False  # a keyless gateway on a non-loopback host, said in so many words
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise PlanError(f"unknown engine backend {self.backend!r}; choose {' or '.join(BACKENDS)}")
+        if not is_loopback(self.host) and not self.unauthenticated_network:
+            raise PlanError(f"--host {self.host}: the gateway would serve without API keys where other hosts reach it "
+                            "(crescent up runs with auth off). Bind 127.0.0.1, or add --allow-unauthenticated-network "
+                            "on a network you trust.")
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -187,6 +192,7 @@ class PlatformPlan:
         specs.append(ServiceSpec("gateway", "gateway", {
             # No block size: the gateway learns it from the engines through the scheduler.
             "listen": {"host": host, "port": self.port}, "scheduler_address": scheduler, "model": self.model,
+            **({"auth": {"allow_unauthenticated_network": True}} if self.unauthenticated_network else {}),
             **_drain_setting("gateway", self.drain_grace_s),
         }, None, f"{gateway}/health", f"{gateway}/metrics"))
         return specs

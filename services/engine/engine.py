@@ -122,7 +122,8 @@ class Engine:
         if len(token_ids) > self.config.max_position_embeddings:
             raise ValueError(f"{len(token_ids)} tokens exceed the context window ({self.config.max_position_embeddings})")
         keys = self.block_keys(token_ids, salt)
-        seq = Sequence(seq_id, list(token_ids), keys, keeps_blocks=len(token_ids) > self.min_cached_prompt_tokens,
+        client_prompt = len(token_ids) - max(decode_tail, 0)  # Kimi's rule counts the client's prompt, not streamed tokens
+        seq = Sequence(seq_id, list(token_ids), keys, keeps_blocks=client_prompt > self.min_cached_prompt_tokens,
                        prompt_tokens=len(token_ids))
         if decode_tail > 0 and not self._stateful:
             seq.decode_tail = min(decode_tail, len(token_ids) - 1)

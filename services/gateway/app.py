@@ -7,6 +7,7 @@ import time
 
 from crescent.services.common.admin_http import metrics_response
 from crescent.services.common.metrics import gateway_metrics
+from crescent.services.common.tls import is_loopback
 from crescent.services.gateway.admin_api import admin_router
 from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCard, ModelList
 from crescent.services.gateway.auth import Authenticator, principal_of
@@ -14,7 +15,7 @@ from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.completions import Completions
 from crescent.services.gateway.completions_api import CompletionRequest
-from crescent.services.gateway.config import GatewaySettings
+from crescent.services.gateway.config import LOOPBACK_HOST_NAMES, GatewayListenSettings, GatewaySettings
 from crescent.services.gateway.drain import Drain, DrainGuard
 from crescent.services.gateway.errors import ERROR_RESPONSES, ApiError, ModelNotFoundError, install_error_handlers
 from crescent.services.gateway.http_guard import HttpGuard
@@ -29,10 +30,18 @@ from crescent.services.gateway.responses_api import ResponseRequest
 from crescent.services.gateway.usage_api import DOCUMENTED_RESPONSES, UsageApi, usage_admin_router
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
+
+
+def allowed_hosts(listen: GatewayListenSettings) -> list[str] | None:
+    """The Host names the gateway answers; None: any (bound off loopback, no list given)."""
+    if listen.allowed_hosts:
+        return list(listen.allowed_hosts)
+    return list(LOOPBACK_HOST_NAMES) if is_loopback(listen.host) else None
 
 
 def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, drain: Drain,
@@ -64,6 +73,9 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
             allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"],
         )
     app.add_middleware(HttpGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
+    hosts = allowed_hosts(settings.listen)
+    if hosts is not None:  # outermost: a request for another Host name (DNS rebinding) gets 400 before anything
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
 
     async def authenticate(request: Request) -> None:
         """Every /v1 route: the request's tenant (``auth.principal_of``), or 401 before the body is read."""

@@ -15,11 +15,20 @@ DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_CONTEXT_WINDOW = 8192  # when the model does not say (SmolLM2-135M's max positions)
 
 
+LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
 class GatewayListenSettings(StrictModel):
     """The gateway serves its API, /health and /metrics on one HTTP port (no separate admin port)."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_GATEWAY_PORT, ge=1, le=65535)
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header names the gateway answers (\"*.example.com\" patterns; anything else gets 400); "
+                    "empty: localhost, 127.0.0.1 and [::1] when bound to loopback (a web page cannot reach a "
+                    "local gateway by DNS rebinding), any name when bound to another address",
+    )
 
 
 class AuthSettings(StrictModel):
@@ -43,6 +52,12 @@ class AuthSettings(StrictModel):
         default=None,
         description="secret the per-tenant prefix-cache salt is derived from; unset: one generated at "
                     "random in the database on first start (every gateway on that database uses it)",
+    )
+    allow_unauthenticated_network: bool = Field(
+        default=False,
+        description="with auth off, still serve on an address other than loopback (everyone who reaches "
+                    "it is the default tenant, keyless): for a network you trust, said in so many words; "
+                    "without it such a gateway refuses to start",
     )
     key_cache_s: float = Field(
         default=5.0, ge=0, le=60,

@@ -8,8 +8,11 @@ sqlite3 calls block, so every method here runs in a worker thread (``asyncio.to_
 connection, opened on first use, is shared under a lock (``:memory:`` lives as long as it).
 
 Responses belong to the tenant that made them: another tenant neither reads, continues nor
-deletes them, even knowing the id. A row's id is ``<tenant id>/<response id>``, except for the
-``default`` tenant (auth off), whose rows keep the bare response id they had before tenants.
+deletes them, even knowing the id. Rows are keyed by (tenant id, response id), two columns, so no
+response id a client passes can name another tenant's row. Files made before that (one ``id``
+column, ``<tenant id>/<response id>`` or a bare id for the ``default`` tenant) are moved over
+when first opened. The database file is created readable by its owner only (every stored
+conversation is in it).
 """
 
 from __future__ import annotations
@@ -22,15 +25,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crescent.services.common.private_files import create_private_file
 from crescent.services.tenancy import DEFAULT_TENANT
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY,
+CREATE TABLE IF NOT EXISTS tenant_responses (
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
     created_at REAL NOT NULL,
     response TEXT NOT NULL,       -- the response object, JSON
-    conversation TEXT NOT NULL    -- input items that continue it, JSON list
+    conversation TEXT NOT NULL,   -- input items that continue it, JSON list
+    PRIMARY KEY (tenant, id)
 )
+"""
+# The single-column table of earlier versions: its rows move to tenant_responses on first open.
+_MOVE_OLD_ROWS = """
+INSERT OR IGNORE INTO tenant_responses (tenant, id, created_at, response, conversation)
+SELECT CASE WHEN instr(id, '/') > 0 THEN substr(id, 1, instr(id, '/') - 1) ELSE ? END,
+       CASE WHEN instr(id, '/') > 0 THEN substr(id, instr(id, '/') + 1) ELSE id END,
+       created_at, response, conversation FROM responses
 """
 
 
@@ -38,10 +51,6 @@ CREATE TABLE IF NOT EXISTS responses (
 class StoredResponse:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
-
-
-def _row_id(tenant_id: str, response_id: str) -> str:
-    return response_id if tenant_id == DEFAULT_TENANT else f"{tenant_id}/{response_id}"
 
 
 class ResponseStore:
@@ -53,32 +62,39 @@ class ResponseStore:
     def _connection(self) -> sqlite3.Connection:
         if self._db is None:
             if self._path != ":memory:":
-                Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+                create_private_file(Path(self._path))
             db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
             if self._path != ":memory:":
                 db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for a writer
             db.execute(_SCHEMA)
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'responses'").fetchone():
+                with db:
+                    db.execute("BEGIN")
+                    db.execute(_MOVE_OLD_ROWS, (DEFAULT_TENANT,))
+                    db.execute("DROP TABLE responses")
             self._db = db
         return self._db
 
     def _put(self, tenant_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         with self._lock:
             self._connection().execute(
-                "INSERT OR REPLACE INTO responses (id, created_at, response, conversation) VALUES (?, ?, ?, ?)",
-                (_row_id(tenant_id, response["id"]), response["created_at"], json.dumps(response),
+                "INSERT OR REPLACE INTO tenant_responses (tenant, id, created_at, response, conversation) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (tenant_id, response["id"], response["created_at"], json.dumps(response),
                  json.dumps(conversation)),
             )
 
     def _get(self, tenant_id: str, response_id: str) -> StoredResponse | None:
         with self._lock:
             row = self._connection().execute(
-                "SELECT response, conversation FROM responses WHERE id = ?", (_row_id(tenant_id, response_id),)).fetchone()
+                "SELECT response, conversation FROM tenant_responses WHERE tenant = ? AND id = ?",
+                (tenant_id, response_id)).fetchone()
         return None if row is None else StoredResponse(json.loads(row[0]), json.loads(row[1]))
 
     def _delete(self, tenant_id: str, response_id: str) -> bool:
         with self._lock:
             return self._connection().execute(
-                "DELETE FROM responses WHERE id = ?", (_row_id(tenant_id, response_id),)).rowcount > 0
+                "DELETE FROM tenant_responses WHERE tenant = ? AND id = ?", (tenant_id, response_id)).rowcount > 0
 
     async def put(self, tenant_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self._put, tenant_id, response, conversation)

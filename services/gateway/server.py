@@ -22,6 +22,8 @@ from types import FrameType
 
 import uvicorn
 from crescent.services.common.logs import configure_logging
+from crescent.services.common.settings import SettingsError
+from crescent.services.common.tls import is_loopback
 from crescent.services.gateway.app import build_app
 from crescent.services.gateway.auth import Authenticator
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
@@ -146,9 +148,25 @@ def _safe_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+def check_exposure(settings: GatewaySettings) -> None:
+    """Refuse to serve keyless on an address other hosts can reach, unless told so in so many words."""
+    if settings.auth.enabled or is_loopback(settings.listen.host):
+        return
+    if settings.auth.allow_unauthenticated_network:
+        log.warning("auth is OFF on %s: anyone who reaches this address is served as the default tenant "
+                    "(auth.allow_unauthenticated_network is set)", settings.listen.host)
+        return
+    raise SettingsError(
+        f"refusing to serve without API keys on {settings.listen.host!r} (listen.host), an address other hosts "
+        "can reach: anyone there could spend the default tenant's budget and read its stored responses. Turn "
+        "auth on (auth.enabled: true, CRESCENT_GATEWAY__AUTH__ENABLED=true), bind 127.0.0.1, or set "
+        "auth.allow_unauthenticated_network: true on a network you trust.")
+
+
 def main(config_path: Path | None = None, *, model_loader: ModelLoader | None = None) -> None:
     settings = load_gateway_settings(config_path)
     configure_logging("gateway", settings.log_level)
+    check_exposure(settings)
     model = (model_loader or _default_loader)(settings)
     if settings.model_policy is not None:  # the settings' card replaces the model family's
         model = dataclasses.replace(model, policy=settings.model_policy)

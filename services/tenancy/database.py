@@ -19,6 +19,7 @@ from sqlalchemy import Engine, create_engine, event, insert, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from crescent.services.common.private_files import create_private_file
 from crescent.services.tenancy.schema import server_secrets
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,7 @@ def database_url(url: str) -> str:
     """``url`` with ``~`` expanded in a SQLite path and the psycopg (v3) driver for plain PostgreSQL."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        path = Path(parsed.database).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = create_private_file(Path(parsed.database).expanduser())  # the salt secret, keys, the ledger
         parsed = parsed.set(database=str(path))
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")

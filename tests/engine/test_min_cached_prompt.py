@@ -40,6 +40,19 @@ def test_a_prompt_at_the_limit_leaves_nothing_cached() -> None:
     assert run(engine, short + prompt(40, seed=2), "c") == 0, "nor may a longer prompt that starts with it"
 
 
+def test_a_moved_short_prompt_leaves_nothing_however_many_tokens_were_streamed() -> None:
+    """After a decode died, a request comes back as its prompt plus the tokens it streamed
+    (``decode_tail``); the rule still counts the client's prompt."""
+    engine = make_engine()
+    moved = prompt(LIMIT - 1) + prompt(3 * PAGE, seed=3)  # 63 of the client's, 48 streamed: past the limit
+    for seq_id in ("a", "b"):
+        seq = engine.add_sequence(seq_id, moved, decode_tail=3 * PAGE)
+        engine.prefill(seq)
+        engine.release(seq)
+        assert seq.num_cached == 0, "nothing of a short prompt is cached, moved or not"
+    assert run(engine, moved, "c") == 0
+
+
 def test_a_longer_prompt_is_cached_and_serves_shorter_ones() -> None:
     engine = make_engine()
     long = prompt(LIMIT + 1)

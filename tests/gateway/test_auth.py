@@ -199,7 +199,8 @@ def test_open_mode_serves_everyone_as_the_default_tenant(gateway: Gateway, backe
 
 def test_stored_responses_belong_to_their_tenant(secured: Gateway, model: str) -> None:
     """Another tenant can neither read, continue nor delete a stored response, even knowing its id."""
-    owner, other = new_key(secured, "tenant-a")["key"], new_key(secured, "tenant-b")["key"]
+    made = new_key(secured, "tenant-a")
+    owner, owner_tenant, other = made["key"], made["tenant_id"], new_key(secured, "tenant-b")["key"]
     with (openai.OpenAI(base_url=f"{secured.url}/v1", api_key=owner, max_retries=0, timeout=10) as mine,
           openai.OpenAI(base_url=f"{secured.url}/v1", api_key=other, max_retries=0, timeout=10) as theirs):
         first = mine.responses.create(model=model, input="my name is Ada", max_output_tokens=4)
@@ -209,6 +210,15 @@ def test_stored_responses_belong_to_their_tenant(secured: Gateway, model: str) -
             theirs.responses.create(model=model, previous_response_id=first.id, input="what is my name")
         with pytest.raises(openai.NotFoundError):
             theirs.responses.delete(first.id)
+        # A key of the tenant named "default" (whose rows once had bare ids) naming the row as
+        # "<tenant id>/<response id>": still someone else's response.
+        default_key = new_key(secured, "default")["key"]
+        with openai.OpenAI(base_url=f"{secured.url}/v1", api_key=default_key, max_retries=0, timeout=10) as plain:
+            for spelled in (f"{owner_tenant}/{first.id}", f"tenant-a/{first.id}"):
+                with pytest.raises(openai.NotFoundError):
+                    plain.responses.create(model=model, previous_response_id=spelled, input="what is my name")
+                with pytest.raises(openai.NotFoundError):
+                    plain.responses.retrieve(spelled)
         assert mine.responses.retrieve(first.id).id == first.id
         assert mine.responses.create(model=model, previous_response_id=first.id, input="and?").previous_response_id \
             == first.id

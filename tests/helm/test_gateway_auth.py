@@ -28,8 +28,12 @@ def test_auth_is_on_by_default() -> None:
     assert not any(name.startswith("CRESCENT_GATEWAY__AUTH__") for name in gateway_env(docs))
 
 
-def test_auth_can_be_turned_off() -> None:
-    assert not gateway_settings(render("--set", "gateway.auth.enabled=false")).auth.enabled
+def test_auth_can_be_turned_off_only_in_so_many_words() -> None:
+    refused = helm_template("--set", "gateway.auth.enabled=false")
+    assert refused.returncode != 0 and "gateway.auth.allowUnauthenticatedNetwork=true" in refused.stderr
+    settings = gateway_settings(render("--set", "gateway.auth.enabled=false",
+                                       "--set", "gateway.auth.allowUnauthenticatedNetwork=true"))
+    assert not settings.auth.enabled and settings.auth.allow_unauthenticated_network
 
 
 def test_secrets_come_from_the_named_secret_never_inline() -> None:

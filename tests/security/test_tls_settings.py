@@ -12,7 +12,7 @@ from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.settings import ListenSettings, SettingsError, load_settings
 from crescent.services.common.tls import TlsError, TlsSettings, check_listen, is_loopback
 from crescent.services.kvstore.config import load_kvstore_settings
-from crescent.services.launcher import GATEWAY_TLS_ENV, Platform, PlatformPlan, admin_tls
+from crescent.services.launcher import GATEWAY_TLS_ENV, PlanError, Platform, PlatformPlan, admin_tls
 from tests.ports import free_port
 from tests.security.support import all_methods, full_name
 
@@ -103,3 +103,16 @@ def test_the_table_in_docs_security_md_is_the_access_table() -> None:
     actual = {(service.rsplit(".", 1)[-1], method): (rule.roles, rule.claim is not None)
               for service, rules in rules_table().items() for method, rule in rules.items()}
     assert documented == actual
+
+
+def test_crescent_up_on_a_network_address_serves_keyless_only_when_told(tmp_path: Path) -> None:
+    """crescent up runs the gateway with auth off: on a host others reach, it says so before
+    anything starts, unless --allow-unauthenticated-network says the network is trusted."""
+    with pytest.raises(PlanError, match="--allow-unauthenticated-network"):
+        PlatformPlan("m", "0.0.0.0", free_port(), 1, 1, 256, 1 << 20, 16)
+    platform = Platform(PlatformPlan("m", "0.0.0.0", free_port(), 1, 1, 256, 1 << 20, 16, tls=False,
+                                     unauthenticated_network=True), tmp_path)
+    gateway = next(spec for spec in platform.specs if spec.service == "gateway")
+    assert gateway.config["auth"] == {"allow_unauthenticated_network": True}
+    local = Platform(PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16, tls=False), tmp_path / "local")
+    assert "auth" not in next(spec for spec in local.specs if spec.service == "gateway").config

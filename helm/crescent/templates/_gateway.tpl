@@ -63,6 +63,12 @@ several must share PostgreSQL and Redis, whose URLs come from Secrets (docs/oper
 {{- define "crescent.gatewayStateSettings" -}}
 {{- $v := .Values.gateway }}
 {{- $auth := dict "enabled" $v.auth.enabled }}
+{{- if not $v.auth.enabled }}
+{{- if not $v.auth.allowUnauthenticatedNetwork }}
+{{- fail "gateway.auth.enabled=false serves every caller who reaches the gateway keyless, as the default tenant: set gateway.auth.allowUnauthenticatedNetwork=true as well if that is meant (a network you trust), or keep auth on" }}
+{{- end }}
+{{- $_ := set $auth "allow_unauthenticated_network" true }}
+{{- end }}
 {{- if eq $v.database.type "sqlite" }}
 {{- $_ := set $auth "database_url" (printf "sqlite:///%s/gateway.sqlite3" (trimSuffix "/" $v.database.sqlite.mountPath)) }}
 {{- end }}
