@@ -13,7 +13,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PYTHON_ENV = CRESCENT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
 # Fewer than 4 cores: one aggregated engine (prefill and decode in one process) instead of the two
 # pools, which would contend for the cores (docs/aggregated.md has the measurements). AGGREGATED=0: pools.
-# ENGINE=vllm runs aggregated instances only for now: one by default on any machine.
+# ENGINE=vllm: one aggregated instance by default on any machine (AGGREGATED=0: vLLM prefill and
+# decode pools, the prompt handed over through the kvstore; docs/engine-backends.md).
 AGGREGATED ?= $(if $(filter vllm,$(ENGINE)),1,$(shell [ "$$(nproc)" -lt 4 ] && echo 1 || echo 0))
 PYTEST_ARGS ?=
 
