@@ -14,13 +14,30 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 log = logging.getLogger(__name__)
 
 
-def metrics_response() -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+def metrics_response(without_label: str | None = None) -> Response:
+    """The process's metrics; ``without_label``: leave out every family that has that label
+    (the gateway's per-tenant spend, on a port anyone reaches)."""
+    if without_label is None:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(_Without(REGISTRY, without_label)), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Without:
+    """A view of a registry without the metric families that carry ``label`` on any sample."""
+
+    def __init__(self, registry: CollectorRegistry, label: str) -> None:
+        self._registry = registry
+        self._label = label
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's Metric iterator
+        for family in self._registry.collect():
+            if not any(self._label in sample.labels for sample in family.samples):
+                yield family
 
 
 def build_admin_app(service: str, ready: Callable[[], bool], details: Callable[[], dict[str, Any]] | None = None) -> FastAPI:

@@ -245,7 +245,8 @@ class HandoffMetrics:
     handoffs: Counter          # by peer, mover: handoffs decode accepted
     moved_bytes: Counter       # by peer, mover: their KV bytes
     shm_refused: Counter       # by peer: shared memory handoffs decode could not map (sent again as bytes)
-    tcp_refused: Counter       # by peer: decode side channels found unusable (handoffs sent as bytes from then on)
+    tcp_refused: Counter       # by peer: decode side channels found unusable (handoffs sent as bytes for a backoff)
+    side_refused: Counter      # decode: side-channel connections refused or cut before a transfer
 
 
 @cache
@@ -258,6 +259,9 @@ def handoff_metrics() -> HandoffMetrics:
                             "Shared memory handoffs a decode instance could not map (then sent over gRPC)", ["peer"]),
         tcp_refused=Counter("crescent_handoff_tcp_refused",
                             "Decode handoff side channels found unusable (handoffs to it then go over gRPC)", ["peer"]),
+        side_refused=Counter("crescent_handoff_side_channel_refused",
+                             "Connections to this decode's handoff side channel refused or cut before a transfer "
+                             "(no valid token within the deadline, or no free slot)"),
     )
 
 

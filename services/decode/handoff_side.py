@@ -14,6 +14,7 @@ import logging
 import ssl
 import time
 
+from crescent.services.common.metrics import handoff_metrics
 from crescent.services.kvwire.handoff_tcp import HandoffLanding
 from crescent.services.kvwire.side_channel import SideChannelServer
 
@@ -34,7 +35,8 @@ class HandoffSideChannel:
                  server_tls: ssl.SSLContext | None = None) -> None:
         """``max_bytes``: the largest handoff (the KV of a whole cache); ``server_tls``: mutual
         TLS on the side channel (the process's gRPC key pair)."""
-        self.server = SideChannelServer(host, port, server_tls=server_tls, max_connections=MAX_CONNECTIONS)
+        self.server = SideChannelServer(host, port, server_tls=server_tls, max_connections=MAX_CONNECTIONS,
+                                        on_refused=handoff_metrics().side_refused.inc)
         self.address = f"{'tls://' if server_tls is not None else ''}{advertise_host}:{self.server.port}"
         self.max_bytes = max_bytes
         self.max_open_bytes = 4 * max_bytes

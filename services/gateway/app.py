@@ -30,11 +30,21 @@ from crescent.services.gateway.responses_api import ResponseRequest
 from crescent.services.gateway.usage_api import DOCUMENTED_RESPONSES, UsageApi, usage_admin_router
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.types import Scope
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
+
+
+def _is_admin(auth: Authenticator, authorization: str | None) -> bool:
+    try:
+        auth.check_admin(authorization)
+    except ApiError:
+        return False
+    return True
 
 
 def allowed_hosts(listen: GatewayListenSettings) -> list[str] | None:
@@ -72,14 +82,27 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
             CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"],
         )
-    app.add_middleware(HttpGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s)
+    async def key_before_body(scope: Scope) -> ApiError | None:
+        """A /v1 request's API key, checked before its body is read (the route reuses the answer)."""
+        if not auth.enabled or not scope["path"].startswith("/v1/"):
+            return None
+        try:
+            scope["state"]["principal"] = await auth.principal(Headers(scope=scope).get("authorization"))
+        except ApiError as refused:
+            return refused
+        return None
+
+    app.add_middleware(HttpGuard, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
+                       preauth=key_before_body)
     hosts = allowed_hosts(settings.listen)
     if hosts is not None:  # outermost: a request for another Host name (DNS rebinding) gets 400 before anything
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
 
     async def authenticate(request: Request) -> None:
-        """Every /v1 route: the request's tenant (``auth.principal_of``), or 401 before the body is read."""
-        request.state.principal = await auth.principal(request.headers.get("authorization"))
+        """Every /v1 route: the request's tenant (``auth.principal_of``); HttpGuard checked the key
+        before the body was read, this is for apps built without it (tests)."""
+        if getattr(request.state, "principal", None) is None:
+            request.state.principal = await auth.principal(request.headers.get("authorization"))
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)], responses={401: ERROR_RESPONSES[401]})
 
@@ -147,7 +170,10 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
                               "description": "Prometheus text exposition format"}})
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
+        # Per-tenant spend and savings are tenant data: with auth on, only the admin key sees them here.
+        if auth.enabled and not _is_admin(auth, request.headers.get("authorization")):
+            return metrics_response(without_label="tenant")
         return metrics_response()
 
     return app

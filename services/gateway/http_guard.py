@@ -4,6 +4,10 @@ Every HTTP request gets an id: the client's ``X-Request-Id`` when it is a plain 
 new one. It is echoed on the response, set as the log records' request id, and named in a 500's
 message, so a client can quote it and an operator finds the detail in the log.
 
+Before a byte of its body is read, a request passes ``preauth`` (the gateway: the API key of
+every ``/v1`` request): a refusal is answered at once and the connection closed, so a caller
+without a key costs neither a body read nor a parse.
+
 A request body is read here, in full, before the app sees it:
 
 - longer than ``max_body_bytes`` (by its ``Content-Length`` or as it arrives): 413, nothing parsed;
@@ -12,8 +16,9 @@ A request body is read here, in full, before the app sees it:
 - a JSON string with a lone UTF-16 surrogate escape (``"\\ud800"``), which no tokenizer can
   encode: 400 ``invalid_unicode``.
 
-An exception nothing else handled becomes a 500 here, logged with its traceback, and the
-response completes normally. (Starlette's own handler re-raises after answering, and uvicorn
+A body nested deeper than the JSON parser's recursion limit (a 200,000-deep ``[[[[...``) is a 400
+``body_too_deep``, not a 500. An exception nothing else handled becomes a 500 here, logged with
+its traceback, and the response completes normally. (Starlette's own handler re-raises after answering, and uvicorn
 then resets the connection, so the client's next request on it fails too.)
 """
 
@@ -24,6 +29,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from crescent.services.common.logs import request_id_var
@@ -75,8 +81,8 @@ def has_lone_surrogate(body: bytes) -> bool:
         return False
     try:
         document = json.loads(body)
-    except ValueError:
-        return False  # the app reports invalid JSON itself
+    except (ValueError, RecursionError):
+        return False  # the app reports invalid (or too deep) JSON itself
     return _walk_has_surrogate(document)
 
 
@@ -104,10 +110,12 @@ class _BodyRefused(Exception):
 class HttpGuard:
     """ASGI middleware; see the module docstring."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_timeout_s: float,
+                 preauth: Callable[[Scope], Awaitable[ApiError | None]] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.preauth = preauth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -127,6 +135,10 @@ class HttpGuard:
             await send(message)
 
         try:
+            refused = await self.preauth(scope) if self.preauth is not None else None
+            if refused is not None:  # the body, if any, is left unread: the connection cannot be reused
+                await _send_error(send_with_id, refused, close=scope["method"] in _BODY_METHODS)
+                return
             if scope["method"] in _BODY_METHODS:
                 try:
                     body = await self._read_body(scope, receive)
@@ -136,6 +148,10 @@ class HttpGuard:
                     return
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_with_id)
+        except RecursionError:  # the JSON parser's depth limit: the body's shape, not a fault of ours
+            if not started:
+                await _send_error(send_with_id, InvalidRequestError(
+                    "the request body is nested too deeply to parse", code="body_too_deep"))
         except Exception as exc:  # noqa: BLE001  (the last line of defence: log it, answer, keep serving)
             log.exception("unhandled error: %s", exc)
             if not started:

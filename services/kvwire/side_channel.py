@@ -71,7 +71,8 @@ HELLO_BYTES = TOKEN_BYTES + 2  # token, stripe index, stripe count
 STRIPES = 2                    # connections per large transfer (best of 1-4 on the 2-core VM)
 MAX_STRIPES = 8
 MIN_STRIPED_BYTES = 8 << 20    # below this one connection is as fast
-TOKEN_TIMEOUT_S = 5.0          # a connection that does not say who it is within this is closed
+TOKEN_TIMEOUT_S = 5.0          # a connection that has not said who it is (TLS and token) within this is cut
+HANDSHAKES_PER_SLOT = 4        # connections allowed to be saying who they are, per transfer slot
 CONNECT_TIMEOUT_S = 2.0        # no answer to connect within this: unreachable (a firewall drops it)
 KEEP_FLAG = 0x80               # in the hello's stripe count: the client will reuse the connection
 IDLE_TIMEOUT_S = 30.0          # the node closes a kept connection with no next hello within this
@@ -159,6 +160,14 @@ def receive_exact(sock: Connection, view: memoryview) -> None:
         pos += got
 
 
+def _cut(raw: socket.socket) -> None:
+    """End a connection's blocking reads from another thread (close alone would not wake them)."""
+    try:
+        raw.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
 def _next_hello(conn: Connection, hello: bytearray) -> bool:
     """Read the next transfer's hello on a kept connection into ``hello``; False when the client
     closed it or left it idle past its timeout (a normal end, not a refusal)."""
@@ -238,7 +247,12 @@ class SideChannelServer:
         self._on_refused = on_refused or (lambda: None)
         self._pending: dict[bytes, _Transfer] = {}
         self._lock = threading.Lock()
+        # A transfer slot is taken only once a connection's token opened a transfer; until then it
+        # holds a handshake permit, for TOKEN_TIMEOUT_S at most in all, so connections that never
+        # authenticate (dribbling a byte at a time) can neither hold the slots nor last.
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._handshakes = threading.BoundedSemaphore(max_connections * HANDSHAKES_PER_SLOT)
+        self.refused = 0  # connections refused or cut before a transfer: bad or no token, no room, too slow
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                               backlog=128)
         self.port = self._listener.getsockname()[1]
@@ -301,8 +315,9 @@ class SideChannelServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # too many at once: the client falls back to another mover this time
+            if not self._handshakes.acquire(blocking=False):
+                conn.close()  # too many unauthenticated at once: the client falls back to another mover this time
+                self._refuse("too many connections saying who they are")
                 continue
             self.accepted += 1
             self._on_accepted()
@@ -324,10 +339,18 @@ class SideChannelServer:
                 del self._pending[token]  # every stripe is open: the token opens nothing more
         return transfer, stripe, keep
 
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        self._on_refused()
+        log.warning("side channel: refused a connection: %s", why)
+
     def _serve(self, raw: socket.socket) -> None:
         """One connection: a transfer, then, when the client keeps it, the next ones."""
         conn: Connection = raw
-        holds_slot = True
+        # One deadline for the TLS handshake and the token together, however the bytes trickle in.
+        cut = threading.Timer(TOKEN_TIMEOUT_S, _cut, args=(raw,))
+        cut.daemon = True
+        cut.start()
         try:
             _tune(raw)
             raw.settimeout(TOKEN_TIMEOUT_S)
@@ -336,34 +359,35 @@ class SideChannelServer:
             hello = bytearray(HELLO_BYTES)
             receive_exact(conn, memoryview(hello))
         except (OSError, ssl.SSLError, ValueError) as exc:
-            self._on_refused()
-            log.warning("side channel: dropped a connection before its token: %s", exc)
             raw.close()
-            self._slots.release()
+            self._refuse(f"no valid hello within {TOKEN_TIMEOUT_S:g} s ({exc})")
             return
+        finally:
+            cut.cancel()
+            self._handshakes.release()
         try:
             while self._transfer(conn, bytes(hello)):
-                self._slots.release()  # idle: a kept connection holds no slot
-                holds_slot = False
-                conn.settimeout(IDLE_TIMEOUT_S)
-                if not _next_hello(conn, hello) or not self._slots.acquire(blocking=False):
-                    return  # closed, idle too long, or no slot now (the client retries on a fresh one)
-                holds_slot = True
+                conn.settimeout(IDLE_TIMEOUT_S)  # idle: a kept connection holds no slot
+                if not _next_hello(conn, hello):
+                    return  # closed, or idle too long
         finally:
-            try:
-                raw.close()
-            finally:
-                if holds_slot:
-                    self._slots.release()
+            raw.close()
 
     def _transfer(self, conn: Connection, hello: bytes) -> bool:
         """Move the stripe ``hello`` opens; whether the connection is kept for another."""
-        opened = self._open(hello)
-        if opened is None:
-            self._on_refused()
-            log.warning("side channel: refused a connection without a valid token")
+        if not self._slots.acquire(blocking=False):  # a token checked, but no room now: the client retries
+            self._refuse("every transfer slot is busy")
             return False
-        transfer, stripe, keep = opened
+        try:
+            opened = self._open(hello)
+            if opened is None:
+                self._refuse("no valid token")
+                return False
+            return self._move(conn, *opened)
+        finally:
+            self._slots.release()
+
+    def _move(self, conn: Connection, transfer: _Transfer, stripe: int, keep: bool) -> bool:
         try:
             conn.settimeout(self.timeout_s)
             if transfer.kind == _STREAM:

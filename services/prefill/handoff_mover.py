@@ -9,14 +9,19 @@ each (prefill, decode) pair settles on its mover by itself. A decode built befor
 reads the header's segment fields as unknown and refuses the data-less slices (INVALID_ARGUMENT,
 or UNKNOWN from a stand-in): until a peer has taken one shared memory handoff, that counts as a
 refusal too, so prefill can be upgraded before decode. Each mover is refused per peer on its
-own: a decode in another pod refuses shared memory once, then takes TCP. Metrics: ``crescent_handoff_total``
-and ``crescent_handoff_bytes_total`` by peer and mover.
+own: a decode in another pod refuses shared memory once, then takes TCP. A side channel found
+unusable is tried again after a backoff (``TCP_RETRY_FIRST_S`` doubling to ``TCP_RETRY_MAX_S``,
+back to nothing after a handoff that went over it): a network blip or a flood of connections
+that held its slots for a while does not send that peer's handoffs over gRPC for the rest of the
+process's life. Metrics: ``crescent_handoff_total`` and ``crescent_handoff_bytes_total`` by peer
+and mover.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
+import time
 
 import grpc
 
@@ -30,6 +35,8 @@ from crescent.services.kvwire.side_channel import dial_target, tls_contexts
 log = logging.getLogger(__name__)
 
 SHM, TCP, GRPC = "shm", "tcp", "grpc"
+TCP_RETRY_FIRST_S = 5.0    # a side channel found unusable is tried again after this...
+TCP_RETRY_MAX_S = 300.0    # ...doubling each time it fails again, up to this
 # OpenHandoff failures that say the peer has no usable side channel (others: gRPC this time only)
 _NO_SIDE_CHANNEL = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
 
@@ -46,7 +53,7 @@ class HandoffMovers:
         self._client_tls = tls_contexts(tls)[1] if tls is not None and tcp else None
         self._server_name = tls.server_name if tls is not None else ""
         self._refused: set[str] = set()  # decode addresses that cannot map our segments
-        self._tcp_refused: set[str] = set()  # decode addresses whose side channel we cannot use
+        self._tcp_retry: dict[str, tuple[float, float]] = {}  # decode address -> (try again at, backoff)
         self._confirmed: set[str] = set()  # decode addresses that took a shared memory handoff
         self.metrics = handoff_metrics()
         if self.shared_memory:
@@ -67,7 +74,10 @@ class HandoffMovers:
 
     def uses_tcp(self, peer: str) -> bool:
         """Whether a handoff to ``peer`` that shared memory does not take tries its side channel."""
-        return self.tcp and peer not in self._tcp_refused
+        if not self.tcp:
+            return False
+        retry = self._tcp_retry.get(peer)
+        return retry is None or time.monotonic() >= retry[0]
 
     def side_target(self, peer: str, side_address: str) -> tuple[str, ssl.SSLContext | None, str]:
         """(address to connect to, TLS context, server name) for ``peer``'s side channel as
@@ -84,10 +94,11 @@ class HandoffMovers:
         self._refuse_tcp(peer, exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc))
 
     def _refuse_tcp(self, peer: str, why: str) -> None:
-        if peer not in self._tcp_refused:
-            log.info("decode %s's handoff side channel is not usable from here (%s): handoffs to it go over gRPC",
-                     peer, why)
-        self._tcp_refused.add(peer)
+        previous = self._tcp_retry.get(peer)
+        backoff = TCP_RETRY_FIRST_S if previous is None else min(previous[1] * 2, TCP_RETRY_MAX_S)
+        self._tcp_retry[peer] = (time.monotonic() + backoff, backoff)
+        log.info("decode %s's handoff side channel is not usable from here (%s): handoffs to it go over gRPC "
+                 "for %g s, then it is tried again", peer, why, backoff)
         self.metrics.tcp_refused.labels(peer).inc()
 
     def refused(self, peer: str, exc: grpc.aio.AioRpcError, mover: str = SHM) -> bool:
@@ -112,5 +123,7 @@ class HandoffMovers:
     def handed_off(self, peer: str, mover: str, nbytes: int) -> None:
         if mover == SHM:
             self._confirmed.add(peer)
+        elif mover == TCP:
+            self._tcp_retry.pop(peer, None)  # it works again: the next failure starts the backoff afresh
         self.metrics.handoffs.labels(peer, mover).inc()
         self.metrics.moved_bytes.labels(peer, mover).inc(nbytes)

@@ -4,6 +4,8 @@ salted block keys as a real prefix cache does)."""
 
 from __future__ import annotations
 
+import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -80,6 +82,43 @@ def test_every_v1_endpoint_needs_a_key(secured: Gateway, method: str, path: str)
 def test_health_and_metrics_stay_open(secured: Gateway) -> None:
     assert httpx.get(f"{secured.url}/health", timeout=5).status_code == 200
     assert httpx.get(f"{secured.url}/metrics", timeout=5).status_code == 200
+
+
+def test_the_key_is_checked_before_the_body_is_read_or_parsed(secured: Gateway) -> None:
+    deep = b"[" * 200_000 + b"]" * 200_000
+    started = time.monotonic()
+    keyless = httpx.post(f"{secured.url}/v1/chat/completions", content=deep, timeout=10,
+                         headers={"Content-Type": "application/json"})
+    assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "missing_api_key"
+    # A keyless request that announces a body and never sends it is answered at once, not at the body timeout.
+    with socket.create_connection(("127.0.0.1", secured.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 401")
+    assert time.monotonic() - started < 5
+    key = new_key(secured, "deep")["key"]
+    too_deep = httpx.post(f"{secured.url}/v1/chat/completions", content=deep, timeout=10,
+                          headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    assert too_deep.status_code == 400, too_deep.text  # the parser's depth limit: the body's fault, not a 500
+    assert chat(secured, key).status_code == 200, "and the gateway keeps serving"
+
+
+def test_tenant_spend_in_the_metrics_is_for_the_admin_key_only(secured: Gateway) -> None:
+    """Per-tenant spend and cache savings are tenant data: the open /metrics leaves them out."""
+    made = new_key(secured, "metered")
+    assert chat(secured, made["key"]).status_code == 200
+
+    def scrape(key: str | None) -> tuple[str, set[str]]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        reply = httpx.get(f"{secured.url}/metrics", headers=headers, timeout=5)
+        assert reply.status_code == 200
+        return reply.text, set(re.findall(r'tenant="([^"]+)"', reply.text))
+
+    public, tenants = scrape(None)
+    assert "crescent_gateway_requests_total" in public and not tenants, "no tenant id nor spend without the admin key"
+    assert not scrape(made["key"])[1], "nor with a tenant's key"
+    admin_view, tenants = scrape(ADMIN_KEY)
+    assert made["tenant_id"] in tenants and "crescent_gateway_spend_usd_total" in admin_view
 
 
 def test_a_created_key_works_through_the_openai_client(secured: Gateway, model: str, backend: FakeBackend) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 
 from crescent.services.gateway.config import GatewaySettings
+from tests.helm.crd_schemas import schema_errors
 from tests.helm.tools import by_kind, helm_template, render
 
 GATEWAY = "crescent-gateway"
@@ -52,3 +53,15 @@ def test_secrets_come_from_the_named_secret_never_inline() -> None:
 def test_a_misspelt_auth_key_is_refused() -> None:
     result = helm_template("--set", "gateway.auth.enable=true")
     assert result.returncode != 0 and "enable" in result.stderr
+
+
+def test_prometheus_scrapes_tenant_spend_with_the_admin_key() -> None:
+    """With auth on the gateway serves per-tenant spend to the admin key alone: its ServiceMonitor
+    sends that key (from the auth Secret) and the object passes the ServiceMonitor schema."""
+    docs = render("--set", "monitoring.serviceMonitor.enabled=true", "--set", "gateway.auth.existingSecret=gw-auth")
+    monitor = by_kind(docs, "ServiceMonitor")[GATEWAY]
+    assert monitor["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "gw-auth", "key": "admin-key"}}
+    assert not any(schema_errors([monitor]).values())
+    without = by_kind(render("--set", "monitoring.serviceMonitor.enabled=true"), "ServiceMonitor")[GATEWAY]
+    assert "authorization" not in without["spec"]["endpoints"][0], "no admin key: the open metrics only"

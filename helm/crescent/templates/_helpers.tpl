@@ -168,6 +168,12 @@ spec:
     - port: {{ .port }}
       path: /metrics
       interval: {{ $m.interval }}
+      {{- with .bearerSecret }}
+      # The admin key: with auth on, the gateway's per-tenant spend is served to it alone.
+      authorization:
+        type: Bearer
+        credentials: {name: {{ . | quote }}, key: admin-key}
+      {{- end }}
 {{- end }}
 
 {{/* Distinct admin ports of the enabled gRPC components, as a JSON list. */}}
