@@ -93,7 +93,7 @@ def test_a_500_carries_its_request_id_and_keeps_the_connection(gateway: Gateway)
 def test_a_body_shorter_than_its_content_length_times_out_with_408(strict: Gateway) -> None:
     payload = json.dumps(GOOD).encode()
     with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % (len(payload) + 50) + payload)
         started = time.monotonic()
         answer = _read_until_closed(sock)
@@ -107,7 +107,7 @@ def test_a_body_shorter_than_its_content_length_times_out_with_408(strict: Gatew
 def test_an_oversize_body_is_413_before_it_is_read(strict: Gateway) -> None:
     with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
         # Declares 25 MB but sends only the headers: the answer must not wait for the body.
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 25000000\r\n\r\n{")
         answer = _read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
