@@ -150,11 +150,16 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """503 only while draining: a gateway whose backend is away still answers (503 + Retry-After
-        per request), which is better for clients than leaving the Service; the body says why."""
+        """503 while draining, or while the database (keys, the ledger) does not answer: such a
+        gateway can serve nobody, so it leaves the Service. A gateway whose backend is away still
+        answers (503 + Retry-After per request), which is better for clients; the body says why."""
         body: dict[str, object] = {"model": chat.served_name}
         if drain.draining:
             return JSONResponse(body | {"status": "draining", "in_flight": drain.in_flight}, status_code=503)
+        if auth.enabled or (ledger is not None and ledger.store is not None):
+            problem = await auth.database_ok()
+            if problem is not None:
+                return JSONResponse(body | {"status": "unavailable", "reason": problem}, status_code=503)
         try:
             state = await backend.health()
         except ApiError as exc:

@@ -23,15 +23,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from fastapi import Request
+from sqlalchemy.exc import SQLAlchemyError
 
 from crescent.services.gateway.config import AuthSettings
-from crescent.services.gateway.errors import AuthenticationError, PermissionDeniedError
+from crescent.services.gateway.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from crescent.services.tenancy import DEFAULT_TENANT, KeyCheck, KeyStore, connect_database, hash_key, tenant_salt
 from crescent.services.tenancy.database import server_secret
 
 log = logging.getLogger(__name__)
 
 _CACHE_ENTRIES = 10_000
+DATABASE_CHECK_S = 2.0          # /health asks the database at most this often
+DATABASE_PING_TIMEOUT_S = 2.0
+DATABASE_RETRY_S = 5.0          # Retry-After of a request refused because the database is away
 _MISSING = ("You didn't provide an API key. Send it in an Authorization header: "
             "'Authorization: Bearer crs-…' (keys come from `crescent keys create` or the /admin/keys API).")
 
@@ -67,6 +71,7 @@ class Authenticator:
         admin = settings.admin_key.get_secret_value() if settings.admin_key is not None else ""
         self._admin_hash = hashlib.sha256(admin.encode()).digest() if admin else None
         self._checked: OrderedDict[str, tuple[float, KeyCheck]] = OrderedDict()
+        self._db_checked: tuple[float, str | None] = (-DATABASE_CHECK_S, None)  # (when, what was wrong)
         self._default = Principal(DEFAULT_TENANT, None, tenant_salt(secret, DEFAULT_TENANT))
 
     @classmethod
@@ -98,7 +103,12 @@ class Authenticator:
         key = bearer_key(authorization)
         if key is None:
             raise AuthenticationError(_MISSING, code="missing_api_key")
-        check = await self._check(key)
+        try:
+            check = await self._check(key)
+        except SQLAlchemyError as exc:  # the database is away: say so, and let the client retry
+            log.warning("API key check failed: the database is unreachable (%s)", exc.__class__.__name__)
+            raise ServiceUnavailableError("the gateway cannot check API keys now: its database is unreachable",
+                                          retry_after_s=DATABASE_RETRY_S, code="database_unavailable") from None
         if check.tenant_id is None:
             log.info("refused an API key (%s%s)", check.refusal, f": {check.key_id}" if check.key_id else "")
             raise AuthenticationError(f"Incorrect API key provided: {_masked(key)}.", code="invalid_api_key")
@@ -123,6 +133,18 @@ class Authenticator:
         """Drop cached answers about ``key_id`` (it was just revoked here)."""
         for digest in [d for d, (_, check) in self._checked.items() if check.key_id == key_id]:
             del self._checked[digest]
+
+    async def database_ok(self) -> str | None:
+        """None when the database answers (at most every ``DATABASE_CHECK_S``); else why not."""
+        now = time.monotonic()
+        if now - self._db_checked[0] >= DATABASE_CHECK_S:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.store.ping), DATABASE_PING_TIMEOUT_S)
+                problem = None
+            except (SQLAlchemyError, TimeoutError) as exc:
+                problem = f"database unreachable ({exc.__class__.__name__})"
+            self._db_checked = (now, problem)
+        return self._db_checked[1]
 
     def check_admin(self, authorization: str | None) -> None:
         """Raise unless the header carries the admin key (403 when no admin key is configured)."""

@@ -18,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import Engine, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from crescent.services.tenancy.schema import api_keys, tenants
@@ -100,6 +100,11 @@ def _key_record(row) -> ApiKeyRecord:  # noqa: ANN001 - a SQLAlchemy row
 class KeyStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    def ping(self) -> None:
+        """Raise (SQLAlchemyError) unless the database answers a trivial query."""
+        with self.engine.connect() as db:
+            db.execute(text("SELECT 1"))
 
     # ---- tenants ---------------------------------------------------------------------------
 
