@@ -11,10 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import os
-import signal
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -28,9 +24,9 @@ from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.model.model_source import resolve_model
-from crescent.services.engine_vllm.reaper import process_stat, descendants
 from tests.engine_vllm.vllm_stack import (
-    BLOCK, MODEL, VLLM_START_S, VllmStack, cached, completion, prompt_ids, vllm_interpreter, wait_healthy,
+    BLOCK, MODEL, VLLM_START_S, ConcurrentStreams, VllmStack, assert_greedy_equals_the_peer, assert_reaped, cached, completion,
+    prompt_ids, vllm_interpreter, wait_healthy,
 )
 
 # A test's time includes the module's vLLM starts (2-4 min each on a cold compile cache, more on busy cores).
@@ -52,12 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
 
 def test_greedy_outputs_equal_a_standalone_vllm(stack: VllmStack) -> None:
     for words, nonce in ((20, "a1"), (320, "b2"), (720, "c3")):
-        prompt = prompt_ids(words, nonce)
-        ours = completion(stack.client(), prompt)
-        theirs = completion(stack.peer(), prompt)
-        assert ours.choices[0].text == theirs.choices[0].text, f"{len(prompt)}-token prompt"
-        assert ours.usage.prompt_tokens == len(prompt)
-        assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+        assert_greedy_equals_the_peer(stack, prompt_ids(words, nonce))
 
 
 def test_a_streamed_reply_is_the_same_reply(stack: VllmStack) -> None:
@@ -185,42 +176,10 @@ def test_kill_9_of_a_vllm_instance_migrates_its_streams(stack: VllmStack) -> Non
     ignore_eos = {"extra_body": {"ignore_eos": True}}
     reference = [completion(stack.client(), p, max_tokens=MIGRATE_TOKENS, **ignore_eos).choices[0].text
                  for p in prompts]
-    results: list[tuple[str, int] | BaseException] = [("", 0)] * len(prompts)
-    started = [threading.Event() for _ in prompts]
-
-    def read(i: int) -> None:
-        try:
-            text, chunks, usage = "", 0, None
-            for chunk in completion(stack.client(), prompts[i], max_tokens=MIGRATE_TOKENS, stream=True,
-                                    stream_options={"include_usage": True}, **ignore_eos):
-                text += chunk.choices[0].text if chunk.choices else ""
-                usage = chunk.usage or usage
-                chunks += 1
-                if chunks >= 4:
-                    started[i].set()
-            results[i] = (text, usage.completion_tokens if usage else -1)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            results[i] = exc
-            started[i].set()
-
-    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
-    for reader in readers:
-        reader.start()
-    for event in started:
-        assert event.wait(120)
+    streams = ConcurrentStreams(stack.client, prompts, MIGRATE_TOKENS)
+    streams.start(timeout_s=120)
     load = {name: status.load.running_requests for name, status in stack.instances().items()}
     victim = max(("aggregated-1", "aggregated-2"), key=lambda name: load.get(name, 0))
-    engine_processes = descendants(stack.services[victim].proc.pid)  # vLLM's engine core and workers
-    assert engine_processes
-    os.kill(stack.services[victim].proc.pid, signal.SIGKILL)
-    for reader in readers:
-        reader.join(300)
-    for i, result in enumerate(results):
-        assert not isinstance(result, BaseException), f"stream {i} failed: {result!r}"
-        text, tokens = result
-        assert tokens == MIGRATE_TOKENS, f"stream {i}: no token lost or repeated"
-        assert text == reference[i], f"stream {i}: greedy text continues where it stopped"
-    deadline = time.monotonic() + 10
-    while any(process_stat(pid) is not None and process_stat(pid)[1] == start for pid, start in engine_processes.items()):
-        assert time.monotonic() < deadline, "vLLM's processes outlived the killed instance"
-        time.sleep(0.2)
+    orphans = stack.kill_9(victim)
+    streams.check(reference)
+    assert_reaped(orphans)

@@ -7,19 +7,15 @@ the tests run in order (the last ones kill and drain decode instances).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from crescent.services.engine_vllm.reaper import descendants, process_stat
 from tests.engine_vllm.vllm_stack import (
-    BLOCK, MODEL, VllmStack, cached, completion, prompt_ids, vllm_interpreter,
+    BLOCK, MODEL, ConcurrentStreams, VllmStack, assert_greedy_equals_the_peer, assert_reaped, cached, completion, prompt_ids,
+    vllm_interpreter,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
@@ -49,13 +45,9 @@ def kvstore_hits(stack: VllmStack) -> float:
 def test_greedy_outputs_equal_a_standalone_vllm(stack: VllmStack) -> None:
     for words, nonce in ((20, "a1"), (200, "b2"), (720, "c3")):
         prompt = prompt_ids(words, nonce)
-        ours = completion(stack.client(), prompt)
-        theirs = completion(stack.peer(), prompt)
-        assert ours.choices[0].text == theirs.choices[0].text, f"{len(prompt)}-token prompt"
-        assert ours.usage.prompt_tokens == len(prompt)
-        assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+        text = assert_greedy_equals_the_peer(stack, prompt)
         streamed = "".join(c.choices[0].text for c in completion(stack.client(), prompt, stream=True) if c.choices)
-        assert streamed == theirs.choices[0].text
+        assert streamed == text
 
 
 def test_decode_loads_the_prompt_from_the_kvstore(stack: VllmStack) -> None:
@@ -107,45 +99,14 @@ def test_kill_9_of_a_vllm_decode_migrates_its_streams_and_sigterm_drains(stack: 
     prompts = [prompt_ids(60, f"k{i}") for i in range(3)]
     ignore_eos = {"extra_body": {"ignore_eos": True}}
     reference = [completion(stack.peer(), p, max_tokens=STREAM_TOKENS, **ignore_eos).choices[0].text for p in prompts]
-    results: list[tuple[str, int] | BaseException] = [("", 0)] * len(prompts)
-    started = [threading.Event() for _ in prompts]
-
-    def read(i: int) -> None:
-        try:
-            text, chunks, usage = "", 0, None
-            for chunk in completion(stack.client(), prompts[i], max_tokens=STREAM_TOKENS, stream=True,
-                                    stream_options={"include_usage": True}, **ignore_eos):
-                text += chunk.choices[0].text if chunk.choices else ""
-                usage = chunk.usage or usage
-                chunks += 1
-                if chunks >= 4:
-                    started[i].set()
-            results[i] = (text, usage.completion_tokens if usage else -1)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            results[i] = exc
-            started[i].set()
-
-    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
-    for reader in readers:
-        reader.start()
-    for event in started:
-        assert event.wait(180)
+    streams = ConcurrentStreams(stack.client, prompts, STREAM_TOKENS)
+    streams.start()
     load = {name: status.load.running_requests for name, status in stack.instances().items()}
     victim = max(DECODES, key=lambda name: load.get(name, 0))
     assert load[victim] > 0
-    engine_processes = descendants(stack.services[victim].proc.pid)
-    os.kill(stack.services[victim].proc.pid, signal.SIGKILL)
-    for reader in readers:
-        reader.join(300)
-    for i, result in enumerate(results):
-        assert not isinstance(result, BaseException), f"stream {i} failed: {result!r}"
-        text, tokens = result
-        assert tokens == STREAM_TOKENS, f"stream {i}: no token lost or repeated"
-        assert text == reference[i], f"stream {i}: greedy text continues where it stopped"
-    deadline = time.monotonic() + 10
-    while any(process_stat(pid) is not None and process_stat(pid)[1] == start for pid, start in engine_processes.items()):
-        assert time.monotonic() < deadline, "vLLM's processes outlived the killed instance"
-        time.sleep(0.2)
+    orphans = stack.kill_9(victim)
+    streams.check(reference)
+    assert_reaped(orphans)
 
     # SIGTERM of the decode left, a stream in flight: it drains to its end, then exits 0.
     survivor = next(name for name in DECODES if name != victim)

@@ -10,8 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from tokenizers import Tokenizer
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.engine_vllm.interpreter import VllmNotInstalledError, vllm_python
 from crescent.services.engine_vllm.model_dir import vllm_model
+from crescent.services.engine_vllm.reaper import descendants, process_stat
 from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.ports import free_port
 
@@ -176,9 +179,24 @@ class VllmStack:
                                                                            timeout=5)
         return {s.info.instance_id: s for s in reply.instances}
 
+    def kill_9(self, name: str) -> dict[int, int]:
+        """SIGKILL instance ``name``; the vLLM processes (engine core, workers) it had, by pid."""
+        processes = descendants(self.services[name].proc.pid)
+        assert processes, f"{name} runs vLLM's engine core and workers as processes of its own"
+        os.kill(self.services[name].proc.pid, signal.SIGKILL)
+        return processes
+
     def stop(self) -> None:
         for service in reversed(list(self.services.values())):
             service.stop(timeout_s=30)
+
+
+def assert_reaped(processes: dict[int, int], timeout_s: float = 10) -> None:
+    """None of ``processes`` (pid -> start time) outlives its killed instance by ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(process_stat(pid) is not None and process_stat(pid)[1] == start for pid, start in processes.items()):
+        assert time.monotonic() < deadline, "vLLM's processes outlived the killed instance"
+        time.sleep(0.2)
 
 
 def prompt_ids(words: int, nonce: str) -> list[int]:
@@ -195,3 +213,58 @@ def completion(client: openai.OpenAI, prompt: list[int], max_tokens: int = 24, *
 def cached(reply) -> int:  # noqa: ANN001
     details = reply.usage.prompt_tokens_details
     return (details.cached_tokens or 0) if details is not None else 0
+
+
+class ConcurrentStreams:
+    """Streamed completions (``ignore_eos``, usage included) read on threads, for the tests that
+    kill or drain an instance while they run."""
+
+    def __init__(self, client: Callable[[], openai.OpenAI], prompts: list[list[int]], max_tokens: int) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.max_tokens = max_tokens
+        self.results: list[tuple[str, int] | BaseException] = [("", 0)] * len(prompts)
+        self._started = [threading.Event() for _ in prompts]
+        self._threads = [threading.Thread(target=self._read, args=(i,)) for i in range(len(prompts))]
+
+    def _read(self, i: int) -> None:
+        try:
+            text, chunks, usage = "", 0, None
+            for chunk in completion(self.client(), self.prompts[i], max_tokens=self.max_tokens, stream=True,
+                                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+                text += chunk.choices[0].text if chunk.choices else ""
+                usage = chunk.usage or usage
+                chunks += 1
+                if chunks >= 4:
+                    self._started[i].set()
+            self.results[i] = (text, usage.completion_tokens if usage else -1)
+        except BaseException as exc:  # noqa: BLE001 - reported by check()
+            self.results[i] = exc
+            self._started[i].set()
+
+    def start(self, timeout_s: float = 180) -> None:
+        """Start every stream; return once each has streamed a few tokens."""
+        for thread in self._threads:
+            thread.start()
+        for event in self._started:
+            assert event.wait(timeout_s)
+
+    def check(self, reference: list[str], timeout_s: float = 300) -> None:
+        """Every stream ended whole: ``max_tokens`` tokens, none lost or repeated, its greedy text ``reference``."""
+        for thread in self._threads:
+            thread.join(timeout_s)
+        for i, result in enumerate(self.results):
+            assert not isinstance(result, BaseException), f"stream {i} failed: {result!r}"
+            text, tokens = result
+            assert tokens == self.max_tokens, f"stream {i}: no token lost or repeated"
+            assert text == reference[i], f"stream {i}: greedy text continues where it stopped"
+
+
+def assert_greedy_equals_the_peer(stack: VllmStack, prompt: list[int]) -> str:
+    """Crescent's greedy completion of ``prompt`` is the standalone vLLM's, token for token; its text."""
+    ours = completion(stack.client(), prompt)
+    theirs = completion(stack.peer(), prompt)
+    assert ours.choices[0].text == theirs.choices[0].text, f"{len(prompt)}-token prompt"
+    assert ours.usage.prompt_tokens == len(prompt)
+    assert ours.choices[0].finish_reason == theirs.choices[0].finish_reason
+    return theirs.choices[0].text
