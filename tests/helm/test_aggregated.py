@@ -18,6 +18,7 @@ from tests.helm.crd_schemas import schema_errors
 from tests.helm.test_chart import CUSTOM_KINDS, _validate
 from tests.helm.test_chart_settings import POD_FIELDS, _pod_env
 from tests.helm.test_placement import H100, _Cluster, _Node, _pods_of
+from tests.helm.netpol import admits
 from tests.helm.tools import CHART, EXAMPLES, by_kind, helm_template, notes, render, run, tool
 
 SMALL = EXAMPLES / "aggregated-small.yaml"
@@ -44,8 +45,9 @@ def test_off_by_default_renders_nothing() -> None:
     docs = render(*TLS, "--set", "monitoring.serviceMonitor.enabled=true", "--set", "aggregated.autoscaling.enabled=true",
                   "--set", "aggregated.autoscaling.keda.enabled=true")
     assert [d["metadata"]["name"] for d in docs if _component(d) == "aggregated"] == []
-    (policy,) = by_kind(docs, "NetworkPolicy").values()
-    assert 50056 not in {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    opened = {p["port"] for policy in by_kind(docs, "NetworkPolicy").values()
+              for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])}
+    assert 50056 not in opened
 
 
 def test_alone_each_group_runs_aggregated_pods_with_command_config_ports_and_certificate(tmp_path: Path) -> None:
@@ -125,24 +127,22 @@ def test_aggregated_pods_get_what_prefill_and_decode_pods_get() -> None:
     assert selecting == ["crescent-aggregated"]
 
 
-def test_network_policy_lets_gateway_and_scheduler_reach_aggregated_pods() -> None:
+def test_network_policy_lets_the_gateway_and_the_engines_reach_aggregated_pods() -> None:
     docs = render(*ON)
-    (policy,) = by_kind(docs, "NetworkPolicy").values()
     (aggregated,) = _pods(docs, "aggregated")
     target = aggregated["metadata"]["labels"]
-    assert all(target.get(k) == v for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
-    for caller in ("gateway", "scheduler"):
-        (pod,) = [d["spec"]["template"] for d in docs if d["kind"] == "Deployment" and _component(d) == caller]
-        caller_labels = pod["metadata"]["labels"]
-        reachable = {
-            p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]
-            if any(all(caller_labels.get(k) == v for k, v in peer.get("podSelector", {}).get("matchLabels", {}).items())
-                   and "podSelector" in peer for peer in rule.get("from", []))
-        }
-        assert {50056, 9090} <= reachable, caller
-    # Beside the pools, every engine port stays open.
-    ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert {50052, 50053, 50056} <= ports
+
+    def labels_of(component: str) -> dict[str, str]:
+        (pod,) = [d["spec"]["template"] for d in docs if d["kind"] == "Deployment" and _component(d) == component]
+        return pod["metadata"]["labels"]
+
+    for caller in ("gateway", "prefill"):  # the gateway's calls; a peer's FetchPrefix
+        assert admits(docs, target, 50056, source=labels_of(caller)), caller
+    assert not admits(docs, target, 9090, source=labels_of("gateway")), "admin ports: the monitoring namespace only"
+    assert admits(docs, target, 9090, namespace={"kubernetes.io/metadata.name": "monitoring"})
+    # Beside the pools, every engine port stays open to the gateway.
+    for component, port in (("prefill", 50052), ("decode", 50053)):
+        assert admits(docs, labels_of(component), port, source=labels_of("gateway")), component
 
 
 def test_beside_the_pools_each_group_has_all_three_roles_and_discovery_watches_them() -> None:

@@ -25,10 +25,9 @@ def _container_port(docs: list[dict[str, Any]], component: str, name: str) -> in
 
 
 def _policy_ports(docs: list[dict[str, Any]]) -> set[int]:
-    """Ports the release-wide NetworkPolicy opens to this release's own pods."""
-    policy = by_kind(docs, "NetworkPolicy")["crescent"]
-    return {p["port"] for rule in policy["spec"]["ingress"] if "podSelector" in (rule.get("from") or [{}])[0]
-            for p in rule["ports"]}
+    """Ports the NetworkPolicies open to some of this release's own pods."""
+    return {p["port"] for policy in by_kind(docs, "NetworkPolicy").values() for rule in policy["spec"]["ingress"]
+            if "podSelector" in (rule.get("from") or [{}])[0] for p in rule["ports"]}
 
 
 def test_off_by_default_nothing_of_it_renders(tmp_path: Path) -> None:
@@ -70,10 +69,10 @@ def test_the_pool_routes_to_gateway_pods_and_names_the_schedulers_picker(tmp_pat
 
 def test_the_proxy_reaches_the_picker_through_the_network_policy() -> None:
     policy = by_kind(render(*ON, "--set-json", 'inferenceExtension.proxyNamespaceSelector={"matchLabels":{"kubernetes.io/metadata.name":"envoy-gateway-system"}}'),
-                     "NetworkPolicy")["crescent"]
+                     "NetworkPolicy")["crescent-scheduler"]
     (rule,) = [r for r in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 9002} in r.get("ports", [])]
     assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}}]
-    off = by_kind(render(), "NetworkPolicy")["crescent"]
+    off = by_kind(render(), "NetworkPolicy")["crescent-scheduler"]
     assert all({"protocol": "TCP", "port": 9002} not in r.get("ports", []) for r in off["spec"]["ingress"])
 
 

@@ -238,3 +238,13 @@ GiB of huge pages the kvstore pod reserves: kvstore.hugepages.sizeGiB, or hostMe
 {{- $v := .Values.kvstore -}}
 {{- int (ternary $v.hostMemoryGiB $v.hugepages.sizeGiB (eq (int $v.hugepages.sizeGiB) 0)) -}}
 {{- end -}}
+
+{{/* NetworkPolicy peers: this release's pods of the given components. Call with
+(dict "root" $ "components" (list "gateway" ...)). */}}
+{{- define "crescent.networkPeers" -}}
+- podSelector:
+    matchLabels:
+      {{- include "crescent.releaseSelectorLabels" .root | nindent 6 }}
+    matchExpressions:
+      - {key: app.kubernetes.io/component, operator: In, values: {{ toJson .components }}}
+{{- end }}
