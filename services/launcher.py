@@ -10,7 +10,8 @@ Children get SIGTERM if this process dies, so a killed launcher leaves no orphan
 
 Internal gRPC is mutual TLS (docs/security.md): the launcher makes a throwaway CA and one
 certificate per process in ``<run dir>/tls`` (keys 0600), plus ``admin.pem`` for operators'
-debug tools (``admin_tls``), and points every service at its files.
+debug tools (``admin_tls``), and points every service at its files. The CA's key is deleted once
+they are issued, and every private key when the platform stops.
 
 ``--engine vllm`` (``PlatformPlan.backend``): every engine's config asks for the vLLM backend
 (``engine.backend: vllm``) and those processes run on the vLLM venv's Python
@@ -213,6 +214,9 @@ def with_tls(specs: list[ServiceSpec], directory: Path, host: str) -> list[Servi
     ``directory`` (and one for the ``admin`` role)."""
     holders = [(spec.service, _identity(spec)) for spec in specs] + [(ADMIN, ADMIN)]
     issued = make_pki(directory, holders, hosts=(*LOCAL_HOSTS, host))
+    # Nothing here issues more (a restart reuses its files), and any process that could read the
+    # CA key could mint a certificate for any role: it does not outlive the issuing.
+    (directory / "ca-key.pem").unlink()
     secured = []
     for spec in specs:
         files = issued[(spec.service, _identity(spec))].settings()
@@ -488,6 +492,8 @@ class Platform:
         back = [c for c in self.children.values() if c.spec.service not in REQUEST_PATH]
         self._stop_group(front, self.plan.drain_grace_s + KILL_MARGIN_S if grace_s is None else grace_s)
         self._stop_group(back, BACKEND_GRACE_S if grace_s is None else grace_s)
+        for key in (self.run_dir / TLS_DIR).glob("*-key.pem"):  # the run is over: its private keys go with it
+            key.unlink(missing_ok=True)
 
     def _stop_group(self, children: list[_Child], grace_s: float) -> None:
         first = [c.proc for c in children if c.proc is not None and c.spec.service not in DRAINS_AFTER_PREFILL]

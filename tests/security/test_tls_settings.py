@@ -83,6 +83,9 @@ def test_crescent_up_gives_every_process_its_own_certificate(tmp_path: Path) -> 
     assert len(set(certs.values())) == len(platform.specs) == 6
     assert (tmp_path / "tls").stat().st_mode & 0o777 == 0o700
     assert admin_tls(tmp_path) is not None
+    assert not (tmp_path / "tls" / "ca-key.pem").exists(), "no service can mint a certificate"
+    platform.stop(grace_s=0)
+    assert not list((tmp_path / "tls").glob("*-key.pem")), "the run's private keys do not outlive it"
 
 
 def test_crescent_up_without_tls_runs_plaintext(tmp_path: Path) -> None:
