@@ -47,6 +47,25 @@ def open_channel(address: str, tls: PeerTls | None, options: list[tuple[str, Any
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
 
 
+class ChannelPool:
+    """One client channel per peer address, opened on first use with ``open_channel``, closed together."""
+
+    def __init__(self, tls: PeerTls | None) -> None:
+        self._tls = tls
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(address, self._tls)
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
 class GrpcService:
     """Owns a service's gRPC server and admin HTTP server for the life of the process.
 

@@ -1,5 +1,5 @@
 """Files that hold secrets or tenant data (SQLite databases of salts, keys, the ledger and stored
-conversations; journals of usage rows): created readable and writable by their owner only, and
+conversations): created readable and writable by their owner only, and
 tightened to that if an older version left them open. SQLite gives its ``-wal`` and ``-shm``
 files the permissions of the database file, so making the database private first covers them."""
 

@@ -73,3 +73,9 @@ def crescent_salt(vllm_salt: str | None) -> bytes | None:
 def shared_salt(vllm_salt: str | None) -> bool:
     """Whether blocks under this salt are for other requests too (reported to the prefix index)."""
     return not vllm_salt or vllm_salt.startswith(TENANT_SALT_PREFIX)
+
+
+def loadable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The leading prompt blocks the connector may load: every complete one but one ending at the
+    prompt's last token (vLLM computes at least that token, to sample from)."""
+    return (prompt_tokens - 1) // block_size

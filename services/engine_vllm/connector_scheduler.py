@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from crescent.protos import common_pb2
 from crescent.services.engine_vllm.block_events import BlockEventSender
 from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata, LoadSpec, SaveSpec
-from crescent.services.engine_vllm.connector_options import ConnectorOptions, crescent_salt, shared_salt
+from crescent.services.engine_vllm.connector_options import ConnectorOptions, crescent_salt, loadable_blocks, shared_salt
 from crescent.services.engine_vllm.store_link import StoreLink
 from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
 
@@ -78,7 +78,7 @@ class ConnectorScheduler:
         prompt.load_first = num_computed_tokens // self.block_size
         if prompt.salt is None or self.link is None:
             return 0
-        usable = (len(prompt.tokens) - 1) // self.block_size  # the last token is always computed
+        usable = loadable_blocks(len(prompt.tokens), self.block_size)
         first = prompt.load_first  # vLLM's own cache has the blocks before it
         if usable <= first:
             return 0

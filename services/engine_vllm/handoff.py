@@ -29,12 +29,14 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from crescent.protos import decode_pb2, decode_pb2_grpc, prefill_pb2
-from crescent.services.common.grpc_service import open_channel
+from crescent.services.common.grpc_service import ChannelPool
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.tls import PeerTls
 from crescent.services.decode.request import ABORTED
 from crescent.services.engine_vllm.requests import HeldRequest
-from crescent.services.engine_vllm.connector_options import HANDOFF_SALT_PREFIX, TENANT_SALT_PREFIX, crescent_salt
+from crescent.services.engine_vllm.connector_options import (
+    HANDOFF_SALT_PREFIX, TENANT_SALT_PREFIX, crescent_salt, loadable_blocks,
+)
 from crescent.services.engine_vllm.servicer import VllmServicer, first_token_message
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.block_keys import prefix_block_keys
@@ -61,8 +63,7 @@ class VllmPrefillServicer(VllmServicer):
     def __init__(self, llm, facts, *, store: KvStoreClient, tls: PeerTls | None, **kwargs) -> None:  # noqa: ANN001, ANN003
         super().__init__(llm, facts, **kwargs)
         self.store = store
-        self._tls = tls
-        self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self._decode_channels = ChannelPool(tls)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         request_id_var.set(request.request_id)
@@ -110,7 +111,7 @@ class VllmPrefillServicer(VllmServicer):
     async def _wait_for_blocks(self, tokens: list[int], salt: str) -> None:
         """Until the kvstore holds the leading blocks decode will load (every complete block but
         one ending at the last token), or until none has landed for ``STORE_STALL_S``."""
-        usable = (len(tokens) - 1) // self.facts.block_size
+        usable = loadable_blocks(len(tokens), self.facts.block_size)
         key_salt = crescent_salt(salt)
         if not usable or key_salt is None:
             return
@@ -139,7 +140,7 @@ class VllmPrefillServicer(VllmServicer):
         header = decode_pb2.HandoffHeader(request_id=request.request_id, model_id=self.facts.model_id,
                                           prompt_token_ids=tokens, sampling=request.sampling,
                                           kv_dtype=self.facts.kv_dtype, vllm_cache_salt=salt)
-        stub = decode_pb2_grpc.DecodeStub(self._decode_channel(request.decode_address))
+        stub = decode_pb2_grpc.DecodeStub(self._decode_channels.get(request.decode_address))
         try:
             reply = await stub.Handoff(iter([decode_pb2.HandoffPart(header=header)]))
         except grpc.aio.AioRpcError as exc:
@@ -152,19 +153,13 @@ class VllmPrefillServicer(VllmServicer):
                                                           "tokens: it is not a vLLM-backed decode")
         return reply
 
-    def _decode_channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._decode_channels:
-            self._decode_channels[address] = open_channel(address, self._tls)
-        return self._decode_channels[address]
-
     async def StreamTokens(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill instance streams no tokens")
         yield  # noqa: B901 - a generator, as the service's method is
 
     async def close(self) -> None:
         await super().close()
-        for channel in self._decode_channels.values():
-            await channel.close()
+        await self._decode_channels.close()
         await self.store.close()
 
 

@@ -28,7 +28,7 @@ from crescent.services.gateway.response_store import ResponseStore
 from crescent.services.gateway.responses import Responses
 from crescent.services.gateway.responses_api import ResponseRequest
 from crescent.services.gateway.usage_api import DOCUMENTED_RESPONSES, UsageApi, usage_admin_router
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import Headers
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -82,9 +82,11 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
             CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"],
         )
+
     async def key_before_body(scope: Scope) -> ApiError | None:
-        """A /v1 request's API key, checked before its body is read (the route reuses the answer)."""
-        if not auth.enabled or not scope["path"].startswith("/v1/"):
+        """A /v1 request's tenant (``auth.principal_of``), from its API key checked before its body
+        is read (auth off: the default tenant)."""
+        if not scope["path"].startswith("/v1/"):
             return None
         try:
             scope["state"]["principal"] = await auth.principal(Headers(scope=scope).get("authorization"))
@@ -98,13 +100,7 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
     if hosts is not None:  # outermost: a request for another Host name (DNS rebinding) gets 400 before anything
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
 
-    async def authenticate(request: Request) -> None:
-        """Every /v1 route: the request's tenant (``auth.principal_of``); HttpGuard checked the key
-        before the body was read, this is for apps built without it (tests)."""
-        if getattr(request.state, "principal", None) is None:
-            request.state.principal = await auth.principal(request.headers.get("authorization"))
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)], responses={401: ERROR_RESPONSES[401]})
+    v1 = APIRouter(prefix="/v1", responses={401: ERROR_RESPONSES[401]})  # the key: HttpGuard's preauth
 
     @v1.post("/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

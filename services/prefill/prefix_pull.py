@@ -23,7 +23,7 @@ import torch
 
 from crescent.protos import prefill_pb2, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.kvwire.block_keys import BlockKey
-from crescent.services.common.grpc_service import open_channel
+from crescent.services.common.grpc_service import ChannelPool, open_channel
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, BlockIntegrityError, KvBlock
@@ -128,23 +128,19 @@ class PrefixPuller:
     def __init__(self, engine: Engine, worker: EngineWorker, metrics: EngineMetrics, directory: PeerDirectory,
                  tls: PeerTls | None = None) -> None:
         self.engine = engine
-        self._tls = tls
         self.worker = worker
         self.metrics = metrics
         self.directory = directory
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool(tls)
         self._not_prefill: set[str] = set()  # addresses that answered UNIMPLEMENTED to FetchPrefix
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
         await self.directory.close()
 
     def _fetch_call(self, address: str) -> grpc.aio.UnaryStreamMultiCallable:
         """FetchPrefix at ``address``, its replies decoded by ``chunk_wire`` (payloads sliced, not copied)."""
-        if address not in self._channels:
-            self._channels[address] = open_channel(address, self._tls)
-        return self._channels[address].unary_stream(
+        return self._channels.get(address).unary_stream(
             FETCH_PREFIX_METHOD, request_serializer=prefill_pb2.FetchPrefixRequest.SerializeToString,
             response_deserializer=chunk_wire.decode_chunk,
         )

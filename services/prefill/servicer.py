@@ -26,7 +26,7 @@ import torch
 
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.choices import MAX_CHOICES, choice_seed
-from crescent.services.common.grpc_service import open_channel
+from crescent.services.common.grpc_service import ChannelPool
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
@@ -113,7 +113,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         where the node is on this host. ``handoff_movers``: a layer-wise handoff to a decode on this
         host goes through shared memory (``handoff_mover.py``; None: always gRPC bytes)."""
         self.engine = engine
-        self._tls = tls  # this process's key pair for its channels (None: plaintext)
         self.constraints = constraints
         self.worker = worker
         self.kvstore = kvstore
@@ -123,7 +122,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._hybrid_store = stores_hybrid_layerwise(engine)  # kimi_k3: its own layer-wise export
         self._on_blocks_stored = on_blocks_stored
         self.handoff_movers = handoff_movers
-        self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self._decode_channels = ChannelPool(tls)
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = engine_metrics("prefill")
         self.running = 0  # Prefill calls open
@@ -141,8 +140,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for channel in self._decode_channels.values():
-            await channel.close()
+        await self._decode_channels.close()
         if self.puller is not None:
             await self.puller.close()
         await self.batcher.close()
@@ -156,21 +154,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {exc}")
         raise AssertionError("abort raises")
 
-    def _decode_channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._decode_channels:
-            self._decode_channels[address] = open_channel(address, self._tls)
-        return self._decode_channels[address]
-
     def _handoff_call(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         """Decode's Handoff at ``address``, its parts encoded by ``handoff_wire`` (payloads joined
         once into the message, no protobuf copies)."""
-        return self._decode_channel(address).stream_unary(
+        return self._decode_channels.get(address).stream_unary(
             HANDOFF_METHOD, request_serializer=encode_part, response_deserializer=decode_pb2.HandoffReply.FromString,
         )
 
     def _open_handoff_call(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
         """Decode's OpenHandoff at ``address`` (room on its handoff side channel), on the Handoff's channel."""
-        return self._decode_channel(address).unary_unary(
+        return self._decode_channels.get(address).unary_unary(
             "/crescent.v1.Decode/OpenHandoff", request_serializer=decode_pb2.OpenHandoffRequest.SerializeToString,
             response_deserializer=decode_pb2.OpenHandoffReply.FromString)
 

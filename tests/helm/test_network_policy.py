@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helm.netpol import admits
+from tests.helm.netpol import admits, selects
 from tests.helm.tools import render
 
 AGGREGATED_ON = ["--set", "aggregated.enabled=true"]
@@ -82,7 +82,6 @@ def test_admin_ports_admit_the_monitoring_namespace_only(docs: list[dict[str, An
 def test_every_pod_the_chart_runs_is_covered_by_a_policy(docs: list[dict[str, Any]]) -> None:
     """No pod left to the default (everything open): a policy selects each workload's pods."""
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
-    from tests.helm.netpol import selects
     for component, labels in pods(docs).items():
         if component == "test":
             continue
