@@ -154,9 +154,11 @@ class PlatformPlan:
                     return p
 
         def listen() -> tuple[dict[str, Any], str, str]:
+            # /health and /metrics stay on loopback whatever --host says: only this machine's
+            # operator (and its Prometheus) reads them.
             grpc_port, admin_port = port(), port()
-            return ({"host": host, "port": grpc_port, "admin_port": admin_port}, f"{host}:{grpc_port}",
-                    f"http://{host}:{admin_port}")
+            return ({"host": host, "port": grpc_port, "admin_port": admin_port, "admin_host": LOOPBACK},
+                    f"{host}:{grpc_port}", f"http://{LOOPBACK}:{admin_port}")
 
 
         specs = []
@@ -200,6 +202,7 @@ class PlatformPlan:
 
 
 TLS_DIR = "tls"
+LOOPBACK = "127.0.0.1"
 ADMIN = "admin"
 GATEWAY_TLS_ENV = "CRESCENT_GATEWAY_TLS"  # the gateway's settings take TLS from the environment
 

@@ -107,7 +107,7 @@ class GrpcService:
         self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors(self.tls is not None))
         self.admin = AdminServer(
             build_admin_app(name, lambda: self._started and not self.draining and self._ready(), details),
-            listen.host, listen.admin_port,
+            listen.admin_host or listen.host, listen.admin_port,
         )
         self.port = listen.port
         self.admin_port = listen.admin_port

@@ -30,6 +30,8 @@ class GatewayMetrics:
     cached_tokens: Counter
     completion_tokens: Counter
     in_flight: Gauge
+    header_timeouts: Counter   # connections closed because their request headers were too slow
+    auth_throttled: Counter    # requests answered 429 because their source sent too many bad keys
 
 
 @cache
@@ -50,6 +52,10 @@ def gateway_metrics() -> GatewayMetrics:
         cached_tokens=Counter("crescent_gateway_cached_tokens", "Prompt tokens whose KV was reused"),
         completion_tokens=Counter("crescent_gateway_completion_tokens", "Tokens generated"),
         in_flight=Gauge("crescent_gateway_requests_in_flight", "Requests being served"),
+        header_timeouts=Counter("crescent_gateway_header_timeouts",
+                                "Connections closed with 408 because their request headers took too long"),
+        auth_throttled=Counter("crescent_gateway_auth_throttled",
+                               "Requests refused with 429 because their source sent too many invalid keys"),
     )
 
 
@@ -276,6 +282,7 @@ class UsageMetrics:
     ledger_commit: Histogram   # time to commit one batch of rows
     ledger_wait: Histogram     # time a response waited for its row's commit (ledger.durable): the latency it adds
     ledger_errors: Counter     # batches that failed to commit (retried)
+    refused: Counter           # by tenant, model, status: refused before using anything (no ledger row)
 
 
 @cache
@@ -297,4 +304,7 @@ def usage_metrics() -> UsageMetrics:
             buckets=(1e-4, 3e-4, 1e-3, 2e-3, 5e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3),
         ),
         ledger_errors=Counter("crescent_gateway_ledger_errors", "Usage batches that failed to commit (retried)"),
+        refused=Counter("crescent_gateway_refused_requests",
+                        "Requests refused before they used a token (429s, 400s): counted here, not written to the "
+                        "ledger", [*spender, "status"]),
     )

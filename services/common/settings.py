@@ -35,6 +35,9 @@ class ListenSettings(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
     admin_port: int = Field(default=0, ge=0, le=65535, description="HTTP /health and /metrics")
+    admin_host: str | None = Field(
+        default=None, description="address of the /health and /metrics port; unset: the same as host "
+                                  "(crescent up keeps it on 127.0.0.1 whatever --host says)")
 
 
 def _env_overrides(prefix: str, environ: Mapping[str, str]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from crescent.services.gateway.auth import Authenticator
+from crescent.services.gateway.auth import Authenticator, client_address
 from crescent.services.gateway.errors import ApiError, InvalidRequestError, NotFoundError
 from crescent.services.tenancy import ApiKeyRecord, TenancyError, TenantRecord
 
@@ -61,7 +61,7 @@ def key_json(k: ApiKeyRecord) -> dict[str, Any]:
 
 def admin_router(auth: Authenticator) -> APIRouter:
     async def admin_only(request: Request) -> None:
-        auth.check_admin(request.headers.get("authorization"))
+        auth.check_admin(request.headers.get("authorization"), client_address(request.scope))
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)], include_in_schema=False)
 

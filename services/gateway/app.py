@@ -10,7 +10,7 @@ from crescent.services.common.metrics import gateway_metrics
 from crescent.services.common.tls import is_loopback
 from crescent.services.gateway.admin_api import admin_router
 from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCard, ModelList
-from crescent.services.gateway.auth import Authenticator, principal_of
+from crescent.services.gateway.auth import Authenticator, client_address, principal_of
 from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
 from crescent.services.gateway.completions import Completions
@@ -39,9 +39,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 log = logging.getLogger(__name__)
 
 
-def _is_admin(auth: Authenticator, authorization: str | None) -> bool:
+def _is_admin(auth: Authenticator, request: Request) -> bool:
     try:
-        auth.check_admin(authorization)
+        auth.check_admin(request.headers.get("authorization"), client_address(request.scope))
     except ApiError:
         return False
     return True
@@ -89,7 +89,8 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
         if not scope["path"].startswith("/v1/"):
             return None
         try:
-            scope["state"]["principal"] = await auth.principal(Headers(scope=scope).get("authorization"))
+            scope["state"]["principal"] = await auth.principal(Headers(scope=scope).get("authorization"),
+                                                               client_address(scope))
         except ApiError as refused:
             return refused
         return None
@@ -146,14 +147,19 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """503 while draining, or while the database (keys, the ledger) does not answer: such a
-        gateway can serve nobody, so it leaves the Service. A gateway whose backend is away still
+        """503 while draining, or while the database (keys, the ledger) or a rate-limit store that
+        ``on_store_error: closed`` requires does not answer: such a gateway can serve nobody, so it
+        leaves the Service. A gateway whose backend is away still
         answers (503 + Retry-After per request), which is better for clients; the body says why."""
         body: dict[str, object] = {"model": chat.served_name}
         if drain.draining:
             return JSONResponse(body | {"status": "draining", "in_flight": drain.in_flight}, status_code=503)
         if auth.enabled or (ledger is not None and ledger.store is not None):
             problem = await auth.database_ok()
+            if problem is not None:
+                return JSONResponse(body | {"status": "unavailable", "reason": problem}, status_code=503)
+        if limiter is not None:  # a store that limits.on_store_error: closed makes required
+            problem = await limiter.required_store_problem()
             if problem is not None:
                 return JSONResponse(body | {"status": "unavailable", "reason": problem}, status_code=503)
         try:
@@ -173,7 +179,7 @@ def build_app(settings: GatewaySettings, backend: Backend, model: ServedModel, d
                               "description": "Prometheus text exposition format"}})
     async def metrics_endpoint(request: Request) -> Response:
         # Per-tenant spend and savings are tenant data: with auth on, only the admin key sees them here.
-        if auth.enabled and not _is_admin(auth, request.headers.get("authorization")):
+        if auth.enabled and not _is_admin(auth, request):
             return metrics_response(without_label="tenant")
         return metrics_response()
 

@@ -23,10 +23,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from fastapi import Request
+from starlette.types import Scope
 from sqlalchemy.exc import SQLAlchemyError
 
+from crescent.services.common.metrics import gateway_metrics
+from crescent.services.gateway.auth_throttle import FailedAuthThrottle
 from crescent.services.gateway.config import AuthSettings
-from crescent.services.gateway.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
+from crescent.services.gateway.errors import (
+    AuthenticationError,
+    PermissionDeniedError,
+    RateLimitedError,
+    ServiceUnavailableError,
+)
 from crescent.services.tenancy import DEFAULT_TENANT, KeyCheck, KeyStore, connect_database, hash_key, tenant_salt
 from crescent.services.tenancy.database import server_secret
 
@@ -73,6 +81,7 @@ class Authenticator:
         self._checked: OrderedDict[str, tuple[float, KeyCheck]] = OrderedDict()
         self._db_checked: tuple[float, str | None] = (-DATABASE_CHECK_S, None)  # (when, what was wrong)
         self._default = Principal(DEFAULT_TENANT, None, tenant_salt(secret, DEFAULT_TENANT))
+        self._throttle = FailedAuthThrottle(settings.failed_auth_burst, settings.failed_auth_per_minute)
 
     @classmethod
     def open(cls, settings: AuthSettings) -> Authenticator:
@@ -96,13 +105,15 @@ class Authenticator:
     def salt_of(self, tenant_id: str) -> bytes:
         return tenant_salt(self._secret, tenant_id)
 
-    async def principal(self, authorization: str | None) -> Principal:
-        """The tenant of a request with this Authorization header, or the 401 to answer."""
+    async def principal(self, authorization: str | None, source: str | None = None) -> Principal:
+        """The tenant of a request with this Authorization header, or the 401 to answer (429 when
+        ``source``, the client's address, sent too many invalid keys: ``auth_throttle``)."""
         if not self.enabled:
             return self._default
         key = bearer_key(authorization)
         if key is None:
             raise AuthenticationError(_MISSING, code="missing_api_key")
+        self._refuse_if_throttled(source, hash_key(key))
         try:
             check = await self._check(key)
         except SQLAlchemyError as exc:  # the database is away: say so, and let the client retry
@@ -111,7 +122,9 @@ class Authenticator:
                                           retry_after_s=DATABASE_RETRY_S, code="database_unavailable") from None
         if check.tenant_id is None:
             log.info("refused an API key (%s%s)", check.refusal, f": {check.key_id}" if check.key_id else "")
+            self._throttle.failed(source)
             raise AuthenticationError(f"Incorrect API key provided: {_masked(key)}.", code="invalid_api_key")
+        self._throttle.succeeded(hash_key(key))
         return Principal(check.tenant_id, check.key_id, self.salt_of(check.tenant_id))
 
     async def _check(self, key: str) -> KeyCheck:
@@ -146,15 +159,34 @@ class Authenticator:
             self._db_checked = (now, problem)
         return self._db_checked[1]
 
-    def check_admin(self, authorization: str | None) -> None:
-        """Raise unless the header carries the admin key (403 when no admin key is configured)."""
+    def check_admin(self, authorization: str | None, source: str | None = None) -> None:
+        """Raise unless the header carries the admin key (403 when no admin key is configured; 429
+        when ``source`` sent too many invalid keys)."""
         if self._admin_hash is None:
             raise PermissionDeniedError("the admin API is off: set the gateway's auth.admin_key to use it")
         key = bearer_key(authorization)
         if key is None:
             raise AuthenticationError(_MISSING, code="missing_api_key")
-        if not hmac.compare_digest(hashlib.sha256(key.encode()).digest(), self._admin_hash):
+        digest = hashlib.sha256(key.encode())
+        self._refuse_if_throttled(source, digest.hexdigest())
+        if not hmac.compare_digest(digest.digest(), self._admin_hash):
+            self._throttle.failed(source)
             raise AuthenticationError(f"Incorrect admin key provided: {_masked(key)}.", code="invalid_api_key")
+        self._throttle.succeeded(digest.hexdigest())
+
+    def _refuse_if_throttled(self, source: str | None, key_digest: str) -> None:
+        wait_s = self._throttle.retry_after_s(source, key_digest)
+        if wait_s > 0:
+            gateway_metrics().auth_throttled.inc()
+            raise RateLimitedError(
+                f"too many requests with invalid API keys from {source}; keys from this address are checked "
+                f"again in {wait_s:.0f} s", retry_after_s=wait_s, code="too_many_failed_auth")
+
+
+def client_address(scope: Scope) -> str | None:
+    """The client's address (uvicorn's: the peer, or X-Forwarded-For from a trusted proxy)."""
+    client = scope.get("client")
+    return client[0] if client else None
 
 
 def principal_of(request: Request) -> Principal:

@@ -44,7 +44,7 @@ from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatChunks, ChunkHeader, SseResponse, usage_model
-from crescent.services.gateway.structured_output import constraint_of
+from crescent.services.gateway.structured_output import constraint_of, ensure_enforceable
 from crescent.services.tenancy import cache_salt
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -91,7 +91,7 @@ class ChatCompletions:
         # Templating and tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         prompt = await asyncio.to_thread(build_prompt, body, self._model, self._settings.default_max_tokens)
         salt = cache_salt(principal.salt, body.cache_salt)  # the tenant's, narrowed by the client's
-        constraint = constraint_of(body, self._model.output_format)
+        constraint = constraint_of(body, self._model.output_format, self._settings.max_constraint_bytes)
         # The one stop rule: engines apply the same function with their own EOS ids.
         stops = stop_token_ids(body.stop_token_ids or (), self._model.tokenizer.eos_token_ids, body.ignore_eos)
         return GenerationRequest(
@@ -146,6 +146,7 @@ class ChatCompletions:
         n = body.n
         generation = await self._generation_request(body, request_id, principal_of(request))
         await admit(request, self.served_name, [generation], n, [record])  # the key's and tenant's limits
+        await ensure_enforceable(body, generation.sampling.constraint)  # compiled once admitted, off the loop
         events = [self.reply_events(body, generation, choice, record, i)
                   for i, choice in enumerate(self._backend.generate_choices(generation, n))]
         header = ChunkHeader(

@@ -29,6 +29,16 @@ class GatewayListenSettings(StrictModel):
                     "empty: localhost, 127.0.0.1 and [::1] when bound to loopback (a web page cannot reach a "
                     "local gateway by DNS rebinding), any name when bound to another address",
     )
+    header_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="a request's headers must arrive in full within this time, else 408 and the connection "
+                    "closes (a client dribbling header bytes cannot hold a connection)",
+    )
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1"],
+        description="proxies whose X-Forwarded-For names the client (its address is what failed keys are "
+                    "throttled by): an ingress controller's pod network, e.g. [\"10.0.0.0/8\"]; \"*\" trusts anyone",
+    )
 
 
 class AuthSettings(StrictModel):
@@ -58,6 +68,15 @@ class AuthSettings(StrictModel):
         description="with auth off, still serve on an address other than loopback (everyone who reaches "
                     "it is the default tenant, keyless): for a network you trust, said in so many words; "
                     "without it such a gateway refuses to start",
+    )
+    failed_auth_burst: int = Field(
+        default=20, ge=0,
+        description="invalid keys one source address may send before it is throttled (429 "
+                    "too_many_failed_auth for keys not seen to work); 0: no throttle",
+    )
+    failed_auth_per_minute: float = Field(
+        default=20.0, gt=0,
+        description="how fast a throttled source earns tries back (invalid keys per minute)",
     )
     key_cache_s: float = Field(
         default=5.0, ge=0, le=60,
@@ -126,6 +145,11 @@ class GatewaySettings(StrictModel):
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, gt=0,
         description="largest request body accepted; a larger one gets 413 before it is parsed",
+    )
+    max_constraint_bytes: int = Field(
+        default=256 * 1024, gt=0,
+        description="largest structured-output constraint (JSON schema, regex, grammar, forced tool call) "
+                    "accepted; a larger one gets 400 constraint_too_large before it is compiled",
     )
     body_timeout_s: float = Field(
         default=30.0, gt=0,

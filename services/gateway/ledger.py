@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _RETRY_S = (0.05, 0.2, 1.0, 2.0)  # backoff between failed commits, then every 2 s
 _CLOSE_WAIT_S = 10.0
+_REFUSED = frozenset({"rejected", "client_error"})  # statuses of requests that were never served
 
 
 class Account:
@@ -58,7 +59,12 @@ class Account:
 
     def settle(self, status: RequestStatus, usage: UsageCounts | None, reasoning_tokens: int,
                ttft_s: float | None) -> None:
-        """Price the request and queue its row (``RequestRecord.finish`` calls it once)."""
+        """Price the request and queue its row (``RequestRecord.finish`` calls it once). A request
+        refused before it used anything (a 429, a 400) costs no row, only a count: a client over
+        its limits cannot turn its refusals into database writes."""
+        if status in _REFUSED and (usage is None or usage.prompt_tokens + usage.completion_tokens == 0):
+            self._ledger.metrics.refused.labels(tenant=self._tenant_id, model=self._model, status=status).inc()
+            return
         usage = usage or UsageCounts(0, 0, 0)
         prices = self._ledger.prices.for_model(self._model)
         cost = prices.price(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)

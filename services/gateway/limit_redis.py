@@ -290,6 +290,12 @@ class RedisLimitStore:
         if leases:
             await self._call(self._renew, [k for k, _ in leases], [self.lease_s, *(lease for _, lease in leases)])
 
+    async def ping(self) -> None:
+        try:
+            await self._redis.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise LimitStoreError(f"{exc.__class__.__name__}: {exc}") from exc
+
     async def close(self) -> None:
         await asyncio.gather(*self._answers, return_exceptions=True)
         await self._pipe.close()

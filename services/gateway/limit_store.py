@@ -125,6 +125,10 @@ class LimitStore(Protocol):
         """Extend the (slot key, lease id) leases by ``lease_s`` from now; gone ones stay gone."""
         ...
 
+    async def ping(self) -> None:
+        """Return once the store answers (``LimitStoreError`` when it does not)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -218,6 +222,9 @@ class MemoryLimitStore:
             held = self._slots.get(key)
             if held is not None and lease_id in held:
                 held[lease_id] = expiry
+
+    async def ping(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from crescent.services.gateway.auth import Authenticator
+from crescent.services.gateway.auth import Authenticator, client_address
 from crescent.services.gateway.errors import ApiError, InvalidRequestError, NotFoundError
 from crescent.services.gateway.limit_settings import LimitSettings, LimitValues
 from crescent.services.gateway.rate_limits import RateLimiter
@@ -53,7 +53,7 @@ def limits_router(auth: Authenticator, limiter: RateLimiter, settings: LimitSett
     book = LimitBook(auth.store)
 
     async def admin_only(request: Request) -> None:
-        auth.check_admin(request.headers.get("authorization"))
+        auth.check_admin(request.headers.get("authorization"), client_address(request.scope))
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)], include_in_schema=False)
 

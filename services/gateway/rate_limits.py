@@ -60,6 +60,7 @@ _CACHE_ENTRIES = 10_000
 _LOG_EVERY_S = 10.0
 _BUDGET_KEEP_S = 86_400.0  # a month's spend counter outlives the month by a day
 _BUDGET_SYNC_S = 60.0  # how often a budget counter is raised to the ledger's sum again
+_PING_EVERY_S = 2.0  # /health asks a required store at most this often
 
 # (tenant id, key id or None for the whole tenant, since) -> nano-dollars spent (UsageStore.spent_nusd)
 SpendSource = Callable[[str, str | None, datetime], int]
@@ -168,6 +169,7 @@ class RateLimiter:
         self._failures = 0
         self._logged_at = 0.0
         self._refused, self._store_errors = limit_metrics()
+        self._pinged: tuple[float, str | None] = (-_PING_EVERY_S, None)  # (when, what was wrong)
 
     @classmethod
     def open(cls, settings: LimitSettings, book: LimitBook | None, prices: PriceTable, *,
@@ -196,6 +198,22 @@ class RateLimiter:
             await asyncio.gather(self._renewing, return_exceptions=True)
         await asyncio.gather(*self._settling, return_exceptions=True)
         await self.store.close()
+
+    async def required_store_problem(self) -> str | None:
+        """Why requests cannot be served now because of the store (``on_store_error: closed`` and
+        it does not answer), asked at most every ``_PING_EVERY_S``; None otherwise."""
+        if self._settings.on_store_error != "closed":
+            return None
+        now = time.monotonic()
+        if now - self._pinged[0] >= _PING_EVERY_S:
+            try:
+                await self.store.ping()
+                problem = None
+            except LimitStoreError as exc:
+                self._store_failed(exc)
+                problem = f"rate-limit store unreachable ({exc})"
+            self._pinged = (now, problem)
+        return self._pinged[1]
 
     def forget(self, subject_id: str) -> None:
         """Drop cached limits involving ``subject_id`` (a key or tenant whose limits just changed here)."""

@@ -33,6 +33,7 @@ from crescent.services.gateway.responses_input import Item, chat_request, respon
 from crescent.services.gateway.responses_output import OutputBuilder, ResponseDraft, ResponseObject
 from crescent.services.gateway.responses_stream import OnDone, ResponseStream
 from crescent.services.gateway.sse import SseResponse
+from crescent.services.gateway.structured_output import ensure_enforceable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -82,6 +83,10 @@ class Responses:
         except ApiError as exc:
             raise responses_error(exc) from None
         await admit(request, self._chat.served_name, [generation_request], 1, [record])  # the key's and tenant's limits
+        try:
+            await ensure_enforceable(chat_body, generation_request.sampling.constraint)
+        except ApiError as exc:
+            raise responses_error(exc) from None
         sampling = generation_request.sampling
         draft = replace(draft, temperature=sampling.temperature, top_p=sampling.top_p)
         events = self._chat.reply_events(chat_body, generation_request, self._backend.generate(generation_request),

@@ -29,6 +29,7 @@ from crescent.services.gateway.auth import Authenticator
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.grpc_backend import GrpcBackend, gateway_tls
+from crescent.services.gateway.header_deadline import HeaderDeadlineProtocol
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.migration import MigrationPolicy
 from crescent.services.gateway.rate_limits import RateLimiter
@@ -120,6 +121,8 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
         uvicorn.Config(
             app, host=settings.listen.host, port=settings.listen.port, log_config=None, access_log=False,
             lifespan="off", timeout_graceful_shutdown=_UVICORN_GRACE_S,
+            http=HeaderDeadlineProtocol.with_deadline(settings.listen.header_timeout_s),
+            proxy_headers=True, forwarded_allow_ips=settings.listen.forwarded_allow_ips,
         ),
         on_signal=on_signal_threadsafe,
     )

@@ -18,7 +18,7 @@ from datetime import datetime
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from crescent.services.gateway.auth import Authenticator
+from crescent.services.gateway.auth import Authenticator, client_address
 from crescent.services.gateway.errors import InvalidRequestError, NotFoundError
 from crescent.services.tenancy.usage import UsageQuery, UsageStore
 from crescent.services.tenancy.usage_report import (
@@ -107,7 +107,7 @@ def usage_admin_router(api: UsageApi, auth: Authenticator) -> APIRouter:
     """``GET /admin/usage``, behind the admin key like the rest of /admin."""
 
     async def admin_only(request: Request) -> None:
-        auth.check_admin(request.headers.get("authorization"))
+        auth.check_admin(request.headers.get("authorization"), client_address(request.scope))
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)], include_in_schema=False)
 

@@ -37,6 +37,7 @@ def fresh_metrics() -> UsageMetrics:
         ledger_commit=Histogram("commit_seconds", "", registry=registry),
         ledger_wait=Histogram("wait_seconds", "", registry=registry),
         ledger_errors=Counter("errors", "", registry=registry),
+        refused=Counter("refused", "", [*spender, "status"], registry=registry),
     )
 
 

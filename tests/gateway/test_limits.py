@@ -276,18 +276,22 @@ def test_when_redis_is_down(backend: FakeBackend, tmp_path: Path, mode: str) -> 
     later = RedisServer(tmp_path)  # its port is known; it starts during the test
     gw = limited_gateway(tmp_path, backend, f"sqlite:///{tmp_path}/tenancy.sqlite3", later.url,
                          on_store_error=mode, tenant={"rpm": 1})
-    gw.start_gateway()
+    gw.start_gateway(healthy=mode == "open")  # closed: the store is required, so the gateway is not ready
     try:
         key = new_key(gw)
         first = chat(gw, key["key"])
+        health = httpx.get(f"{gw.url}/health", timeout=10)
         if mode == "open":
             assert [first.status_code, chat(gw, key["key"]).status_code] == [200, 200], "served without limits"
             assert "x-ratelimit-limit-requests" not in first.headers
+            assert health.status_code == 200, health.text
         else:
             assert first.status_code == 503
             assert first.json()["error"]["code"] == "rate_limit_store_unavailable"
             assert int(first.headers["retry-after"]) >= 1
+            assert health.status_code == 503 and "rate-limit store unreachable" in health.json()["reason"], health.text
         later.start()
+        gw.wait_gateway(timeout_s=10)  # ready again once the store answers
         assert chat(gw, key["key"]).status_code == 200, "the store is back"
         assert_refused(chat(gw, key["key"]), "requests")
     finally:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -119,3 +121,44 @@ def test_crescent_up_on_a_network_address_serves_keyless_only_when_told(tmp_path
     assert gateway.config["auth"] == {"allow_unauthenticated_network": True}
     local = Platform(PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16, tls=False), tmp_path / "local")
     assert "auth" not in next(spec for spec in local.specs if spec.service == "gateway").config
+
+
+def test_crescent_up_keeps_health_and_metrics_on_loopback_whatever_the_host() -> None:
+    """Finding 1: ``crescent up --host 0.0.0.0`` exposed every service's /metrics. Their admin ports
+    now listen on 127.0.0.1 (the gateway's /metrics leaves tenant data out without the admin key)."""
+    plan = PlatformPlan("m", "0.0.0.0", free_port(), 1, 1, 256, 1 << 20, 16, unauthenticated_network=True)
+    for spec in plan.services():
+        if spec.service == "gateway":
+            continue
+        assert spec.config["listen"]["host"] == "0.0.0.0"
+        assert spec.config["listen"]["admin_host"] == "127.0.0.1", spec.name
+        assert spec.health_url.startswith("http://127.0.0.1:") and spec.metrics_url.startswith("http://127.0.0.1:")
+
+
+def _outbound_address() -> str | None:
+    """This machine's address on its default route (a UDP connect sends nothing); None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if is_loopback(address) else address
+
+
+async def test_a_service_serves_its_admin_port_where_admin_host_says() -> None:
+    """gRPC on every interface, /health and /metrics on loopback only: another address of this
+    machine is refused."""
+    other = _outbound_address()
+    service = GrpcService("scheduler", ListenSettings(host="0.0.0.0", admin_host="127.0.0.1"), _nothing,
+                          tls=TlsSettings(allow_plaintext_non_loopback=True))
+    await service.start()
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            assert (await client.get(f"http://127.0.0.1:{service.admin_port}/health")).status_code == 200
+            if other is None:
+                pytest.skip("this machine has no address but loopback")
+            with pytest.raises(httpx.ConnectError):
+                await client.get(f"http://{other}:{service.admin_port}/metrics")
+    finally:
+        await service.stop()
