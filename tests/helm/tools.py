@@ -6,6 +6,8 @@ grafana-foundation-sdk in the venv, and promtool/prometheus on PATH (Debian pack
 
 from __future__ import annotations
 
+import base64
+import os
 import shutil
 import subprocess
 import sys
@@ -75,3 +77,17 @@ def notes(*args: str, values: list[Path] = ()) -> str:
     result = run(cmd + list(args))
     assert result.returncode == 0, result.stderr
     return result.stdout.split("NOTES:", 1)[1]
+
+
+def rendered_tls(docs: list[dict[str, Any]], secret: str, directory: Path, server_name: str = "") -> dict[str, str]:
+    """A rendered TLS Secret (ca.crt, tls.crt, tls.key) written to ``directory`` as a pod would
+    see it mounted (the key 0600 here); returns the ``tls`` settings pointing at the files."""
+    data = by_kind(docs, "Secret")[secret]["data"]
+    directory.mkdir(parents=True, exist_ok=True)
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        path = directory / key
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(data[key]))
+    settings = {"ca": str(directory / "ca.crt"), "cert": str(directory / "tls.crt"), "key": str(directory / "tls.key")}
+    return {**settings, "server_name": server_name} if server_name else settings
