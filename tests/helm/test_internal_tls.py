@@ -19,7 +19,7 @@ from crescent.services.common.settings import load_settings
 from crescent.services.common.tls import TlsSettings, check_listen
 from tests.helm.test_chart_settings import SETTINGS, _pod_env
 from tests.helm.test_multinode import MULTI
-from tests.helm.tools import by_kind, helm_template, render
+from tests.helm.tools import by_kind, helm_template, notes, render
 
 COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "aggregated", "kvstore")
 GRPC_SERVERS = COMPONENTS[1:]  # the gateway serves HTTP; it is only a gRPC client
@@ -170,6 +170,8 @@ def test_allow_plaintext_still_renders_the_explicit_override(tmp_path: Path) -> 
         assert settings.tls.allow_plaintext_non_loopback
         check_listen(component, settings.listen.host, settings.tls)  # would start, with a warning
     assert all("internal-tls" not in str(pod) for pod in _pod_specs(docs).values())
+    assert "WARNING internal gRPC is PLAINTEXT" in notes(*PLAINTEXT)
+    assert "mutual TLS with the chart's own CA" in notes() and "PLAINTEXT" not in notes()
 
 
 def test_settings_tls_of_their_own_render_without_allow_plaintext(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from cryptography import x509
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.helm.test_chart_settings import _pod_env
-from tests.helm.tools import NAMESPACE, REPO, by_kind, helm_template, render, rendered_tls
+from tests.helm.tools import NAMESPACE, REPO, by_kind, helm_template, render, tls_channel, use_rendered_tls
 from tests.ports import free_port
 from tests.scheduler.support import SchedulerProcess, instance
 
@@ -38,15 +38,13 @@ def _gateway_server_name(docs: list[dict]) -> str:
 
 def _stub(docs: list[dict], secret: str | None, address: str, directory: Path) -> scheduler_pb2_grpc.SchedulerStub:
     """A client presenting the rendered Secret's certificate (None: trusting the CA, presenting none)."""
+    if secret is not None:
+        return scheduler_pb2_grpc.SchedulerStub(tls_channel(docs, secret, address, directory / secret,
+                                                            _gateway_server_name(docs)))
     ca = base64.b64decode(by_kind(docs, "Secret")[CA_SECRET]["data"]["ca.crt"])
-    if secret is None:
-        credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-    else:
-        files = rendered_tls(docs, secret, directory / secret)
-        read = {k: Path(v).read_bytes() for k, v in files.items()}
-        credentials = grpc.ssl_channel_credentials(read["ca"], read["key"], read["cert"])
     options = [("grpc.ssl_target_name_override", _gateway_server_name(docs))]
-    return scheduler_pb2_grpc.SchedulerStub(grpc.secure_channel(address, credentials, options=options))
+    return scheduler_pb2_grpc.SchedulerStub(
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=options))
 
 
 def _code(call) -> grpc.StatusCode:
@@ -66,12 +64,8 @@ def _start_scheduler(docs: list[dict], directory: Path) -> SchedulerProcess:
     """The scheduler with its rendered settings: the tls section as rendered, its files where the
     pod would mount them moved to ``directory``; loopback ports; no Kubernetes discovery."""
     config = yaml.safe_load(by_kind(docs, "ConfigMap")["crescent-scheduler"]["data"]["config.yaml"])
-    tls = config["tls"]
-    files = rendered_tls(docs, "crescent-scheduler-tls", directory / "scheduler")
-    for key in ("ca", "cert", "key"):  # /etc/crescent-tls/ca.crt -> <directory>/scheduler/ca.crt
-        assert Path(files[key]).name == Path(tls[key]).name
-        tls[key] = files[key]
-    assert set(tls) == {"ca", "cert", "key", "server_name"}  # mutual TLS, no plaintext override
+    assert set(config["tls"]) == {"ca", "cert", "key", "server_name"}  # mutual TLS, no plaintext override
+    use_rendered_tls(config, docs, "crescent-scheduler-tls", directory / "scheduler")
     port, admin_port = free_port(), free_port()
     config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin_port}
     config["discovery"] = {"enabled": False}
