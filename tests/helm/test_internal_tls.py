@@ -161,6 +161,12 @@ def test_plaintext_without_allow_plaintext_refuses_to_render_and_names_the_value
     assert "scheduler, prefill, decode, kvstore would serve plaintext gRPC" in result.stderr
 
 
+def test_certificates_may_not_outlive_the_ca() -> None:
+    result = helm_template("--set", "internalTls.selfSigned.days=400", "--set", "internalTls.selfSigned.caDays=365")
+    assert result.returncode != 0 and "internalTls.selfSigned.days (400) must not exceed" in result.stderr
+    assert helm_template("--set", "internalTls.selfSigned.days=0").returncode != 0  # the schema's minimum
+
+
 def test_allow_plaintext_still_renders_the_explicit_override(tmp_path: Path) -> None:
     docs = render(*PLAINTEXT, *AGGREGATED)
     assert not by_kind(docs, "Secret") and not by_kind(docs, "Certificate")

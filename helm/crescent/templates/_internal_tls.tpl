@@ -30,6 +30,11 @@ files the operator mounts). Takes the root context. */}}
 {{/* Renders nothing: refuses plaintext gRPC that internalTls.allowPlaintext did not ask for.
 A component whose settings carry a tls section of its own (files from extraVolumes) is fine. */}}
 {{- define "crescent.validateInternalTls" -}}
+{{- with .Values.internalTls.selfSigned }}
+{{- if gt (int .days) (int .caDays) }}
+{{- fail (printf "internalTls.selfSigned.days (%d) must not exceed internalTls.selfSigned.caDays (%d): a certificate would outlive the CA that vouches for it" (int .days) (int .caDays)) }}
+{{- end }}
+{{- end }}
 {{- if not (or (include "crescent.internalTlsMode" .) .Values.internalTls.allowPlaintext) }}
 {{- $plain := list }}
 {{- range $c := list "scheduler" "prefill" "decode" "aggregated" "kvstore" }}
