@@ -86,9 +86,8 @@ def scheduler(rendered: list[dict], tmp_path_factory: pytest.TempPathFactory) ->
 def test_the_gateways_rendered_certificate_may_call_gateway_methods(rendered, scheduler, tmp_path: Path) -> None:
     gateway = _stub(rendered, "crescent-gateway-tls", scheduler.address, tmp_path)
     assert _code(lambda: gateway.ListInstances(scheduler_pb2.ListInstancesRequest(), timeout=5)) == grpc.StatusCode.OK
-    # Place gets past the access check: with no instances registered it has nowhere to place.
-    placed = _code(lambda: gateway.Place(scheduler_pb2.PlaceRequest(prompt_tokens=3), timeout=5))
-    assert placed not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE)
+    # Place gets past the access check and is answered (no instances yet: nowhere to place).
+    assert _code(lambda: gateway.Place(scheduler_pb2.PlaceRequest(prompt_tokens=3), timeout=5)) == grpc.StatusCode.OK
 
 
 def test_the_kvstores_rendered_certificate_is_refused_a_gateway_method(rendered, scheduler, tmp_path: Path) -> None:
