@@ -93,6 +93,8 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
         },
     },
     "gateway.replicas": {"minimum": 1},
+    "internalTls.selfSigned.days": {"minimum": 1},
+    "internalTls.selfSigned.caDays": {"minimum": 1},
     "gateway.database.type": {"enum": ["sqlite", "postgresql"]},
     "gateway.database.sqlite.mountPath": {"pattern": "^/"},
     "gateway.database.sqlite.size": {"pattern": "^[0-9]+(\\.[0-9]+)?([KMGTPE]i?)?$"},

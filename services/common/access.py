@@ -1,8 +1,8 @@
 """Who may call what: one table per gRPC service, enforced by one server interceptor.
 
 A caller's role comes from its verified client certificate (``spiffe://crescent/<role>/<name>``,
-see ``certs.py``); mutual TLS has already refused callers without a certificate from a trusted
-CA before any of this runs. Each method lists the roles that may call it; a method missing from
+see ``certs.py``; one without that URI may carry the id as its whole subject CN); mutual TLS has
+already refused callers without a certificate from a trusted CA before any of this runs. Each method lists the roles that may call it; a method missing from
 its table is refused (a new RPC is closed until someone decides who may call it; the tests
 check every method in the protos has a rule). Some rules also check what the request claims:
 an engine registers, heartbeats and publishes only as itself.
@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from crescent.protos import decode_pb2, kvstore_pb2, prefill_pb2, scheduler_pb2
 from crescent.services.common.certs import SPIFFE_PREFIX
@@ -131,19 +132,41 @@ def rule_for(method: str) -> Rule | None:
 
 @functools.lru_cache(maxsize=1024)
 def identity_of_cert(pem: bytes) -> Peer | None:
-    """The Crescent identity in a (verified) certificate: its ``spiffe://crescent/`` URI SAN."""
+    """The Crescent identity in a (verified) certificate: its ``spiffe://crescent/`` URI SAN.
+
+    A certificate with no such URI may name the identity as its whole subject CN instead
+    (``CN=spiffe://crescent/gateway``): the chart's self-signed mode signs with Helm's
+    ``genSignedCert``, which cannot write a URI SAN. A plain CN (``gateway``) names no role."""
     try:
         cert = x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        return None
+    try:
         uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
             x509.UniformResourceIdentifier)
-    except (ValueError, x509.ExtensionNotFound):
+    except x509.ExtensionNotFound:
+        uris = []
+    except ValueError:  # a malformed extension
         return None
-    for uri in uris:
-        if uri.startswith(SPIFFE_PREFIX):
-            role, _, name = uri[len(SPIFFE_PREFIX):].partition("/")
-            if role:
-                return Peer(role, name)
+    spiffe = [uri for uri in uris if uri.startswith(SPIFFE_PREFIX)]
+    if not spiffe:
+        common_names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if len(common_names) != 1 or not isinstance(common_names[0].value, str):
+            return None
+        spiffe = [common_names[0].value]
+    for uri in spiffe:
+        peer = _peer_of_id(uri)
+        if peer is not None:
+            return peer
     return None
+
+
+def _peer_of_id(spiffe_id: str) -> Peer | None:
+    """``spiffe://crescent/<role>[/<name>]`` as a Peer; None for anything else."""
+    if not spiffe_id.startswith(SPIFFE_PREFIX):
+        return None
+    role, _, name = spiffe_id[len(SPIFFE_PREFIX):].partition("/")
+    return Peer(role, name) if role else None
 
 
 def peer_of(context: grpc.aio.ServicerContext) -> Peer | None:

@@ -1,6 +1,7 @@
 """`scheduler.kubernetesDiscovery: true` end to end: the scheduler, started with the very config
 the chart renders, discovers the chart's engine pods from their Services' EndpointSlices (served
-by a Kubernetes API emulator) under the ids those pods register themselves with."""
+by a Kubernetes API emulator) under the ids those pods register themselves with. It runs the
+rendered mutual TLS (its certificate files written out; a prefill pod's certificate calls it)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from crescent.protos import scheduler_pb2
+from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from tests.helm.test_chart_settings import POD_FIELDS, _pod_env
-from tests.helm.tools import NAMESPACE, REPO, by_kind, render
+from tests.helm.tools import NAMESPACE, REPO, by_kind, render, tls_channel, use_rendered_tls
 from tests.ports import free_port
 from tests.scheduler.support import SchedulerProcess, instance
 
@@ -77,6 +78,7 @@ def test_the_rendered_scheduler_discovers_the_rendered_engine_pods(tmp_path: Pat
     port, admin_port = free_port(), free_port()
     config["listen"] = {"host": "127.0.0.1", "port": port, "admin_port": admin_port}  # loopback, not 0.0.0.0:50051
     config["discovery"]["kubeconfig"] = str(kubeconfig)  # in a pod: the mounted service account token
+    use_rendered_tls(config, docs, "crescent-scheduler-tls", tmp_path / "scheduler-tls")
     (tmp_path / "scheduler.yaml").write_text(yaml.safe_dump(config))
 
     api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
@@ -98,6 +100,11 @@ def test_the_rendered_scheduler_discovers_the_rendered_engine_pods(tmp_path: Pat
 
     sched = SchedulerProcess(tmp_path / "scheduler.yaml", port, admin_port)
     sched.start()
+    # A prefill pod's rendered certificate: it may list instances and register as a prefill.
+    sched.channel.close()
+    sched.channel = tls_channel(docs, "crescent-prefill-tls", sched.address, tmp_path / "prefill-tls",
+                                config["tls"]["server_name"])
+    sched.stub = scheduler_pb2_grpc.SchedulerStub(sched.channel)
     try:
         deadline = time.monotonic() + 15
         while set(listed(sched)) != set(expected):

@@ -6,12 +6,15 @@ grafana-foundation-sdk in the venv, and promtool/prometheus on PATH (Debian pack
 
 from __future__ import annotations
 
+import base64
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
@@ -75,3 +78,35 @@ def notes(*args: str, values: list[Path] = ()) -> str:
     result = run(cmd + list(args))
     assert result.returncode == 0, result.stderr
     return result.stdout.split("NOTES:", 1)[1]
+
+
+def rendered_tls(docs: list[dict[str, Any]], secret: str, directory: Path, server_name: str = "") -> dict[str, str]:
+    """A rendered TLS Secret (ca.crt, tls.crt, tls.key) written to ``directory`` as a pod would
+    see it mounted (the key 0600 here); returns the ``tls`` settings pointing at the files."""
+    data = by_kind(docs, "Secret")[secret]["data"]
+    directory.mkdir(parents=True, exist_ok=True)
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        path = directory / key
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(base64.b64decode(data[key]))
+    settings = {"ca": str(directory / "ca.crt"), "cert": str(directory / "tls.crt"), "key": str(directory / "tls.key")}
+    return {**settings, "server_name": server_name} if server_name else settings
+
+
+def use_rendered_tls(config: dict[str, Any], docs: list[dict[str, Any]], secret: str, directory: Path) -> dict[str, Any]:
+    """A rendered component ``config`` whose ``tls`` section (as rendered: files under the pod's
+    mount) points at ``secret``'s files written to ``directory`` instead; the rest is untouched."""
+    files = rendered_tls(docs, secret, directory)
+    tls = config["tls"]
+    for key in ("ca", "cert", "key"):  # /etc/crescent-tls/ca.crt -> <directory>/ca.crt
+        assert Path(files[key]).name == Path(tls[key]).name, (key, tls[key])
+        tls[key] = files[key]
+    return config
+
+
+def tls_channel(docs: list[dict[str, Any]], secret: str, address: str, directory: Path, server_name: str) -> grpc.Channel:
+    """A gRPC channel to ``address`` presenting the rendered ``secret``'s certificate."""
+    files = {k: Path(v).read_bytes() for k, v in rendered_tls(docs, secret, directory).items()}
+    credentials = grpc.ssl_channel_credentials(files["ca"], files["key"], files["cert"])
+    return grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", server_name)])
