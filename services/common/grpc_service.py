@@ -6,12 +6,13 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 from crescent.services.common.access import interceptors
 from crescent.services.common.admin_http import AdminServer, build_admin_app
+from crescent.services.common.renewing_channel import RenewingChannel
 from crescent.services.common.settings import ListenSettings
 from crescent.services.common.tls import PeerTls, TlsSettings, check_listen, load_tls
 
@@ -44,7 +45,12 @@ def open_channel(address: str, tls: PeerTls | None, options: list[tuple[str, Any
         return grpc.aio.insecure_channel(address, options=opts)
     if tls.server_name:
         opts.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
+    if tls.files is None:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
+    # Read from files: the channel re-opens itself with a renewed certificate (renewing_channel).
+    renewing = RenewingChannel(tls, lambda pair: grpc.aio.secure_channel(address, pair.channel_credentials(),
+                                                                         options=opts))
+    return cast(grpc.aio.Channel, renewing)
 
 
 class ChannelPool:

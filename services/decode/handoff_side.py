@@ -11,12 +11,11 @@ whole caches, ``open`` refuses beyond ``max_open_bytes``.
 from __future__ import annotations
 
 import logging
-import ssl
 import time
 
 from crescent.services.common.metrics import handoff_metrics
 from crescent.services.kvwire.handoff_tcp import HandoffLanding
-from crescent.services.kvwire.side_channel import SideChannelServer
+from crescent.services.kvwire.side_channel import SideChannelServer, SideTls
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ class HandoffSideChannel:
     """The side channel's listener and the handoffs opened on it, by token."""
 
     def __init__(self, host: str, port: int, advertise_host: str, max_bytes: int,
-                 server_tls: ssl.SSLContext | None = None) -> None:
+                 server_tls: SideTls | None = None) -> None:
         """``max_bytes``: the largest handoff (the KV of a whole cache); ``server_tls``: mutual
         TLS on the side channel (the process's gRPC key pair)."""
         self.server = SideChannelServer(host, port, server_tls=server_tls, max_connections=MAX_CONNECTIONS,

@@ -21,7 +21,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.instance.shell import EngineInstance, EngineLoad
 from crescent.services.instance.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvwire.layer_wire import buffers_nbytes
-from crescent.services.kvwire.side_channel import tls_contexts
+from crescent.services.kvwire.side_channel import SideTls
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def handoff_side_channel(settings: DecodeSettings, engine: Engine, tls: PeerTls 
     host = settings.listen.host
     advertise = settings.advertise_address.rpartition(":")[0] if settings.advertise_address else host
     side = HandoffSideChannel(host, settings.handoff_side_channel_port, advertise, max_bytes,
-                              server_tls=tls_contexts(tls)[0] if tls is not None else None)
+                              server_tls=SideTls(tls) if tls is not None else None)
     log.info("handoff side channel on %s:%d (%s)", host, side.server.port,
              "mutual TLS + one-time tokens" if tls is not None else "one-time tokens")
     return side

@@ -19,7 +19,7 @@ from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier
 from crescent.services.kvwire.block_keys import BlockKey
 from crescent.services.kvwire.nixl_engine import NixlEngine, NixlUnavailable, address_of
-from crescent.services.kvwire.side_channel import SideChannelServer, tls_contexts
+from crescent.services.kvwire.side_channel import SideChannelServer, SideTls
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class MoverEndpoints:
             if tls is not None and not side.tls:
                 log.warning("side channel without TLS (side_channel.tls: false): KV payloads cross the network "
                             "in the clear; a one-time token still authenticates each transfer")
-            self.side = SideChannelServer(listen_host, side.port, server_tls=tls_contexts(tls)[0] if use_tls else None,
+            self.side = SideChannelServer(listen_host, side.port, server_tls=SideTls(tls) if use_tls else None,
                                           timeout_s=side.timeout_s, on_refused=on_refused,
                                           on_accepted=kvstore_metrics().side_channel_connections.inc)
             advertise = side.advertise_host or (settings.advertise_address.rpartition(":")[0]

@@ -113,6 +113,34 @@ def tls_contexts(tls: PeerTls) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     return contexts[0], contexts[1]
 
 
+class SideTls:
+    """The side channel's (server, client) SSL contexts of the process's key pair, built anew when
+    the pair is renewed (``PeerTls.latest``): each new connection gets the current ones."""
+
+    def __init__(self, tls: PeerTls) -> None:
+        self._tls = tls
+        self._pair: PeerTls | None = None
+        self._contexts: tuple[ssl.SSLContext, ssl.SSLContext] | None = None
+        self._lock = threading.Lock()  # accept threads ask together
+
+    @property
+    def server_name(self) -> str:
+        return self._tls.server_name
+
+    def _current(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        latest = self._tls.latest()
+        with self._lock:
+            if latest is not self._pair or self._contexts is None:
+                self._contexts, self._pair = tls_contexts(latest), latest
+            return self._contexts
+
+    def server(self) -> ssl.SSLContext:
+        return self._current()[0]
+
+    def client(self) -> ssl.SSLContext:
+        return self._current()[1]
+
+
 def stripe_pieces(sizes: Sequence[int], stripe: int, stripes: int) -> list[Piece]:
     """The bytes stripe ``stripe`` of ``stripes`` carries, as pieces of payloads in order: an
     equal share (whole slices) of the payloads laid end to end."""
@@ -237,7 +265,7 @@ class _Transfer:
 class SideChannelServer:
     """Listens for side-channel connections and moves the payloads of registered transfers."""
 
-    def __init__(self, host: str, port: int = 0, *, server_tls: ssl.SSLContext | None = None,
+    def __init__(self, host: str, port: int = 0, *, server_tls: SideTls | None = None,
                  timeout_s: float = 30.0, max_connections: int = 64,
                  on_refused: Callable[[], None] | None = None,
                  on_accepted: Callable[[], None] | None = None) -> None:
@@ -355,7 +383,7 @@ class SideChannelServer:
             _tune(raw)
             raw.settimeout(TOKEN_TIMEOUT_S)
             if self._tls is not None:
-                conn = TlsStream(raw, self._tls, server_side=True)
+                conn = TlsStream(raw, self._tls.server(), server_side=True)
             hello = bytearray(HELLO_BYTES)
             receive_exact(conn, memoryview(hello))
         except (OSError, ssl.SSLError, ValueError) as exc:

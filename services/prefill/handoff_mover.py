@@ -30,7 +30,7 @@ from crescent.services.common.tls import PeerTls
 from crescent.services.kvwire import shm_files
 from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, ShmUnusable, instance_tag, sweep
 from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL
-from crescent.services.kvwire.side_channel import dial_target, tls_contexts
+from crescent.services.kvwire.side_channel import SideTls, dial_target
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class HandoffMovers:
         self.tag = instance_tag(instance_id)
         self.shared_memory = shared_memory and shm_files.available()
         self.tcp = tcp
-        self._client_tls = tls_contexts(tls)[1] if tls is not None and tcp else None
+        self._side_tls = SideTls(tls) if tls is not None and tcp else None
         self._server_name = tls.server_name if tls is not None else ""
         self._refused: set[str] = set()  # decode addresses that cannot map our segments
         self._tcp_retry: dict[str, tuple[float, float]] = {}  # decode address -> (try again at, backoff)
@@ -82,7 +82,7 @@ class HandoffMovers:
     def side_target(self, peer: str, side_address: str) -> tuple[str, ssl.SSLContext | None, str]:
         """(address to connect to, TLS context, server name) for ``peer``'s side channel as
         OpenHandoff advertised it."""
-        address, context = dial_target(side_address, peer, self._client_tls)
+        address, context = dial_target(side_address, peer, self._side_tls.client() if self._side_tls else None)
         return address, context, self._server_name
 
     def tcp_failed(self, peer: str, exc: BaseException) -> None:

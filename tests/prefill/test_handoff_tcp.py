@@ -28,7 +28,7 @@ from crescent.services.kvwire.handoff_tcp import (GROUP, PIECE, TCP_REFUSAL, Han
                                                   LandedLayerAssembler)
 from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_buffers, block_tokens, buffers_nbytes
-from crescent.services.kvwire.side_channel import tls_contexts
+from crescent.services.kvwire.side_channel import SideTls
 from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.prompt_export import PromptExport
@@ -53,7 +53,7 @@ def hand_off(engine, tokens: list[int], tcp: bool, break_after: int | None = Non
     channel in mutual TLS, decode's and prefill's certificates. (the streams' payloads, the handoff, the movers)."""
     async def main():
         layout = engine.cache.layer_layout()
-        server_tls = tls_contexts(pki.by_role["decode"])[0] if pki is not None else None
+        server_tls = SideTls(pki.by_role["decode"]) if pki is not None else None
         side = HandoffSideChannel("127.0.0.1", 0, "127.0.0.1", max_bytes=1 << 30, server_tls=server_tls)
         seq = engine.add_sequence(seq_id, tokens)
         export = PromptExport(engine, InlineWorker(), seq, len(tokens))
@@ -122,7 +122,7 @@ def test_over_mutual_tls_a_prompt_lands_as_grpc_bytes_would_and_a_plaintext_clie
 
     async def plaintext_to_tls() -> None:
         side = HandoffSideChannel("127.0.0.1", 0, "127.0.0.1", max_bytes=4096,
-                                  server_tls=tls_contexts(pki.by_role["decode"])[0])
+                                  server_tls=SideTls(pki.by_role["decode"]))
         try:
             assert side.address.startswith("tls://")
             token = side.open("r", 1024)

@@ -25,11 +25,11 @@ from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.side_channel import (
     SideChannelUnreachable,
+    SideTls,
     close_kept_connections,
     dial_target,
     receive_payloads,
     send_payloads,
-    tls_contexts,
 )
 
 MOVER = "tcp"
@@ -44,14 +44,14 @@ class TcpSideChannelMover(Mover):
         the node asks for it (its reply's address says ``tls://``)."""
         super().__init__(link)
         self._rest = rest
-        self._client_tls = tls_contexts(tls)[1] if tls is not None else None
+        self._side_tls = SideTls(tls) if tls is not None else None
         self._server_name = tls.server_name if tls is not None else ""
         self._failures = 0  # transfers failed in a row
 
     def _target(self, side_address: str) -> tuple[str, ssl.SSLContext | None]:
         """Where to connect, and with which TLS context: the node's host as we dial it for gRPC
         when it advertises an unspecified one (it listens on every interface)."""
-        return dial_target(side_address, self.link.address, self._client_tls)
+        return dial_target(side_address, self.link.address, self._side_tls.client() if self._side_tls else None)
 
     def _unreachable(self, operation: str, exc: BaseException) -> None:
         """A transfer failed: this call goes another way; the mover is dropped for good when the
