@@ -43,9 +43,10 @@ def unreachable_counter() -> Counter:
 
 
 @cache
-def output_ratio_gauge() -> Gauge:
-    return Gauge("crescent_scheduler_expected_output_ratio", "Share of max_tokens a decode request is expected to "
-                 "run (calibrated from finished requests; 1 until enough finished)", ["model"])
+def output_length_gauge() -> Gauge:
+    return Gauge("crescent_scheduler_expected_output_tokens", "Natural output length (90th percentile) decode "
+                 "requests are expected to run at most, from the finished ones (+Inf: not known yet, max_tokens "
+                 "is used)", ["model"])
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -212,7 +213,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if request.finished:
             lengths = self.conductor.output_lengths
             for model in lengths.models():
-                output_ratio_gauge().labels(model or "-").set(lengths.ratio(model))
+                output_length_gauge().labels(model or "-").set(lengths.length(model))
         if request.ttft_s > 0:
             self.metrics.observed_ttft.observe(request.ttft_s)
             if predicted is not None:

@@ -228,12 +228,16 @@ def test_the_decode_kv_wait_is_predicted_from_how_long_requests_really_run() -> 
     assert refused and all(d.reason == "decode_kv_full" for d in refused)  # nothing observed yet: max_tokens
 
     warm = Cluster(kv_capacity=8192, max_batch=16)
-    for i in range(20):  # earlier requests of this model stopped after 40 to 60 of their 512 tokens
+    for i in range(20):  # earlier requests of this model stopped after 40 to 59 of their 512 tokens
         rid = f"w{i}"
         assert isinstance(warm.place(rid, prompt=290, max_tokens=512), Placement)
         warm.conductor.outcome(rid, ttft_s=0.3, released=False)
         warm.conductor.outcome(rid, ttft_s=0.0, released=False, finished=True, output_tokens=40 + i)
-    assert warm.conductor.output_lengths.ratio("m") == pytest.approx(57 / 512)  # the 90th percentile
+    for i in range(5):  # and short probes ran to their max_tokens: they say nothing about longer requests
+        rid = f"probe{i}"
+        assert isinstance(warm.place(rid, prompt=10, max_tokens=2), Placement)
+        warm.conductor.outcome(rid, ttft_s=0.0, released=False, finished=True, output_tokens=2)
+    assert warm.conductor.output_lengths.length("m") == 57  # the 90th percentile: 18 of 20 stopped by then
     decisions = _full_decode(warm, 20, 290, 512)
     assert all(isinstance(d, Placement) for d in decisions), [d for d in decisions if isinstance(d, Rejection)]
 
@@ -244,4 +248,4 @@ def test_a_finished_outcome_frees_the_decode_promise_and_needs_enough_samples() 
     assert cluster.conductor.view("m").decode[0].free_kv_tokens == 500
     cluster.conductor.outcome("a", ttft_s=0.0, released=False, finished=True, output_tokens=10)
     assert cluster.conductor.view("m").decode[0].free_kv_tokens == 1000
-    assert cluster.conductor.output_lengths.ratio("m") == 1.0  # one sample is not a calibration
+    assert cluster.conductor.output_lengths.expected_steps("m", 100) == 100  # one sample is not a calibration
