@@ -96,7 +96,7 @@ class Conductor:
         self._snapshotted: set[SourceId] = set()
         self._placed: OrderedDict[str, _Placed] = OrderedDict()
         self._anonymous = itertools.count()
-        # How much of max_tokens decode requests really run: when their KV frees (output_lengths.py).
+        # How long decode requests really run, so when their KV frees (output_lengths.py).
         self.output_lengths = OutputLengths()
 
     # ---- instances -------------------------------------------------------------------------
