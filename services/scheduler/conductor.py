@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -320,9 +321,23 @@ class Conductor:
         decision = self.policy.place(request, view)
         if isinstance(decision, Rejection) and decision.reason.startswith("no_") and model_id:
             decision = Rejection(decision.reason, f"{decision.message} for model {model_id!r}", decision.retry_after_s)
+        if isinstance(decision, Rejection) and decision.reason == "decode_kv_full":
+            decision = Rejection(decision.reason, f"{decision.message} ({self._kv_wait_basis(model_id)})",
+                                 decision.retry_after_s)
         if isinstance(decision, Placement):
             self._reserve(request, decision)
         return decision
+
+    def _kv_wait_basis(self, model_id: str) -> str:
+        """What a predicted decode KV wait assumed about how long requests run, for its refusal."""
+        lengths = self.output_lengths
+        seen = lengths.samples(model_id)
+        length = lengths.length(model_id)
+        if math.isinf(length):
+            return (f"each request there is expected to run its whole max_tokens: {seen} of this model's requests "
+                    f"finished so far, too few stopping on their own to tell how long they run")
+        return (f"each request there is expected to run at most {length:.0f} tokens, the "
+                f"{round(lengths.quantile * 100)}th percentile of the last {seen} of this model's requests that finished")
 
     def _reserve(self, request: PlacementRequest, decision: Placement) -> None:
         now = self._clock()

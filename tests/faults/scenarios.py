@@ -50,7 +50,7 @@ class FaultOutcome:
     scheduler_freed_s: float | None = None       # until the scheduler's view shows that KV free
     migrations: float = 0.0
     waiting_at_signal: int = 0                   # streams without a first token when signalled
-    held_at_signal: int = 0                      # requests the target held (running + queued) when signalled
+    held_at_signal: int | None = None            # requests the target held (running + queued) when signalled
 
     def mismatched(self) -> list[str]:
         """Completed streams whose text differs from the uninterrupted reference run."""
@@ -66,8 +66,8 @@ class FaultOutcome:
         completed = sum(r.completed for r in self.streams)
         refused = sum(p.status == 503 for p in self.probes)
         return (f"{self.fault} on {self.target}: {completed}/{len(self.streams)} streams completed, "
-                f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations "
-                f"({self.held_at_signal} requests held by the target), "
+                f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations"
+                f"{'' if self.held_at_signal is None else f' ({self.held_at_signal} requests held by the target)'}, "
                 f"error events {sum(r.error_event for r in self.streams)}, probes {len(self.probes)} "
                 f"({refused} x 503), worst stall {self.worst_stall_s():.2f} s, recovery {self.recovery_s} s, "
                 f"KV freed {self.kv_freed_s} s (held {self.kv_at_fault:.0f} tokens at the fault; "

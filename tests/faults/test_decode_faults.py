@@ -63,6 +63,6 @@ async def test_a_killed_decode_costs_each_stream_it_held_one_re_placement(health
     assert outcome.mismatched() == []
     assert [r.completion_tokens for r in outcome.streams] == [MAX_TOKENS] * MANY_STREAMS
     migrations, held = outcome.migrations, outcome.held_at_signal
-    assert held >= 1, f"{outcome.target} held no stream: nothing was tested"
+    assert held is not None and held >= 1, f"{outcome.target} held no stream: nothing was tested"
     assert 1 <= migrations <= held, f"{migrations:.0f} re-placements for the {held} streams {outcome.target} held"
     assert outcome.recovery_error is None

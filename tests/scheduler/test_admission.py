@@ -226,6 +226,7 @@ def test_the_decode_kv_wait_is_predicted_from_how_long_requests_really_run() -> 
     cold = Cluster(kv_capacity=8192, max_batch=16)
     refused = [d for d in _full_decode(cold, 20, 290, 512) if isinstance(d, Rejection)]
     assert refused and all(d.reason == "decode_kv_full" for d in refused)  # nothing observed yet: max_tokens
+    assert "expected to run its whole max_tokens" in refused[0].message
 
     warm = Cluster(kv_capacity=8192, max_batch=16)
     for i in range(20):  # earlier requests of this model stopped after 40 to 59 of their 512 tokens
