@@ -98,7 +98,8 @@ class Conductor:
         self._placed: OrderedDict[str, _Placed] = OrderedDict()
         self._anonymous = itertools.count()
         # How long decode requests really run, so when their KV frees (output_lengths.py).
-        self.output_lengths = OutputLengths()
+        lengths = settings.output_lengths
+        self.output_lengths = OutputLengths(lengths.window, lengths.min_samples, lengths.quantile)
 
     # ---- instances -------------------------------------------------------------------------
 

@@ -34,3 +34,13 @@ def test_expected_steps_fall_back_to_max_tokens_until_enough_finished() -> None:
     assert lengths.expected_steps("m", 1024) == 17
     assert lengths.expected_steps("m", 12) == 12  # never more than max_tokens
     assert lengths.expected_steps("other", 1024) == 1024  # per model
+
+
+def test_the_scheduler_settings_set_the_estimate() -> None:
+    from crescent.services.scheduler.conductor import Conductor
+    from crescent.services.scheduler.config import SchedulerSettings
+
+    lengths = Conductor(SchedulerSettings(output_lengths={"min_samples": 2, "quantile": 0.5})).output_lengths
+    lengths.observe("m", 10, 100)
+    lengths.observe("m", 30, 100)
+    assert lengths.expected_steps("m", 100) == 10
