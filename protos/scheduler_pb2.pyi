@@ -84,7 +84,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "block_keys", "prompt_tokens", "max_tokens", "block_size", "n")
+    __slots__ = ("request_id", "model_id", "block_keys", "prompt_tokens", "max_tokens", "block_size", "n", "unreachable_instance_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class PlaceRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -99,7 +100,8 @@ class PlaceRequest(_message.Message):
     max_tokens: int
     block_size: int
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    unreachable_instance_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., n: _Optional[int] = ..., unreachable_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InstanceRef(_message.Message):
     __slots__ = ("instance_id", "address")
@@ -172,16 +174,20 @@ class EventsReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., want_full_snapshot: _Optional[bool] = ...) -> None: ...
 
 class RequestOutcome(_message.Message):
-    __slots__ = ("request_id", "ttft_s", "cached_blocks", "released")
+    __slots__ = ("request_id", "ttft_s", "cached_blocks", "released", "finished", "output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_s: float
     cached_blocks: int
     released: bool
-    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
+    finished: bool
+    output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ..., released: _Optional[bool] = ..., finished: _Optional[bool] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("instance_id",)

@@ -9,7 +9,15 @@ However an attempt ends short of its finish (failure, client gone, stop string),
 without awaiting, because it may run inside a cancelled task: its calls are cancelled, decode
 is told to ``Abort`` it (one best-effort call: decode keeps a tombstone for an id it does not
 hold yet, so a handoff still in flight is refused), and a request that never reached decode is
-reported ``released`` so the scheduler frees what it reserved for it there.
+reported ``released`` so the scheduler frees what it reserved for it there. A request that
+finished at decode is reported ``finished`` with the tokens it generated: the scheduler
+calibrates when decode KV frees from these (``scheduler/output_lengths.py``).
+
+An attempt that failed because an instance could not be reached (UNAVAILABLE: a refused
+connection, a broken stream, prefill's handoff to a dead decode) names that instance
+(``AttemptFailed.unreachable``); the next placement reports it, and the scheduler places
+nothing there until it heartbeats again, so a dead instance costs each of its requests one
+re-placement instead of one per retry until the scheduler's heartbeat timeout.
 
 One attempt may serve ``n`` choices of the prompt (``sampling.n``, docs/api.md "n > 1"):
 prefill sends n first tokens, decode's events name their choice, and a choice whose reader
@@ -42,6 +50,9 @@ log = logging.getLogger(__name__)
 
 # Errors that are the request's fault: placing it elsewhere would fail the same way.
 _CLIENT_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+# How prefill's message starts when its handoff to decode failed (services/prefill/servicer.py):
+# an UNAVAILABLE with it is the decode instance's, not prefill's.
+HANDOFF_FAILED = "handoff to decode "
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +64,18 @@ class AttemptRequest:
     token_ids: tuple[int, ...]     # prompt + tokens generated before this attempt
     cache_salt: bytes
     sampling: common_pb2.SamplingParams  # first_step and max_tokens already account for them
+    # Instances the previous attempt could not reach: reported with this placement (scheduler.proto).
+    unreachable: tuple[str, ...] = ()
 
 
 class AttemptFailed(Exception):
     """A failure that another placement may get past; ``stage`` says where it happened."""
 
-    def __init__(self, stage: str, message: str, *, before_first_token: bool) -> None:
+    def __init__(self, stage: str, message: str, *, before_first_token: bool, unreachable: str = "") -> None:
         super().__init__(f"{stage}: {message}")
         self.stage = stage
         self.before_first_token = before_first_token
+        self.unreachable = unreachable  # the instance id that could not be reached ("": none known)
 
 
 class PlaceFailed(Exception):
@@ -82,7 +96,9 @@ class AttemptCalls(Protocol):
         ...
 
     def report_outcome(self, request: AttemptRequest, *, ttft_s: float = 0.0, cached_tokens: int = 0,
-                       released: bool) -> None: ...
+                       released: bool = False, output_tokens: int = 0) -> None:
+        """``output_tokens`` > 0: the request finished at decode after generating that many."""
+        ...
 
     def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str, *,
                         index: int | None = None) -> None:
@@ -117,7 +133,7 @@ def _prefill_request(request: AttemptRequest, placement: scheduler_pb2.Placement
     )
 
 
-def _failure(exc: grpc.aio.AioRpcError, stage: str, *, before_first_token: bool) -> Exception:
+def _failure(exc: grpc.aio.AioRpcError, stage: str, *, before_first_token: bool, unreachable: str = "") -> Exception:
     code = exc.code()
     details = exc.details() or (code.name if code is not None else "unknown error")
     role = stage.split(" ", 1)[0]  # the client hears "prefill", not the instance's address
@@ -127,7 +143,16 @@ def _failure(exc: grpc.aio.AioRpcError, stage: str, *, before_first_token: bool)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayTimeoutError(f"the request did not finish before its deadline ({role})")
     name = code.name if code is not None else "unknown"
-    return AttemptFailed(stage, f"{name}: {details}", before_first_token=before_first_token)
+    return AttemptFailed(stage, f"{name}: {details}", before_first_token=before_first_token,
+                         unreachable=unreachable if code == grpc.StatusCode.UNAVAILABLE else "")
+
+
+def _unreachable(exc: grpc.aio.AioRpcError, placement: scheduler_pb2.Placement, at_decode: bool) -> str:
+    """The instance an UNAVAILABLE came from: decode when its stream broke or prefill's handoff
+    to it failed, prefill otherwise."""
+    if at_decode or (exc.details() or "").startswith(HANDOFF_FAILED):
+        return placement.decode.instance_id
+    return placement.prefill.instance_id
 
 
 class Attempt:
@@ -149,6 +174,7 @@ class Attempt:
         self._dropped: set[int] = set()    # ended by their reader
         self._decode_address: str | None = None  # known once decode holds the request
         self._over = False                 # the attempt ended: its own cleanup covered every choice
+        self._generated: dict[int, int] = {}  # tokens each choice generated
 
     def _running(self) -> bool:
         return len(self._finished | self._dropped) < self.n
@@ -186,6 +212,7 @@ class Attempt:
                 if token.index != index:
                     raise InternalError(f"prefill sent choice {token.index}'s first token where {index}'s belongs")
                 first_tokens += 1
+                self._generated[index] = 1
                 if token.finished:
                     self._finished.add(index)
                 if index == n - 1:
@@ -218,9 +245,12 @@ class Attempt:
                     continue  # sent before decode had the Abort
                 if not 0 <= index < n or index in self._finished:
                     raise InternalError(f"decode sent tokens for choice {index}, which is not running")
+                self._generated[index] = self._generated.get(index, 0) + len(event.token_ids)
                 if event.finished:
                     self._finished.add(index)
                 done = not self._running()
+                if done:
+                    calls.report_outcome(request, output_tokens=max(self._generated.values()))
                 yield index, MoreTokens(
                     token_ids=tuple(event.token_ids),
                     finish_reason=finish_reason(event.finish_reason) if event.finished else None,
@@ -233,7 +263,8 @@ class Attempt:
                 return
             raise AttemptFailed(stage, "ended the stream before every choice finished", before_first_token=False)
         except grpc.aio.AioRpcError as exc:
-            raise _failure(exc, stage, before_first_token=first_tokens == 0) from exc
+            raise _failure(exc, stage, before_first_token=first_tokens == 0,
+                           unreachable=_unreachable(exc, placement, stream_call is not None)) from exc
         except (asyncio.CancelledError, GeneratorExit):
             why = "cancelled"  # the client went away, or a stop string ended it
             raise

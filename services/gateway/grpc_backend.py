@@ -180,17 +180,19 @@ class GrpcBackend:
             scheduler_pb2.PlaceRequest(
                 request_id=request.attempt_id, model_id=request.model_id, block_keys=keys,
                 prompt_tokens=len(request.token_ids), max_tokens=request.sampling.max_tokens,
-                block_size=block_size, n=request.sampling.n,
+                block_size=block_size, n=request.sampling.n, unreachable_instance_ids=list(request.unreachable),
             ),
             timeout=timeout,
         )
 
     def report_outcome(self, request: AttemptRequest, *, ttft_s: float = 0.0, cached_tokens: int = 0,
-                       released: bool) -> None:
-        """Tell the scheduler the measured TTFT, and whether the request will not reach decode."""
+                       released: bool = False, output_tokens: int = 0) -> None:
+        """Tell the scheduler the measured TTFT, and whether the request will not reach decode;
+        ``output_tokens`` > 0: it finished at decode after generating that many."""
         block_size = self._block_sizes.get(request.model_id) or self._configured_block_size or DEFAULT_BLOCK_SIZE
         outcome = scheduler_pb2.RequestOutcome(request_id=request.attempt_id, ttft_s=ttft_s,
-                                               cached_blocks=cached_tokens // block_size, released=released)
+                                               cached_blocks=cached_tokens // block_size, released=released,
+                                               finished=output_tokens > 0, output_tokens=output_tokens)
         self._in_background(self._send_outcome(outcome))
 
     async def _send_outcome(self, outcome: scheduler_pb2.RequestOutcome) -> None:

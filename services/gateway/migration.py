@@ -11,6 +11,11 @@
 
 Each attempt gets its own backend request id (decode keeps a tombstone for an aborted id, so an
 id is never reused). Only when the retries or the deadline run out does the request fail.
+
+An attempt that failed on an instance it could not reach names it, and the next placement
+reports it to the scheduler (``AttemptRequest.unreachable``), which leaves it out until it
+heartbeats again: a decode killed under N streams costs N re-placements, one per stream, and
+none of them lands on the dead instance (``crescent_gateway_migrations_total`` counts each).
 """
 
 from __future__ import annotations
@@ -52,9 +57,11 @@ def migrations_counter() -> Counter:
     return counter
 
 
-def attempt_request(request: GenerationRequest, generated: list[int], attempt: int, n: int = 1) -> AttemptRequest:
+def attempt_request(request: GenerationRequest, generated: list[int], attempt: int, n: int = 1,
+                    unreachable: tuple[str, ...] = ()) -> AttemptRequest:
     """The request to place for ``attempt`` (0: the original) once ``generated`` tokens were streamed;
-    ``n``: the choices one placement serves (``choice_group``)."""
+    ``n``: the choices one placement serves (``choice_group``); ``unreachable``: the instances the
+    previous attempt could not reach."""
     s = request.sampling
     attempt_id = request.request_id if attempt == 0 else RequestId(f"{request.request_id}-m{attempt}")
     return AttemptRequest(
@@ -72,6 +79,7 @@ def attempt_request(request: GenerationRequest, generated: list[int], attempt: i
             constraint=s.constraint, logprobs=s.logprobs is not None, top_logprobs=s.logprobs or 0,
             n=n if n > 1 else 0,
         ),
+        unreachable=unreachable,
     )
 
 
@@ -88,9 +96,10 @@ async def generate_with_migration(
     generated: list[int] = []
     attempt = 0
     failures = 0
+    unreachable: tuple[str, ...] = ()  # what the last failure could not reach
     while True:
         try:
-            async with aclosing(start(attempt_request(request, generated, attempt))) as events:
+            async with aclosing(start(attempt_request(request, generated, attempt, unreachable=unreachable))) as events:
                 async for event in events:
                     if isinstance(event, FirstToken):
                         failures = 0
@@ -114,8 +123,10 @@ async def generate_with_migration(
             if attempt == 0 or not isinstance(refused.error, RateLimitedError | ServiceUnavailableError):
                 raise refused.error from None
             why = refused.error.message
+            unreachable = ()
         except AttemptFailed as failed:
             why = str(failed)
+            unreachable = (failed.unreachable,) if failed.unreachable else ()
         failures += 1
         attempt += 1
         stage = "before_first_token" if not generated else "mid_stream"

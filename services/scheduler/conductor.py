@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -32,6 +33,7 @@ from crescent.services.scheduler.datatypes import (
     Tier,
 )
 from crescent.services.scheduler.policies import make_policy
+from crescent.services.scheduler.output_lengths import OutputLengths
 from crescent.services.scheduler.policy import ClusterView, PolicyOptions
 from crescent.services.scheduler.prefix_index import PrefixIndex
 from crescent.services.scheduler.registry import InstanceRecord, InstanceRegistry, InstanceSpec, LoadReport
@@ -62,6 +64,8 @@ class _Placed:
     prefill: InstanceId
     decode: InstanceId
     predicted_ttft_s: float | None  # None once reported
+    model_id: str = ""
+    max_tokens: int = 0
 
 
 # What must agree across a model's prefill and decode instances ("" : not stated, not checked).
@@ -93,6 +97,9 @@ class Conductor:
         self._snapshotted: set[SourceId] = set()
         self._placed: OrderedDict[str, _Placed] = OrderedDict()
         self._anonymous = itertools.count()
+        # How long decode requests really run, so when their KV frees (output_lengths.py).
+        lengths = settings.output_lengths
+        self.output_lengths = OutputLengths(lengths.window, lengths.min_samples, lengths.quantile)
 
     # ---- instances -------------------------------------------------------------------------
 
@@ -160,6 +167,11 @@ class Conductor:
         self.index.drop_source(instance_id)
         self._snapshotted.discard(SourceId(instance_id))
         return removed
+
+    def report_unreachable(self, instance_ids: Iterable[str]) -> list[InstanceId]:
+        """A caller could not reach these instances: no placement goes there until they heartbeat
+        or register again (``InstanceRegistry.mark_unreachable``). Returns those this report took out."""
+        return [InstanceId(i) for i in dict.fromkeys(instance_ids) if self.registry.mark_unreachable(InstanceId(i))]
 
     def expire(self) -> list[InstanceId]:
         """Drop silent instances (returned) and reservations no report covered in time."""
@@ -268,25 +280,33 @@ class Conductor:
         return DecodeCandidate(spec.instance_id, batch, context, free, spec.max_batch_size, spec.address,
                                capacity, releases)
 
-    @staticmethod
-    def _project_releases(r: InstanceRecord, step_s: float, now: float) -> list[tuple[float, int]]:
-        """When each request held by or promised to a decode instance frees its KV."""
+    def _project_releases(self, r: InstanceRecord, step_s: float, now: float) -> list[tuple[float, int]]:
+        """When each request held by or promised to a decode instance frees its KV: after the
+        steps it is expected to run (``output_lengths``: calibrated from the requests that
+        finished, ``max_tokens`` until enough did), less those it already ran."""
+        model = r.spec.model_id
         held = r.reservations.held_in_order()
         room = r.load.free_kv_tokens + sum(e.tokens for e in held)  # what requests unknown to us leave
         known = []
         for e in held:  # one still waiting at the instance makes no progress
             done = (now - e.running_since) / step_s if e.running_since is not None and step_s > 0 else 0.0
-            known.append(KnownRequest(e.tokens, e.max_tokens - done, 0.0, e.sequences))
+            # Past its expected length it is near its end: a step left, never more than max_tokens allows.
+            left = min(max(self.output_lengths.expected_steps(model, e.max_tokens) - done, 1.0), e.max_tokens - done)
+            known.append(KnownRequest(e.tokens, left, 0.0, e.sequences))
         pending = sorted(r.reservations.pending(), key=lambda e: e.placed_at + e.ready_in_s)
-        known += [KnownRequest(e.tokens, e.max_tokens, max(e.ready_in_s - (now - e.placed_at), 0.0), e.sequences)
+        known += [KnownRequest(e.tokens, self.output_lengths.expected_steps(model, e.max_tokens),
+                               max(e.ready_in_s - (now - e.placed_at), 0.0), e.sequences)
                   for e in pending]
         return project_releases(known, room, r.spec.max_batch_size, step_s)
 
     def place(self, request_id: str, model_id: str, block_keys: tuple[BlockKey, ...],
-              prompt_tokens: int, max_tokens: int, block_size: int = 0, n: int = 1) -> Decision:
+              prompt_tokens: int, max_tokens: int, block_size: int = 0, n: int = 1,
+              unreachable: Iterable[str] = ()) -> Decision:
         """Place one request, or reject it with its true reason. ``block_size``: the one the
         caller computed ``block_keys`` with (0: not stated); another than the model's raises
-        ``BlockSizeMismatchError``. ``n``: choices decoded from the prompt, placed together."""
+        ``BlockSizeMismatchError``. ``n``: choices decoded from the prompt, placed together.
+        ``unreachable``: instances the caller just failed to reach (``report_unreachable``)."""
+        self.report_unreachable(unreachable)
         model_block = self.model_block_size(model_id)
         if block_size and model_block and block_size != model_block:
             raise BlockSizeMismatchError(
@@ -302,9 +322,23 @@ class Conductor:
         decision = self.policy.place(request, view)
         if isinstance(decision, Rejection) and decision.reason.startswith("no_") and model_id:
             decision = Rejection(decision.reason, f"{decision.message} for model {model_id!r}", decision.retry_after_s)
+        if isinstance(decision, Rejection) and decision.reason == "decode_kv_full":
+            decision = Rejection(decision.reason, f"{decision.message} ({self._kv_wait_basis(model_id)})",
+                                 decision.retry_after_s)
         if isinstance(decision, Placement):
             self._reserve(request, decision)
         return decision
+
+    def _kv_wait_basis(self, model_id: str) -> str:
+        """What a predicted decode KV wait assumed about how long requests run, for its refusal."""
+        lengths = self.output_lengths
+        seen = lengths.samples(model_id)
+        length = lengths.length(model_id)
+        if math.isinf(length):
+            return (f"each request there is expected to run its whole max_tokens: {seen} of this model's requests "
+                    f"finished so far, too few stopping on their own to tell how long they run")
+        return (f"each request there is expected to run at most {length:.0f} tokens, the "
+                f"{round(lengths.quantile * 100)}th percentile of the last {seen} of this model's requests that finished")
 
     def _reserve(self, request: PlacementRequest, decision: Placement) -> None:
         now = self._clock()
@@ -318,7 +352,8 @@ class Conductor:
             Reservation(request.request_id, request.decode_kv_tokens, prompt, max_tokens, now, decision.predicted_ttft_s,
                         sequences=request.sequences)
         )
-        self._placed[request.request_id] = _Placed(decision.prefill, decision.decode, decision.predicted_ttft_s)
+        self._placed[request.request_id] = _Placed(decision.prefill, decision.decode, decision.predicted_ttft_s,
+                                                   decode.spec.model_id, max_tokens)
         if len(self._placed) > _REMEMBERED_PLACEMENTS:
             self._placed.popitem(last=False)
 
@@ -332,14 +367,21 @@ class Conductor:
                     for book in record.books():
                         book.release(request_id)
 
-    def outcome(self, request_id: str, ttft_s: float, released: bool) -> float | None:
+    def outcome(self, request_id: str, ttft_s: float, released: bool, *, finished: bool = False,
+                output_tokens: int = 0) -> float | None:
         """The gateway's report on a placed request; returns its predicted TTFT, once.
 
         A first token means prefill's work is done; ``released``: the request will not reach
         decode (ended at its first token, failed, cancelled), so its KV promise there ends too.
+        ``finished``: it ended at decode after ``output_tokens`` (calibrates ``output_lengths``);
+        its promises end too.
         """
         placed = self._placed.get(request_id)
         if placed is None:
+            return None
+        if finished:
+            self.output_lengths.observe(placed.model_id, output_tokens, placed.max_tokens)
+            self.release(request_id)
             return None
         predicted, placed.predicted_ttft_s = placed.predicted_ttft_s, None
         if ttft_s > 0:

@@ -127,6 +127,17 @@ class EndpointPickerSettings(StrictModel):
         return self
 
 
+class OutputLengthSettings(StrictModel):
+    """How long decode requests are expected to run, learnt from the finished ones (docs/reliability.md,
+    "How the decode KV wait is predicted")."""
+
+    window: int = Field(default=256, ge=1, description="finished requests per model the estimate is taken over")
+    min_samples: int = Field(default=8, ge=1, description="until this many finished, every request is expected to "
+                                                            "run its whole max_tokens")
+    quantile: float = Field(default=0.9, gt=0, lt=1, description="the share of requests expected to stop by the "
+                                                                   "predicted length (higher: more cautious waits)")
+
+
 class SchedulerSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
     tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
@@ -147,6 +158,7 @@ class SchedulerSettings(StrictModel):
         description="prompt tokens an aggregated instance mixes into one step (its chunk_tokens): with cost.mixed, "
                     "how many steps a prompt takes there",
     )
+    output_lengths: OutputLengthSettings = OutputLengthSettings()
     reservation_timeout_s: float = Field(
         default=120.0, gt=0,
         description="forget what a placement reserved on an instance if no load report covered it by then (lost reports)",

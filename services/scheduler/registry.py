@@ -65,6 +65,9 @@ class InstanceRecord:
     assumed: bool = False  # discovered, not registered by itself: its details are guesses
     # An aggregated instance's prefill placements, apart from its decode ones (same request ids).
     prefill_book: ReservationBook | None = None
+    # When a caller last reported it unreachable (None: never, or it heartbeated since): it is
+    # not placed on until a heartbeat newer than that report shows it alive.
+    unreachable_since: float | None = None
 
     @property
     def prefill_reservations(self) -> ReservationBook:
@@ -75,7 +78,7 @@ class InstanceRecord:
 
     @property
     def placeable(self) -> bool:
-        return not self.load.draining
+        return not self.load.draining and self.unreachable_since is None
 
 
 class UnknownInstanceError(KeyError):
@@ -106,6 +109,9 @@ class InstanceRegistry:
             raise UnknownInstanceError(instance_id)
         record.load = load
         record.last_seen = now = self._clock()
+        if record.unreachable_since is not None and now > record.unreachable_since:
+            log.info("instance %s heartbeats again after it was reported unreachable; placing on it again", instance_id)
+            record.unreachable_since = None
         if load.active_request_ids or load.finished_request_ids:
             record.reports_request_ids = True
         if record.reports_request_ids:
@@ -120,10 +126,25 @@ class InstanceRegistry:
                 book.clear_pending()
 
     def touch(self, instance_id: InstanceId) -> None:
-        """Alive without a load report (e.g. its Kubernetes endpoint is ready); the last load stays."""
+        """Alive without a load report (e.g. its Kubernetes endpoint is ready); the last load stays.
+        Weaker than a heartbeat (a killed pod's endpoint stays ready a moment): it takes an
+        instance reported unreachable back only after a heartbeat timeout."""
         record = self._records.get(instance_id)
         if record is not None:
-            record.last_seen = self._clock()
+            record.last_seen = now = self._clock()
+            since = record.unreachable_since
+            if since is not None and now - since > self.heartbeat_timeout_s:
+                record.unreachable_since = None
+
+    def mark_unreachable(self, instance_id: InstanceId) -> bool:
+        """A caller could not reach the instance: leave it out of placement until it heartbeats
+        (or registers) again. True when this report took it out (it was placeable until now)."""
+        record = self._records.get(instance_id)
+        if record is None or record.unreachable_since is not None:
+            return False
+        record.unreachable_since = self._clock()
+        log.warning("instance %s reported unreachable; not placing on it until it heartbeats again", instance_id)
+        return True
 
     def remove(self, instance_id: InstanceId) -> bool:
         """Forget an instance now (it is known to be gone); False if it was not registered."""

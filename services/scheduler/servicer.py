@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cache
 
 import grpc
+from prometheus_client import Counter, Gauge
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.kvwire.block_keys import BlockKey
@@ -33,10 +35,26 @@ _ROLE_PB = {v: k for k, v in _ROLES.items()}
 _STORED = {common_pb2.BLOCK_EVENT_STORED, common_pb2.BLOCK_EVENT_TIER_CHANGED}
 
 
+@cache
+def unreachable_counter() -> Counter:
+    # Kept with the scheduler's code rather than in services/common/metrics.py (shared by all services).
+    return Counter("crescent_scheduler_unreachable_reports", "Instances taken out of placement because a caller "
+                   "reported them unreachable (until their next heartbeat)", ["role"])
+
+
+@cache
+def output_length_gauge() -> Gauge:
+    return Gauge("crescent_scheduler_expected_output_tokens", "Natural output length (90th percentile) decode "
+                 "requests are expected to run at most, from the finished ones (+Inf: not known yet, max_tokens "
+                 "is used)", ["model"])
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
         self.metrics = scheduler_metrics()
+        for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED):
+            unreachable_counter().labels(role.value)  # exported as 0 from the start
 
     async def Register(self, request: scheduler_pb2.InstanceInfo, context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterReply:
         role = _ROLES.get(request.role)
@@ -96,6 +114,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not 0 <= request.n <= MAX_CHOICES:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"n must be between 0 and {MAX_CHOICES} (0 or 1: one choice)")
             start = time.perf_counter()
+            self._report_unreachable(request.unreachable_instance_ids)
             try:
                 decision = self.conductor.place(
                     request.request_id,
@@ -120,6 +139,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return self._placement_pb(decision)
         finally:
             request_id_var.reset(token)
+
+    def _report_unreachable(self, instance_ids: list[str]) -> None:
+        """The caller could not reach these instances just now: out of placement until they heartbeat."""
+        for instance_id in self.conductor.report_unreachable(instance_ids):
+            record = self.conductor.registry.get(instance_id)
+            unreachable_counter().labels(record.spec.role.value if record else "unknown").inc()
 
     def _placement_pb(self, decision: Placement) -> scheduler_pb2.Placement:
         self.metrics.placements.labels(decision.prefill, decision.decode).inc()
@@ -183,7 +208,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return reply
 
     async def ReportOutcome(self, request: scheduler_pb2.RequestOutcome, context: grpc.aio.ServicerContext) -> scheduler_pb2.OutcomeReply:
-        predicted = self.conductor.outcome(request.request_id, max(request.ttft_s, 0.0), request.released)
+        predicted = self.conductor.outcome(request.request_id, max(request.ttft_s, 0.0), request.released,
+                                           finished=request.finished, output_tokens=max(request.output_tokens, 0))
+        if request.finished:
+            lengths = self.conductor.output_lengths
+            for model in lengths.models():
+                output_length_gauge().labels(model or "-").set(lengths.length(model))
         if request.ttft_s > 0:
             self.metrics.observed_ttft.observe(request.ttft_s)
             if predicted is not None:

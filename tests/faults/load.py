@@ -64,6 +64,18 @@ def document_prompts(n: int, words: int, tag: str = "doc") -> list[Prompt]:
     return prompts
 
 
+def short_answer_prompts(n: int, words: int, tag: str = "question") -> list[Prompt]:
+    """Yes/no questions about ~``words`` * 1.3 tokens of notes: the model answers in 3 to 15
+    tokens (sent with ``ignore_eos=False``), sharing no prefix block with each other."""
+    prompts = []
+    for i in range(n):
+        rng = random.Random(f"{tag}-{i}")
+        body = " ".join(rng.choice(_WORDS) for _ in range(words))
+        prompts.append(Prompt(f"Notes: {body}\nDoes the word 'river' appear in these notes? Answer yes or no.",
+                              system=f"You answer with one word. Archive {tag} {i}."))
+    return prompts
+
+
 @dataclass
 class StreamResult:
     prompt: Prompt

@@ -26,6 +26,7 @@ MIN_CHUNKS = 8         # a stream is "open" once it has this many content chunks
 RECOVERY_TIMEOUT_S = 90
 STALL_LIMIT_S = 5.0    # the longest gap between two chunks a fault may cause
 MIGRATIONS = "crescent_gateway_migrations_total"
+HELD_GAUGES = ("crescent_engine_running_requests", "crescent_engine_queue_depth")  # what an engine holds
 PROBE = Prompt("Say one word.", system="You answer in one word.")
 PREFILL_STREAMS = 4
 PREFILL_WORDS = 600    # about 900 prompt tokens: a second or more of prefill each on a CPU
@@ -49,6 +50,7 @@ class FaultOutcome:
     scheduler_freed_s: float | None = None       # until the scheduler's view shows that KV free
     migrations: float = 0.0
     waiting_at_signal: int = 0                   # streams without a first token when signalled
+    held_at_signal: int | None = None            # requests the target held (running + queued) when signalled
 
     def mismatched(self) -> list[str]:
         """Completed streams whose text differs from the uninterrupted reference run."""
@@ -64,7 +66,8 @@ class FaultOutcome:
         completed = sum(r.completed for r in self.streams)
         refused = sum(p.status == 503 for p in self.probes)
         return (f"{self.fault} on {self.target}: {completed}/{len(self.streams)} streams completed, "
-                f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations, "
+                f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations"
+                f"{'' if self.held_at_signal is None else f' ({self.held_at_signal} requests held by the target)'}, "
                 f"error events {sum(r.error_event for r in self.streams)}, probes {len(self.probes)} "
                 f"({refused} x 503), worst stall {self.worst_stall_s():.2f} s, recovery {self.recovery_s} s, "
                 f"KV freed {self.kv_freed_s} s (held {self.kv_at_fault:.0f} tokens at the fault; "
@@ -158,6 +161,7 @@ async def streams_under_fault(stack: FaultStack, client: LoadClient, fault: str,
     await load.wait_streaming(MIN_CHUNKS)
     if target is None:
         target = busiest(stack, role, "crescent_engine_kv_used_tokens")
+    held = sum(int(stack.metric(target, gauge) or 0) for gauge in HELD_GAUGES)
     stop_watching = asyncio.Event()
     target_health: list[int | None] = []
     old_pid = stack.signal(target, sig)
@@ -171,7 +175,8 @@ async def streams_under_fault(stack: FaultStack, client: LoadClient, fault: str,
     stop_watching.set()
     if watcher is not None:
         await watcher
-    outcome = FaultOutcome(fault, target, signalled_at, streams, references, target_health=target_health)
+    outcome = FaultOutcome(fault, target, signalled_at, streams, references, target_health=target_health,
+                           held_at_signal=held)
     await finish_recovery(outcome, recovery)
     outcome.migrations = migrations_since(stack, migrations_before)
     log.info(outcome.summary())

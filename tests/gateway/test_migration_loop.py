@@ -33,7 +33,7 @@ REPLY = [10, 11, 12, 13, 14, 15]  # what an uninterrupted run generates
 
 class Script:
     """Each attempt serves REPLY from its first_step on; ``plans[n]`` says how attempt n ends:
-    ("ok",), ("fail", tokens_before_failing), ("refuse", error)."""
+    ("ok",), ("fail", tokens_before_failing[, unreachable instance]), ("refuse", error)."""
 
     def __init__(self, *plans: tuple[Any, ...]) -> None:
         self.plans = list(plans)
@@ -57,7 +57,8 @@ class Script:
                 else:
                     yield MoreTokens((token,), reason)
             if plan[0] == "fail":
-                raise AttemptFailed("decode", "lost", before_first_token=budget == 0)
+                raise AttemptFailed("decode", "lost", before_first_token=budget == 0,
+                                    unreachable=plan[2] if len(plan) > 2 else "")
         finally:
             self.closed += 1
 
@@ -159,3 +160,14 @@ def test_closing_the_stream_closes_the_attempt() -> None:
     script = Script(("ok",))
     events, _ = asyncio.run(run(script, limit=2))
     assert tokens(events) == REPLY[:2] and script.closed == 1
+
+
+def test_the_instance_a_failure_could_not_reach_is_reported_with_the_next_placement_only() -> None:
+    # decode-1 died mid-stream: the re-placement reports it (the scheduler then leaves it out until
+    # it heartbeats again); a failure that names nobody reports nothing, and neither does a retry
+    # after a refused placement (that Place already carried the report).
+    busy = RateLimitedError("decode_kv_full", retry_after_s=1)
+    script = Script(("fail", 2, "decode-1"), ("refuse", busy), ("fail", 1), ("fail", 0, "prefill-0"), ("ok",))
+    events, _ = asyncio.run(run(script))
+    assert tokens(events) == REPLY
+    assert [r.unreachable for r in script.seen] == [(), ("decode-1",), (), (), ("prefill-0",)]

@@ -188,3 +188,65 @@ def test_a_discovered_instance_with_guessed_details_does_not_refuse_the_real_one
     assert cluster.conductor.model_block_size("m") == 64
     cluster.register("p1", Role.PREFILL)  # the instance itself, with its real details
     assert cluster.conductor.registry.get(InstanceId("p1")).spec.block_size == 64
+
+
+def test_an_instance_reported_unreachable_is_left_out_until_it_heartbeats_again() -> None:
+    # Issue 31, finding 8: a dead decode stayed placeable until its heartbeat timeout, so every
+    # retry of its streams could land there again (41 re-placements for one kill).
+    cluster = Cluster(decode=2)
+    cluster.beat("d0", running_requests=4, queued_tokens=2000, free_kv_tokens=1000)  # busier: d1 is preferred
+    first = cluster.conductor.place("a-m1", "m", (), 100, 16, unreachable=("d1",))
+    assert isinstance(first, Placement) and first.decode == "d0"
+    for i in range(5):  # every later placement too, not only the reporter's
+        decision = cluster.place(f"b{i}")
+        assert isinstance(decision, Placement) and decision.decode == "d0"
+    assert cluster.conductor.report_unreachable(["d1"]) == []  # counted once
+    cluster.now += 0.5
+    cluster.beat("d1", free_kv_tokens=4096)  # alive after all: back in placement at once
+    assert isinstance(back := cluster.place("c"), Placement) and back.decode == "d1"
+
+
+def test_the_only_decode_reported_unreachable_is_no_decode_instance_until_it_is_back() -> None:
+    cluster = Cluster(decode=1)
+    gone = cluster.conductor.place("a-m1", "m", (), 100, 16, unreachable=("d0",))
+    assert isinstance(gone, Rejection) and gone.reason == "no_decode_instance"  # the gateway waits and retries
+    cluster.now += 1.0
+    cluster.register("d0", Role.DECODE)  # restarted on the same id
+    assert isinstance(cluster.place("a-m2"), Placement)
+
+
+def _full_decode(cluster: Cluster, n: int, prompt: int, max_tokens: int) -> list[object]:
+    return [cluster.place(f"r{i}", prompt=prompt, max_tokens=max_tokens) for i in range(n)]
+
+
+def test_the_decode_kv_wait_is_predicted_from_how_long_requests_really_run() -> None:
+    # The measured bug: on 8,192 KV tokens, 4 of 20 requests were refused as decode_kv_full with a
+    # predicted 81.9 s while the whole batch finished in 51.8 s: every request was predicted to run
+    # its whole max_tokens. Here 20 requests of 290 + 512 (9 fit at once) on one such decode.
+    cold = Cluster(kv_capacity=8192, max_batch=16)
+    refused = [d for d in _full_decode(cold, 20, 290, 512) if isinstance(d, Rejection)]
+    assert refused and all(d.reason == "decode_kv_full" for d in refused)  # nothing observed yet: max_tokens
+    assert "expected to run its whole max_tokens" in refused[0].message
+
+    warm = Cluster(kv_capacity=8192, max_batch=16)
+    for i in range(20):  # earlier requests of this model stopped after 40 to 59 of their 512 tokens
+        rid = f"w{i}"
+        assert isinstance(warm.place(rid, prompt=290, max_tokens=512), Placement)
+        warm.conductor.outcome(rid, ttft_s=0.3, released=False)
+        warm.conductor.outcome(rid, ttft_s=0.0, released=False, finished=True, output_tokens=40 + i)
+    for i in range(5):  # and short probes ran to their max_tokens: they say nothing about longer requests
+        rid = f"probe{i}"
+        assert isinstance(warm.place(rid, prompt=10, max_tokens=2), Placement)
+        warm.conductor.outcome(rid, ttft_s=0.0, released=False, finished=True, output_tokens=2)
+    assert warm.conductor.output_lengths.length("m") == 57  # the 90th percentile: 18 of 20 stopped by then
+    decisions = _full_decode(warm, 20, 290, 512)
+    assert all(isinstance(d, Placement) for d in decisions), [d for d in decisions if isinstance(d, Rejection)]
+
+
+def test_a_finished_outcome_frees_the_decode_promise_and_needs_enough_samples() -> None:
+    cluster = Cluster(kv_capacity=1000)
+    assert isinstance(cluster.place("a", prompt=400, max_tokens=100), Placement)
+    assert cluster.conductor.view("m").decode[0].free_kv_tokens == 500
+    cluster.conductor.outcome("a", ttft_s=0.0, released=False, finished=True, output_tokens=10)
+    assert cluster.conductor.view("m").decode[0].free_kv_tokens == 1000
+    assert cluster.conductor.output_lengths.expected_steps("m", 100) == 100  # one sample is not a calibration
