@@ -114,7 +114,8 @@ class EndpointPickerTlsSettings(StrictModel):
     Gateway API implementations cannot dial a plaintext ext_proc server."""
 
     plaintext: bool = Field(
-        default=False, description="serve the picker without TLS (a loopback listen.host, or tls.allow_plaintext_non_loopback)",
+        default=False, description="serve the picker without TLS (any address: it hands out routes, not prompts or KV; "
+                                   "a warning is logged off loopback)",
     )
     cert: str = Field(default="", description="PEM certificate the picker serves; empty: the scheduler's tls.cert, "
                                               "or a self-signed one made at start-up when the scheduler has none")

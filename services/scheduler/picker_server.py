@@ -9,8 +9,8 @@ How a proxy reaches it (``endpoint_picker.tls``), shaped by what Gateway API pro
   start-up, which proxies take without verifying, as they take the upstream picker's.
 - ``client_certificate: required``: mutual TLS; the proxy's certificate must be signed by
   ``client_ca`` (default: the scheduler's CA) and name the ``proxy`` role (access.py's rule).
-- ``plaintext``: no TLS, on a loopback address only unless the scheduler's
-  ``tls.allow_plaintext_non_loopback`` says the network is trusted.
+- ``plaintext``: no TLS, when asked for by name (logged as a warning off loopback): the picker
+  hands out routes, never prompts' tokens or KV, so the scheduler's plaintext rule is not its.
 
 Health (the Inference Extension's protocol requires it): services ``""``, ``liveness``,
 ``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` answer SERVING from start until
@@ -38,7 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from crescent.services.common.access import AccessControl
 from crescent.services.common.grpc_service import GRPC_OPTIONS
-from crescent.services.common.tls import PeerTls, TlsError, TlsSettings, is_loopback
+from crescent.services.common.tls import PeerTls, TlsError, is_loopback
 from crescent.services.scheduler.config import EndpointPickerSettings
 from crescent.services.scheduler.endpoint_picker import EndpointPicker, GatewayEndpoints
 from crescent.services.scheduler.ext_proc import SERVICE as EXT_PROC_SERVICE
@@ -62,17 +62,13 @@ class PickerTransport:
     description: str
 
 
-def picker_transport(settings: EndpointPickerSettings, scheduler_tls: PeerTls | None, host: str,
-                     scheduler_tls_settings: TlsSettings) -> PickerTransport:
+def picker_transport(settings: EndpointPickerSettings, scheduler_tls: PeerTls | None, host: str) -> PickerTransport:
     """The picker's credentials from its settings and the scheduler's key pair."""
     s = settings.tls
-    if s.plaintext:
+    if s.plaintext:  # asked for by name: the picker hands out routes, not prompts or KV
         if not is_loopback(host):
-            if not scheduler_tls_settings.allow_plaintext_non_loopback:
-                raise TlsError(f"endpoint_picker.tls.plaintext: refusing plaintext ext_proc on non-loopback address "
-                               f"{host!r} (listen.host): any pod could ask for routes. Serve TLS (remove plaintext) or "
-                               "set tls.allow_plaintext_non_loopback: true on a network you trust")
-            log.warning("endpoint picker serves plaintext on %s (endpoint_picker.tls.plaintext)", host)
+            log.warning("endpoint picker serves plaintext ext_proc on %s (endpoint_picker.tls.plaintext): any host that "
+                        "reaches the port can ask for routes and see which gateway pods exist", host)
         return PickerTransport(None, False, "plaintext")
     if s.cert:
         cert, key = _read(s.cert, "endpoint_picker.tls.cert"), _read(s.key, "endpoint_picker.tls.key")
@@ -171,8 +167,8 @@ class PickerServer:
 
 
 def build_picker_server(conductor: Any, settings: EndpointPickerSettings, scheduler_tls: PeerTls | None,
-                        scheduler_tls_settings: TlsSettings, host: str) -> PickerServer:
+                        host: str) -> PickerServer:
     """The picker (over ``conductor``) behind its server, not yet started."""
     picker = EndpointPicker(conductor, GatewayEndpoints(settings.gateways, settings.refresh_s))
-    transport = picker_transport(settings, scheduler_tls, host, scheduler_tls_settings)
+    transport = picker_transport(settings, scheduler_tls, host)
     return PickerServer(picker, transport, f"{host}:{settings.port}")

@@ -58,7 +58,7 @@ class SchedulerService:
         from crescent.services.scheduler.picker_server import build_picker_server
 
         s = self.settings.endpoint_picker
-        server = build_picker_server(self.conductor, s, self.grpc.tls, self.settings.tls, self.settings.listen.host)
+        server = build_picker_server(self.conductor, s, self.grpc.tls, self.settings.listen.host)
         self.picker_port = await server.start()
         self.picker_server = server
         log.info("endpoint picker (ext_proc, grpc.health.v1) on :%d over %s, routing to the gateways at %s",
