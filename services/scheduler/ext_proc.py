@@ -13,7 +13,8 @@ When it decides depends on the body mode the proxy announces in the stream's fir
   the headers, answered with the route. (STREAMED: the proxy routes on the header answer, so the
   body cannot be read first; the gateway checks it.)
 - BUFFERED, BUFFERED_PARTIAL: the header answer is empty; the route rides on the answer to the
-  (single) body message, whose header mutation the proxy still applies.
+  (single) body message, whose header mutation the proxy still applies. A BUFFERED_PARTIAL body
+  without ``end_of_stream`` may be cut at the proxy's limit: it is routed without being judged.
 - FULL_DUPLEX_STREAMED: nothing is answered until the body is complete (a chunk with
   ``end_of_stream``, or the request trailers); then the header answer with the route, and the
   body handed back as ``streamed_response`` chunks of at most 64 KiB, ``end_of_stream`` on the
@@ -58,7 +59,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 _MODE = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = _MODE.FULL_DUPLEX_STREAMED
 _ON_HEADERS = (_MODE.NONE, _MODE.STREAMED)  # no body will be seen before the proxy routes
-_WHOLE_BODY = (_MODE.BUFFERED, _MODE.BUFFERED_PARTIAL)  # the one body message is all there is
+_WHOLE_BODY = (_MODE.BUFFERED, _MODE.BUFFERED_PARTIAL)  # one body message: all the proxy sends
 STREAMED_CHUNK_BYTES = 64 * 1024  # the protocol's recommended ceiling for a streamed_response chunk
 
 
@@ -158,6 +159,10 @@ class Exchange:
             if not chunk.end_of_stream:
                 return []
             return await self._decide(bytes(self.body), "request_headers", body_end=True)
+        if self.request_mode == _MODE.BUFFERED_PARTIAL and not chunk.end_of_stream:
+            # Cut at the proxy's buffer limit (or trailers follow: the proxy does not say which):
+            # route without judging a body that may be cut short; the gateway checks it whole.
+            return await self._decide(None, "request_body")
         if self.request_mode in _WHOLE_BODY or chunk.end_of_stream:
             return await self._decide(bytes(self.body), "request_body")
         return [_body_answer("request_body")]

@@ -39,6 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from crescent.services.common.access import AccessControl
 from crescent.services.common.grpc_service import GRPC_OPTIONS
 from crescent.services.common.tls import PeerTls, TlsError, is_loopback
+from crescent.services.scheduler.conductor import Conductor
 from crescent.services.scheduler.config import EndpointPickerSettings
 from crescent.services.scheduler.endpoint_picker import EndpointPicker, GatewayEndpoints
 from crescent.services.scheduler.ext_proc import SERVICE as EXT_PROC_SERVICE
@@ -166,7 +167,7 @@ class PickerServer:
         await self.server.stop(grace_s)
 
 
-def build_picker_server(conductor: Any, settings: EndpointPickerSettings, scheduler_tls: PeerTls | None,
+def build_picker_server(conductor: Conductor, settings: EndpointPickerSettings, scheduler_tls: PeerTls | None,
                         host: str) -> PickerServer:
     """The picker (over ``conductor``) behind its server, not yet started."""
     picker = EndpointPicker(conductor, GatewayEndpoints(settings.gateways, settings.refresh_s))

@@ -160,6 +160,18 @@ def test_full_duplex_response_bodies_are_handed_back_chunk_for_chunk(picker) -> 
     assert not buffered[-1].response_body.response.HasField("body_mutation")  # other modes: left as it is
 
 
+def test_a_partial_buffer_cut_short_is_routed_unjudged_and_a_whole_one_judged(picker) -> None:
+    """BUFFERED_PARTIAL sends at most the proxy's buffer: without end_of_stream the body may be
+    cut, so it is not refused as bad JSON; with it, it is the whole body and is checked."""
+    sched, port = picker
+    _servable(sched)
+    cut = json.dumps(CHAT).encode()[:20]
+    answers = ask(port, _headers(False, MODE.BUFFERED_PARTIAL), _body(cut, False))
+    assert destination(answers[1], "request_body")[0] == f"127.0.0.1:{GATEWAY_PORT}"
+    answers = ask(port, _headers(False, MODE.BUFFERED_PARTIAL), _body(cut, True))
+    assert refusal(answers[1])[2]["code"] == "invalid_json"
+
+
 def test_streamed_and_no_body_modes_route_on_the_headers(picker) -> None:
     """STREAMED: the proxy routes on the header answer before any body arrives; NONE: no body comes."""
     sched, port = picker
