@@ -41,7 +41,8 @@ def _run_step(step: dict[str, Any], tmp_path: Path, ref_type: str, ref_name: str
     output.write_text("")
     env = {"PATH": os.pathsep.join([*map(str, path_dirs), os.environ["PATH"]]), "HOME": str(tmp_path),
            "GITHUB_REF_TYPE": ref_type, "GITHUB_REF_NAME": ref_name, "GITHUB_SHA": SHA,
-           "GITHUB_OUTPUT": str(output), "GITHUB_STEP_SUMMARY": str(summary), **_workflow()["env"]}
+           "GITHUB_OUTPUT": str(output), "GITHUB_STEP_SUMMARY": str(summary), "RUNNER_TEMP": str(tmp_path),
+           **_workflow()["env"]}
     for key, value in step.get("env", {}).items():
         env[key] = EXPRESSION.sub(lambda m: expressions[m.group(1)], str(value))
     script = EXPRESSION.sub(lambda m: expressions[m.group(1)], step["run"])
