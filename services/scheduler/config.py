@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -108,6 +109,35 @@ class IndexSettings(StrictModel):
     max_blocks: int = Field(default=4_000_000, gt=0, description="bounded memory: oldest entries are forgotten first")
 
 
+class EndpointPickerTlsSettings(StrictModel):
+    """How the proxy reaches the picker. TLS by default, as the upstream picker serves it: some
+    Gateway API implementations cannot dial a plaintext ext_proc server."""
+
+    plaintext: bool = Field(
+        default=False, description="serve the picker without TLS (any address: it hands out routes, not prompts or KV; "
+                                   "a warning is logged off loopback)",
+    )
+    cert: str = Field(default="", description="PEM certificate the picker serves; empty: the scheduler's tls.cert, "
+                                              "or a self-signed one made at start-up when the scheduler has none")
+    key: str = Field(default="", description="PEM private key of cert; empty: the scheduler's tls.key")
+    # No "optional": grpcio's server credentials either require a client certificate or never ask for one.
+    client_certificate: Literal["none", "required"] = Field(
+        default="none",
+        description="none: ask the proxy for no certificate (server-only TLS, what Gateway API proxies expect); "
+                    "required: mutual TLS, only a certificate signed by client_ca that names the proxy role",
+    )
+    client_ca: str = Field(default="", description="PEM CA(s) a proxy's certificate must be signed by; empty: the scheduler's tls.ca")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EndpointPickerTlsSettings:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("endpoint_picker.tls.cert and endpoint_picker.tls.key go together; set both or neither")
+        if self.plaintext and (self.cert or self.client_certificate != "none"):
+            raise ValueError("endpoint_picker.tls.plaintext: true leaves no TLS to carry cert or client_certificate; "
+                             "remove them or set plaintext: false")
+        return self
+
+
 class EndpointPickerSettings(StrictModel):
     """The Gateway API Inference Extension endpoint picker (ext_proc gRPC), docs/operators.md."""
 
@@ -119,6 +149,7 @@ class EndpointPickerSettings(StrictModel):
                                 "crescent-gateway-pods.serving.svc:8000",
     )
     refresh_s: float = Field(default=2.0, gt=0, description="re-resolve the gateways' name after this long")
+    tls: EndpointPickerTlsSettings = EndpointPickerTlsSettings()
 
     @model_validator(mode="after")
     def _gateways_given(self) -> EndpointPickerSettings:
@@ -167,6 +198,14 @@ class SchedulerSettings(StrictModel):
         default=0, ge=0, description="tokens per KV block every engine must use; 0: the first registered instance of a model sets it"
     )
     log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _picker_client_ca(self) -> SchedulerSettings:
+        picker = self.endpoint_picker.tls
+        if self.endpoint_picker.enabled and picker.client_certificate != "none" and not (picker.client_ca or self.tls.ca):
+            raise ValueError(f"endpoint_picker.tls.client_certificate: {picker.client_certificate} needs a CA to check "
+                             "the proxy's certificate against: set endpoint_picker.tls.client_ca or tls.ca")
+        return self
 
     @model_validator(mode="after")
     def _timeout_covers_interval(self) -> SchedulerSettings:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from crescent.protos import scheduler_pb2_grpc
-from crescent.services.common.access import interceptors
-from crescent.services.common.grpc_service import GRPC_OPTIONS, GrpcService
+from crescent.services.common.grpc_service import GrpcService
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.scheduler.conductor import Conductor
@@ -19,6 +18,9 @@ from crescent.services.scheduler.config import SchedulerSettings, load_scheduler
 from crescent.services.scheduler.datatypes import InstanceId, Role
 from crescent.services.scheduler.discovery import DiscoveredEndpoint, DiscoveredMembership, EndpointSliceWatcher
 from crescent.services.scheduler.servicer import SchedulerServicer
+
+if TYPE_CHECKING:
+    from crescent.services.scheduler.picker_server import PickerServer
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class SchedulerService:
             self.membership = DiscoveredMembership(self.conductor, settings.discovery)
         self.grpc = GrpcService("scheduler", settings.listen, self._setup, self._cleanup, details=self._details,
                                 tls=settings.tls)
-        self.picker_server: grpc.aio.Server | None = None
+        self.picker_server: PickerServer | None = None
         self.picker_port = 0
 
     async def _setup(self, server: grpc.aio.Server) -> None:
@@ -51,22 +53,16 @@ class SchedulerService:
 
     async def _start_picker(self) -> None:
         """The Inference Extension's endpoint picker: its own port (the proxy dials it, not the
-        engines), the same key pair and access control as the scheduler's port (role ``proxy``)."""
-        from crescent.services.scheduler.endpoint_picker import EndpointPicker, GatewayEndpoints
-        from crescent.services.scheduler.ext_proc import ExternalProcessorServicer, pb_grpc
+        engines), TLS without a client certificate unless endpoint_picker.tls says otherwise
+        (picker_server.py), and grpc.health.v1 beside ext_proc."""
+        from crescent.services.scheduler.picker_server import build_picker_server
 
         s = self.settings.endpoint_picker
-        picker = EndpointPicker(self.conductor, GatewayEndpoints(s.gateways, s.refresh_s))
-        tls = self.grpc.tls
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors(tls is not None))
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorServicer(picker), server)
-        address = f"{self.settings.listen.host}:{s.port}"
-        bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.server_credentials())
-        if bound == 0:
-            raise RuntimeError(f"scheduler: cannot listen on {address} (endpoint_picker.port)")
-        await server.start()
-        self.picker_server, self.picker_port = server, bound
-        log.info("endpoint picker (ext_proc) on :%d, routing to the gateways at %s", bound, s.gateways)
+        server = build_picker_server(self.conductor, s, self.grpc.tls, self.settings.listen.host)
+        self.picker_port = await server.start()
+        self.picker_server = server
+        log.info("endpoint picker (ext_proc, grpc.health.v1) on :%d over %s, routing to the gateways at %s",
+                 self.picker_port, server.transport.description, s.gateways)
 
     def _discovered(self, endpoints: dict[InstanceId, DiscoveredEndpoint]) -> None:
         assert self.membership is not None
@@ -75,7 +71,7 @@ class SchedulerService:
 
     async def _cleanup(self) -> None:
         if self.picker_server is not None:
-            await self.picker_server.stop(1.0)
+            await self.picker_server.stop()
             self.picker_server = None
         await cancel_and_wait(self._discovery, self._reaper)
         self._reaper = self._discovery = None

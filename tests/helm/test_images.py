@@ -51,9 +51,15 @@ def test_base_images_and_torch_are_pinned(variant: str) -> None:
     if variant == "vllm":
         # vLLM's image brings its own torch; installing Crescent's pin would replace it.
         assert images[-1] == VLLM_BASE and "torch==" not in text
-        assert "gcc" in text  # Triton compiles its launchers at run time
     else:
         assert "torch==2.13.0" in text
+    if variant in ("vllm", "cuda"):
+        # Triton compiles its launchers at run time, the first time a kernel launches.
+        installs = " ".join(arg for op, arg in steps if op == "RUN" and "apt-get install" in arg)
+        assert "gcc" in installs.split() and "libc6-dev" in installs.split()
+        assert "Python.h" in text  # and the build fails without Python's headers
+        # The pure-Python wheel is built on the builder's platform, not under QEMU.
+        assert any(op == "FROM" and "--platform=$BUILDPLATFORM" in arg and " AS build" in arg for op, arg in steps)
     # Every folder the image builds from exists.
     for op, arg in steps:
         if op == "COPY" and "--from" not in arg:
@@ -87,10 +93,9 @@ def test_release_workflow_builds_pushes_signs_and_attaches_sboms() -> None:
     for variant, path in DOCKERFILES.items():
         assert (REPO / variants[variant]["dockerfile"]) == path
         assert variants[variant]["suffix"] == SUFFIX[variant]
-    assert set(variants["cpu"]["platforms"].split(",")) == {"linux/amd64", "linux/arm64"}
-    assert variants["cuda"]["platforms"] == "linux/amd64"
-    # vLLM's image on both: x86 HGX servers and GB200/GH200 (Grace, arm64) trays.
-    assert set(variants["vllm"]["platforms"].split(",")) == {"linux/amd64", "linux/arm64"}
+    # Every image on both: x86 HGX servers and GB200/GB300/GH200 (Grace, arm64) trays.
+    for variant in DOCKERFILES:
+        assert set(variants[variant]["platforms"].split(",")) == {"linux/amd64", "linux/arm64"}, variant
     # The tags the chart's default images name: <version> and <version>-cuda at its repository.
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert workflow["env"]["IMAGE"] == values["gateway"]["image"]["repository"]
@@ -110,12 +115,6 @@ def test_release_workflow_builds_pushes_signs_and_attaches_sboms() -> None:
     for step in job["steps"]:
         if "uses" in step:
             assert re.search(r"@v\d+", step["uses"]), step["uses"]
-
-
-def test_release_tag_must_match_the_version() -> None:
-    text = WORKFLOW.read_text()
-    assert 'tomllib.load(open("pyproject.toml", "rb"))["project"]["version"]' in text
-    assert '"$GITHUB_REF_NAME" != "v$version"' in text
 
 
 def test_the_vllm_image_is_built_signed_and_pinned_in_the_summary_as_aggregated_image_vllm() -> None:

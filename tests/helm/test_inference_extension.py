@@ -12,7 +12,7 @@ import pytest
 
 from crescent.services.kvstore.config import KvStoreSettings
 from crescent.services.scheduler.config import SchedulerSettings
-from tests.helm.test_internal_tls import CERT_MANAGER, _settings, _workload
+from tests.helm.test_internal_tls import CERT_MANAGER, PLAINTEXT, _settings, _workload
 from tests.helm.test_placement import _matches
 from tests.helm.tools import by_kind, helm_template, render
 
@@ -76,17 +76,78 @@ def test_the_proxy_reaches_the_picker_through_the_network_policy() -> None:
     assert all({"protocol": "TCP", "port": 9002} not in r.get("ports", []) for r in off["spec"]["ingress"])
 
 
-def test_with_cert_manager_the_picker_serves_the_schedulers_certificate_and_the_proxy_gets_one(tmp_path: Path) -> None:
+def test_with_cert_manager_the_picker_serves_the_schedulers_certificate_and_the_proxy_may_get_one(tmp_path: Path) -> None:
     docs = render(*ON, *CERT_MANAGER)
     certificates = by_kind(docs, "Certificate")
     assert {"crescent-endpoint-picker", "crescent-endpoint-picker.serving.svc"} <= set(certificates["crescent-scheduler"]["spec"]["dnsNames"])
     proxy = certificates["crescent-proxy"]["spec"]
     assert proxy["uris"] == ["spiffe://crescent/proxy"] and proxy["usages"] == ["digital signature", "client auth"]
     settings, _ = _settings(tmp_path, docs, "scheduler")
-    assert settings.tls.enabled and settings.endpoint_picker.enabled  # one server's TLS for both ports
+    assert settings.tls.enabled and settings.endpoint_picker.enabled  # the picker serves the scheduler's key pair
+    assert settings.endpoint_picker.tls.client_certificate == "none"  # and asks for no client certificate
+
+
+@pytest.mark.parametrize("args", [[], CERT_MANAGER, PLAINTEXT], ids=["self-signed", "cert-manager", "no-internal-tls"])
+def test_the_picker_serves_tls_and_asks_for_no_client_certificate_by_default(tmp_path: Path, args: list[str]) -> None:
+    """What every Gateway API proxy can dial, whatever the internal TLS: server-only TLS (without
+    internal TLS, on a certificate the scheduler makes at start-up)."""
+    settings, _ = _settings(tmp_path, render(*ON, *args), "scheduler")
+    tls = settings.endpoint_picker.tls
+    assert (tls.plaintext, tls.client_certificate, tls.cert) == (False, "none", "")
+    docs = render(*ON, *args, "--set", "inferenceExtension.tls.enabled=false")
+    assert _settings(tmp_path, docs, "scheduler")[0].endpoint_picker.tls.plaintext
+
+
+def test_mutual_tls_for_the_picker_is_there_when_asked_for_and_internal_tls_is_on(tmp_path: Path) -> None:
+    docs = render(*ON, "--set", "inferenceExtension.tls.clientCertificate=required")
+    settings, _ = _settings(tmp_path, docs, "scheduler")
+    assert settings.endpoint_picker.tls.client_certificate == "required" and settings.tls.ca
+    assert "crescent-proxy-tls" in by_kind(docs, "Secret")  # what the proxy presents
+
+
+async def test_a_proxy_checking_the_rendered_picker_certificate_by_its_service_name_is_answered(tmp_path: Path) -> None:
+    """The default chart's picker as a proxy verifies it: the internal CA (ca.crt of
+    <release>-proxy-tls), the name of Service <release>-endpoint-picker, no client certificate;
+    ext_proc and grpc.health.v1 both answer."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from crescent.services.common.tls import PeerTls
+    from crescent.services.scheduler.conductor import Conductor
+    from crescent.services.scheduler.picker_server import build_picker_server
+    from tests.helm.test_internal_tls import _pem
+    from tests.ports import free_port
+
+    docs = render(*ON)
+    secrets = by_kind(docs, "Secret")
+    scheduler_secret = secrets["crescent-scheduler-tls"]
+    settings, _ = _settings(tmp_path, docs, "scheduler")
+    picker = settings.endpoint_picker.model_copy(update={"port": free_port(), "gateways": "127.0.0.1:8000"})
+    key_pair = PeerTls(_pem(scheduler_secret, "ca.crt"), _pem(scheduler_secret, "tls.crt"), _pem(scheduler_secret, "tls.key"))
+    server = build_picker_server(Conductor(settings), picker, key_pair, "127.0.0.1")
+    await server.start()
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=_pem(secrets["crescent-proxy-tls"], "ca.crt"))
+        options = [("grpc.ssl_target_name_override", "crescent-endpoint-picker.serving.svc")]
+        async with grpc.aio.secure_channel(f"127.0.0.1:{server.port}", credentials, options=options) as channel:
+            check = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(end_of_stream=True))
+            answers = [a async for a in pb_grpc.ExternalProcessorStub(channel).Process(iter([headers]), timeout=5)]
+        (answer,) = answers
+        (route,) = answer.request_headers.response.header_mutation.set_headers
+        assert (route.header.key, route.header.raw_value) == ("x-gateway-destination-endpoint", b"127.0.0.1:8000")
+    finally:
+        await server.stop()
 
 
 @pytest.mark.parametrize(("args", "message"), [
+    ([*ON, "--set", "inferenceExtension.tls.clientCertificate=optional"], "clientCertificate"),
+    ([*ON, "--set", "inferenceExtension.tls.clientCertificate=required", "--set", "inferenceExtension.tls.enabled=false"],
+     "inferenceExtension.tls.enabled=true"),
+    ([*ON, *PLAINTEXT, "--set", "inferenceExtension.tls.clientCertificate=required"], "internal CA"),
     ([*ON, "--set", "gateway.enabled=false"], "inferenceExtension.enabled"),
     ([*ON, "--set", "inferenceExtension.failureMode=Sometimes"], "failureMode"),
     ([*ON, "--set", "inferenceExtension.port=0"], "port"),
