@@ -130,6 +130,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "kvstore.updateStrategy.type": {"enum": ["RollingUpdate", "OnDelete"]},
     "kvstore.updateStrategy.maxUnavailable": {"type": ["integer", "string"], "minimum": 1, "pattern": "^[0-9]+%$"},
     "kvstore.s3.capacityGiB": {"minimum": 1},
+    "kvstore.s3.credentialsFrom": {"enum": ["secret", "workloadIdentity"]},
     "monitoring.prometheusRule.rejectionRatio": FRACTION,
     "monitoring.prometheusRule.cacheHitRatioDropFraction": FRACTION,
     "monitoring.prometheusRule.instanceDownFor": {"pattern": "^[0-9]+[smh]$"},

@@ -153,3 +153,16 @@ def test_each_component_is_scheduled_on_its_own_values() -> None:
 def test_pod_labels_cannot_replace_the_labels_that_select_the_pods(label: str) -> None:
     result = helm_template("--set-json", f'decode.podLabels={{"{label}":"x"}}')
     assert result.returncode != 0 and "decode.podLabels" in result.stderr and label in result.stderr
+
+
+def test_s3_credentials_from_the_pods_cloud_identity() -> None:
+    """serviceAccount.annotations name a cloud role; the kvstore then takes no keys from a Secret."""
+    s3 = ["--set", "kvstore.s3.enabled=true", "--set", "kvstore.s3.bucket=kv",
+          "--set-json", 'serviceAccount.annotations={"eks.amazonaws.com/role-arn":"arn:aws:iam::123456789012:role/kv"}']
+    docs = render(*s3, "--set", "kvstore.s3.credentialsFrom=workloadIdentity")
+    (container,) = by_kind(docs, "DaemonSet")["crescent-kvstore"]["spec"]["template"]["spec"]["containers"]
+    assert not {e["name"] for e in container["env"]} & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert yaml.safe_load(by_kind(docs, "ConfigMap")["crescent-kvstore"]["data"]["config.yaml"])["tiers"]["s3"]["bucket"] == "kv"
+    both = helm_template(*s3, "--set", "kvstore.s3.credentialsFrom=workloadIdentity", "--set", "kvstore.s3.existingSecret=kv")
+    assert both.returncode != 0 and "credentialsFrom" in both.stderr
+    assert helm_template(*s3).returncode != 0, "the default still needs the Secret"
