@@ -222,3 +222,13 @@ def test_keda_queries_see_only_their_own_groups_pods(tmp_path: Path, role: str, 
         "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}))
     result = run([tool("promtool"), "test", "rules", str(tmp_path / "test.yml")])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_group_name_too_long_for_its_pods_names_is_refused_with_keda() -> None:
+    """Kubernetes cuts a generated pod name's base to 58 characters, which would break the
+    per-group pod-name match; the chart says so instead of scaling on nothing."""
+    keda = ["--set", "decode.autoscaling.enabled=true", "--set", "decode.autoscaling.keda.enabled=true"]
+    result = helm_template(*keda, "--set", "fullnameOverride=a-very-long-release-name-for-a-platform-x")
+    assert result.returncode != 0 and "decode.autoscaling.keda" in result.stderr
+    assert helm_template(*keda, "--set", "fullnameOverride=a-very-long-release-name-for-a-platform-x",
+                         "--set", "decode.multiNode.enabled=true").returncode == 0  # a LeaderWorkerSet names its pods outright

@@ -190,7 +190,12 @@ of the chart's ServiceMonitors, or your own, carries namespace and pod): a Deplo
 validateTopology refuses the one pair of names these shapes could still confuse. */}}
 {{- define "crescent.engineGroupPodMatchers" -}}
 {{- $name := include "crescent.engineGroupName" . }}
-{{- $shape := ternary "[0-9]+(-[0-9]+)?" "[a-z0-9]{1,10}-[a-z0-9]{5}" (index .root.Values .role).multiNode.enabled }}
+{{- $multiNode := (index .root.Values .role).multiNode.enabled }}
+{{- /* Kubernetes cuts a generated pod name's base to 58 characters: past that the shape breaks. */}}
+{{- if and (not $multiNode) (gt (len $name) 46) }}
+{{- fail (printf "%s.autoscaling.keda: the group's Deployment %s has %d characters; its pods' names would be cut short and the per-group queries could not find them: keep it to 46 (shorter fullnameOverride, release or group name)" .role $name (len $name)) }}
+{{- end }}
+{{- $shape := ternary "[0-9]+(-[0-9]+)?" "[a-z0-9]{1,10}-[a-z0-9]{5}" $multiNode }}
 {{- printf "namespace=%q,pod=~%q" .root.Release.Namespace (printf "%s-%s" $name $shape) }}
 {{- end }}
 
