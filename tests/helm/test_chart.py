@@ -15,15 +15,17 @@ VALUES_FILES = {
     "four-supernodes": [EXAMPLES / "four-supernodes.yaml"],
 }
 # Kinds the Kubernetes schemas cannot know: custom resources of the Prometheus Operator, KEDA,
-# cert-manager, LeaderWorkerSet and the Inference Extension. kubernetes-validate bundles only
-# built-in kinds, so ServiceMonitor, PrometheusRule, ScaledObject, LeaderWorkerSet and
-# InferencePool are checked against their own schemas in test_crd_schemas.py (cert-manager's
-# kinds only by the tests of their templates).
+# cert-manager, LeaderWorkerSet, Gateway API and the Inference Extension. kubernetes-validate
+# bundles only built-in kinds, so ServiceMonitor, PrometheusRule, ScaledObject, LeaderWorkerSet,
+# HTTPRoute and InferencePool are checked against their own schemas in test_crd_schemas.py
+# (cert-manager's kinds only by the tests of their templates).
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "Certificate", "Issuer", "LeaderWorkerSet",
-                "InferencePool"}
+                "InferencePool", "HTTPRoute"}
 # Everything optional switched on, so validation sees every template.
 ALL_ON = [
     "--set", "gateway.ingress.enabled=true",
+    "--set", "gateway.httpRoute.enabled=true",
+    "--set-json", 'gateway.httpRoute.parentRefs=[{"name":"public","namespace":"gateways","sectionName":"https"}]',
     "--set", "monitoring.serviceMonitor.enabled=true",
     "--set", "monitoring.prometheusRule.enabled=true",
     "--set", "monitoring.dashboards.enabled=true",

@@ -94,7 +94,10 @@ def test_four_supernodes_keep_each_group_inside_one_nvlink_domain() -> None:
     for obj in scaled.values():
         assert obj["spec"]["scaleTargetRef"]["name"] in deployments
         queries = [t["metadata"]["query"] for t in obj["spec"]["triggers"]]
-        assert any("crescent_gateway_tbt_seconds_bucket" in q for q in queries)
+        # The TBT trigger reads the group's own decode steps, not the whole namespace's latency.
+        group = obj["metadata"]["labels"]["crescent.io/group"]
+        assert any("crescent_engine_step_seconds_bucket" in q and f'pod=~"crescent-decode-{group}-' in q
+                   for q in queries)
         # The TBT trigger aims at 80% of the 0.05s SLO.
         assert any(t["metadata"]["threshold"] == "0.04" for t in obj["spec"]["triggers"])
 

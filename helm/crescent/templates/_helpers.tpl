@@ -248,3 +248,40 @@ GiB of huge pages the kvstore pod reserves: kvstore.hugepages.sizeGiB, or hostMe
     matchExpressions:
       - {key: app.kubernetes.io/component, operator: In, values: {{ toJson .components }}}
 {{- end }}
+
+{{/* A component's podLabels (none of the chart's own: those select the pods). Call with
+(dict "component" "gateway" "values" <its values>). */}}
+{{- define "crescent.extraPodLabels" -}}
+{{- range $key, $value := .values.podLabels }}
+{{- if or (hasPrefix "app.kubernetes.io/" $key) (hasPrefix "crescent.io/" $key) (hasPrefix "helm.sh/" $key) }}
+{{- fail (printf "%s.podLabels: %s is one of the chart's own labels (app.kubernetes.io/*, crescent.io/*, helm.sh/*), which select the pods; choose another key" $.component $key) }}
+{{- end }}
+{{- end }}
+{{- with .values.podLabels }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/* Who schedules a component's pods and how: priorityClassName, runtimeClassName, schedulerName,
+topologySpreadConstraints (each only when set). Call with the component's values. */}}
+{{- define "crescent.podScheduling" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .schedulerName }}
+schedulerName: {{ . }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* metadata.annotations of a Service from its component's service.annotations (nothing when none). Call with the component's values. */}}
+{{- define "crescent.serviceAnnotations" -}}
+{{- with .service.annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -30,8 +30,7 @@ spec:
   rolloutStrategy:
     type: RollingUpdate
     rollingUpdateConfiguration:
-      maxUnavailable: {{ $v.podDisruptionBudget.maxUnavailable }}
-      maxSurge: 0
+      {{- include "crescent.engineRollingUpdate" . | nindent 6 }}
   leaderWorkerTemplate:
     size: {{ $m.nodesPerInstance }}
     restartPolicy: RecreateGroupOnPodRestart

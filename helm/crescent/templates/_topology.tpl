@@ -68,6 +68,12 @@ Every engine pod carries crescent.io/group (the group's name) and crescent.io/gr
 {{- fail (printf "topology.groups: the name %q is used twice; each group needs its own name (it names the group's Deployments)" .name) }}
 {{- end }}
 {{- $_ := set $names .name true }}
+{{- $name := .name }}
+{{- range $t.groups }}
+{{- if regexMatch (printf "^%s-[0-9]+$" $name) .name }}
+{{- fail (printf "topology.groups: %s and %s: a LeaderWorkerSet's pods of group %s (<workload>-<instance>-<worker>) would be named like %s's, so the per-group autoscaling queries could not tell them apart; rename one" $name .name $name .name) }}
+{{- end }}
+{{- end }}
 {{- if .supernode }}
 {{- if ne $t.mode "nvlinkDomain" }}
 {{- fail (printf "topology.groups[%s].supernode pins an NVLink domain, which needs topology.mode: nvlinkDomain (mode %q pins with zone)" .name $t.mode) }}
