@@ -11,6 +11,14 @@ The grammar is written in the model's own call markup, so the usual parser turns
 
       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>
 
+- Kimi K3's XTML (``xtml_output``): the think channel (if open) and an empty response channel are
+  closed, then a ``tools`` channel of calls, each holding its arguments as one ``json`` element
+  (a form K3's format has besides per-argument elements; the parser reads both)::
+
+      <|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>
+      <|open|>call tool="NAME" index="1"<|sep|><|open|>json type="object"<|sep|>{...}<|close|>json<|sep|>
+      <|close|>call<|sep|>...<|close|>tools<|sep|><|close|>message<|sep|>
+
 "required" allows one call of any offered tool, or several when ``parallel_tool_calls`` is not
 false; a named function allows exactly one call of it. A forced reply starts with the call: no
 text and no reasoning before it.
@@ -67,13 +75,33 @@ def _kimi_grammar(markers: ToolCallMarkers, tools: list[ToolDefinition], several
     ])
 
 
+def _tag(name: str, closing: bool = False) -> str:
+    return f"{'<|close|>' if closing else '<|open|>'} {json.dumps(name)} <|sep|>"
+
+
+def _xtml_grammar(tools: list[ToolDefinition], several: bool, thinking: bool) -> str:
+    rules = []
+    for i, tool in enumerate(tools):
+        head = json.dumps('call tool="' + tool.function.name + '" index="')
+        rules.append(f"fn{i}: <|open|> {head} /[0-9]{{1,3}}/ {json.dumps(chr(34))} <|sep|> "
+                     f"{_tag('json type=' + chr(34) + 'object' + chr(34))} args{i} {_tag('json', True)}")
+        rules.append(f"args{i}: {_json_rule(_parameters(tool))}")
+    lead = (_tag("think", True) + " " + _tag("response") + " " if thinking else "") + _tag("response", True)
+    calls = "call+" if several else "call"
+    return "\n".join([
+        f"start: {lead} {_tag('tools')} {calls} {_tag('tools', True)} {_tag('message', True)}",
+        f"call: ({' | '.join(f'fn{i}' for i in range(len(tools)))}) {_tag('call', True)}",
+        *rules,
+    ])
+
+
 def forced_tool_constraint(request: ChatCompletionRequest, fmt: OutputFormat) -> Constraint | None:
     """The constraint that forces a tool call, or None when ``tool_choice`` forces nothing."""
     choice = request.tool_choice
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    if not forced or not request.tools:
+    tools = request.all_tools()
+    if not forced or not tools:
         return None
-    tools = list(request.tools)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     several = choice == "required" and request.parallel_tool_calls is not False
@@ -81,4 +109,7 @@ def forced_tool_constraint(request: ChatCompletionRequest, fmt: OutputFormat) ->
         return Constraint(grammar=_default_format_grammar(fmt.tool_calls, tools, several))
     if isinstance(fmt.tool_calls, ToolCallMarkers):
         return Constraint(grammar=_kimi_grammar(fmt.tool_calls, tools, several))
+    if fmt.xtml:
+        thinking = request.thinking is None or request.thinking.type == "enabled"
+        return Constraint(grammar=_xtml_grammar(tools, several, thinking))
     return None
