@@ -128,9 +128,9 @@ class XtmlReplyParser:
                 return False  # arguments are sent whole, when the call closes
             if self._tools:
                 out.append(ToolCallArguments(self._index, call_arguments(self._pending[:cut])))
+                self.completed_calls += 1
             self._pending, self._channel = self._pending[cut + len(CALL_CLOSE):], "tools"
             self._index += 1
-            self.completed_calls += 1
             return True
         self._pending = ""  # done: nothing after the message's end is part of the reply
         return False
