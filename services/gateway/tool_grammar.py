@@ -11,9 +11,7 @@ The grammar is written in the model's own call markup, so the usual parser turns
 
       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>
 
-- Kimi K3's XTML (``xtml_output``): the think channel (if open) and an empty response channel are
-  closed, then a ``tools`` channel of calls, each holding its arguments as one ``json`` element
-  (a form K3's format has besides per-argument elements; the parser reads both)::
+- Kimi K3's XTML channels (``xtml_grammar``)::
 
       <|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>
       <|open|>call tool="NAME" index="1"<|sep|><|open|>json type="object"<|sep|>{...}<|close|>json<|sep|>
@@ -34,6 +32,7 @@ from crescent.services.gateway.api_models import ChatCompletionRequest, NamedToo
 from crescent.services.gateway.json_tool_calls import JsonToolCallTags
 from crescent.services.gateway.output_format import OutputFormat
 from crescent.services.gateway.tool_calls import ToolCallMarkers
+from crescent.services.gateway.xtml_grammar import tool_call_grammar
 from crescent.services.model.grammar import JSON_LAYOUT
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -75,26 +74,6 @@ def _kimi_grammar(markers: ToolCallMarkers, tools: list[ToolDefinition], several
     ])
 
 
-def _tag(name: str, closing: bool = False) -> str:
-    return f"{'<|close|>' if closing else '<|open|>'} {json.dumps(name)} <|sep|>"
-
-
-def _xtml_grammar(tools: list[ToolDefinition], several: bool, thinking: bool) -> str:
-    rules = []
-    for i, tool in enumerate(tools):
-        head = json.dumps('call tool="' + tool.function.name + '" index="')
-        rules.append(f"fn{i}: <|open|> {head} /[0-9]{{1,3}}/ {json.dumps(chr(34))} <|sep|> "
-                     f"{_tag('json type=' + chr(34) + 'object' + chr(34))} args{i} {_tag('json', True)}")
-        rules.append(f"args{i}: {_json_rule(_parameters(tool))}")
-    lead = (_tag("think", True) + " " + _tag("response") + " " if thinking else "") + _tag("response", True)
-    calls = "call+" if several else "call"
-    return "\n".join([
-        f"start: {lead} {_tag('tools')} {calls} {_tag('tools', True)} {_tag('message', True)}",
-        f"call: ({' | '.join(f'fn{i}' for i in range(len(tools)))}) {_tag('call', True)}",
-        *rules,
-    ])
-
-
 def forced_tool_constraint(request: ChatCompletionRequest, fmt: OutputFormat) -> Constraint | None:
     """The constraint that forces a tool call, or None when ``tool_choice`` forces nothing."""
     choice = request.tool_choice
@@ -111,5 +90,6 @@ def forced_tool_constraint(request: ChatCompletionRequest, fmt: OutputFormat) ->
         return Constraint(grammar=_kimi_grammar(fmt.tool_calls, tools, several))
     if fmt.xtml:
         thinking = request.thinking is None or request.thinking.type == "enabled"
-        return Constraint(grammar=_xtml_grammar(tools, several, thinking))
+        return Constraint(grammar=tool_call_grammar([(t.function.name, _parameters(t)) for t in tools], several,
+                                                    thinking))
     return None

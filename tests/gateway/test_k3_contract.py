@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pydantic
 import pytest
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.model import load_served_model
@@ -240,3 +241,18 @@ def test_cards_and_formats_follow_the_checkpoint_not_the_tokenizer(tmp_path: Pat
     (linear / "model.safetensors").write_bytes(b"")
     served = load_served_model(GatewaySettings(model=str(linear)))
     assert (served.policy, served.output_format) == (NO_POLICY, KIMI_OUTPUT)  # Kimi's tokenizer, no thinking card
+
+
+class Verdict(pydantic.BaseModel):
+    verdict: str
+
+
+def test_a_structured_output_is_the_response_channels_text(api: openai.OpenAI, k3_backend: FakeBackend,
+                                                           k3: KimiTokenizer) -> None:
+    scripted = ('<|close|>think<|sep|><|open|>response<|sep|>{"verdict": "yes"}<|close|>response<|sep|>'
+                "<|close|>message<|sep|>")
+    reply = api.chat.completions.parse(model=MODEL, messages=user(scripted), response_format=Verdict)
+    assert reply.choices[0].message.parsed == Verdict(verdict="yes")
+    grammar = sent(k3_backend)["constraint"]["grammar"]
+    assert grammar.startswith('start: <|close|> "think" <|sep|> <|open|> "response" <|sep|> body <|close|> "response"')
+    assert "The JSON data must match the following schema:" in prompt_text(k3_backend, k3)
