@@ -15,7 +15,7 @@ from crescent.services.model.kimi_tokenizer import KimiTokenizer, model_type_of,
 from crescent.services.model.model_source import ModelSource, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 from crescent.services.gateway.config import DEFAULT_CONTEXT_WINDOW, GatewaySettings
-from crescent.services.gateway.model_policy import NO_POLICY, policy_for
+from crescent.services.gateway.model_policy import NO_POLICY, ModelPolicy, policy_for
 from crescent.services.gateway.output_format import (
     DEFAULT_TOOL_OUTPUT,
     K3_OUTPUT,
@@ -63,6 +63,18 @@ def _output_format(tokenizer: ChatTokenizer, model_id: str) -> OutputFormat:
     return DEFAULT_TOOL_OUTPUT
 
 
+def _policy(source: ModelSource, tokenizer: ChatTokenizer) -> ModelPolicy:
+    """The card follows the model (config.json's model_type), not the tokenizer: Kimi-Linear shares
+    Kimi's tokenizer but is no thinking model. A ``deepseek_v3`` checkpoint is Kimi K2 only with
+    Kimi's tokenizer (DeepSeek-V3 itself is not). settings.model_policy replaces it (server.main)."""
+    if source.kind == "gguf":
+        return NO_POLICY
+    model_type = model_type_of(source)
+    if model_type == "deepseek_v3" and not isinstance(tokenizer, KimiTokenizer):
+        return NO_POLICY
+    return policy_for(model_type)
+
+
 def load_served_model(settings: GatewaySettings) -> ServedModel:
     """Resolve ``settings.model``; raises the engine's ``ModelNotFoundError`` for an unknown spec."""
     source = resolve_model(settings.model)
@@ -73,9 +85,7 @@ def load_served_model(settings: GatewaySettings) -> ServedModel:
         tokenizer, model_window = _hf_tokenizer_and_window(source)
     window = settings.context_window or model_window or DEFAULT_CONTEXT_WINDOW
     log.info("model %s (%s): context window %d tokens", source.model_id, source.path, window)
-    # The card follows the model (config.json's model_type), not the tokenizer: Kimi-Linear shares
-    # Kimi's tokenizer but is no thinking model. settings.model_policy replaces it (server.main).
-    policy = policy_for(model_type_of(source)) if source.kind != "gguf" else NO_POLICY
+    policy = _policy(source, tokenizer)
     return ServedModel(
         tokenizer=tokenizer, model_id=source.model_id, context_window=window, template_errors=(ChatTemplateError,),
         output_format=_output_format(tokenizer, source.model_id), policy=policy,

@@ -22,24 +22,7 @@ K3's tokenizer_config.json names ids 163586-163589 ``<|end_of_msg|>``, ``<|open|
 and a reserved id; a K3 model read with a K2 vocabulary directory (a preset with random weights)
 gets K3's names for them (``K3_SPECIAL_TOKENS``).
 
-Kimi K2's chat format (``KIMI_CHAT_TEMPLATE``) follows its published one:
-
-- ``<|im_system|>tool_declare<|im_middle|>[tools as compact JSON]<|im_end|>`` first, when tools are given;
-- ``<|im_system|>system<|im_middle|>...<|im_end|>`` (a default system prompt if there is none),
-  ``<|im_user|>user<|im_middle|>...<|im_end|>``, ``<|im_assistant|>assistant<|im_middle|>...<|im_end|>``;
-- an assistant turn is ``<think>reasoning</think>`` + content + tool calls. Which turns keep
-  their reasoning is the model family's *thinking history* (``THINKING_HISTORY``): ``"all"``
-  (K3, trained with preserved thinking) keeps every turn's; ``"current_turn"`` (K2-style) keeps
-  it only for turns after the last user message (the current agentic loop), older turns carry an
-  empty ``<think></think>`` as Kimi K2 Thinking renders them. The template variable
-  ``preserve_thinking`` (a request's ``chat_template_kwargs``) overrides the family's choice;
-- tool calls: ``<|tool_calls_section_begin|>`` then per call
-  ``<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`` then
-  ``<|tool_calls_section_end|>``; ids have the native form ``functions.NAME:INDEX``;
-- a tool result: ``<|im_system|>NAME<|im_middle|>## Return of ID\\nRESULT<|im_end|>``
-  (NAME is the message's ``name``, else ``tool``);
-- the reply starts after ``<|im_assistant|>assistant<|im_middle|>``; with ``thinking=False``
-  (instant mode) the prompt also closes an empty ``<think></think>``, so the reply is the answer.
+Kimi K2's format is ``kimi_k2_format``'s, K3's ``kimi_k3_format``'s.
 """
 
 from __future__ import annotations
@@ -57,6 +40,7 @@ from typing import Any, Literal
 
 import tiktoken
 from crescent.services.model.chat_template import ChatTemplate
+from crescent.services.model.kimi_k2_format import END_OF_TURN, KIMI_CHAT_TEMPLATE
 from crescent.services.model.kimi_k3_format import DEFAULT_THINKING_EFFORT, END_OF_MSG, K3_SPECIAL_TOKENS, render_k3_chat
 from crescent.services.model.literal_text import OPEN as LITERAL_OPEN
 from crescent.services.model.literal_text import control_text_pattern, encode_marked
@@ -105,52 +89,7 @@ _REQUIRED_SPECIALS: dict[ChatFormat, tuple[str, ...]] = {
     "k3": ("[BOS]", "[EOS]", END_OF_MSG, "<|open|>", "<|close|>", "<|sep|>"),
 }
 
-DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
-END_OF_TURN = "<|im_end|>"
 END_OF_TEXT = "[EOS]"
-
-KIMI_CHAT_TEMPLATE = (
-    "{%- macro text(content) -%}"
-    "{%- if content is string -%}{{ content }}"
-    "{%- elif content is not none -%}"
-    "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- if tools -%}"
-    "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
-    "{%- endif -%}"
-    "{%- if messages[0]['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
-    "{%- endif -%}"
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{%- set role = m['role'] -%}"
-    "{%- if role == 'user' -%}<|im_user|>user<|im_middle|>{{ text(m['content']) }}"
-    "{%- elif role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if (preserve_thinking or loop.index0 > ns.last_user) and m.get('reasoning_content') -%}"
-    "<think>{{ m['reasoning_content'] }}</think>"
-    "{%- else -%}<think></think>{%- endif -%}"
-    "{{ text(m.get('content')) }}"
-    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
-    "{%- for call in m['tool_calls'] -%}"
-    "{%- set args = call['function']['arguments'] -%}"
-    "<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
-    "{{ args if args is string else args | tojson }}<|tool_call_end|>"
-    "{%- endfor -%}<|tool_calls_section_end|>"
-    "{%- endif -%}"
-    "{%- elif role == 'tool' -%}<|im_system|>{{ m.get('name') or 'tool' }}<|im_middle|>"
-    "## Return of {{ m.get('tool_call_id') or '' }}\n{{ text(m['content']) }}"
-    "{%- elif role == 'system' -%}<|im_system|>system<|im_middle|>{{ text(m['content']) }}"
-    "{%- else -%}{{ raise_exception('unknown role ' + role) }}"
-    "{%- endif -%}"
-    "<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if thinking is defined and thinking is false -%}<think></think>{%- endif -%}"
-    "{%- endif -%}"
-)
 
 
 class KimiDetokenizer:
