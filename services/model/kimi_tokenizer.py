@@ -45,7 +45,7 @@ from crescent.services.model.kimi_k3_format import DEFAULT_THINKING_EFFORT, END_
 from crescent.services.model.literal_text import OPEN as LITERAL_OPEN
 from crescent.services.model.literal_text import control_text_pattern, encode_marked
 from crescent.services.model.model_source import ModelSource
-from crescent.services.model.tokenizer import Tokenizer, TokenizerError
+from crescent.services.model.tokenizer import Tokenizer, TokenizerError, checkpoint_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,6 @@ DEFAULT_THINKING_HISTORY: ThinkingHistory = "current_turn"  # Kimi K2 Thinking's
 # Which built-in chat format a model family uses when its checkpoint ships no template.
 ChatFormat = Literal["k2", "k3"]
 CHAT_FORMATS: dict[str, ChatFormat] = {"kimi_k3": "k3"}
-TEMPLATE_FILE = "chat_template.jinja"
 _REQUIRED_SPECIALS: dict[ChatFormat, tuple[str, ...]] = {
     "k2": ("[BOS]", "[EOS]", "<|im_end|>", "<|im_middle|>"),
     "k3": ("[BOS]", "[EOS]", END_OF_MSG, "<|open|>", "<|close|>", "<|sep|>"),
@@ -307,19 +306,12 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
 
 
 def checkpoint_template(directory: Path, config: Mapping[str, Any] | None = None) -> str | None:
-    """The chat template a checkpoint ships: ``chat_template.jinja``, else ``tokenizer_config.json``'s
-    ``chat_template`` (a string, or transformers' list of named templates: the ``default`` one)."""
-    jinja = directory / TEMPLATE_FILE
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+    """The chat template a checkpoint ships (``tokenizer.checkpoint_chat_template``): its
+    ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``."""
     if config is None:
         config_path = directory / CONFIG_FILE
         config = _read_config(config_path) if config_path.is_file() else {}
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default")
-    return template if isinstance(template, str) and template else None
+    return checkpoint_chat_template(directory, config)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
