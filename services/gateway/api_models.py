@@ -60,14 +60,43 @@ class AssistantToolCall(RequestModel):
     function: FunctionCall
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class Message(RequestModel):
     # Declared before content: its validator reads them.
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[AssistantToolCall] | None = None
+    tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = Field(
+        default=None, description="Kimi K3's dynamic tools: declared here, callable from the next turn on")
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(default=None, validate_default=True)
     reasoning_content: str | None = Field(default=None, description="extension: an assistant turn's reasoning")
+
+    @field_validator("tools")
+    @classmethod
+    def _system_only(cls, value: object, info: ValidationInfo) -> object:
+        if value is not None and info.data.get("role") not in ("system", "developer"):
+            raise PydanticCustomError("extra_forbidden", "only system messages declare {field} (dynamic tools)",
+                                      {"field": info.field_name})
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_results_name_their_call(cls, value: object, info: ValidationInfo) -> object:
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return value
 
     @field_validator("tool_calls", "reasoning_content")
     @classmethod
@@ -81,8 +110,12 @@ class Message(RequestModel):
     @field_validator("content")
     @classmethod
     def _content_unless_tool_calls(cls, value: object, info: ValidationInfo) -> object:
-        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
-            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if info.data.get("tools") and value not in (None, ""):
+            raise ValueError("a system message that declares tools carries no content (Kimi K3's dynamic tools)")
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")) \
+                and not info.data.get("tools"):
+            raise ValueError("content is required, except in an assistant message with tool_calls "
+                             "or a system message with tools")
         return value
 
     def text(self) -> str:
@@ -91,18 +124,6 @@ class Message(RequestModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
-
-
-class FunctionDefinition(RequestModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # JSON Schema
-    strict: bool | None = None
-
-
-class ToolDefinition(RequestModel):
-    type: Literal["function"]
-    function: FunctionDefinition
 
 
 class NamedFunction(RequestModel):
@@ -119,9 +140,9 @@ class StreamOptions(RequestModel):
 
 
 class JsonSchemaFormat(RequestModel):
-    name: str = Field(default="response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # an empty schema: any JSON value
+    schema_: dict[str, Any] = Field(alias="schema")  # an empty schema ({}): any JSON value
     strict: bool | None = None  # the output always follows the schema, strict or not
 
 
@@ -137,9 +158,13 @@ class ResponseFormat(RequestModel):
 
 
 class ThinkingOption(RequestModel):
-    """Kimi's switch between thinking and instant replies."""
+    """Kimi's switch between thinking and instant replies; K3 adds ``keep`` (which earlier turns keep
+    their reasoning in the prompt: "all") and ``effort`` (how much to reason; wins over
+    ``reasoning_effort``). Which values a model takes is its card's (model_policy.py)."""
 
     type: Literal["enabled", "disabled"]
+    keep: str | None = Field(default=None, max_length=32)
+    effort: str | None = Field(default=None, max_length=32)
 
 
 class StructuredOutputs(RequestModel):
@@ -212,16 +237,21 @@ class ChatCompletionRequest(RequestModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def all_tools(self) -> list[ToolDefinition]:
+        """The request's ``tools`` and the dynamic tools its messages declare (``messages[i].tools``)."""
+        return [*(self.tools or ()), *(t for m in self.messages for t in m.tools or ())]
+
     def offers_tools(self) -> bool:
         """Tools are given and may be called: render them into the prompt and parse calls from the reply."""
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.all_tools()) and self.tool_choice != "none"
 
     def constrains_output(self) -> bool:
         return (self.response_format is not None and self.response_format.type != "text") or (
             self.structured_outputs is not None)
 
     def forces_tool_call(self) -> bool:
-        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+        return bool(self.all_tools()) and (self.tool_choice == "required" or isinstance(self.tool_choice,
+                                                                                         NamedToolChoice))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -238,10 +268,11 @@ class ChatCompletionRequest(RequestModel):
                 problems.append(("stop", "stop strings would cut a structured output short of its format"))
             if self.ignore_eos:
                 problems.append(("ignore_eos", "a structured output ends where its format does"))
-        if self.tool_choice not in (None, "none") and not self.tools:
+        offered = self.all_tools()
+        if self.tool_choice not in (None, "none", "auto") and not offered:
             problems.append(("tool_choice", "this tool_choice needs tools"))
-        elif isinstance(self.tool_choice, NamedToolChoice) and self.tools and self.tool_choice.function.name not in {
-                t.function.name for t in self.tools}:
+        elif isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in offered}:
             problems.append(("tool_choice", f"no tool named {self.tool_choice.function.name!r} is offered"))
         return problems
 

@@ -5,6 +5,7 @@ parser (``<think>``…``</think>`` → ``ReasoningDelta``) and then, when the re
 through the tool-call parser (→ ``ToolCallDelta``); the rest stays ``TextDelta`` content. A
 reply that ends normally after at least one complete tool call finishes with ``"tool_calls"``;
 with ``parallel_tool_calls`` false only the first call is kept (later ones are dropped).
+A Kimi K3 reply (XTML) goes through ``xtml_output`` instead, which splits all three at once.
 What a model emits is its ``output_format.OutputFormat``; the plain one (no reasoning, no tools)
 passes text through untouched. ``TokenLogprobs`` pass through as they arrive (before the text of
 their tokens, which a parser may hold back a while).
@@ -30,6 +31,7 @@ from crescent.services.gateway.tool_calls import (
     ToolCallMarkers,
     ToolCallParser,
 )
+from crescent.services.gateway.xtml_output import ReasoningText, XtmlEvent, XtmlReplyParser
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,26 +65,40 @@ class AssistantOutputParser:
     def __init__(self, fmt: OutputFormat, *, parallel_tool_calls: bool = True) -> None:
         self._reasoning = ReasoningParser(fmt.reasoning) if fmt.reasoning is not None else None
         self._tools = _tool_call_parser(fmt.tool_calls)
+        self._xtml = XtmlReplyParser(thinking=fmt.xtml_thinking, tools=fmt.xtml_tools) if fmt.xtml else None
         self._max_calls = None if parallel_tool_calls else 1
 
     @property
     def in_reasoning(self) -> bool:
+        if self._xtml is not None:
+            return self._xtml.in_reasoning
         return self._reasoning is not None and self._reasoning.in_reasoning
 
     @property
     def completed_tool_calls(self) -> int:
-        done = self._tools.completed_calls if self._tools is not None else 0
+        tools = self._xtml if self._xtml is not None else self._tools
+        done = tools.completed_calls if tools is not None else 0
         return done if self._max_calls is None else min(done, self._max_calls)
 
     def push(self, text: str) -> list[OutputEvent]:
+        if self._xtml is not None:
+            return self._xtml_events(self._xtml.push(text))
         if self._reasoning is None:
             return self._content(text)
         return self._split(self._reasoning.push(text))
 
     def finish(self) -> list[OutputEvent]:
+        if self._xtml is not None:
+            return self._xtml_events(self._xtml.finish())
         out = self._split(self._reasoning.finish()) if self._reasoning is not None else []
         if self._tools is not None:
             out += self._calls(self._tools.finish())
+        return out
+
+    def _xtml_events(self, events: list[XtmlEvent]) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        for event in events:
+            out += [ReasoningDelta(event.text)] if isinstance(event, ReasoningText) else self._calls([event])
         return out
 
     def _split(self, pieces: list[Piece]) -> list[OutputEvent]:

@@ -123,6 +123,7 @@ class ChatCompletions:
         """One choice's reply from its backend ``events``, as the client sees it: text cut at stop
         strings, reasoning, tool calls (``responses`` uses it too)."""
         fmt = self._model.output_format if body.offers_tools() else self._model.output_format.without_tools()
+        fmt = fmt.for_thinking(body.thinking is None or body.thinking.type == "enabled")
         text = generate_text(events, self._model.tokenizer, generation, body.stop_strings(), record, index)
         return parse_output(text, fmt, parallel_tool_calls=body.parallel_tool_calls is not False,
                             on_reasoning=partial(record.mark_reasoning, index))

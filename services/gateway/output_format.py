@@ -25,16 +25,26 @@ class OutputFormat:
     reasoning: ReasoningTags | None = None
     tool_calls: ToolCallMarkers | JsonToolCallTags | None = None
     gateway_renders_tools: bool = False
+    # Kimi K3's XTML channels (``xtml_output``): reasoning, content and calls in one markup.
+    xtml: bool = False
+    xtml_tools: bool = True       # False: the request offered no tools, calls are dropped
+    xtml_thinking: bool = True    # the reply starts inside the think channel (thinking on)
 
     @property
     def supports_tools(self) -> bool:
-        return self.tool_calls is not None
+        return self.tool_calls is not None or (self.xtml and self.xtml_tools)
 
     def without_tools(self) -> OutputFormat:
-        return replace(self, tool_calls=None)
+        return replace(self, tool_calls=None, xtml_tools=False)
+
+    def for_thinking(self, thinking: bool) -> OutputFormat:
+        """The format of one reply: an XTML reply starts in the channel its prompt opened."""
+        return replace(self, xtml_thinking=thinking) if self.xtml else self
 
 
 PLAIN_OUTPUT = OutputFormat()
 KIMI_OUTPUT = OutputFormat(reasoning=THINK_TAGS, tool_calls=KIMI_TOOL_CALL_MARKERS)
+# Kimi K3: XTML channels (think, response, tools), rendered by kimi_k3_format.
+K3_OUTPUT = OutputFormat(xtml=True)
 # Models whose template has no tool support: the default tool prompt and <tool_call>{json}</tool_call>.
 DEFAULT_TOOL_OUTPUT = OutputFormat(tool_calls=HERMES_TOOL_CALL_TAGS, gateway_renders_tools=True)

@@ -94,6 +94,8 @@ def _template_message(message: Message) -> dict[str, Any]:
     for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
             fields[key] = getattr(message, key)
+    if message.tools:
+        fields["tools"] = [tool.model_dump(exclude_none=True) for tool in message.tools]
     return fields
 
 
@@ -107,11 +109,24 @@ def _check_tools_supported(request: ChatCompletionRequest, model: ServedModel) -
         raise UnsupportedParameterError(f"messages with tool_calls are not supported: {why}", param="messages")
 
 
+def _check_dynamic_tools(request: ChatCompletionRequest, model: ServedModel) -> None:
+    """Tools declared inside messages are Kimi K3's: only its format says where they go."""
+    if model.output_format.xtml:
+        return
+    for i, message in enumerate(request.messages):
+        if message.tools:
+            raise UnsupportedParameterError("tools declared in a message (dynamic tools) are not supported: this "
+                                            "model's chat format has no place for them; use the request's tools",
+                                            param=f"messages[{i}].tools")
+
+
 def _render(request: ChatCompletionRequest, model: ServedModel) -> str:
     """The prompt text; client strings that hold control-token text come back marked as literal."""
     literal = model.tokenizer.contains_control_text
     messages = [_template_message(m) for m in request.messages]
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()] if request.offers_tools() else None
+    # K3's format declares tools even under tool_choice "none" (with a note not to call them).
+    declared = request.offers_tools() or (model.output_format.xtml and bool(request.tools))
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()] if declared else None
     if model.output_format.gateway_renders_tools:
         # Tools, calls and results become plain message text, marked below like any client text.
         messages, tools = with_default_tools(messages, tools), None
@@ -127,12 +142,14 @@ def _render(request: ChatCompletionRequest, model: ServedModel) -> str:
 # Names the gateway itself gives the template; chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                     "raise_exception", "strftime_now", "thinking", "enable_thinking",
-                                    "reasoning_effort"})
+                                    "reasoning_effort", "thinking_effort", "tool_choice", "response_format"})
 
 
 def _template_vars(request: ChatCompletionRequest) -> dict[str, Any]:
     """``chat_template_kwargs``, plus the reasoning controls under the names templates use
-    (``thinking``; ``enable_thinking`` as Qwen3's templates call it; ``reasoning_effort``)."""
+    (``thinking``; ``enable_thinking`` as Qwen3's templates call it; ``reasoning_effort``;
+    ``thinking_effort`` as K3's encoder calls it, set only when thinking is on), and
+    ``tool_choice``/``response_format``, which K3's format writes into the prompt."""
     extra = dict(request.chat_template_kwargs or {})
     clash = sorted(RESERVED_TEMPLATE_VARS & extra.keys())
     if clash:
@@ -143,12 +160,20 @@ def _template_vars(request: ChatCompletionRequest) -> dict[str, Any]:
         extra["thinking"] = extra["enable_thinking"] = request.thinking.type == "enabled"
     if request.reasoning_effort is not None:
         extra["reasoning_effort"] = request.reasoning_effort
+        if request.thinking is not None and request.thinking.type == "enabled":
+            extra["thinking_effort"] = request.reasoning_effort
+    if request.tool_choice is not None:
+        choice = request.tool_choice
+        extra["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+    if request.response_format is not None:
+        extra["response_format"] = request.response_format.model_dump(by_alias=True, exclude_none=True)
     return extra
 
 
 def build_prompt(request: ChatCompletionRequest, model: ServedModel, default_max_tokens: int) -> Prompt:
     """Render and tokenize the request's messages; check that prompt plus completion fit."""
     _check_tools_supported(request, model)
+    _check_dynamic_tools(request, model)
     try:
         text = _render(request, model)
         token_ids = tuple(encode_marked(text, model.tokenizer.encode, model.tokenizer.encode_as_text))

@@ -1,7 +1,7 @@
 """From a chat request's ``response_format`` or ``structured_outputs`` to the engines' ``Constraint``.
 
 A ``tool_choice`` that forces a call is a constraint too (``tool_grammar``). The constraint is
-checked (``ensure_enforceable``) with the grammar engine the engines use
+placed in the reply's response channel for Kimi K3 (``xtml_grammar``), and checked (``ensure_enforceable``) with the grammar engine the engines use
 (``services.model.grammar``), so a schema feature it cannot enforce is a 400 that names it before
 anything is placed: a constrained request never runs unconstrained.
 
@@ -22,6 +22,7 @@ from crescent.services.gateway.api_models import ChatCompletionRequest
 from crescent.services.gateway.errors import InvalidRequestError
 from crescent.services.gateway.output_format import OutputFormat
 from crescent.services.gateway.tool_grammar import forced_tool_constraint
+from crescent.services.gateway.xtml_grammar import in_response_channel
 from crescent.services.model.grammar import ConstraintError, check_constraint
 
 _CHECK_THREADS = 2
@@ -56,6 +57,8 @@ def constraint_of(request: ChatCompletionRequest, output: OutputFormat, max_byte
             constraint = Constraint(grammar=extension.grammar)
     else:
         return None
+    if output.xtml and param != "tool_choice":  # K3: the constrained text is the response channel's
+        constraint = in_response_channel(constraint, request.thinking is None or request.thinking.type == "enabled")
     if constraint.ByteSize() > max_bytes:
         raise InvalidRequestError(
             f"the output constraint is {constraint.ByteSize()} bytes, over the gateway's limit of {max_bytes} "

@@ -11,6 +11,12 @@ The grammar is written in the model's own call markup, so the usual parser turns
 
       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>
 
+- Kimi K3's XTML channels (``xtml_grammar``)::
+
+      <|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>
+      <|open|>call tool="NAME" index="1"<|sep|><|open|>json type="object"<|sep|>{...}<|close|>json<|sep|>
+      <|close|>call<|sep|>...<|close|>tools<|sep|><|close|>message<|sep|>
+
 "required" allows one call of any offered tool, or several when ``parallel_tool_calls`` is not
 false; a named function allows exactly one call of it. A forced reply starts with the call: no
 text and no reasoning before it.
@@ -26,6 +32,7 @@ from crescent.services.gateway.api_models import ChatCompletionRequest, NamedToo
 from crescent.services.gateway.json_tool_calls import JsonToolCallTags
 from crescent.services.gateway.output_format import OutputFormat
 from crescent.services.gateway.tool_calls import ToolCallMarkers
+from crescent.services.gateway.xtml_grammar import tool_call_grammar
 from crescent.services.model.grammar import JSON_LAYOUT
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -71,9 +78,9 @@ def forced_tool_constraint(request: ChatCompletionRequest, fmt: OutputFormat) ->
     """The constraint that forces a tool call, or None when ``tool_choice`` forces nothing."""
     choice = request.tool_choice
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    if not forced or not request.tools:
+    tools = request.all_tools()
+    if not forced or not tools:
         return None
-    tools = list(request.tools)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     several = choice == "required" and request.parallel_tool_calls is not False
@@ -81,4 +88,8 @@ def forced_tool_constraint(request: ChatCompletionRequest, fmt: OutputFormat) ->
         return Constraint(grammar=_default_format_grammar(fmt.tool_calls, tools, several))
     if isinstance(fmt.tool_calls, ToolCallMarkers):
         return Constraint(grammar=_kimi_grammar(fmt.tool_calls, tools, several))
+    if fmt.xtml:
+        thinking = request.thinking is None or request.thinking.type == "enabled"
+        return Constraint(grammar=tool_call_grammar([(t.function.name, _parameters(t)) for t in tools], several,
+                                                    thinking))
     return None

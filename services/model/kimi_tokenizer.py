@@ -10,24 +10,19 @@ The pre-tokenizer regex is the ``pat_str`` of Kimi K2's ``tokenization_kimi.py``
 groups of up to three; punctuation; newlines; whitespace). Like Kimi's own tokenizer, very long
 runs of whitespace or non-whitespace are cut before the regex runs, which keeps encoding linear.
 
-The chat format (``KIMI_CHAT_TEMPLATE``) follows Kimi K2's published one:
+Which chat format a tokenizer renders is chosen by the model, not the vocabulary:
 
-- ``<|im_system|>tool_declare<|im_middle|>[tools as compact JSON]<|im_end|>`` first, when tools are given;
-- ``<|im_system|>system<|im_middle|>...<|im_end|>`` (a default system prompt if there is none),
-  ``<|im_user|>user<|im_middle|>...<|im_end|>``, ``<|im_assistant|>assistant<|im_middle|>...<|im_end|>``;
-- an assistant turn is ``<think>reasoning</think>`` + content + tool calls. Which turns keep
-  their reasoning is the model family's *thinking history* (``THINKING_HISTORY``): ``"all"``
-  (K3, trained with preserved thinking) keeps every turn's; ``"current_turn"`` (K2-style) keeps
-  it only for turns after the last user message (the current agentic loop), older turns carry an
-  empty ``<think></think>`` as Kimi K2 Thinking renders them. The template variable
-  ``preserve_thinking`` (a request's ``chat_template_kwargs``) overrides the family's choice;
-- tool calls: ``<|tool_calls_section_begin|>`` then per call
-  ``<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`` then
-  ``<|tool_calls_section_end|>``; ids have the native form ``functions.NAME:INDEX``;
-- a tool result: ``<|im_system|>NAME<|im_middle|>## Return of ID\\nRESULT<|im_end|>``
-  (NAME is the message's ``name``, else ``tool``);
-- the reply starts after ``<|im_assistant|>assistant<|im_middle|>``; with ``thinking=False``
-  (instant mode) the prompt also closes an empty ``<think></think>``, so the reply is the answer.
+- a checkpoint that ships its own template (``chat_template.jinja`` or ``tokenizer_config.json``'s
+  ``chat_template``) is rendered with it, in jinja2's sandbox as transformers does;
+- otherwise Kimi K3 checkpoints (``model_type: kimi_k3``) use K3's XTML format
+  (``kimi_k3_format``; K3 ships no Jinja template), and every other Kimi model Kimi K2's.
+
+K3's tokenizer_config.json names ids 163586-163589 ``<|end_of_msg|>``, ``<|open|>``,
+``<|close|>``, ``<|sep|>`` where K2's has ``<|im_end|>``, ``<|im_user|>``, ``<|im_assistant|>``
+and a reserved id; a K3 model read with a K2 vocabulary directory (a preset with random weights)
+gets K3's names for them (``K3_SPECIAL_TOKENS``).
+
+Kimi K2's format is ``kimi_k2_format``'s, K3's ``kimi_k3_format``'s.
 """
 
 from __future__ import annotations
@@ -45,9 +40,12 @@ from typing import Any, Literal
 
 import tiktoken
 from crescent.services.model.chat_template import ChatTemplate
-from crescent.services.model.literal_text import control_text_pattern
+from crescent.services.model.kimi_k2_format import END_OF_TURN, KIMI_CHAT_TEMPLATE
+from crescent.services.model.kimi_k3_format import DEFAULT_THINKING_EFFORT, END_OF_MSG, K3_SPECIAL_TOKENS, render_k3_chat
+from crescent.services.model.literal_text import OPEN as LITERAL_OPEN
+from crescent.services.model.literal_text import control_text_pattern, encode_marked
 from crescent.services.model.model_source import ModelSource
-from crescent.services.model.tokenizer import Tokenizer, TokenizerError
+from crescent.services.model.tokenizer import Tokenizer, TokenizerError, checkpoint_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -82,53 +80,15 @@ THINKING_HISTORY: dict[str, ThinkingHistory] = {
     "deepseek_v3": "current_turn",  # Kimi K2 checkpoints declare DeepSeek-V3's architecture
 }
 DEFAULT_THINKING_HISTORY: ThinkingHistory = "current_turn"  # Kimi K2 Thinking's published behaviour
+# Which built-in chat format a model family uses when its checkpoint ships no template.
+ChatFormat = Literal["k2", "k3"]
+CHAT_FORMATS: dict[str, ChatFormat] = {"kimi_k3": "k3"}
+_REQUIRED_SPECIALS: dict[ChatFormat, tuple[str, ...]] = {
+    "k2": ("[BOS]", "[EOS]", "<|im_end|>", "<|im_middle|>"),
+    "k3": ("[BOS]", "[EOS]", END_OF_MSG, "<|open|>", "<|close|>", "<|sep|>"),
+}
 
-DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
-END_OF_TURN = "<|im_end|>"
 END_OF_TEXT = "[EOS]"
-
-KIMI_CHAT_TEMPLATE = (
-    "{%- macro text(content) -%}"
-    "{%- if content is string -%}{{ content }}"
-    "{%- elif content is not none -%}"
-    "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- if tools -%}"
-    "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
-    "{%- endif -%}"
-    "{%- if messages[0]['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
-    "{%- endif -%}"
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{%- set role = m['role'] -%}"
-    "{%- if role == 'user' -%}<|im_user|>user<|im_middle|>{{ text(m['content']) }}"
-    "{%- elif role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if (preserve_thinking or loop.index0 > ns.last_user) and m.get('reasoning_content') -%}"
-    "<think>{{ m['reasoning_content'] }}</think>"
-    "{%- else -%}<think></think>{%- endif -%}"
-    "{{ text(m.get('content')) }}"
-    "{%- if m.get('tool_calls') -%}<|tool_calls_section_begin|>"
-    "{%- for call in m['tool_calls'] -%}"
-    "{%- set args = call['function']['arguments'] -%}"
-    "<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
-    "{{ args if args is string else args | tojson }}<|tool_call_end|>"
-    "{%- endfor -%}<|tool_calls_section_end|>"
-    "{%- endif -%}"
-    "{%- elif role == 'tool' -%}<|im_system|>{{ m.get('name') or 'tool' }}<|im_middle|>"
-    "## Return of {{ m.get('tool_call_id') or '' }}\n{{ text(m['content']) }}"
-    "{%- elif role == 'system' -%}<|im_system|>system<|im_middle|>{{ text(m['content']) }}"
-    "{%- else -%}{{ raise_exception('unknown role ' + role) }}"
-    "{%- endif -%}"
-    "<|im_end|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if thinking is defined and thinking is false -%}<think></think>{%- endif -%}"
-    "{%- endif -%}"
-)
 
 
 class KimiDetokenizer:
@@ -151,16 +111,20 @@ class KimiDetokenizer:
 class KimiTokenizer:
     """Encode/decode, stop tokens and chat format of a Kimi model (see the module docstring)."""
 
-    __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template", "_control", "thinking_history")
+    __slots__ = ("_enc", "_special_ids", "_skip_ids", "_template", "_control", "thinking_history", "chat_format")
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: Mapping[str, int], *,
-                 skip_ids: frozenset[int], thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY) -> None:
+                 skip_ids: frozenset[int], thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY,
+                 chat_format: ChatFormat = "k2", template: str | None = None) -> None:
         """``skip_ids``: the special tokens ``decode(skip_special_tokens=True)`` and the detokenizer drop;
-        ``thinking_history``: which earlier assistant turns keep their reasoning (module docstring)."""
+        ``thinking_history``: which earlier assistant turns keep their reasoning (module docstring);
+        ``chat_format``: the model's format (its stop token; its built-in template);
+        ``template``: the checkpoint's own Jinja template, which replaces the built-in one."""
         if thinking_history not in ("all", "current_turn"):
             raise TokenizerError(f"thinking_history must be 'all' or 'current_turn', got {thinking_history!r}")
         self.thinking_history = thinking_history
-        for name in ("[BOS]", "[EOS]", END_OF_TURN, "<|im_middle|>"):
+        self.chat_format = chat_format
+        for name in _REQUIRED_SPECIALS[chat_format]:
             if name not in special_tokens:
                 raise TokenizerError(f"Kimi special token {name} is missing from {CONFIG_FILE}")
         self._enc = tiktoken.Encoding(
@@ -168,18 +132,22 @@ class KimiTokenizer:
         )
         self._special_ids = dict(special_tokens)
         self._skip_ids = skip_ids
-        self._template = ChatTemplate(KIMI_CHAT_TEMPLATE, bos_token="[BOS]", eos_token=END_OF_TEXT)
+        source = template if template is not None else KIMI_CHAT_TEMPLATE if chat_format == "k2" else None
+        self._template = None if source is None else ChatTemplate(source, bos_token="[BOS]", eos_token=END_OF_TEXT)
         self._control = control_text_pattern(special_tokens)
 
     # --- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | Path, *,
-                 thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY) -> KimiTokenizer:
-        """Load ``tiktoken.model`` and ``tokenizer_config.json`` from a directory."""
+    def from_dir(cls, path: str | Path, *, thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY,
+                 chat_format: ChatFormat = "k2", template_dir: Path | None = None) -> KimiTokenizer:
+        """Load ``tiktoken.model`` and ``tokenizer_config.json`` from a directory; the chat template
+        from ``template_dir`` (the checkpoint's directory) if it ships one, else from ``path``."""
         path = Path(path)
         ranks = _read_ranks(path / VOCAB_FILE)
         config = _read_config(path / CONFIG_FILE)
+        template = checkpoint_template(template_dir) if template_dir is not None else None
+        template = template if template is not None else checkpoint_template(path, config)
         table = config.get("added_tokens_decoder")
         if not isinstance(table, Mapping):
             raise TokenizerError(f"{path / CONFIG_FILE} has no added_tokens_decoder table")
@@ -188,6 +156,9 @@ class KimiTokenizer:
             if not (isinstance(entry, Mapping) and isinstance(entry.get("content"), str) and str(key).isdigit()):
                 raise TokenizerError(f"{path / CONFIG_FILE}: bad added_tokens_decoder entry {key!r}")
             named[int(key)] = (entry["content"], bool(entry.get("special", True)))
+        if chat_format == "k3" and "<|open|>" not in {text for text, _ in named.values()}:
+            logger.info("%s has K2's special tokens: using K3's names for ids %s", path, sorted(K3_SPECIAL_TOKENS))
+            named.update(K3_SPECIAL_TOKENS)
         first = len(ranks)
         specials: dict[str, int] = {}
         skip: set[int] = set()
@@ -201,8 +172,11 @@ class KimiTokenizer:
                 f"{path / CONFIG_FILE}: special token ids {sorted(named)} lie outside [{first}, "
                 f"{first + NUM_RESERVED_SPECIAL})"
             )
-        tok = cls(ranks, specials, skip_ids=frozenset(skip), thinking_history=thinking_history)
-        logger.info("Kimi tokenizer from %s: %d tokens, thinking history %s", path, tok.vocab_size, thinking_history)
+        tok = cls(ranks, specials, skip_ids=frozenset(skip), thinking_history=thinking_history,
+                  chat_format=chat_format, template=template)
+        logger.info("Kimi tokenizer from %s: %d tokens, %s format, %s template, thinking history %s", path,
+                    tok.vocab_size, chat_format, "the checkpoint's" if template is not None else "the built-in",
+                    thinking_history)
         return tok
 
     # --- use ------------------------------------------------------------------------------
@@ -213,19 +187,27 @@ class KimiTokenizer:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        # <|im_end|> first: it ends an assistant turn; [EOS] ends a document.
-        return (self._special_ids[END_OF_TURN], self._special_ids[END_OF_TEXT])
+        # The end of a turn first (<|im_end|>, K3's <|end_of_msg|>); [EOS] ends a document.
+        end_of_turn = END_OF_MSG if self.chat_format == "k3" else END_OF_TURN
+        return (self._special_ids[end_of_turn], self._special_ids[END_OF_TEXT])
 
     @property
     def bos_token_id(self) -> int | None:
         return self._special_ids["[BOS]"]
 
     @property
-    def chat_template(self) -> str:
-        return self._template.source
+    def chat_template(self) -> str | None:
+        """The Jinja source rendered (None: K3's built-in format, rendered in Python)."""
+        return None if self._template is None else self._template.source
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token text such as ``<|im_end|>`` maps to its id."""
+        """Token ids of ``text``; special-token text such as ``<|im_end|>`` maps to its id. A prompt
+        whose text segments are marked literal (K3's format) is encoded segment by segment."""
+        if LITERAL_OPEN in text:
+            return encode_marked(text, self._encode, self.encode_as_text)
+        return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
         ids: list[int] = []
         for piece in _pieces(text):
             ids += self._enc.encode(piece, allowed_special="all")
@@ -268,7 +250,16 @@ class KimiTokenizer:
                             tools: list[dict[str, Any]] | None = None, **template_vars: Any) -> str:
         """Render a conversation; ``tools`` are OpenAI tool definitions (``{"type": "function", ...}``);
         ``template_vars`` go to the template (``thinking=False`` opens the reply with an empty think block;
-        ``preserve_thinking`` overrides the family's thinking history for this conversation)."""
+        ``preserve_thinking`` overrides the family's thinking history for this conversation). K3's
+        built-in format reads ``thinking`` (default on), ``thinking_effort`` (default max, as K3's
+        own encoder), ``tool_choice`` and ``response_format``."""
+        if self._template is None:
+            thinking = template_vars.get("thinking", True) is not False
+            return render_k3_chat(messages, tools or None, add_generation_prompt=add_generation_prompt,
+                                  thinking=thinking,
+                                  thinking_effort=template_vars.get("thinking_effort") or DEFAULT_THINKING_EFFORT,
+                                  tool_choice=template_vars.get("tool_choice"),
+                                  response_format=template_vars.get("response_format"))
         template_vars.setdefault("preserve_thinking", self.thinking_history == "all")
         return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
                                      **template_vars)
@@ -314,6 +305,15 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+def checkpoint_template(directory: Path, config: Mapping[str, Any] | None = None) -> str | None:
+    """The chat template a checkpoint ships (``tokenizer.checkpoint_chat_template``): its
+    ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``."""
+    if config is None:
+        config_path = directory / CONFIG_FILE
+        config = _read_config(config_path) if config_path.is_file() else {}
+    return checkpoint_chat_template(directory, config)
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -340,7 +340,7 @@ def thinking_history_for(model_type: str | None) -> ThinkingHistory:
     return THINKING_HISTORY.get(model_type or "", DEFAULT_THINKING_HISTORY)
 
 
-def _model_type(source: ModelSource) -> str | None:
+def model_type_of(source: ModelSource) -> str | None:
     """config.json's ``model_type``; a seeded preset has no files, its kind is its family."""
     if source.random_seed is not None:
         return source.kind
@@ -351,18 +351,26 @@ def _model_type(source: ModelSource) -> str | None:
     return raw.get("model_type") if isinstance(raw, dict) else None
 
 
+def chat_format_for(model_type: str | None) -> ChatFormat:
+    """The built-in chat format of a model family (``CHAT_FORMATS``), K2's for families not listed."""
+    return CHAT_FORMATS.get(model_type or "", "k2")
+
+
 def load_kimi_tokenizer(model_dir: Path | None = None, *,
-                        thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY) -> KimiTokenizer:
-    """The Kimi tokenizer of ``model_dir`` if it ships one, else the one in ``default_tokenizer_dir()``."""
+                        thinking_history: ThinkingHistory = DEFAULT_THINKING_HISTORY,
+                        chat_format: ChatFormat = "k2") -> KimiTokenizer:
+    """The Kimi tokenizer of ``model_dir`` if it ships one, else the one in ``default_tokenizer_dir()``
+    (with ``model_dir``'s own chat template, if it ships one)."""
     if model_dir is not None and (model_dir / VOCAB_FILE).is_file():
-        return KimiTokenizer.from_dir(model_dir, thinking_history=thinking_history)
+        return KimiTokenizer.from_dir(model_dir, thinking_history=thinking_history, chat_format=chat_format)
     fallback = default_tokenizer_dir()
     if not (fallback / VOCAB_FILE).is_file():
         raise TokenizerError(
             f"the Kimi vocabulary ({VOCAB_FILE} + {CONFIG_FILE}) is not in "
             f"{model_dir or 'the model directory'} nor in {fallback}; set {TOKENIZER_DIR_ENV} to its directory"
         )
-    return KimiTokenizer.from_dir(fallback, thinking_history=thinking_history)
+    return KimiTokenizer.from_dir(fallback, thinking_history=thinking_history, chat_format=chat_format,
+                                  template_dir=model_dir)
 
 
 def tokenizer_for(source: ModelSource) -> Tokenizer | KimiTokenizer:
@@ -370,9 +378,11 @@ def tokenizer_for(source: ModelSource) -> Tokenizer | KimiTokenizer:
     where its directory ships ``tiktoken.model`` without ``tokenizer.json``; else ``Tokenizer.for_model``.
     A Kimi tokenizer keeps the thinking history of the model's family (``thinking_history_for``)."""
     model_dir = source.path if source.kind != "gguf" and source.random_seed is None and source.path.is_dir() else None
-    history = thinking_history_for(_model_type(source)) if source.kind != "gguf" else DEFAULT_THINKING_HISTORY
+    model_type = model_type_of(source) if source.kind != "gguf" else None
+    history = thinking_history_for(model_type) if source.kind != "gguf" else DEFAULT_THINKING_HISTORY
+    fmt = chat_format_for(model_type)
     if source.tokenizer == "kimi":
-        return load_kimi_tokenizer(model_dir, thinking_history=history)
+        return load_kimi_tokenizer(model_dir, thinking_history=history, chat_format=fmt)
     if model_dir is not None and (model_dir / VOCAB_FILE).is_file() and not (model_dir / "tokenizer.json").is_file():
-        return KimiTokenizer.from_dir(model_dir, thinking_history=history)
+        return KimiTokenizer.from_dir(model_dir, thinking_history=history, chat_format=fmt)
     return Tokenizer.for_model(source)

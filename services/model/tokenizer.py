@@ -190,7 +190,7 @@ class Tokenizer:
         bos = mcfg.get("bos_token_id")
         if bos is None:
             bos = token_id(tcfg.get("bos_token"))
-        return cls(tok, eos_token_ids=eos_ids, bos_token_id=bos, chat_template=_hf_chat_template(path, tcfg))
+        return cls(tok, eos_token_ids=eos_ids, bos_token_id=bos, chat_template=checkpoint_chat_template(path, tcfg))
 
     @classmethod
     def for_model(cls, source: ModelSource) -> Tokenizer:
@@ -320,7 +320,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _hf_chat_template(path: Path, tcfg: Mapping[str, Any]) -> str | None:
+def checkpoint_chat_template(path: Path, tcfg: Mapping[str, Any]) -> str | None:
+    """The chat template a model directory ships: ``chat_template.jinja``, else ``tokenizer_config.json``'s."""
     if (path / "chat_template.jinja").is_file():  # newer transformers save it beside the config
         return (path / "chat_template.jinja").read_text(encoding="utf-8")
     template = tcfg.get("chat_template")

@@ -4,13 +4,14 @@ the preset's fp32 cache and with a bf16 one (``engine.kv_cache_dtype``)."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.e2e.stack import Stack, start_stack, stop_stack
 from tests.e2e.test_kimi_k3_path import (  # noqa: F401 (fixtures)
-    BLOCK, CONTEXT, MODEL, ask, cache_dtype, k3_reference, reference_reply, reply_text,
+    BLOCK, CONTEXT, MODEL, UNLOCKED_K3_CARD, ask, cache_dtype, k3_reference, reference_reply, reply_text,
 )
 
 pytestmark = pytest.mark.slow
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def k3_aggregated(tmp_path_factory: pytest.TempPathFactory, cache_dtype: str) -> Stack:
     env = {"CRESCENT_AGGREGATED__CHUNK_TOKENS": str(2 * BLOCK), "CRESCENT_AGGREGATED__ENGINE__THREADS": "1",
-           "CRESCENT_AGGREGATED__ENGINE__KV_CACHE_DTYPE": cache_dtype}
+           "CRESCENT_AGGREGATED__ENGINE__KV_CACHE_DTYPE": cache_dtype,
+           "CRESCENT_GATEWAY__MODEL_POLICY": json.dumps(UNLOCKED_K3_CARD)}  # greedy replies: see test_kimi_k3_path
     running = start_stack(tmp_path_factory.mktemp("k3-aggregated"), "--aggregated", "1", "--model", MODEL,
                           "--block-size", str(BLOCK), "--kv-capacity-tokens", "2048", env=env)
     yield running

@@ -5,6 +5,12 @@ blocks (MLA latents + KDA state snapshots) from prefill's cache and, once evicte
 kvstore, with the same output as a cold run. Twice: with the preset's fp32 cache, and with
 ``engine.kv_cache_dtype: bfloat16`` on prefill and decode, whose blocks (kvstore puts and gets,
 the handoff) travel in bf16 with their states in fp32.
+
+Greedy decoding is what makes replies comparable, but K3's card fixes the temperature (1.0
+thinking, 0.6 instant): the stack runs with an operator's card (``model_policy``) that keeps K3's
+reasoning controls and drops its sampling locks. Replies are asked in instant mode (thinking
+disabled), so the random model's text is the reply's ``content``; a forced tool call runs with
+thinking on.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from crescent.protos import common_pb2
 from crescent.services.engine.constraints import ConstraintCompiler
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import load_k3_model
+from crescent.services.gateway.xtml_grammar import in_response_channel
 from crescent.services.model.kimi_tokenizer import tokenizer_for
 from crescent.services.model.model_source import resolve_model
 from tests.e2e.stack import Stack, start_stack, stop_stack
@@ -31,6 +38,10 @@ pytestmark = pytest.mark.slow
 MODEL = "kimi-k3-nano"
 BLOCK = 16
 KV_TOKENS = 1024
+# K3's reasoning controls without its sampling locks (module docstring).
+UNLOCKED_K3_CARD = {"reasoning_efforts": ["max", "low", "high"], "thinking": ["enabled", "disabled"],
+                    "thinking_keep": ["all"]}
+INSTANT = {"thinking": {"type": "disabled"}}
 CONTEXT = ("The lighthouse keeper logs the tide, the wind and every passing ship in a blue notebook. " * 6)
 
 
@@ -42,6 +53,7 @@ def cache_dtype(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def k3_stack(tmp_path_factory: pytest.TempPathFactory, cache_dtype: str) -> Stack:
     env = {f"CRESCENT_{role}__ENGINE__KV_CACHE_DTYPE": cache_dtype for role in ("PREFILL", "DECODE")}
+    env["CRESCENT_GATEWAY__MODEL_POLICY"] = json.dumps(UNLOCKED_K3_CARD)
     running = start_stack(tmp_path_factory.mktemp("k3-stack"), "--model", MODEL, "--block-size", str(BLOCK),
                           "--kv-capacity-tokens", str(KV_TOKENS), env=env)
     yield running
@@ -59,12 +71,14 @@ def k3_reference(cache_dtype: str):
 
 def ask(stack: Stack, messages: list[dict], max_tokens: int):
     api = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    return api.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    return api.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                       extra_body=INSTANT)
 
 
-def prompt_ids(reference, messages: list[dict]) -> list[int]:
+def prompt_ids(reference, messages: list[dict], **template_vars) -> list[int]:
+    """The prompt the gateway builds for an instant-mode request (K3's format)."""
     tokenizer = reference[1]
-    return tokenizer.encode(tokenizer.apply_chat_template(messages))
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, thinking=False, **template_vars))
 
 
 def reference_reply(reference, messages: list[dict], max_tokens: int) -> tuple[list[int], list[int]]:
@@ -132,20 +146,26 @@ def test_structured_output_and_forced_tool_call_on_the_kimi_family(k3_stack, k3_
     api = openai.OpenAI(base_url=f"{k3_stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Is the tide high?"}]
     reply = api.chat.completions.parse(model=MODEL, messages=messages, response_format=Verdict, temperature=0,
-                                       max_tokens=40)
+                                       max_tokens=60, extra_body=INSTANT)
     assert isinstance(reply.choices[0].message.parsed, Verdict)
     schema = openai.lib._pydantic.to_strict_json_schema(Verdict)
     engine, tokenizer = k3_reference
     compiler = ConstraintCompiler.for_model(MODEL, engine.config.vocab_size, engine.config.eos_token_ids)
-    expected = engine.generate(prompt_ids(k3_reference, messages), 40,
-                               constraint=compiler.compile(common_pb2.Constraint(json_schema=json.dumps(schema))))
-    assert reply.choices[0].message.content == tokenizer.decode(expected)
+    # K3: the JSON is the response channel's text, then the channel and the message close.
+    constraint = in_response_channel(common_pb2.Constraint(json_schema=json.dumps(schema)), thinking=False)
+    prompt = prompt_ids(k3_reference, messages,
+                        response_format={"type": "json_schema", "json_schema": {"name": "Verdict", "schema": schema}})
+    expected = engine.generate(prompt, 60, constraint=compiler.compile(constraint))
+    text = tokenizer.decode(expected)
+    assert text.endswith("<|close|>response<|sep|><|close|>message<|sep|>")
+    assert reply.choices[0].message.content == text.removesuffix("<|close|>response<|sep|><|close|>message<|sep|>")
 
     tide = {"type": "function", "function": {"name": "tide_table", "parameters": {
         "type": "object", "properties": {"port": {"enum": ["Brest", "Oslo"]}}, "required": ["port"],
         "additionalProperties": False}}}
+    # K3's markup around a call takes ~50 tokens (channels closed, tools channel, json element): room for it.
     chunks = api.chat.completions.create(model=MODEL, messages=messages, tools=[tide], tool_choice="required",
-                                         parallel_tool_calls=False, temperature=0, max_tokens=40, stream=True)
+                                         parallel_tool_calls=False, temperature=0, max_tokens=120, stream=True)
     names, arguments, finish = [], [], None
     for chunk in chunks:
         for call in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():

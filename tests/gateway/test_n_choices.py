@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from crescent.services.gateway.choices import MAX_CHOICES, choice_seed
-from crescent.services.gateway.model_policy import KIMI_POLICY
+from crescent.services.gateway.model_policy import K3_POLICY
 
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
 from .support import BLOCK_SIZE, FakeBackend, Gateway
@@ -226,7 +226,7 @@ def test_too_many_choices_over_prompts_are_refused(gateway: Gateway) -> None:
 @pytest.fixture(scope="module")
 def kimi_card(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway whose model card is Kimi K3's, which fixes n at 1."""
-    gw = Gateway(tmp_path_factory.mktemp("kimi-card-n"), backend.address, model_policy=KIMI_POLICY.model_dump())
+    gw = Gateway(tmp_path_factory.mktemp("kimi-card-n"), backend.address, model_policy=K3_POLICY.model_dump())
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0

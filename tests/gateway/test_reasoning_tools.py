@@ -204,9 +204,10 @@ def test_a_kimi_token_stream_parses_into_reasoning_and_tool_calls() -> None:
 
 
 @pytest.mark.skipif(not (KIMI_DIR / "tiktoken.model").is_file(), reason=f"no Kimi vocabulary at {KIMI_DIR}")
-def test_the_gateway_serves_kimi_k3_nano_with_the_kimi_chat_format(
+def test_the_gateway_serves_kimi_k3_nano_with_the_k3_chat_format(
         backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> None:
-    from crescent.services.model.kimi_tokenizer import KimiTokenizer
+    from crescent.services.model.kimi_tokenizer import tokenizer_for
+    from crescent.services.model.model_source import resolve_model
 
     gw = Gateway(tmp_path_factory.mktemp("kimi"), backend.address, entry=PRODUCTION_ENTRY, model="kimi-k3-nano")
     gw.start_gateway()
@@ -215,8 +216,9 @@ def test_the_gateway_serves_kimi_k3_nano_with_the_kimi_chat_format(
             reply = client.chat.completions.create(model="kimi-k3-nano", messages=user("Hi"), tools=TOOLS)
     finally:
         assert gw.stop() == 0
-    tokenizer = KimiTokenizer.from_dir(KIMI_DIR)
+    tokenizer = tokenizer_for(resolve_model("kimi-k3-nano"))
     expected = tokenizer.encode(tokenizer.apply_chat_template(user("Hi"), tools=TOOLS))
     assert reply.usage is not None and reply.usage.prompt_tokens == len(expected)
     sent = backend.get("/prefills")[-1]
-    assert sorted(sent["stop_token_ids"]) == [163585, 163586]  # [EOS], <|im_end|>
+    assert sent["token_ids"] == expected
+    assert sorted(sent["stop_token_ids"]) == [163585, 163586]  # [EOS], <|end_of_msg|>

@@ -1,5 +1,6 @@
-"""Thinking history: K3 keeps the reasoning of every earlier assistant turn in the prompt, K2-style
-Kimi models keep only the current turn's. Rendered with the real Kimi tokenizer (../shared/)."""
+"""Thinking history: K3 keeps the reasoning of every earlier assistant turn in the prompt (in its
+XTML think channel), K2-style Kimi models keep only the current turn's. Rendered with the real Kimi
+tokenizer (../shared/)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from crescent.services.gateway.api_models import ChatCompletionRequest
 from crescent.services.gateway.output_format import KIMI_OUTPUT
 from crescent.services.gateway.prompt import ServedModel, build_prompt
+from crescent.services.model.literal_text import CLOSE, OPEN
+from crescent.services.model.kimi_k2_format import DEFAULT_SYSTEM_PROMPT
 from crescent.services.model.kimi_tokenizer import (
-    DEFAULT_SYSTEM_PROMPT,
     TOKENIZER_DIR_ENV,
     KimiTokenizer,
     tokenizer_for,
@@ -57,16 +59,27 @@ def k2(tmp_path: Path) -> KimiTokenizer:
     return tok
 
 
+def _xtml_turn(role: str, body: str) -> str:
+    return f'<|open|>message role="{role}"<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>'
+
+
 def test_k3_keeps_the_reasoning_of_every_earlier_turn(k3: KimiTokenizer) -> None:
-    assert k3.thinking_history == "all"
-    assert k3.apply_chat_template(CONVERSATION) == (
-        SYSTEM
-        + "<|im_user|>user<|im_middle|>What is 17 * 3?<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think>17 * 3 = 51.</think>51.<|im_end|>"
-        "<|im_user|>user<|im_middle|>And plus 9?<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think>51 + 9 = 60.</think>60.<|im_end|>"
-        "<|im_user|>user<|im_middle|>Thanks!<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|>"
+    assert k3.thinking_history == "all" and k3.chat_format == "k3"
+    effort = ('<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to '
+              "think in your thinking channel (not including the response channel), supported values include `low`, "
+              "`medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=max`."
+              "<|close|>message<|sep|><|end_of_msg|>")
+    rendered = k3.apply_chat_template(CONVERSATION)
+    assert rendered.replace(OPEN, "").replace(CLOSE, "") == (
+        effort
+        + _xtml_turn("user", "What is 17 * 3?")
+        + _xtml_turn("assistant", "<|open|>think<|sep|>17 * 3 = 51.<|close|>think<|sep|>"
+                                  "<|open|>response<|sep|>51.<|close|>response<|sep|>")
+        + _xtml_turn("user", "And plus 9?")
+        + _xtml_turn("assistant", "<|open|>think<|sep|>51 + 9 = 60.<|close|>think<|sep|>"
+                                  "<|open|>response<|sep|>60.<|close|>response<|sep|>")
+        + _xtml_turn("user", "Thanks!")
+        + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )
 
 
@@ -96,6 +109,11 @@ def test_the_family_comes_from_config_model_type(tmp_path: Path, model_type: str
 
 def _reply_ids(tok: KimiTokenizer, reasoning: str, answer: str) -> list[int]:
     """The tokens a thinking model generates for one turn, up to its end-of-turn token."""
+    if tok.chat_format == "k3":
+        return (tok.encode(reasoning) + tok.encode("<|close|>") + tok.encode("think") + tok.encode("<|sep|>")
+                + tok.encode("<|open|>") + tok.encode("response") + tok.encode("<|sep|>") + tok.encode(answer)
+                + tok.encode("<|close|>") + tok.encode("response") + tok.encode("<|sep|><|close|>") + tok.encode("message")
+                + tok.encode("<|sep|><|end_of_msg|>"))
     return tok.encode(f"<think>{reasoning}</think>{answer}<|im_end|>")
 
 
@@ -123,7 +141,7 @@ def test_a_request_may_override_the_family_through_chat_template_kwargs(
         "model": "k2", "messages": CONVERSATION, "chat_template_kwargs": {"preserve_thinking": True}})
     text = k2.decode(list(build_prompt(request, model, 16).token_ids), skip_special_tokens=False)
     assert "<think>17 * 3 = 51.</think>" in text and "<think>51 + 9 = 60.</think>" in text
-    assert "17 * 3 = 51." not in k3.apply_chat_template(CONVERSATION, preserve_thinking=False)
+    assert "17 * 3 = 51." in k3.apply_chat_template(CONVERSATION)  # K3's format always keeps it when thinking
     # without the override the gateway renders each family's own way
     plain = ChatCompletionRequest.model_validate({"model": "k2", "messages": CONVERSATION})
     assert "51 + 9" not in k2.decode(list(build_prompt(plain, model, 16).token_ids))

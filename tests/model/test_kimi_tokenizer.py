@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import regex
 from crescent.services.model.chat_template import ChatTemplateError
+from crescent.services.model.kimi_k2_format import DEFAULT_SYSTEM_PROMPT
 from crescent.services.model.kimi_tokenizer import (
-    DEFAULT_SYSTEM_PROMPT,
     PAT_STR,
     TOKENIZER_DIR_ENV,
     KimiTokenizer,
