@@ -7,6 +7,11 @@ random tensors under the real names and shapes, as Moonshot's modeling code decl
 (``language_model.`` prefix for K3, ``[C, 1, 4]`` convs, K3's ``A_log`` zero-padded to the head
 dim, ``[1, 1, H, 1]`` for Kimi-Linear, per-expert ``w1/w2/w3``...).
 
+Both are written the way transformers writes them (``hf_written``): every generic
+``PretrainedConfig`` field at the top level and in the nested ``text_config``/``vision_config``.
+Kimi-Linear's config names no ``max_position_embeddings`` (its MLA has no positions), only
+``model_max_length: 1048576``, as the published one.
+
 ``reference_weights`` decodes the files' tensors independently of Crescent (its own E2M1 table
 and nibble order: low nibble = even element, E8M0 scale 2^(s-127)) for the test reference.
 """
@@ -19,6 +24,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from tests.engine.hf_written import as_written, composite_as_written
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -41,10 +48,10 @@ K3_TEXT = {
     },
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
 }
-K3_CONFIG = {
+K3_VISION = {"model_type": "kimi_k3_vision", "patch_size": 14, "vt_hidden_size": 32, "vt_num_hidden_layers": 1,
+             "text_hidden_size": 64}
+K3_CONFIG = composite_as_written({
     "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-    "text_config": K3_TEXT,
-    "vision_config": {"patch_size": 14, "vt_hidden_size": 32, "vt_num_hidden_layers": 1, "text_hidden_size": 64},
     "media_placeholder_token_id": 500, "pad_token_id": 0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "quantization_config": {
         "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
@@ -52,14 +59,14 @@ K3_CONFIG = {
             "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True}}},
         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:vision_tower.*"],
     },
-}
-KIMI_LINEAR_CONFIG = {
+}, K3_TEXT, K3_VISION)
+KIMI_LINEAR_CONFIG = as_written({
     "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
     "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig"},
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 5,
     "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "hidden_act": "silu",
     "rms_norm_eps": 1e-5, "initializer_range": 0.02, "use_cache": True, "rope_theta": 10000.0,
-    "rope_scaling": None, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+    "rope_scaling": None, "tie_word_embeddings": False, "model_max_length": 1048576,
     "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "mla_use_nope": True, "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1,
     "moe_intermediate_size": 32, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
@@ -68,7 +75,7 @@ KIMI_LINEAR_CONFIG = {
     "linear_attn_config": {"kda_layers": [1, 2, 3, 5], "full_attn_layers": [4], "num_heads": 2,
                            "head_dim": 16, "short_conv_kernel_size": 4},
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
-}
+})
 
 
 def text_config(config: dict) -> dict:

@@ -39,6 +39,8 @@ from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from crescent.services.engine.kimi_k3.weights import random_weights, weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.hf_loader import weight_files
+from crescent.services.engine.loader.safetensors_header import stored_float_dtype
+from crescent.services.model.hf_config import config_dtype
 from crescent.services.model.model_source import ModelSource
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,9 @@ def read_any_config(path: Path) -> tuple[K3Config, RealFormat | None]:
         if not isinstance(raw, dict):
             raise ValueError("config.json is not a JSON object")
         if is_real_kimi_config(raw):
-            return parse_real_config(raw)
+            # no dtype in the config: the model's dtype is the one its weights are stored in
+            weights_dtype = stored_float_dtype(weight_files(path)) if config_dtype(raw) is None else None
+            return parse_real_config(raw, weights_dtype)
         return K3Config.from_hf_dict(raw), None
     except (OSError, ValueError) as exc:  # ModelConfigError is a ValueError
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
