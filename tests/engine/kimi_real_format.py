@@ -57,7 +57,8 @@ K3_CONFIG = composite_as_written({
         "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True}}},
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:vision_tower.*"],
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*",
+                   "re:.*block_sparse_moe\\.gate$", "re:.*_res_proj$", "re:vision_tower.*", "re:mm_projector.*"],
     },
 }, K3_TEXT, K3_VISION)
 KIMI_LINEAR_CONFIG = as_written({
@@ -162,8 +163,12 @@ def real_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         out[m + "gate.weight"] = _rand(gen, e, d)
         out[m + "gate.e_score_correction_bias"] = _rand(gen, e, scale=0.05)
         if t.get("routed_expert_hidden_size"):
-            out[m + "routed_expert_down_proj.weight"] = _rand(gen, lat, d)
-            out[m + "routed_expert_up_proj.weight"] = _rand(gen, d, lat)
+            # Linear layers the quantization_config's ignore list leaves quantized, as K3 stores them
+            for name, (rows, cols) in (("routed_expert_down_proj.", (lat, d)), ("routed_expert_up_proj.", (d, lat))):
+                if mxfp4:
+                    out.update({m + name + part: v for part, v in _packed_mxfp4(gen, rows, cols).items()})
+                else:
+                    out[m + name + "weight"] = _rand(gen, rows, cols)
             if t.get("latent_moe_use_norm"):
                 out[m + "routed_expert_norm.weight"] = 1 + 0.1 * _rand(gen, lat, scale=1.0)
         for x in range(e):

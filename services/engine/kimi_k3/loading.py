@@ -102,7 +102,9 @@ def read_any_config(path: Path) -> tuple[K3Config, RealFormat | None]:
             raise ValueError("config.json is not a JSON object")
         if is_real_kimi_config(raw):
             # no dtype in the config: the model's dtype is the one its weights are stored in
-            weights_dtype = stored_float_dtype(weight_files(path)) if config_dtype(raw) is None else None
+            # (a config.json alone, as `crescent plan` may read: float32, what Crescent computes in)
+            shards = config_dtype(raw) is None and any(path.glob("*.safetensors"))
+            weights_dtype = stored_float_dtype(weight_files(path)) if shards else None
             return parse_real_config(raw, weights_dtype)
         return K3Config.from_hf_dict(raw), None
     except (OSError, ValueError) as exc:  # ModelConfigError is a ValueError
