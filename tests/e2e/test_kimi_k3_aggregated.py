@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def k3_aggregated(tmp_path_factory: pytest.TempPathFactory, cache_dtype: str) -> Stack:
     env = {"CRESCENT_AGGREGATED__CHUNK_TOKENS": str(2 * BLOCK), "CRESCENT_AGGREGATED__ENGINE__THREADS": "1",
-           "CRESCENT_AGGREGATED__ENGINE__KV_CACHE_DTYPE": cache_dtype}
+           "CRESCENT_AGGREGATED__ENGINE__KV_CACHE_DTYPE": cache_dtype,
+           "CRESCENT_AGGREGATED__ENGINE__STATE_SNAPSHOT_EVERY_BLOCKS": "1"}  # hits at any block (default: every 16th)
     running = start_stack(tmp_path_factory.mktemp("k3-aggregated"), "--aggregated", "1", "--model", MODEL,
                           "--block-size", str(BLOCK), "--kv-capacity-tokens", "2048", env=env)
     yield running

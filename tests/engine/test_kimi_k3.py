@@ -160,8 +160,9 @@ def test_handoff_of_block_payloads_reproduces_generation():
     first = int(torch.argmax(prefill_engine.prefill(seq)))
     payloads = []
     for i in range(-(-len(tokens) // PAGE)):
-        blob = prefill_engine.block_payload(seq, i, min(PAGE, len(tokens) - i * PAGE)).numpy().tobytes()
-        payloads.append(torch.frombuffer(bytearray(blob), dtype=torch.float32))
+        payload = prefill_engine.block_payload(seq, i, min(PAGE, len(tokens) - i * PAGE))
+        blob = payload.numpy().tobytes()  # as bytes travel; the block's shape says whether it carries a state
+        payloads.append(torch.frombuffer(bytearray(blob), dtype=torch.float32).reshape(payload.shape))
     assert sum(decode_engine.cache.payload_tokens(p.shape) for p in payloads) == len(tokens)
     adopted = decode_engine.adopt_sequence("a", tokens + [first], len(tokens), payloads)
     out = [first]

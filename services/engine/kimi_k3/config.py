@@ -23,6 +23,13 @@ from crescent.services.model.hf_config import GENERIC_FIELDS, LENGTH_KEYS, HfCon
 MODEL_TYPE = "kimi_k3"
 CACHE_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names a cache may hold latents and conv tails in
 KIMI_VOCAB_SIZE = 163840  # the Kimi tiktoken tokenizer's id space (regular + special tokens)
+# The prefix cache's KDA state snapshots by default (SnapshotPolicy, EngineSettings.state_snapshot_*):
+# sparse — a snapshot every 16th block (1,024 tokens at 64-token blocks) and at every turn end, ~3
+# per conversation turn — in a pool of a few slots (16: about five conversations' worth; 7.2 GB for
+# the full K3, whose snapshot is 449 MB — `crescent plan` sizes it for a deployment). docs/k3.md,
+# "Which snapshots to keep", measures the trade-off (loadtest/bench_k3_snapshot_ttft.py).
+DEFAULT_SNAPSHOT_EVERY_BLOCKS = 16
+DEFAULT_SNAPSHOT_SLOTS = 16
 
 
 @dataclass(frozen=True, slots=True)
