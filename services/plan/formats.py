@@ -71,7 +71,8 @@ def preset_format(experts: str | None) -> WeightFormat:
     fmt = experts or "mxfp4"
     if fmt not in EXPERT_FORMATS:
         raise PlanInputError(f"--experts {fmt!r}: expected one of {', '.join(EXPERT_FORMATS)}")
-    return WeightFormat(quant=None if fmt == "bf16" else fmt, plain="bf16", all_linear=False)
+    return WeightFormat(quant=None if fmt == "bf16" else fmt, plain="bf16", all_linear=False,
+                        source=f"the preset's shape, routed experts as --experts {fmt}")
 
 
 def checkpoint_format(raw: Mapping[str, Any], model_dtype: str) -> WeightFormat:
