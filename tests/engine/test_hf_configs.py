@@ -107,14 +107,21 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf-configs")
 
 
-def test_gateway_engine_and_plan_serve_one_context_window(root: Path) -> None:
+def test_gateway_engine_scheduler_and_plan_serve_one_context_window(root: Path) -> None:
     from tests.plan.test_plan_cli import plan
 
+    from crescent.services.engine.settings import EngineSettings
+    from crescent.services.instance.runtime import build_engine
+    from crescent.services.instance.shell import NativeBackend
+
     path = _kimi_linear_dir(root)
-    engine_window = load_k3_model(resolve_model(str(path))).config.max_position_embeddings
+    engine = build_engine(EngineSettings(model=str(path), kv_capacity_tokens=256, block_size=16, threads=1),
+                          progress=False)
+    engine_window = engine.config.max_position_embeddings
+    registered = NativeBackend(engine).context_window  # what the engine registers; the scheduler checks agreement
     gateway_window = load_served_model(GatewaySettings(model=str(path))).context_window
     code, figures, _ = plan("--model", str(path), "--gpus", "H100")  # the default context: the model's window
-    assert engine_window == gateway_window == figures["sequence"]["context_tokens"] == 1_048_576
+    assert engine_window == registered == gateway_window == figures["sequence"]["context_tokens"] == 1_048_576
     assert plan("--model", str(path), "--gpus", "8xH100", "--context", "1M")[0] == 0
 
 
