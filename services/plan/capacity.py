@@ -1,8 +1,9 @@
 """What a hybrid (K3-class) model needs on N GPUs of one shape: the numbers behind ``crescent plan``.
 
-Weights: the routed experts in their checkpoint format (MXFP4: 4 bits per weight plus one E8M0
-byte per 32, 4.25 bits), every other tensor (attention, dense and shared FFNs, router,
-embeddings, norms) in bf16. Layouts of one engine instance over its N GPUs:
+Weights: every tensor in the format its checkpoint stores it (``formats.py``: a directory's
+quantization_config and dtype — K3's MXFP4 routed experts and latent projections at 4.25 bits per
+weight, the rest bf16; a bf16 Kimi-Linear all bf16 — or, for a preset, routed experts as
+``--experts`` says and the rest bf16). Layouts of one engine instance over its N GPUs:
 
 - ``TP{N}``: every matrix split N ways, experts included.
 - ``EP{N}, attn TP{t}×DP{N/t}``: whole experts spread over the N GPUs; the rest (attention,
@@ -14,7 +15,8 @@ latent cache of the group's sequences; KDA states split by value head.
 
 Per sequence (docs/k3.md, ``memory.k3_footprint``): the MLA latents of every token (bf16), one
 live KDA state (fp32 states and conv tails) and a bounded snapshot budget (fp32 states, bf16 tails) — at most
-``snapshots`` KDA state snapshots of its cached prefix (every k-th block and turn ends).
+``snapshots`` KDA state snapshots of its cached prefix (every k-th block and turn ends), on prefill
+only: decode resumes no prefix, and the Helm values give it none (``helm_values``).
 """
 
 from __future__ import annotations
