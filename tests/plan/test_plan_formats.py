@@ -60,3 +60,29 @@ def test_experts_flag_is_for_presets_and_must_agree_with_a_checkpoint(tmp_path: 
     assert plan("--model", str(path), "--gpus", "H100", "--context", "8k", "--experts", "bf16")[0] == 0
     code, f, _ = plan("--model", "kimi-k3", "--gpus", "16xH200", "--context", "128k", "--experts", "mxfp8")
     assert f["weights"]["expert_format"] == "mxfp8"  # (2.8 TB: it does not fit on 16 × H200, code 1)
+
+
+def test_the_values_set_the_snapshot_budget_the_figures_count() -> None:
+    import yaml
+    from typer.testing import CliRunner
+
+    from crescent.services.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--model", "kimi-k3", "--gpus", "8xB300", "--context", "128k",
+                                      "--snapshots", "2", "--snapshot-every-blocks", "128"])
+    values = yaml.safe_load(result.stdout)
+    code, f, _ = plan("--model", "kimi-k3", "--gpus", "8xB300", "--context", "128k", "--snapshots", "2")
+    best = next(lay for lay in f["layouts"] if lay["name"] == f["best"])
+    assert f["sequence"]["snapshot_bytes"] == 2 * 449_372_160  # counted per prefill sequence ...
+    prefill, decode = values["prefill"]["settings"]["engine"], values["decode"]["settings"]["engine"]
+    assert (prefill["state_snapshots"], prefill["state_snapshot_every_blocks"]) == (2 * best["sequences"], 128)
+    assert decode["state_snapshots"] == 0  # ... and decode, which resumes no prefix, allocates none
+
+
+def test_engine_defaults_are_the_sparse_policy() -> None:
+    from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
+    from crescent.services.engine.settings import EngineSettings
+
+    settings, policy = EngineSettings(), SnapshotPolicy()
+    assert (settings.state_snapshot_every_blocks, settings.state_snapshots) == (policy.every_blocks, policy.slots)
+    assert policy.every_blocks > 1 and policy.slots < 32  # not a snapshot per block, nor 14 GB of K3 states
