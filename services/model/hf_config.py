@@ -81,12 +81,6 @@ def check_generic(cfg: Mapping[str, Any], where: str = "") -> None:
             raise HfConfigError(f"config.json {where}{key} = {cfg[key]!r} is not supported (only {default!r})")
 
 
-def unknown_fields(cfg: Mapping[str, Any], model_fields: set[str] | frozenset[str]) -> list[str]:
-    """Fields of ``cfg`` neither generic nor among ``model_fields``, sorted; checks the generic ones."""
-    check_generic(cfg)
-    return sorted(set(cfg) - GENERIC_FIELDS - set(LENGTH_KEYS) - set(model_fields))
-
-
 def _length(cfg: Mapping[str, Any], where: str) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for key in LENGTH_KEYS:
