@@ -25,47 +25,47 @@ _sym_db = _symbol_database.Default()
 from crescent.protos import common_pb2 as crescent_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63rescent/protos/scheduler.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\"\xdc\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.crescent.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x05\x12\x11\n\tkv_format\x18\x08 \x01(\t\x12\x10\n\x08kv_dtype\x18\t \x01(\t\"J\n\rRegisterReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x1a\n\x12want_full_snapshot\x18\x02 \x01(\x08\"\xb3\x02\n\x0cInstanceLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x03 \x01(\x03\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x16\n\x0e\x66ree_kv_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12\x61\x63tive_request_ids\x18\x06 \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x07 \x03(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x1f\n\x17prefill_queued_requests\x18\t \x01(\x05\x12\x1d\n\x15prefill_queued_tokens\x18\n \x01(\x03\x12 \n\x18prefill_running_requests\x18\x0b \x01(\x05\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\xb4\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_keys\x18\x03 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\t\n\x01n\x18\x07 \x01(\x05\x12 \n\x18unreachable_instance_ids\x18\x08 \x03(\t\"3\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"C\n\tRejection\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\"\xb5\x02\n\tPlacement\x12)\n\x07prefill\x18\x01 \x01(\x0b\x32\x18.crescent.v1.InstanceRef\x12(\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x18.crescent.v1.InstanceRef\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x03 \x01(\x05\x12)\n\trejection\x18\x04 \x01(\x0b\x32\x16.crescent.v1.Rejection\x12\x18\n\x10predicted_ttft_s\x18\x05 \x01(\x01\x12\x17\n\x0fpredicted_tbt_s\x18\x06 \x01(\x01\x12\x18\n\x10prefix_source_id\x18\x07 \x01(\t\x12\x1c\n\x14prefix_source_blocks\x18\x08 \x01(\x05\x12\x1d\n\x15prefix_source_address\x18\t \x01(\t\"\x16\n\x14ListInstancesRequest\"\x98\x01\n\x0eInstanceStatus\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.crescent.v1.InstanceInfo\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.crescent.v1.InstanceLoad\x12\x1c\n\x14last_heartbeat_age_s\x18\x03 \x01(\x01\x12\x16\n\x0eindexed_blocks\x18\x04 \x01(\x03\"D\n\x12ListInstancesReply\x12.\n\tinstances\x18\x01 \x03(\x0b\x32\x1b.crescent.v1.InstanceStatus\";\n\x0b\x45ventsReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x1a\n\x12want_full_snapshot\x18\x02 \x01(\x08\"\x86\x01\n\x0eRequestOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x10\n\x08released\x18\x04 \x01(\x08\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x0e\n\x0cOutcomeReply*\x9b\x01\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x02\x12\x19\n\x15INSTANCE_ROLE_KVSTORE\x10\x03\x12\x1c\n\x18INSTANCE_ROLE_AGGREGATED\x10\x04\x32\x87\x04\n\tScheduler\x12\x41\n\x08Register\x12\x19.crescent.v1.InstanceInfo\x1a\x1a.crescent.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x19.crescent.v1.InstanceLoad\x1a\x1b.crescent.v1.HeartbeatReply\x12:\n\x05Place\x12\x19.crescent.v1.PlaceRequest\x1a\x16.crescent.v1.Placement\x12L\n\x12PublishBlockEvents\x12\x1c.crescent.v1.BlockEventBatch\x1a\x18.crescent.v1.EventsReply\x12S\n\rListInstances\x12!.crescent.v1.ListInstancesRequest\x1a\x1f.crescent.v1.ListInstancesReply\x12G\n\rReportOutcome\x12\x1b.crescent.v1.RequestOutcome\x1a\x19.crescent.v1.OutcomeReply\x12J\n\nDeregister\x12\x1e.crescent.v1.DeregisterRequest\x1a\x1c.crescent.v1.DeregisterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63rescent/protos/scheduler.proto\x12\x0b\x63rescent.v1\x1a\x1c\x63rescent/protos/common.proto\"\xf4\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.crescent.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x05\x12\x11\n\tkv_format\x18\x08 \x01(\t\x12\x10\n\x08kv_dtype\x18\t \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\n \x01(\x03\"J\n\rRegisterReply\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\x12\x1a\n\x12want_full_snapshot\x18\x02 \x01(\x08\"\xb3\x02\n\x0cInstanceLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x03 \x01(\x03\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x16\n\x0e\x66ree_kv_tokens\x18\x05 \x01(\x03\x12\x1a\n\x12\x61\x63tive_request_ids\x18\x06 \x03(\t\x12\x1c\n\x14\x66inished_request_ids\x18\x07 \x03(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x1f\n\x17prefill_queued_requests\x18\t \x01(\x05\x12\x1d\n\x15prefill_queued_tokens\x18\n \x01(\x03\x12 \n\x18prefill_running_requests\x18\x0b \x01(\x05\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\xb4\x01\n\x0cPlaceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nblock_keys\x18\x03 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\t\n\x01n\x18\x07 \x01(\x05\x12 \n\x18unreachable_instance_ids\x18\x08 \x03(\t\"3\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"C\n\tRejection\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rretry_after_s\x18\x03 \x01(\x01\"\xb5\x02\n\tPlacement\x12)\n\x07prefill\x18\x01 \x01(\x0b\x32\x18.crescent.v1.InstanceRef\x12(\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x18.crescent.v1.InstanceRef\x12\x1e\n\x16\x65xpected_cached_blocks\x18\x03 \x01(\x05\x12)\n\trejection\x18\x04 \x01(\x0b\x32\x16.crescent.v1.Rejection\x12\x18\n\x10predicted_ttft_s\x18\x05 \x01(\x01\x12\x17\n\x0fpredicted_tbt_s\x18\x06 \x01(\x01\x12\x18\n\x10prefix_source_id\x18\x07 \x01(\t\x12\x1c\n\x14prefix_source_blocks\x18\x08 \x01(\x05\x12\x1d\n\x15prefix_source_address\x18\t \x01(\t\"\x16\n\x14ListInstancesRequest\"\x98\x01\n\x0eInstanceStatus\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.crescent.v1.InstanceInfo\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.crescent.v1.InstanceLoad\x12\x1c\n\x14last_heartbeat_age_s\x18\x03 \x01(\x01\x12\x16\n\x0eindexed_blocks\x18\x04 \x01(\x03\"D\n\x12ListInstancesReply\x12.\n\tinstances\x18\x01 \x03(\x0b\x32\x1b.crescent.v1.InstanceStatus\";\n\x0b\x45ventsReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\x12\x1a\n\x12want_full_snapshot\x18\x02 \x01(\x08\"\x86\x01\n\x0eRequestOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x10\n\x08released\x18\x04 \x01(\x08\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x0e\n\x0cOutcomeReply*\x9b\x01\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x02\x12\x19\n\x15INSTANCE_ROLE_KVSTORE\x10\x03\x12\x1c\n\x18INSTANCE_ROLE_AGGREGATED\x10\x04\x32\x87\x04\n\tScheduler\x12\x41\n\x08Register\x12\x19.crescent.v1.InstanceInfo\x1a\x1a.crescent.v1.RegisterReply\x12\x43\n\tHeartbeat\x12\x19.crescent.v1.InstanceLoad\x1a\x1b.crescent.v1.HeartbeatReply\x12:\n\x05Place\x12\x19.crescent.v1.PlaceRequest\x1a\x16.crescent.v1.Placement\x12L\n\x12PublishBlockEvents\x12\x1c.crescent.v1.BlockEventBatch\x1a\x18.crescent.v1.EventsReply\x12S\n\rListInstances\x12!.crescent.v1.ListInstancesRequest\x1a\x1f.crescent.v1.ListInstancesReply\x12G\n\rReportOutcome\x12\x1b.crescent.v1.RequestOutcome\x1a\x19.crescent.v1.OutcomeReply\x12J\n\nDeregister\x12\x1e.crescent.v1.DeregisterRequest\x1a\x1c.crescent.v1.DeregisterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'crescent.protos.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INSTANCEROLE']._serialized_start=1879
-  _globals['_INSTANCEROLE']._serialized_end=2034
+  _globals['_INSTANCEROLE']._serialized_start=1903
+  _globals['_INSTANCEROLE']._serialized_end=2058
   _globals['_INSTANCEINFO']._serialized_start=79
-  _globals['_INSTANCEINFO']._serialized_end=299
-  _globals['_REGISTERREPLY']._serialized_start=301
-  _globals['_REGISTERREPLY']._serialized_end=375
-  _globals['_INSTANCELOAD']._serialized_start=378
-  _globals['_INSTANCELOAD']._serialized_end=685
-  _globals['_HEARTBEATREPLY']._serialized_start=687
-  _globals['_HEARTBEATREPLY']._serialized_end=718
-  _globals['_PLACEREQUEST']._serialized_start=721
-  _globals['_PLACEREQUEST']._serialized_end=901
-  _globals['_INSTANCEREF']._serialized_start=903
-  _globals['_INSTANCEREF']._serialized_end=954
-  _globals['_REJECTION']._serialized_start=956
-  _globals['_REJECTION']._serialized_end=1023
-  _globals['_PLACEMENT']._serialized_start=1026
-  _globals['_PLACEMENT']._serialized_end=1335
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1337
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1359
-  _globals['_INSTANCESTATUS']._serialized_start=1362
-  _globals['_INSTANCESTATUS']._serialized_end=1514
-  _globals['_LISTINSTANCESREPLY']._serialized_start=1516
-  _globals['_LISTINSTANCESREPLY']._serialized_end=1584
-  _globals['_EVENTSREPLY']._serialized_start=1586
-  _globals['_EVENTSREPLY']._serialized_end=1645
-  _globals['_REQUESTOUTCOME']._serialized_start=1648
-  _globals['_REQUESTOUTCOME']._serialized_end=1782
-  _globals['_DEREGISTERREQUEST']._serialized_start=1784
-  _globals['_DEREGISTERREQUEST']._serialized_end=1824
-  _globals['_DEREGISTERREPLY']._serialized_start=1826
-  _globals['_DEREGISTERREPLY']._serialized_end=1860
-  _globals['_OUTCOMEREPLY']._serialized_start=1862
-  _globals['_OUTCOMEREPLY']._serialized_end=1876
-  _globals['_SCHEDULER']._serialized_start=2037
-  _globals['_SCHEDULER']._serialized_end=2556
+  _globals['_INSTANCEINFO']._serialized_end=323
+  _globals['_REGISTERREPLY']._serialized_start=325
+  _globals['_REGISTERREPLY']._serialized_end=399
+  _globals['_INSTANCELOAD']._serialized_start=402
+  _globals['_INSTANCELOAD']._serialized_end=709
+  _globals['_HEARTBEATREPLY']._serialized_start=711
+  _globals['_HEARTBEATREPLY']._serialized_end=742
+  _globals['_PLACEREQUEST']._serialized_start=745
+  _globals['_PLACEREQUEST']._serialized_end=925
+  _globals['_INSTANCEREF']._serialized_start=927
+  _globals['_INSTANCEREF']._serialized_end=978
+  _globals['_REJECTION']._serialized_start=980
+  _globals['_REJECTION']._serialized_end=1047
+  _globals['_PLACEMENT']._serialized_start=1050
+  _globals['_PLACEMENT']._serialized_end=1359
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1361
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1383
+  _globals['_INSTANCESTATUS']._serialized_start=1386
+  _globals['_INSTANCESTATUS']._serialized_end=1538
+  _globals['_LISTINSTANCESREPLY']._serialized_start=1540
+  _globals['_LISTINSTANCESREPLY']._serialized_end=1608
+  _globals['_EVENTSREPLY']._serialized_start=1610
+  _globals['_EVENTSREPLY']._serialized_end=1669
+  _globals['_REQUESTOUTCOME']._serialized_start=1672
+  _globals['_REQUESTOUTCOME']._serialized_end=1806
+  _globals['_DEREGISTERREQUEST']._serialized_start=1808
+  _globals['_DEREGISTERREQUEST']._serialized_end=1848
+  _globals['_DEREGISTERREPLY']._serialized_start=1850
+  _globals['_DEREGISTERREPLY']._serialized_end=1884
+  _globals['_OUTCOMEREPLY']._serialized_start=1886
+  _globals['_OUTCOMEREPLY']._serialized_end=1900
+  _globals['_SCHEDULER']._serialized_start=2061
+  _globals['_SCHEDULER']._serialized_end=2580
 # @@protoc_insertion_point(module_scope)

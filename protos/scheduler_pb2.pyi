@@ -22,7 +22,7 @@ INSTANCE_ROLE_KVSTORE: InstanceRole
 INSTANCE_ROLE_AGGREGATED: InstanceRole
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "model_id", "block_size", "kv_capacity_tokens", "max_batch_size", "kv_format", "kv_dtype")
+    __slots__ = ("instance_id", "role", "address", "model_id", "block_size", "kv_capacity_tokens", "max_batch_size", "kv_format", "kv_dtype", "context_window")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class InstanceInfo(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: InstanceRole
     address: str
@@ -41,7 +42,8 @@ class InstanceInfo(_message.Message):
     max_batch_size: int
     kv_format: str
     kv_dtype: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_format: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    context_window: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., kv_format: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., context_window: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "want_full_snapshot")

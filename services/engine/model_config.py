@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from crescent.services.model.hf_config import HfConfigError, check_generic, context_window
+
 
 class ModelConfigError(ValueError):
     """A model configuration the engine cannot serve; the message names the field."""
@@ -87,6 +89,11 @@ class LlamaConfig:
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ModelConfigError("config.json attention_bias/mlp_bias are not supported")
         try:
+            check_generic(cfg)
+            window = context_window(cfg)  # the length keys vLLM reads; one window for every component
+        except HfConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
+        try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -100,7 +107,7 @@ class LlamaConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rope_theta=float(cfg.get("rope_theta", 10000.0)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_position_embeddings=window,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
                 eos_token_ids=tuple(int(t) for t in eos_ids),

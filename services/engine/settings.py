@@ -8,6 +8,7 @@ from pydantic import Field
 
 from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
+from crescent.services.engine.kimi_k3.config import DEFAULT_SNAPSHOT_EVERY_BLOCKS, DEFAULT_SNAPSHOT_SLOTS
 from crescent.services.engine.parallel.settings import ParallelSettings
 from crescent.services.engine_vllm.settings import VllmSettings
 from crescent.services.model.model_source import DEFAULT_MODEL
@@ -44,15 +45,17 @@ class EngineSettings(StrictModel):
                     "fp32 serving at twice the latent bytes",
     )
     state_snapshot_every_blocks: int = Field(
-        default=1, ge=0,
+        default=DEFAULT_SNAPSHOT_EVERY_BLOCKS, ge=0,
         description="hybrid models (kimi_k3): the prefix cache keeps a KDA state snapshot at the end of every "
                     "k-th block of a prompt (0: none of these), and always at the prompt's last full block; "
-                    "a prefix hit resumes from the last snapshot at or below the match and recomputes the rest",
+                    "a prefix hit resumes from the last snapshot at or below the match and recomputes the rest "
+                    "(docs/k3.md measures the trade-off)",
     )
     state_snapshots: int = Field(
-        default=32, ge=0,
+        default=DEFAULT_SNAPSHOT_SLOTS, ge=0,
         description="hybrid models (kimi_k3): KDA state snapshots the prefix cache holds at most (least recently "
-                    "used evicted); each is one sequence's whole KDA state (449 MB for the full Kimi K3)",
+                    "used evicted), allocated at start-up; each is one sequence's whole KDA state (449 MB for the "
+                    "full Kimi K3: `crescent plan` sets this to what it budgets; decode resumes no prefix: 0)",
     )
     max_batch_size: int = Field(
         default=16, ge=1, description="decode: sequences per step (more are accepted: they wait for a slot)"

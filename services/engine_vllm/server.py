@@ -48,6 +48,7 @@ class VllmBackend:
         self.kv_capacity_tokens = facts.kv_capacity_tokens
         self.kv_format = facts.kv_format
         self.kv_dtype = facts.kv_dtype
+        self.context_window = facts.max_model_len
         self.reserved_tokens = lambda: 0  # the servicer's promises, once it exists
 
     def unpromised_tokens(self) -> int:

@@ -7,12 +7,13 @@ from pathlib import Path
 from crescent.services.common.settings import StrictModel, load_settings
 from crescent.services.gateway.limit_settings import LimitSettings
 from crescent.services.gateway.model_policy import ModelPolicy
+from crescent.services.model.hf_config import DEFAULT_CONTEXT_WINDOW as HF_DEFAULT_CONTEXT_WINDOW
 from crescent.services.tenancy.pricing import PriceTable
 from pydantic import Field, SecretStr, model_validator
 
 ENV_PREFIX = "CRESCENT_GATEWAY"
 DEFAULT_GATEWAY_PORT = 8000
-DEFAULT_CONTEXT_WINDOW = 8192  # when the model does not say (SmolLM2-135M's max positions)
+DEFAULT_CONTEXT_WINDOW = HF_DEFAULT_CONTEXT_WINDOW  # when the model does not say: the engine's default too
 
 
 LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")

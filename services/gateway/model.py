@@ -6,11 +6,11 @@ files) only, so it starts in seconds and uses little memory.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import gguf
 from crescent.services.model.chat_template import ChatTemplateError, template_takes_tools
+from crescent.services.model.hf_config import dir_context_window
 from crescent.services.model.kimi_tokenizer import KimiTokenizer, model_type_of, tokenizer_for
 from crescent.services.model.model_source import ModelSource, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
@@ -41,11 +41,10 @@ def _gguf_tokenizer_and_window(source: ModelSource) -> tuple[Tokenizer, int | No
 
 
 def _hf_tokenizer_and_window(source: ModelSource) -> tuple[ChatTokenizer, int | None]:
-    config_path = source.path / "config.json"
-    window = None
-    if source.random_seed is None:  # a seeded preset has no files: the default window applies
-        window = json.loads(config_path.read_text(encoding="utf-8")).get("max_position_embeddings")
-    return tokenizer_for(source), int(window) if isinstance(window, int) else None  # Kimi's for Kimi models
+    # the engine's window: the length keys vLLM reads, text_config's included (hf_config); a seeded
+    # preset has no files: the default window applies (the nano preset's own)
+    window = dir_context_window(source.path) if source.random_seed is None else None
+    return tokenizer_for(source), window  # Kimi's tokenizer for Kimi models
 
 
 def _output_format(tokenizer: ChatTokenizer, model_id: str) -> OutputFormat:

@@ -77,6 +77,7 @@ class ServingBackend(Protocol):
     kv_capacity_tokens: int
     kv_format: str
     kv_dtype: str
+    context_window: int  # prompt + completion tokens it serves (the model's window)
 
     def unpromised_tokens(self) -> int:
         """KV tokens nobody was promised (the load report's default ``free_kv_tokens``)."""
@@ -101,6 +102,7 @@ class NativeBackend:
         self.kv_capacity_tokens = engine.cache.capacity_tokens
         self.kv_format = kv_format(engine)
         self.kv_dtype = kv_dtype(engine.cache)
+        self.context_window = engine.config.max_position_embeddings  # hf_config.context_window of its config
 
     def unpromised_tokens(self) -> int:
         return self.engine.cache.pages.unpromised_pages * self.engine.page_size
@@ -272,7 +274,7 @@ class EngineInstance:
             role=ROLES[self.role_name], address=address, model_id=backend.model_id,
             block_size=backend.block_size, kv_capacity_tokens=backend.kv_capacity_tokens,
             max_batch_size=self.engine_settings.max_batch_size, kv_format=backend.kv_format,
-            kv_dtype=backend.kv_dtype,
+            kv_dtype=backend.kv_dtype, context_window=backend.context_window,
         )
 
     def _load_message(self) -> scheduler_pb2.InstanceLoad:

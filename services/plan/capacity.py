@@ -1,8 +1,9 @@
 """What a hybrid (K3-class) model needs on N GPUs of one shape: the numbers behind ``crescent plan``.
 
-Weights: the routed experts in their checkpoint format (MXFP4: 4 bits per weight plus one E8M0
-byte per 32, 4.25 bits), every other tensor (attention, dense and shared FFNs, router,
-embeddings, norms) in bf16. Layouts of one engine instance over its N GPUs:
+Weights: every tensor in the format its checkpoint stores it (``formats.py``: a directory's
+quantization_config and dtype — K3's MXFP4 routed experts and latent projections at 4.25 bits per
+weight, the rest bf16; a bf16 Kimi-Linear all bf16 — or, for a preset, routed experts as
+``--experts`` says and the rest bf16). Layouts of one engine instance over its N GPUs:
 
 - ``TP{N}``: every matrix split N ways, experts included.
 - ``EP{N}, attn TP{t}×DP{N/t}``: whole experts spread over the N GPUs; the rest (attention,
@@ -14,12 +15,14 @@ latent cache of the group's sequences; KDA states split by value head.
 
 Per sequence (docs/k3.md, ``memory.k3_footprint``): the MLA latents of every token (bf16), one
 live KDA state (fp32 states and conv tails) and a bounded snapshot budget (fp32 states, bf16 tails) — at most
-``snapshots`` KDA state snapshots of its cached prefix (every k-th block and turn ends).
+``snapshots`` KDA state snapshots of its cached prefix (every k-th block and turn ends), on prefill
+only: decode resumes no prefix, and the Helm values give it none (``helm_values``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,33 +30,52 @@ from typing import Any
 from crescent.services.engine.kimi_k3.config import K3_FULL, NANO, K3Config
 from crescent.services.engine.kimi_k3.memory import k3_footprint
 from crescent.services.engine.kimi_k3.weights import weight_shapes
+from crescent.services.plan.formats import EXPERT_FORMATS, FORMAT_BITS, WeightFormat, directory_format, preset_format
 from crescent.services.plan.gpus import GpuShape, PlanInputError
 
-# Bits per routed-expert weight: element bits plus one 8-bit shared scale per 32 elements.
-EXPERT_BITS = {"mxfp4": 4 + 8 / 32, "mxfp8": 8 + 8 / 32, "bf16": 16.0}
-OTHER_BYTES = 2  # bf16: attention, dense/shared FFNs, router, embeddings, norms
+EXPERT_BITS = {f: FORMAT_BITS[f] for f in EXPERT_FORMATS}  # --experts for a preset
 LATENT_BYTES = 2  # MLA latents and KDA conv tails in the model's dtype (bf16)
 STATE_BYTES = 4  # KDA recurrent states in fp32, as the kernels keep them
 PLAN_PRESETS = {"kimi-k3": K3_FULL, "kimi-k3-nano": NANO}
 
 
-def resolve_plan_model(spec: str) -> tuple[str, K3Config]:
-    """A preset (``kimi-k3``: the published shape; ``kimi-k3-nano``) or a model directory / its
-    config.json, read by the K3 loader (Crescent's format, ``kimi_k3`` nested, ``kimi_linear``)."""
+@dataclass(frozen=True, slots=True)
+class PlannedK3:
+    """A K3-class model to plan: its id, config, how its weights are stored, and the checkpoint's
+    module name of each Crescent tensor name (what a quantization_config's ignore list names)."""
+
+    model_id: str
+    config: K3Config
+    weights: WeightFormat
+    module_name: Callable[[str], str] = str
+
+
+def resolve_plan_model(spec: str, experts: str | None = None) -> PlannedK3:
+    """A preset (``kimi-k3``: the published shape; ``kimi-k3-nano``), planned with ``experts``
+    (default MXFP4), or a model directory / its config.json, read by the K3 loader (Crescent's
+    format, ``kimi_k3`` nested, ``kimi_linear``) and planned as its checkpoint stores it
+    (``formats.checkpoint_format``: its quantization_config and dtype)."""
     if spec.lower() in PLAN_PRESETS:
-        return spec.lower(), PLAN_PRESETS[spec.lower()]
+        return PlannedK3(spec.lower(), PLAN_PRESETS[spec.lower()], preset_format(experts))
     path = Path(spec).expanduser()
     if path.is_file() and path.name == "config.json":
         path = path.parent
     if not (path / "config.json").is_file():
         raise PlanInputError(f"--model {spec!r}: not a preset ({', '.join(PLAN_PRESETS)}) "
                              "nor a directory with a config.json")
-    from crescent.services.engine.kimi_k3.loading import read_config  # the loader owns the formats
+    # the loader owns the formats
+    from crescent.services.engine.kimi_k3.loading import read_any_config
+    from crescent.services.engine.kimi_k3.real_checkpoint import real_name
+    from crescent.services.model.hf_config import read_config_json
 
     try:
-        return path.resolve().name, read_config(path)
+        cfg, real = read_any_config(path)
     except ValueError as exc:  # ModelLoadError / ModelConfigError name the field
         raise PlanInputError(f"--model {spec!r}: {exc}") from exc
+    if real is None:  # Crescent's own format: its config does not say how its tensors are stored
+        return PlannedK3(path.resolve().name, cfg, preset_format(experts))
+    fmt = directory_format(path, read_config_json(path), experts, cfg.cache_dtype)
+    return PlannedK3(path.resolve().name, cfg, fmt, lambda name: real_name(real, name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,21 +84,36 @@ class WeightBytes:
     other_params: int    # everything else
     routed_bytes: int
     other_bytes: int
+    expert_format: str = "mxfp4"     # the routed experts' format
+    other_format: str = "bf16"       # the rest's, where not quantized
+    other_quantized_params: int = 0  # of other_params, those stored quantized (K3: latent MoE projections, dense MLPs)
+    source: str = "--experts"        # where the formats come from (a checkpoint's quantization_config, ...)
 
     @property
     def total_bytes(self) -> int:
         return self.routed_bytes + self.other_bytes
 
 
-def weight_bytes(cfg: K3Config, expert_format: str = "mxfp4") -> WeightBytes:
-    if expert_format not in EXPERT_BITS:
-        raise PlanInputError(f"--experts {expert_format!r}: expected one of {', '.join(EXPERT_BITS)}")
-    total = sum(math.prod(shape) for shape in weight_shapes(cfg).values())
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    # gate and up [F, latent] and down [latent, F] of every routed expert
-    routed = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.expert_input_size
-    other = total - routed
-    return WeightBytes(routed, other, math.ceil(routed * EXPERT_BITS[expert_format] / 8), other * OTHER_BYTES)
+def weight_bytes(cfg: K3Config, fmt: WeightFormat | str = "mxfp4",
+                 module_name: Callable[[str], str] = str) -> WeightBytes:
+    """Bytes of every weight of ``cfg`` as ``fmt`` stores it; ``module_name`` maps a Crescent tensor
+    name onto the checkpoint's (what a quantization_config's ignore list names)."""
+    if isinstance(fmt, str):
+        fmt = preset_format(fmt)
+    routed = other = other_quant = 0
+    routed_bits = other_bits = 0.0
+    for name, shape in weight_shapes(cfg).items():
+        n, is_routed = math.prod(shape), ".mlp.experts." in name
+        module = module_name(name).removesuffix(".weight").replace("{e}", "0").replace("w1/w3", "w1")
+        quantized = fmt.quantized(module, shape[-1], is_routed)
+        bits = FORMAT_BITS[fmt.quant if quantized and fmt.quant else fmt.plain] * n
+        if is_routed:
+            routed, routed_bits = routed + n, routed_bits + bits
+        else:
+            other, other_bits, other_quant = other + n, other_bits + bits, other_quant + (n if quantized else 0)
+    return WeightBytes(routed, other, math.ceil(routed_bits / 8), math.ceil(other_bits / 8),
+                       expert_format=fmt.expert_format, other_format=fmt.plain, other_quantized_params=other_quant,
+                       source=fmt.source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,20 +183,27 @@ def min_gpus_to_fit(cfg: K3Config, weights: WeightBytes, seq: SequenceBytes, gpu
 
 
 def helm_values(model_id: str, gpus: int, gpu: GpuShape, best: LayoutPlan, context_tokens: int,
-                block_size: int, snapshots: int = 0) -> dict[str, Any]:
-    """prefill/decode values of the chart (helm/crescent/values.yaml) for one instance per pod.
-    Prefill's prefix cache gets the snapshot budget, ``snapshots`` per sequence, kept at turn
-    ends only — the policy docs/k3.md's trace replay favours for a pool this small."""
-    def pool(**engine_extra: int) -> dict[str, Any]:  # a fresh dict per pool: YAML without anchors
+                block_size: int, snapshots: int = 0, snapshot_every_blocks: int = 0,
+                decode: LayoutPlan | None = None) -> dict[str, Any]:
+    """prefill/decode values of the chart (helm/crescent/values.yaml) for one instance per pod,
+    setting exactly the snapshot budget the plan counted: prefill's prefix cache gets
+    ``snapshots`` per sequence (``state_snapshots`` = sequences × snapshots), kept at turn ends and
+    every ``snapshot_every_blocks`` blocks (0: turn ends only — what docs/k3.md's replay favours
+    for a pool this small); decode keeps none (``state_snapshots: 0``: it resumes no prefix), so
+    ``decode`` — the same layout planned without snapshots — sizes its batch."""
+    decode = decode or best
+
+    def pool(plan: LayoutPlan, **engine_extra: int) -> dict[str, Any]:  # a fresh dict per pool: no YAML anchors
         out: dict[str, Any] = {"gpus": gpus}
         if gpu.product_label:
             out["nodeSelector"] = {"nvidia.com/gpu.product": gpu.product_label}
-        out["settings"] = {"engine": {"kv_capacity_tokens": best.sequences * context_tokens,
+        out["settings"] = {"engine": {"kv_capacity_tokens": plan.sequences * context_tokens,
                                       "block_size": block_size, **engine_extra}}
         return out
 
-    prefill = pool(state_snapshots=best.sequences * snapshots, state_snapshot_every_blocks=0) if snapshots else pool()
-    return {"model": {"id": model_id}, "prefill": prefill, "decode": pool(max_batch_size=best.sequences)}
+    prefill = pool(best, state_snapshots=best.sequences * snapshots, state_snapshot_every_blocks=snapshot_every_blocks)
+    return {"model": {"id": model_id}, "prefill": prefill,
+            "decode": pool(decode, max_batch_size=decode.sequences, state_snapshots=0)}
 
 
 def as_dict(**parts: Any) -> dict[str, Any]:

@@ -57,9 +57,14 @@ def plan_command(
                                        "llama/mistral model)")] = "kimi-k3",
     context: Annotated[str | None, typer.Option(help="tokens per sequence: 131072, 128k, 1M (binary units); "
                                                 "default: the model's max_position_embeddings")] = None,
-    experts: Annotated[str, typer.Option(help="K3-class: routed expert weights: " + ", ".join(EXPERT_BITS))] = "mxfp4",
+    experts: Annotated[str | None, typer.Option(help="K3-class presets: routed expert weights, " + ", ".join(EXPERT_BITS)
+                                                + " (default mxfp4); a checkpoint directory is planned as its "
+                                                "quantization_config and dtype store it")] = None,
     snapshots: Annotated[int, typer.Option(min=0, help="K3-class: KDA state snapshots each sequence's cached "
-                                           "prefix may keep (the bounded snapshot budget)")] = 4,
+                                           "prefix may keep on prefill (the bounded snapshot budget; the values "
+                                           "set state_snapshots = sequences x this; decode keeps none)")] = 4,
+    snapshot_every_blocks: Annotated[int, typer.Option(min=0, help="K3-class: prefill keeps a snapshot every this "
+                                                       "many blocks as well as at turn ends (0: turn ends only)")] = 0,
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block (native values)")] = DEFAULT_BLOCK_SIZE,
     memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, help="share of each GPU's memory for "
                                                       "weights and cache (the rest: activations, workspaces); "
@@ -73,14 +78,14 @@ def plan_command(
         if backend not in BACKENDS:
             raise PlanInputError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
         n, gpu = parse_gpus(gpus)
-        if experts not in EXPERT_BITS:
+        if experts is not None and experts not in EXPERT_BITS:
             raise PlanInputError(f"--experts {experts!r}: expected one of {', '.join(EXPERT_BITS)}")
         pm = plan_model(model, experts)
         cfg = pm.config
         tokens = parse_tokens(context) if context is not None else cfg.max_position_embeddings
-        if tokens > cfg.max_position_embeddings:
-            raise PlanInputError(f"--context {tokens:,} tokens exceeds the model's max_position_embeddings "
-                                 f"({cfg.max_position_embeddings:,})")
+        if tokens > cfg.max_position_embeddings:  # the context window every component serves (hf_config)
+            raise PlanInputError(f"--context {tokens:,} tokens exceeds the model's context window "
+                                 f"({cfg.max_position_embeddings:,}: the smallest length key of its config)")
     except PlanInputError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -92,13 +97,17 @@ def plan_command(
         figures = {"weights": {"params": cfg.params, "bytes": cfg.weight_bytes},
                    "kv_bytes_per_token": cfg.kv_bytes_per_token}
     else:
-        weights = weight_bytes(cfg, experts)
+        assert pm.k3 is not None  # a K3-class model always carries its weight format
+        weights = weight_bytes(cfg, pm.k3.weights, pm.k3.module_name)
         seq = sequence_bytes(cfg, tokens, snapshots)
         plans = layout_plans(cfg, weights, seq, n, gpu, memory_utilization)
+        # decode keeps no snapshots (its values say state_snapshots: 0): its sequences without them
+        decode_plans = layout_plans(cfg, weights, sequence_bytes(cfg, tokens, 0), n, gpu, memory_utilization)
         needed = min_gpus_to_fit(cfg, weights, seq, gpu, memory_utilization)
-        _print_tables(pm.model_id, n, gpu, tokens, experts, snapshots, memory_utilization, weights, seq, plans,
+        _print_tables(pm.model_id, n, gpu, tokens, snapshots, memory_utilization, weights, seq, plans,
                       cfg.num_experts)
-        figures = {"expert_format": experts, "weights": weights, "sequence": seq}
+        figures = {"expert_format": weights.expert_format, "weights": weights, "sequence": seq,
+                   "snapshot_every_blocks": snapshot_every_blocks, "decode_layouts": decode_plans}
 
     candidates = [p for p in plans if vllm_runnable(p, n, gpu)] if backend == "vllm" else plans
     best = max(candidates, key=lambda p: p.sequences) if candidates else None
@@ -109,7 +118,9 @@ def plan_command(
         values = vllm_helm_values(pm.model_id, n, gpu, best, tokens, memory_utilization, pm.quantization,
                                   trust_remote_code=isinstance(cfg, K3Config))
     elif fits and one_node and not isinstance(cfg, DenseConfig):
-        values = helm_values(pm.model_id, n, gpu, best, tokens, block_size, snapshots)
+        decode_best = next(p for p in decode_plans if p.name == best.name)
+        values = helm_values(pm.model_id, n, gpu, best, tokens, block_size, snapshots, snapshot_every_blocks,
+                             decode=decode_best)
 
     if not fits:
         more = f"at least {needed} × {gpu.name}" if needed else f"more than 1024 × {gpu.name}"
@@ -159,7 +170,7 @@ def _print_dense_tables(model_id: str, cfg: DenseConfig, n: int, gpu: GpuShape, 
     _print_layouts(f"layouts on {n} × {gpu.name}", plans)
 
 
-def _print_tables(model_id: str, n: int, gpu: GpuShape, tokens: int, experts: str, snapshots: int,
+def _print_tables(model_id: str, n: int, gpu: GpuShape, tokens: int, snapshots: int,
                   utilization: float, weights: WeightBytes, seq: SequenceBytes, plans: list[LayoutPlan],
                   cfg_experts: int) -> None:
     console.print(f"[bold]{model_id}[/bold] on {n} × {gpu.name} ({_gb(gpu.memory_bytes)} each, {gpu.source}; "
@@ -170,16 +181,20 @@ def _print_tables(model_id: str, n: int, gpu: GpuShape, tokens: int, experts: st
     w = Table(title="weights")
     for col in ("part", "parameters", "format", "bytes"):
         w.add_column(col, justify="left" if col in ("part", "format") else "right")
-    w.add_row("routed experts", f"{weights.routed_params / 1e9:,.2f} B", experts, _gb(weights.routed_bytes))
-    w.add_row("everything else", f"{weights.other_params / 1e9:,.2f} B", "bf16", _gb(weights.other_bytes))
+    w.add_row("routed experts", f"{weights.routed_params / 1e9:,.2f} B", weights.expert_format,
+              _gb(weights.routed_bytes))
+    other = weights.other_format if not weights.other_quantized_params else (
+        f"{weights.other_format}; {weights.other_quantized_params / 1e9:,.2f} B in {weights.expert_format}")
+    w.add_row("everything else", f"{weights.other_params / 1e9:,.2f} B", other, _gb(weights.other_bytes))
     w.add_row("total", f"{(weights.routed_params + weights.other_params) / 1e9:,.2f} B", "", _gb(weights.total_bytes))
     console.print(w)
+    console.print(f"formats from: {weights.source}")
     s = Table(title=f"cache of one {tokens:,}-token sequence")
     s.add_column("part")
     s.add_column("bytes", justify="right")
     s.add_row("MLA latents (bf16)", _gb(seq.latent_bytes))
     s.add_row("live KDA state (fp32, conv tails too)", _gb(seq.state_bytes))
-    s.add_row(f"snapshot budget ({snapshots} states, conv tails bf16)", _gb(seq.snapshot_bytes))
+    s.add_row(f"snapshot budget ({snapshots} states, conv tails bf16; prefill only)", _gb(seq.snapshot_bytes))
     s.add_row("total", _gb(seq.total_bytes))
     console.print(s)
     _print_layouts(f"layouts on {n} × {gpu.name} (EP: {-(-cfg_experts // n)} experts per GPU)", plans)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from crescent.services.model.hf_config import context_window
 from crescent.services.plan.capacity import LayoutPlan
 from crescent.services.plan.gpus import GpuShape, PlanInputError
 
@@ -55,7 +56,7 @@ class DenseConfig:
                 intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-                max_position_embeddings=int(cfg["max_position_embeddings"]),
+                max_position_embeddings=context_window(cfg),  # the length keys vLLM reads (hf_config)
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qk_norm=model_type == "qwen3",
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),

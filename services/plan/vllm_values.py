@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.plan.capacity import PLAN_PRESETS, LayoutPlan, resolve_plan_model
+from crescent.services.plan.capacity import PLAN_PRESETS, LayoutPlan, PlannedK3, resolve_plan_model
 from crescent.services.plan.dense import DENSE_PRESETS, DENSE_TYPES, DenseConfig
 from crescent.services.plan.gpus import GpuShape, PlanInputError
 
@@ -33,6 +33,7 @@ class PlanModel:
     model_id: str
     config: K3Config | DenseConfig
     quantization: str | None  # the checkpoint's quant_method (what vLLM's --quantization must say)
+    k3: PlannedK3 | None = None  # K3-class: how its weights are stored
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:
@@ -51,15 +52,16 @@ def _quant_method(raw: dict[str, Any]) -> str | None:
     return None
 
 
-def plan_model(spec: str, expert_format: str) -> PlanModel:
+def plan_model(spec: str, expert_format: str | None) -> PlanModel:
     """A K3-class preset or directory (capacity.py's), a dense preset (``qwen3-32b``) or a dense
     model directory (config.json ``model_type`` one of ``DENSE_TYPES``)."""
     name = spec.lower()
     if name in DENSE_PRESETS:
         return PlanModel(name, DENSE_PRESETS[name], None)
     if name in PLAN_PRESETS:
-        model_id, cfg = resolve_plan_model(spec)
-        return PlanModel(model_id, cfg, K3_MXFP4_QUANTIZATION if expert_format == "mxfp4" else None)
+        k3 = resolve_plan_model(spec, expert_format)
+        mxfp4 = k3.weights.expert_format == "mxfp4"
+        return PlanModel(k3.model_id, k3.config, K3_MXFP4_QUANTIZATION if mxfp4 else None, k3)
     path = Path(spec).expanduser()
     if path.is_file() and path.name == "config.json":
         path = path.parent
@@ -67,12 +69,12 @@ def plan_model(spec: str, expert_format: str) -> PlanModel:
     if raw is not None and raw.get("model_type") in DENSE_TYPES:
         return PlanModel(path.resolve().name, DenseConfig.from_hf_dict(raw), _quant_method(raw))
     try:
-        model_id, cfg = resolve_plan_model(spec)
+        k3 = resolve_plan_model(spec, expert_format)
     except PlanInputError as exc:
         if raw is None:
             raise PlanInputError(f"{exc} (presets: {', '.join([*PLAN_PRESETS, *DENSE_PRESETS])})") from None
         raise
-    return PlanModel(model_id, cfg, _quant_method(raw or {}))
+    return PlanModel(k3.model_id, k3.config, _quant_method(raw or {}), k3)
 
 
 def vllm_runnable(layout: LayoutPlan, gpus: int, gpu: GpuShape) -> bool:

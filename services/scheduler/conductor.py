@@ -68,8 +68,10 @@ class _Placed:
     max_tokens: int = 0
 
 
-# What must agree across a model's prefill and decode instances ("" : not stated, not checked).
-_AGREED = ("block_size", "kv_format", "kv_dtype")
+# What must agree across a model's prefill and decode instances ("" / 0: not stated, not checked).
+# context_window: every engine serves the window its model's config states (hf_config), so a
+# request the gateway admitted fits wherever it is placed.
+_AGREED = ("block_size", "kv_format", "kv_dtype", "context_window")
 
 
 class Conductor:

@@ -30,6 +30,7 @@ class InstanceSpec:
     max_batch_size: int
     kv_format: str = ""         # must agree across a model's instances ("" : not stated)
     kv_dtype: str = ""
+    context_window: int = 0     # prompt + completion tokens served; must agree too (0: not stated)
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             max_batch_size=request.max_batch_size,
             kv_format=request.kv_format,
             kv_dtype=request.kv_dtype,
+            context_window=request.context_window,
         )
         try:
             want_snapshot = self.conductor.register(spec)
@@ -194,7 +195,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     info=scheduler_pb2.InstanceInfo(
                         instance_id=s.instance_id, role=_ROLE_PB[s.role], address=s.address, model_id=s.model_id,
                         block_size=s.block_size, kv_capacity_tokens=s.kv_capacity_tokens, max_batch_size=s.max_batch_size,
-                        kv_format=s.kv_format, kv_dtype=s.kv_dtype,
+                        kv_format=s.kv_format, kv_dtype=s.kv_dtype, context_window=s.context_window,
                     ),
                     load=scheduler_pb2.InstanceLoad(
                         instance_id=s.instance_id, queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 def k3_aggregated(tmp_path_factory: pytest.TempPathFactory, cache_dtype: str) -> Stack:
     env = {"CRESCENT_AGGREGATED__CHUNK_TOKENS": str(2 * BLOCK), "CRESCENT_AGGREGATED__ENGINE__THREADS": "1",
            "CRESCENT_AGGREGATED__ENGINE__KV_CACHE_DTYPE": cache_dtype,
+           "CRESCENT_AGGREGATED__ENGINE__STATE_SNAPSHOT_EVERY_BLOCKS": "1",  # hits at any block (default: every 16th)
            "CRESCENT_GATEWAY__MODEL_POLICY": json.dumps(UNLOCKED_K3_CARD)}  # greedy replies: see test_kimi_k3_path
     running = start_stack(tmp_path_factory.mktemp("k3-aggregated"), "--aggregated", "1", "--model", MODEL,
                           "--block-size", str(BLOCK), "--kv-capacity-tokens", "2048", env=env)

@@ -54,6 +54,7 @@ def cache_dtype(request: pytest.FixtureRequest) -> str:
 def k3_stack(tmp_path_factory: pytest.TempPathFactory, cache_dtype: str) -> Stack:
     env = {f"CRESCENT_{role}__ENGINE__KV_CACHE_DTYPE": cache_dtype for role in ("PREFILL", "DECODE")}
     env["CRESCENT_GATEWAY__MODEL_POLICY"] = json.dumps(UNLOCKED_K3_CARD)
+    env["CRESCENT_PREFILL__ENGINE__STATE_SNAPSHOT_EVERY_BLOCKS"] = "1"  # hits at any block (the default: every 16th)
     running = start_stack(tmp_path_factory.mktemp("k3-stack"), "--model", MODEL, "--block-size", str(BLOCK),
                           "--kv-capacity-tokens", str(KV_TOKENS), env=env)
     yield running

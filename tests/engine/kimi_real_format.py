@@ -7,6 +7,11 @@ random tensors under the real names and shapes, as Moonshot's modeling code decl
 (``language_model.`` prefix for K3, ``[C, 1, 4]`` convs, K3's ``A_log`` zero-padded to the head
 dim, ``[1, 1, H, 1]`` for Kimi-Linear, per-expert ``w1/w2/w3``...).
 
+Both are written the way transformers writes them (``hf_written``): every generic
+``PretrainedConfig`` field at the top level and in the nested ``text_config``/``vision_config``.
+Kimi-Linear's config names no ``max_position_embeddings`` (its MLA has no positions), only
+``model_max_length: 1048576``, as the published one.
+
 ``reference_weights`` decodes the files' tensors independently of Crescent (its own E2M1 table
 and nibble order: low nibble = even element, E8M0 scale 2^(s-127)) for the test reference.
 """
@@ -19,6 +24,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from tests.engine.hf_written import as_written, composite_as_written
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -41,25 +48,26 @@ K3_TEXT = {
     },
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
 }
-K3_CONFIG = {
+K3_VISION = {"model_type": "kimi_k3_vision", "patch_size": 14, "vt_hidden_size": 32, "vt_num_hidden_layers": 1,
+             "text_hidden_size": 64}
+K3_CONFIG = composite_as_written({
     "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-    "text_config": K3_TEXT,
-    "vision_config": {"patch_size": 14, "vt_hidden_size": 32, "vt_num_hidden_layers": 1, "text_hidden_size": 64},
     "media_placeholder_token_id": 500, "pad_token_id": 0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "quantization_config": {
         "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True}}},
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:vision_tower.*"],
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*",
+                   "re:.*block_sparse_moe\\.gate$", "re:.*_res_proj$", "re:vision_tower.*", "re:mm_projector.*"],
     },
-}
-KIMI_LINEAR_CONFIG = {
+}, K3_TEXT, K3_VISION)
+KIMI_LINEAR_CONFIG = as_written({
     "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
     "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig"},
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 5,
     "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "hidden_act": "silu",
     "rms_norm_eps": 1e-5, "initializer_range": 0.02, "use_cache": True, "rope_theta": 10000.0,
-    "rope_scaling": None, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+    "rope_scaling": None, "tie_word_embeddings": False, "model_max_length": 1048576,
     "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "mla_use_nope": True, "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1,
     "moe_intermediate_size": 32, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
@@ -68,7 +76,7 @@ KIMI_LINEAR_CONFIG = {
     "linear_attn_config": {"kda_layers": [1, 2, 3, 5], "full_attn_layers": [4], "num_heads": 2,
                            "head_dim": 16, "short_conv_kernel_size": 4},
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "bfloat16",
-}
+})
 
 
 def text_config(config: dict) -> dict:
@@ -155,8 +163,12 @@ def real_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         out[m + "gate.weight"] = _rand(gen, e, d)
         out[m + "gate.e_score_correction_bias"] = _rand(gen, e, scale=0.05)
         if t.get("routed_expert_hidden_size"):
-            out[m + "routed_expert_down_proj.weight"] = _rand(gen, lat, d)
-            out[m + "routed_expert_up_proj.weight"] = _rand(gen, d, lat)
+            # Linear layers the quantization_config's ignore list leaves quantized, as K3 stores them
+            for name, (rows, cols) in (("routed_expert_down_proj.", (lat, d)), ("routed_expert_up_proj.", (d, lat))):
+                if mxfp4:
+                    out.update({m + name + part: v for part, v in _packed_mxfp4(gen, rows, cols).items()})
+                else:
+                    out[m + name + "weight"] = _rand(gen, rows, cols)
             if t.get("latent_moe_use_norm"):
                 out[m + "routed_expert_norm.weight"] = 1 + 0.1 * _rand(gen, lat, scale=1.0)
         for x in range(e):

@@ -13,6 +13,7 @@ from crescent.services.kvwire.kv_block import BlockAssembler, KvBlock
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import seeded_weights
 from crescent.services.engine.kimi_k3.model import K3Model
+from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from tests.engine.k3_reference import TEST_CFG, dense_k3_logits
 
 PAGE = 16
@@ -23,10 +24,15 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return seeded_weights(TEST_CFG, seed)
 
 
+# A snapshot at every block (the engine's default keeps every 16th): the tests built on this
+# engine (here, tests/prefill's) take prefix hits that end at any block.
+DENSE_SNAPSHOTS = SnapshotPolicy(every_blocks=1, slots=32)
+
+
 def make_engine(capacity_tokens: int = 64 * PAGE, chunk: int = 2048) -> Engine:
     torch.set_num_threads(1)
-    return Engine(K3Model(TEST_CFG, _weights()), model_id="k3-test", kv_capacity_tokens=capacity_tokens,
-                  page_size=PAGE, prefill_chunk_tokens=chunk)
+    return Engine(K3Model(TEST_CFG, _weights(), snapshots=DENSE_SNAPSHOTS), model_id="k3-test",
+                  kv_capacity_tokens=capacity_tokens, page_size=PAGE, prefill_chunk_tokens=chunk)
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -160,8 +166,9 @@ def test_handoff_of_block_payloads_reproduces_generation():
     first = int(torch.argmax(prefill_engine.prefill(seq)))
     payloads = []
     for i in range(-(-len(tokens) // PAGE)):
-        blob = prefill_engine.block_payload(seq, i, min(PAGE, len(tokens) - i * PAGE)).numpy().tobytes()
-        payloads.append(torch.frombuffer(bytearray(blob), dtype=torch.float32))
+        payload = prefill_engine.block_payload(seq, i, min(PAGE, len(tokens) - i * PAGE))
+        blob = payload.numpy().tobytes()  # as bytes travel; the block's shape says whether it carries a state
+        payloads.append(torch.frombuffer(bytearray(blob), dtype=torch.float32).reshape(payload.shape))
     assert sum(decode_engine.cache.payload_tokens(p.shape) for p in payloads) == len(tokens)
     adopted = decode_engine.adopt_sequence("a", tokens + [first], len(tokens), payloads)
     out = [first]

@@ -101,11 +101,19 @@ def test_helm_values_render_in_the_chart_and_load_in_the_decode_service(tmp_path
     best = next(lay for lay in f["layouts"] if lay["name"] == f["best"])
     engine = values["decode"]["settings"]["engine"]
     assert values["decode"]["gpus"] == values["prefill"]["gpus"] == 8
-    assert engine == {"kv_capacity_tokens": best["sequences"] * 131_072, "block_size": 64,
-                      "max_batch_size": best["sequences"]}
-    # prefill's prefix cache: the snapshot budget (4 per sequence by default), at turn ends
+    # decode keeps no snapshots, and its batch is the layout's sequences planned without them
+    decode_best = next(lay for lay in f["decode_layouts"] if lay["name"] == f["best"])
+    latents = 131_072 * 27_648
+    state = -(-464_633_856 * (-(-96 // decode_best["tensor_parallel"])) // 96)
+    assert decode_best["sequences"] == (decode_best["cache_budget_per_gpu"] // (latents + state)
+                                        * decode_best["data_parallel"]) > best["sequences"]
+    assert engine == {"kv_capacity_tokens": decode_best["sequences"] * 131_072, "block_size": 64,
+                      "max_batch_size": decode_best["sequences"], "state_snapshots": 0}
+    # prefill's prefix cache: exactly the snapshot budget the plan counted (4 per sequence by default), at turn ends
     prefill = values["prefill"]["settings"]["engine"]
+    assert prefill["kv_capacity_tokens"] == best["sequences"] * 131_072
     assert (prefill["state_snapshots"], prefill["state_snapshot_every_blocks"]) == (4 * best["sequences"], 0)
+    assert f["sequence"]["snapshot_bytes"] == 4 * 449_372_160
     path = tmp_path / "plan-values.yaml"
     path.write_text(result.stdout)
     docs = render(values=[path])  # the chart's schema rejects unknown keys
@@ -115,8 +123,8 @@ def test_helm_values_render_in_the_chart_and_load_in_the_decode_service(tmp_path
     config = tmp_path / "decode.yaml"
     config.write_text(by_kind(docs, "ConfigMap")["crescent-decode"]["data"]["config.yaml"])
     settings = load_settings(DecodeSettings, config, env_prefix=ENV_PREFIX, environ={})
-    assert (settings.engine.kv_capacity_tokens, settings.engine.max_batch_size) == (
-        best["sequences"] * 131_072, best["sequences"])
+    assert (settings.engine.kv_capacity_tokens, settings.engine.max_batch_size, settings.engine.state_snapshots) == (
+        decode_best["sequences"] * 131_072, decode_best["sequences"], 0)
     from crescent.services.prefill.config import ENV_PREFIX as PREFILL_PREFIX, PrefillSettings
 
     config.write_text(by_kind(docs, "ConfigMap")["crescent-prefill"]["data"]["config.yaml"])
@@ -150,7 +158,7 @@ def test_a_real_nested_k3_config_is_read_by_the_loader(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args,message", [
     (["--gpus", "8xH300"], "unknown GPU 'H300'"),
     (["--gpus", "eight"], "unknown GPU"),
-    (["--gpus", "8xH200", "--context", "2M"], "exceeds the model's max_position_embeddings"),
+    (["--gpus", "8xH200", "--context", "2M"], "exceeds the model's context window"),
     (["--gpus", "8xH200", "--context", "lots"], "expected a token count"),
     (["--gpus", "8xH200", "--experts", "int3"], "expected one of mxfp4, mxfp8, bf16"),
     (["--gpus", "8xH200", "--model", "/nonexistent/dir"], "nor a directory with a config.json"),

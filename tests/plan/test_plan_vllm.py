@@ -151,7 +151,7 @@ def test_a_dense_model_directory_plans_like_its_preset(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--gpus", "8xH200", "--backend", "sglang"], "expected one of native, vllm"),
-    (["--gpus", "8xH200", "--model", "qwen3-32b", "--context", "64k"], "exceeds the model's max_position_embeddings"),
+    (["--gpus", "8xH200", "--model", "qwen3-32b", "--context", "64k"], "exceeds the model's context window"),
 ])
 def test_bad_arguments_are_named(args: list[str], message: str) -> None:
     result = CliRunner().invoke(app, ["plan", *args])

@@ -28,8 +28,9 @@ METRIC = "crescent_engine_kv_transfer_bytes_total"
 
 
 def engine_settings(**extra) -> dict:
+    # a snapshot at every block (the default keeps every 16th): the hits below end mid-prompt
     return {"engine": {"model": MODEL, "kv_capacity_tokens": 2048, "block_size": PAGE, "threads": 1,
-                       "max_batch_size": 4, "min_cached_prompt_tokens": 0, **extra}}
+                       "max_batch_size": 4, "min_cached_prompt_tokens": 0, "state_snapshot_every_blocks": 1, **extra}}
 
 
 def prompt(n: int, seed: int) -> list[int]:

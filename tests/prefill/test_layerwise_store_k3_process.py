@@ -30,7 +30,8 @@ def test_a_k3_prompt_streams_into_the_node_and_reads_back_as_the_whole_export_st
     scheduler = SchedulerStandIn()
     nodes = {name: kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}}, name=name) for name in ("on", "off")}
     engine = {"model": MODEL, "kv_capacity_tokens": 1024, "block_size": PAGE, "threads": 1, "min_cached_prompt_tokens": 0,
-              "prefill_chunk_tokens": 3 * PAGE, "state_snapshots": 4}  # a small pool: snapshots evicted on the way
+              "prefill_chunk_tokens": 3 * PAGE, "state_snapshots": 4,  # a small pool: snapshots evicted on the way
+              "state_snapshot_every_blocks": 1}  # at every block (the default keeps every 16th)
     prefills = {}
     for name, node in nodes.items():
         (tmp_path / name).mkdir()

@@ -23,9 +23,10 @@ class Cluster:
             self.register(f"d{i}", Role.DECODE, kv_capacity=kv_capacity, max_batch=max_batch)
 
     def register(self, name: str, role: Role, kv_capacity: int = 4096, max_batch: int = 8, block_size: int = 64,
-                 kv_format: str = "paged-v1", kv_dtype: str = "float32", model: str = "m") -> None:
+                 kv_format: str = "paged-v1", kv_dtype: str = "float32", model: str = "m",
+                 context_window: int = 8192) -> None:
         self.conductor.register(InstanceSpec(InstanceId(name), role, f"{name}:1", model, block_size,
-                                             kv_capacity, max_batch, kv_format, kv_dtype))
+                                             kv_capacity, max_batch, kv_format, kv_dtype, context_window))
 
     def place(self, rid: str, prompt: int = 100, max_tokens: int = 16, keys: tuple[BlockKey, ...] = ()):
         return self.conductor.place(rid, "m", keys, prompt, max_tokens)
@@ -134,6 +135,10 @@ def test_registration_refuses_an_instance_that_disagrees_with_its_model() -> Non
         cluster.register("p1", Role.PREFILL, block_size=32)
     with pytest.raises(RegistrationConflictError, match="kv_dtype 'bfloat16' differs from 'float32'"):
         cluster.register("d1", Role.DECODE, kv_dtype="bfloat16")
+    # one context window per model: an engine whose config states another is refused
+    with pytest.raises(RegistrationConflictError, match="context_window 4096 differs from 8192"):
+        cluster.register("d2", Role.DECODE, context_window=4096)
+    cluster.register("d3", Role.DECODE, context_window=0)  # not stated (an older engine): not checked
     cluster.register("p9", Role.PREFILL, block_size=16, model="other")  # another model sets its own
     cluster.register("kv0", Role.KVSTORE, block_size=0, kv_format="", kv_dtype="")  # kvstores hold any model
     assert cluster.conductor.model_block_size("m") == 64

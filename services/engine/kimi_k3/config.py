@@ -18,10 +18,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from crescent.services.engine.model_config import ModelConfigError
+from crescent.services.model.hf_config import GENERIC_FIELDS, LENGTH_KEYS, HfConfigError, check_generic, context_window
 
 MODEL_TYPE = "kimi_k3"
 CACHE_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names a cache may hold latents and conv tails in
 KIMI_VOCAB_SIZE = 163840  # the Kimi tiktoken tokenizer's id space (regular + special tokens)
+# The prefix cache's KDA state snapshots by default (SnapshotPolicy, EngineSettings.state_snapshot_*):
+# sparse — a snapshot every 16th block (1,024 tokens at 64-token blocks) and at every turn end, ~3
+# per conversation turn — in a pool of a few slots (16: about five conversations' worth; 7.2 GB for
+# the full K3, whose snapshot is 449 MB — `crescent plan` sizes it for a deployment). docs/k3.md,
+# "Which snapshots to keep", measures the trade-off (loadtest/bench_k3_snapshot_ttft.py).
+DEFAULT_SNAPSHOT_EVERY_BLOCKS = 16
+DEFAULT_SNAPSHOT_SLOTS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +181,17 @@ class K3Config:
         if cfg.get("model_type") != MODEL_TYPE:
             raise ModelConfigError(f"config.json model_type is {cfg.get('model_type')!r}, not {MODEL_TYPE!r}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - names - {"model_type", "architectures", "torch_dtype", "eos_token_id", "quantization_config"})
+        # transformers' generic fields (hf_config.GENERIC_FIELDS) are ignored by name, length keys
+        # give the context window; anything else this model does not know is an error
+        unknown = sorted(set(cfg) - names - GENERIC_FIELDS - set(LENGTH_KEYS) - {"quantization_config"})
         if unknown:
             raise ModelConfigError(f"config.json has fields a kimi_k3 model does not know: {', '.join(unknown)}")
         values: dict[str, Any] = {k: v for k, v in cfg.items() if k in names}
+        try:
+            check_generic(cfg)
+            values["max_position_embeddings"] = context_window(cfg)
+        except HfConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
         eos = cfg.get("eos_token_id")
         values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         values["layer_types"] = tuple(values.get("layer_types", ()))

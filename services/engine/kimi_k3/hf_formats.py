@@ -8,9 +8,11 @@
   vision tower, which text-only serving skips; its text tensors are prefixed ``language_model.``.
 
 Field semantics follow Moonshot's ``configuration_kimi*.py`` / ``modeling_kimi*.py`` (see
-docs/k3.md for the table). Every field is either used, checked, or listed as having no effect on
-the text model's logits; any other field, or a value Crescent cannot compute, fails with a
-``ModelConfigError`` naming it — a config the loader does not understand is never guessed at.
+docs/k3.md for the table). Every field is either used, checked, listed as having no effect on
+the text model's logits, or one of the generic fields transformers writes into every config
+(``hf_config.GENERIC_FIELDS``, ignored by name); any other field, or a value Crescent cannot
+compute, fails with a ``ModelConfigError`` naming it — a config the loader does not understand is
+never guessed at. The context window is ``hf_config.context_window`` (the length keys vLLM reads).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from typing import Any
 
 from crescent.services.engine.kimi_k3.config import CACHE_DTYPES, K3Config
 from crescent.services.engine.model_config import ModelConfigError
+from crescent.services.model.hf_config import (
+    GENERIC_FIELDS,
+    LENGTH_KEYS,
+    HfConfigError,
+    check_generic,
+    config_dtype,
+    context_window,
+)
 
 KIMI_LINEAR = "kimi_linear"
 KIMI_K3 = "kimi_k3"
@@ -29,20 +39,18 @@ KIMI_K3 = "kimi_k3"
 # code, so they keep the RMSNorm class default rather than rms_norm_eps.
 MLA_LATENT_NORM_EPS = 1e-6
 
-# Fields with no effect on the text model's logits (bookkeeping, training, generation defaults).
+# Model-specific fields with no effect on the text model's logits (bookkeeping, training). The
+# generic PretrainedConfig fields every transformers config carries (``hf_config.GENERIC_FIELDS``)
+# and the length keys (``hf_config.LENGTH_KEYS``: the context window) are known everywhere.
 _TEXT_IGNORED = {
-    "model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version",
-    "initializer_range", "use_cache", "pad_token_id", "head_dim", "model_max_length",
-    "attention_dropout", "_name_or_path", "num_key_value_heads", "rope_theta", "rope_scaling",
-    "rope_parameters", "use_grouped_topk", "num_nextn_predict_layers", "output_router_logits",
-    "router_aux_loss_coef", "return_dict", "tokenizer_class",
+    "auto_map", "initializer_range", "use_cache", "head_dim", "attention_dropout", "num_key_value_heads",
+    "rope_theta", "rope_scaling", "rope_parameters", "use_grouped_topk", "num_nextn_predict_layers",
+    "output_router_logits", "router_aux_loss_coef",
 }
 _TOP_IGNORED = {
-    "model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version",
-    "ignore_index", "media_placeholder_token_id", "image_placeholder", "video_placeholder",
-    "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "use_cache", "vocab_size",
-    "hidden_size", "num_hidden_layers", "vision_config", "text_config", "quantization_config",
-    "_name_or_path", "tokenizer_class", "use_unified_vision_chunk", "video_placeholder_token_id",
+    "auto_map", "ignore_index", "media_placeholder_token_id", "image_placeholder", "video_placeholder",
+    "use_cache", "vocab_size", "hidden_size", "num_hidden_layers", "vision_config", "text_config",
+    "quantization_config", "use_unified_vision_chunk", "video_placeholder_token_id",
 }
 _TEXT_USED = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -77,7 +85,10 @@ def is_real_kimi_config(raw: Mapping[str, Any]) -> bool:
     return raw.get("model_type") == KIMI_LINEAR or (raw.get("model_type") == KIMI_K3 and "text_config" in raw)
 
 
-def parse_real_config(raw: Mapping[str, Any]) -> tuple[K3Config, RealFormat]:
+def parse_real_config(raw: Mapping[str, Any], weights_dtype: str | None = None) -> tuple[K3Config, RealFormat]:
+    """``weights_dtype``: the dtype the checkpoint's floating-point tensors are stored in, the
+    model's dtype when the config states none (``loading.read_any_config`` reads it from the
+    safetensors headers)."""
     if raw.get("model_type") == KIMI_LINEAR:
         text, where = raw, ""
     elif raw.get("model_type") == KIMI_K3 and isinstance(raw.get("text_config"), Mapping):
@@ -92,11 +103,16 @@ def parse_real_config(raw: Mapping[str, Any]) -> tuple[K3Config, RealFormat]:
     fmt = RealFormat(model_type=str(raw["model_type"]), prefix="language_model." if where else "",
                      nextn_layers=int(text.get("num_nextn_predict_layers") or 0),
                      compressed_mxfp4=_compressed_mxfp4(quant, where))
-    return _text_config(text, where, raw), fmt
+    return _text_config(text, where, raw, weights_dtype), fmt
 
 
 def _reject_unknown(cfg: Mapping[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(cfg) - known)
+    """A field neither the model's (``known``), nor generic, nor a length key is an error."""
+    try:
+        check_generic(cfg, where)
+    except HfConfigError as exc:
+        raise ModelConfigError(str(exc)) from None
+    unknown = sorted(set(cfg) - known - GENERIC_FIELDS - set(LENGTH_KEYS))
     if unknown:
         more = f" (nor {', '.join(where + u for u in unknown[1:])})" if unknown[1:] else ""
         raise ModelConfigError(f"config.json field '{where}{unknown[0]}' is not understood by Crescent's kimi loader{more}")
@@ -114,17 +130,23 @@ def _compressed_mxfp4(quant: Any, where: str) -> bool:
     return True
 
 
-def _cache_dtype(t: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> str:
-    """The model's dtype (``torch_dtype``, or ``dtype`` in newer transformers; the text config's,
-    else the top level's): the cache keeps MLA latents and KDA conv tails in it, as the model is
-    served (bf16 in the public configs). No dtype at all: float32, what Crescent computes in."""
-    for cfg, prefix in ((t, where), (top, "")):
-        for key in ("torch_dtype", "dtype"):
-            if cfg.get(key) is not None:
-                value = str(cfg[key]).removeprefix("torch.")
-                _check(value in CACHE_DTYPES, f"{prefix}{key}", cfg[key], f"one of {', '.join(CACHE_DTYPES)}")
-                return value
-    return "float32"
+def _cache_dtype(top: Mapping[str, Any], weights_dtype: str | None) -> str:
+    """The model's dtype: the config's (``dtype``/``torch_dtype``, the text config's first), else
+    the dtype the checkpoint's floating-point tensors are stored in (``weights_dtype``; bf16 for
+    the public checkpoints), else float32. The cache keeps MLA latents and KDA conv tails in it."""
+    stated = config_dtype(top)
+    if stated is not None:
+        value, key = stated
+        _check(value in CACHE_DTYPES, key, value, f"one of {', '.join(CACHE_DTYPES)}")
+        return value
+    return weights_dtype if weights_dtype in CACHE_DTYPES else "float32"
+
+
+def _context_window(top: Mapping[str, Any]) -> int:
+    try:
+        return context_window(top)
+    except HfConfigError as exc:
+        raise ModelConfigError(str(exc)) from None
 
 
 def _need(cfg: Mapping[str, Any], key: str, where: str) -> Any:
@@ -147,7 +169,7 @@ def _layer_types(la: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
     return tuple("kda" if i + 1 in set(kda) else "mla" for i in range(n))
 
 
-def _text_config(t: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> K3Config:
+def _text_config(t: Mapping[str, Any], where: str, top: Mapping[str, Any], weights_dtype: str | None) -> K3Config:
     la_where = f"{where}linear_attn_config."
     la = _need(t, "linear_attn_config", where)
     _reject_unknown(la, _LINEAR_ATTN_KEYS, la_where)
@@ -170,7 +192,7 @@ def _text_config(t: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> K3
     block = t.get("attn_res_block_size")
     heads, head_dim = int(_need(la, "num_heads", la_where)), int(_need(la, "head_dim", la_where))
     eos = t.get("eos_token_id", top.get("eos_token_id"))
-    cache_dtype = _cache_dtype(t, where, top)
+    cache_dtype = _cache_dtype(top, weights_dtype)
     first_dense = int(t.get("first_k_dense_replace") or 0)
     return K3Config(
         vocab_size=int(_need(t, "vocab_size", where)), hidden_size=int(_need(t, "hidden_size", where)),
@@ -190,7 +212,7 @@ def _text_config(t: Mapping[str, Any], where: str, top: Mapping[str, Any]) -> K3
         situ_beta_gate=float(t.get("activation_situ_beta") or 1.0),
         situ_beta_up=None if t.get("activation_situ_linear_beta") is None else float(t["activation_situ_linear_beta"]),
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),  # the configuration class's default
-        max_position_embeddings=int(t.get("max_position_embeddings") or 4096),
+        max_position_embeddings=_context_window(top),  # the length keys vLLM reads (hf_config)
         tie_word_embeddings=bool(t.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
         bos_token_id=t.get("bos_token_id", top.get("bos_token_id")),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),

@@ -34,11 +34,13 @@ from crescent.kernels.moe.reference import quantile_balance_offsets
 from crescent.services.engine.kimi_k3.config import NANO, K3Config
 from crescent.services.engine.kimi_k3.hf_formats import RealFormat, is_real_kimi_config, parse_real_config
 from crescent.services.engine.kimi_k3.model import K3Model
-from crescent.services.engine.kimi_k3.real_checkpoint import read_tensors, real_name, to_crescent_names
+from crescent.services.engine.kimi_k3.real_checkpoint import read_weights, real_name
 from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from crescent.services.engine.kimi_k3.weights import random_weights, weight_shapes
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.hf_loader import weight_files
+from crescent.services.engine.loader.safetensors_header import stored_float_dtype
+from crescent.services.model.hf_config import config_dtype
 from crescent.services.model.model_source import ModelSource
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,11 @@ def read_any_config(path: Path) -> tuple[K3Config, RealFormat | None]:
         if not isinstance(raw, dict):
             raise ValueError("config.json is not a JSON object")
         if is_real_kimi_config(raw):
-            return parse_real_config(raw)
+            # no dtype in the config: the model's dtype is the one its weights are stored in
+            # (a config.json alone, as `crescent plan` may read: float32, what Crescent computes in)
+            shards = config_dtype(raw) is None and any(path.glob("*.safetensors"))
+            weights_dtype = stored_float_dtype(weight_files(path)) if shards else None
+            return parse_real_config(raw, weights_dtype)
         return K3Config.from_hf_dict(raw), None
     except (OSError, ValueError) as exc:  # ModelConfigError is a ValueError
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
@@ -108,7 +114,7 @@ def read_any_config(path: Path) -> tuple[K3Config, RealFormat | None]:
 def load_real_weights(path: Path, cfg: K3Config, fmt: RealFormat, *,
                       mxfp4_experts: str = "packed") -> dict[str, torch.Tensor | Mxfp4Tensor]:
     """A real checkpoint's tensors under Crescent's names, checked against ``weight_shapes``."""
-    weights = to_crescent_names(cfg, fmt, read_tensors(path, fmt, keep_packed=mxfp4_experts == "packed"))
+    weights = read_weights(path, cfg, fmt, keep_packed=mxfp4_experts == "packed")
     if not cfg.tie_word_embeddings and "lm_head.weight" not in weights:
         raise ModelLoadError(f"{path} lacks tensor {fmt.prefix + 'lm_head.weight'!r}")
     if cfg.tie_word_embeddings:

@@ -18,6 +18,10 @@ The real names and shapes (Moonshot's ``modeling_kimi*.py``; docs/k3.md has the 
 
 MXFP4 routed experts can stay packed (``Mxfp4Tensor``, ``keep_packed``: the engine's default,
 ``EngineSettings.mxfp4_experts``); every other MXFP4 weight is dequantised to fp32 here.
+
+Loading is one pass over memory-mapped shards, tensor by tensor (``read_weights``): each tensor is
+converted and placed where the model keeps it — experts into their stacked buffers — before the
+next is read, so the checkpoint is never held twice in host memory.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.hf_formats import RealFormat
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.hf_loader import weight_files
+from crescent.services.engine.loader.safetensors_header import read_header
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +65,23 @@ _TOP_RENAMES = {
 _SHARED = re.compile(r"block_sparse_moe\.shared_experts\.(gate|up|down)_proj\.weight$")
 
 
-def read_tensors(path: Path, fmt: RealFormat, *, keep_packed: bool = False) -> dict[str, torch.Tensor | Mxfp4Tensor]:
-    """Every text-model tensor of the checkpoint, fp32, by its real name without the prefix;
-    compressed-tensors MXFP4 pairs become ``NAME.weight``: dequantised, or for routed experts with
-    ``keep_packed`` an ``Mxfp4Tensor``."""
-    raw: dict[str, torch.Tensor] = {}
+def read_weights(path: Path, cfg: K3Config, fmt: RealFormat, *,
+                 keep_packed: bool = False) -> dict[str, torch.Tensor | Mxfp4Tensor]:
+    """Every text-model tensor of the checkpoint under Crescent's names (``to_crescent_names``'s
+    mapping), fp32 or, for MXFP4 routed experts with ``keep_packed``, ``Mxfp4Tensor``.
+
+    One pass, tensor by tensor: each shard is memory-mapped (``safe_open``), each tensor read,
+    converted and put where the model keeps it before the next is read — routed experts and the
+    shared experts' gate/up straight into their stacked buffers — so the weights are never held
+    twice: the peak is the loaded weights plus one tensor in flight and the mapped shard's pages
+    (``loadtest/bench_load_memory.py`` measures it). compressed-tensors MXFP4 pairs
+    (``weight_packed`` + ``weight_scale``) become ``NAME.weight`` once both halves were read."""
+    into = _Assembly(cfg, fmt, keep_packed)
+    files = weight_files(path)
+    stored_in = {name: file for file in files for name in read_header(file)}  # headers only
+    order = {file: k for k, file in enumerate(files)}
     skipped: list[str] = []
-    for file in weight_files(path):
+    for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -75,26 +90,40 @@ def read_tensors(path: Path, fmt: RealFormat, *, keep_packed: bool = False) -> d
                             skipped.append(name)
                             continue
                         raise ModelLoadError(f"{file.name}: tensor {name!r} is not part of a {fmt.model_type} checkpoint")
-                    raw[name[len(fmt.prefix):]] = f.get_tensor(name)
+                    local = name[len(fmt.prefix):]
+                    if local.endswith((".weight_packed", ".weight_scale")):
+                        base = local.rpartition("_")[0]
+                        packed, scale = fmt.prefix + base + "_packed", fmt.prefix + base + "_scale"
+                        other = scale if name == packed else packed
+                        if other not in stored_in:
+                            raise ModelLoadError(f"MXFP4 tensor {packed!r} has no {other.rpartition('.')[2]} beside it")
+                        if order[stored_in[other]] > order[file]:
+                            continue  # read both halves when the later one's shard is open
+                        halves = {name: f.get_tensor(name), other: _read_one(stored_in[other], other, f, file)}
+                        mx = _packed_mxfp4(packed, halves[packed], halves[scale])
+                        del halves
+                        routed = "block_sparse_moe.experts." in base
+                        into.put(base, mx if keep_packed and routed else mx.dequantize())
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tensor.dtype not in _FLOATS:
+                        raise ModelLoadError(f"tensor {name!r} has dtype {tensor.dtype}")
+                    into.put(local, tensor)
+                    del tensor  # before the next read: one tensor in flight
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
     if skipped:
         log.info("skipping %d vision-tower/projector tensors (e.g. %s): text-only serving", len(skipped), skipped[0])
-    out: dict[str, torch.Tensor] = {}
-    for name, t in raw.items():
-        if name.endswith(".weight_scale"):
-            if name.removesuffix("_scale") + "_packed" not in raw:
-                raise ModelLoadError(f"MXFP4 tensor {fmt.prefix + name!r} has no weight_packed beside it")
-            continue
-        if name.endswith(".weight_packed"):
-            mx = _packed_mxfp4(fmt.prefix + name, t, raw.get(name.removesuffix("_packed") + "_scale"))
-            routed = "block_sparse_moe.experts." in name
-            out[name.removesuffix("_packed")] = mx if keep_packed and routed else mx.dequantize()
-        elif t.dtype in _FLOATS:
-            out[name] = t.float()
-        else:
-            raise ModelLoadError(f"tensor {fmt.prefix + name!r} has dtype {t.dtype}")
-    return out
+    return into.finish()
+
+
+def _read_one(file: Path, name: str, open_file, open_path: Path) -> torch.Tensor:
+    """One tensor of ``file``: from the shard already open, or from another opened just for it
+    (an MXFP4 weight whose halves sit in two shards) and closed again at once."""
+    if file == open_path:
+        return open_file.get_tensor(name)
+    with safe_open(str(file), framework="pt", device="cpu") as other:
+        return other.get_tensor(name).clone()  # a copy: the shard's mapping closes here
 
 
 def _packed_mxfp4(name: str, packed: torch.Tensor, scale: torch.Tensor | None) -> Mxfp4Tensor:
@@ -113,42 +142,116 @@ def _packed_mxfp4(name: str, packed: torch.Tensor, scale: torch.Tensor | None) -
     return Mxfp4Tensor(packed.reshape(rows, half // 16, 16), scale)
 
 
-def to_crescent_names(cfg: K3Config, fmt: RealFormat, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename (and reshape) real tensors into ``weights.weight_shapes(cfg)``'s names."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    shared: dict[tuple[int, str], torch.Tensor] = {}
-    for name, t in real.items():
+class _Assembly:
+    """Puts real tensors where Crescent's model keeps them, one at a time (renamed, reshaped, fp32);
+    per-expert ``w1``/``w3``/``w2`` land in ``experts.gate_up_proj [E, 2F, L]`` (w1 rows, then
+    w3) and ``experts.down_proj [E, L, F]``, shared-expert gate/up/down in
+    ``shared_experts.gate_up_proj [1, 2Fs, D]`` and ``down_proj [1, D, Fs]``, each allocated once."""
+
+    def __init__(self, cfg: K3Config, fmt: RealFormat, keep_packed: bool) -> None:
+        self.cfg, self.fmt, self.keep_packed = cfg, fmt, keep_packed
+        self.out: dict[str, torch.Tensor | Mxfp4Tensor] = {}
+        self.filled: dict[tuple[int, str], set[int]] = {}  # (layer, w1/w2/w3) -> experts placed
+
+    def put(self, name: str, t: torch.Tensor | Mxfp4Tensor) -> None:
         if name in _TOP_RENAMES:
-            out[_TOP_RENAMES[name]] = t.reshape(-1) if name.endswith("proj.weight") else t
-            continue
+            self.out[_TOP_RENAMES[name]] = _fp32(t.reshape(-1) if name.endswith("proj.weight") else t)
+            return
         m = _LAYER.match(name)
         if m is None:
-            out[name] = t
-            continue
+            self.out[name] = _fp32(t)
+            return
         i, local = int(m.group(1)), m.group(2)
-        if i >= cfg.num_layers:
-            if i < cfg.num_layers + fmt.nextn_layers:
-                continue  # a multi-token-prediction layer: for speculative decoding, not served here
-            raise ModelLoadError(f"tensor {fmt.prefix + name!r}: layer {i} is past num_hidden_layers ({cfg.num_layers})")
+        if i >= self.cfg.num_layers:
+            if i < self.cfg.num_layers + self.fmt.nextn_layers:
+                return  # a multi-token-prediction layer: for speculative decoding, not served here
+            raise ModelLoadError(f"tensor {self.fmt.prefix + name!r}: layer {i} is past num_hidden_layers "
+                                 f"({self.cfg.num_layers})")
         p = f"model.layers.{i}."
         if e := _EXPERT.match(local):
-            experts.setdefault((i, e.group(2)), {})[int(e.group(1))] = t
+            self._expert(i, int(e.group(1)), e.group(2), t)
         elif s := _SHARED.match(local):
-            shared[(i, s.group(1))] = t
+            self._shared(i, s.group(1), t)
         elif local in _RENAMES:
-            out[p + _RENAMES[local]] = t.reshape(-1) if local.endswith("res_proj.weight") else t
+            self.out[p + _RENAMES[local]] = _fp32(t.reshape(-1) if local.endswith("res_proj.weight") else t)
         elif local.endswith("_conv1d.weight"):
-            out[p + local] = t.reshape(t.shape[0], -1)  # [C, 1, W] -> [C, W]
+            self.out[p + local] = _fp32(t.reshape(t.shape[0], -1))  # [C, 1, W] -> [C, W]
         elif local == "self_attn.A_log":
-            out[p + local] = _a_log(cfg, fmt.prefix + name, t)
+            self.out[p + local] = _a_log(self.cfg, self.fmt.prefix + name, _fp32(t))
         elif local == "self_attn.dt_bias":
-            out[p + local] = t.reshape(-1)
+            self.out[p + local] = _fp32(t.reshape(-1))
         else:
-            out[p + local] = t
-    _assemble_experts(cfg, fmt, experts, out)
-    _assemble_shared(fmt, shared, out)
-    return out
+            self.out[p + local] = _fp32(t)
+
+    def _expert(self, i: int, e: int, w: str, t: torch.Tensor | Mxfp4Tensor) -> None:
+        cfg = self.cfg
+        where = f"{self.fmt.prefix}model.layers.{i}.block_sparse_moe.experts"
+        if e >= cfg.num_experts:
+            raise ModelLoadError(f"{where}: expert {e} {w} is past num_experts")
+        f, lat = cfg.moe_intermediate_size, cfg.expert_input_size
+        name = f"model.layers.{i}.mlp.experts." + ("down_proj" if w == "w2" else "gate_up_proj")
+        rows = slice(0, f) if w == "w1" else slice(f, 2 * f) if w == "w3" else slice(0, lat)
+        expected = (lat, f) if w == "w2" else (f, lat)
+        if tuple(t.shape) != expected:
+            raise ModelLoadError(f"tensor {where}.{e}.{w}.weight has shape {tuple(t.shape)}, expected {expected}")
+        full = (cfg.num_experts, lat if w == "w2" else 2 * f, expected[1])
+        buf = self.out.get(name)
+        if buf is None:
+            buf = self.out[name] = _empty(t, full)
+        if isinstance(buf, Mxfp4Tensor) != isinstance(t, Mxfp4Tensor):
+            raise ModelLoadError(f"{where}: experts of one layer must all be MXFP4 or all be float ({e} {w} is not)")
+        if isinstance(t, Mxfp4Tensor):
+            buf.blocks[e, rows].copy_(t.blocks)
+            buf.scales[e, rows].copy_(t.scales)
+        else:
+            buf[e, rows].copy_(t)  # converts to fp32 in place: no second copy of the expert
+        self.filled.setdefault((i, w), set()).add(e)
+
+    def _shared(self, i: int, part: str, t: torch.Tensor | Mxfp4Tensor) -> None:
+        cfg, t = self.cfg, _fp32(t)
+        fs, d = cfg.shared_intermediate_size, cfg.hidden_size
+        p = f"model.layers.{i}.mlp.shared_experts."
+        self.filled.setdefault((i, "shared_" + part), set()).add(0)
+        if part == "down":
+            self.out[p + "down_proj"] = t[None]
+            return
+        if tuple(t.shape) != (fs, d):
+            raise ModelLoadError(f"tensor {self.fmt.prefix}model.layers.{i}.block_sparse_moe.shared_experts."
+                                 f"{part}_proj.weight has shape {tuple(t.shape)}, expected {(fs, d)}")
+        buf = self.out.setdefault(p + "gate_up_proj", torch.empty((1, 2 * fs, d), dtype=torch.float32))
+        rows = slice(0, fs) if part == "gate" else slice(fs, 2 * fs)
+        buf[0, rows].copy_(t)
+
+    def finish(self) -> dict[str, torch.Tensor | Mxfp4Tensor]:
+        """The weights, once every expert of every MoE layer and every shared-expert part arrived."""
+        layers = sorted({i for i, w in self.filled})
+        for i in layers:
+            if any(w.startswith("shared_") for j, w in self.filled if j == i):
+                for part in ("gate", "up", "down"):
+                    if (i, "shared_" + part) not in self.filled:
+                        raise ModelLoadError(f"{self.fmt.prefix}model.layers.{i}.block_sparse_moe.shared_experts "
+                                             f"lacks {part}_proj.weight")
+            if not any(w in ("w1", "w2", "w3") for j, w in self.filled if j == i):
+                continue
+            for w in ("w1", "w3", "w2"):
+                missing = sorted(set(range(self.cfg.num_experts)) - self.filled.get((i, w), set()))
+                if missing:
+                    raise ModelLoadError(f"{self.fmt.prefix}model.layers.{i}.block_sparse_moe.experts: expert "
+                                         f"{missing[0]} {w} is missing")
+        return self.out
+
+
+def _fp32(t: torch.Tensor | Mxfp4Tensor) -> torch.Tensor:
+    """fp32 in memory of its own: a tensor ``safe_open`` hands out may be a view of the mapped
+    shard, and one kept would keep the shard's pages mapped (and resident) after loading."""
+    return t.dequantize() if isinstance(t, Mxfp4Tensor) else t.to(torch.float32, copy=True)
+
+
+def _empty(like: torch.Tensor | Mxfp4Tensor, shape: tuple[int, int, int]) -> torch.Tensor | Mxfp4Tensor:
+    if isinstance(like, Mxfp4Tensor):
+        e, n, k = shape
+        return Mxfp4Tensor(torch.empty((e, n, k // 32, 16), dtype=torch.uint8), torch.empty((e, n, k // 32), dtype=torch.uint8))
+    return torch.empty(shape, dtype=torch.float32)
 
 
 def real_name(fmt: RealFormat, name: str) -> str:
@@ -175,35 +278,3 @@ def _a_log(cfg: K3Config, name: str, t: torch.Tensor) -> torch.Tensor:
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}: expected {h} heads "
                              f"([{h}], [1, 1, {h}, 1], or a 1-D buffer whose entries past {h} are zero)")
     return flat[:h].clone()
-
-
-def _assemble_experts(cfg: K3Config, fmt: RealFormat, experts: dict, out: dict[str, torch.Tensor]) -> None:
-    """Per-expert ``w1``/``w3``/``w2`` -> ``experts.gate_up_proj [E, 2F, L]`` and ``down_proj [E, L, F]``."""
-    layers = sorted({i for i, _ in experts})
-    for i in layers:
-        parts = {}
-        for w in ("w1", "w3", "w2"):
-            found = experts.get((i, w), {})
-            missing = [e for e in range(cfg.num_experts) if e not in found]
-            if missing or len(found) != cfg.num_experts:
-                raise ModelLoadError(f"{fmt.prefix}model.layers.{i}.block_sparse_moe.experts: expert {missing[0] if missing else max(found)}"
-                                     f" {w} is {'missing' if missing else 'past num_experts'}")
-            ordered = [found[e] for e in range(cfg.num_experts)]
-            parts[w] = Mxfp4Tensor.stack(ordered) if isinstance(ordered[0], Mxfp4Tensor) else torch.stack(ordered)
-        p = f"model.layers.{i}.mlp.experts."
-        gate_up = [parts["w1"], parts["w3"]]
-        out[p + "gate_up_proj"] = (Mxfp4Tensor.cat_rows(gate_up) if isinstance(gate_up[0], Mxfp4Tensor)
-                                   else torch.cat(gate_up, dim=1))
-        out[p + "down_proj"] = parts["w2"]
-
-
-def _assemble_shared(fmt: RealFormat, shared: dict, out: dict[str, torch.Tensor]) -> None:
-    """The shared-expert MLP -> ``shared_experts.gate_up_proj [1, 2Fs, D]`` and ``down_proj [1, D, Fs]``."""
-    for i in sorted({i for i, _ in shared}):
-        got = {k: shared.get((i, k)) for k in ("gate", "up", "down")}
-        if any(v is None for v in got.values()):
-            lacking = next(k for k, v in got.items() if v is None)
-            raise ModelLoadError(f"{fmt.prefix}model.layers.{i}.block_sparse_moe.shared_experts lacks {lacking}_proj.weight")
-        p = f"model.layers.{i}.mlp.shared_experts."
-        out[p + "gate_up_proj"] = torch.cat([got["gate"], got["up"]])[None]
-        out[p + "down_proj"] = got["down"][None]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.services.engine.kimi_k3.config import K3Config
+from crescent.services.engine.kimi_k3.config import DEFAULT_SNAPSHOT_EVERY_BLOCKS, DEFAULT_SNAPSHOT_SLOTS, K3Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +30,8 @@ class SnapshotPolicy:
     whose prompt extends this one, resumes — and, when the prompt fills its last block exactly,
     the block before it (a resubmitted prompt recomputes at least its last token)."""
 
-    every_blocks: int = 1
-    slots: int = 32
+    every_blocks: int = DEFAULT_SNAPSHOT_EVERY_BLOCKS
+    slots: int = DEFAULT_SNAPSHOT_SLOTS
 
     def __post_init__(self) -> None:
         if self.every_blocks < 0 or self.slots < 0:
