@@ -113,9 +113,10 @@ class Authenticator:
         key = bearer_key(authorization)
         if key is None:
             raise AuthenticationError(_MISSING, code="missing_api_key")
-        self._refuse_if_throttled(source, hash_key(key))
+        digest = hash_key(key)
+        self._refuse_if_throttled(source, digest)
         try:
-            check = await self._check(key)
+            check = await self._check(key, digest)
         except SQLAlchemyError as exc:  # the database is away: say so, and let the client retry
             log.warning("API key check failed: the database is unreachable (%s)", exc.__class__.__name__)
             raise ServiceUnavailableError("the gateway cannot check API keys now: its database is unreachable",
@@ -124,11 +125,10 @@ class Authenticator:
             log.info("refused an API key (%s%s)", check.refusal, f": {check.key_id}" if check.key_id else "")
             self._throttle.failed(source)
             raise AuthenticationError(f"Incorrect API key provided: {_masked(key)}.", code="invalid_api_key")
-        self._throttle.succeeded(hash_key(key))
+        self._throttle.succeeded(digest)
         return Principal(check.tenant_id, check.key_id, self.salt_of(check.tenant_id))
 
-    async def _check(self, key: str) -> KeyCheck:
-        digest = hash_key(key)
+    async def _check(self, key: str, digest: str) -> KeyCheck:
         now = time.monotonic()
         cached = self._checked.get(digest)
         if cached is not None and now - cached[0] < self._cache_s:
@@ -168,11 +168,12 @@ class Authenticator:
         if key is None:
             raise AuthenticationError(_MISSING, code="missing_api_key")
         digest = hashlib.sha256(key.encode())
-        self._refuse_if_throttled(source, digest.hexdigest())
+        hex_digest = digest.hexdigest()
+        self._refuse_if_throttled(source, hex_digest)
         if not hmac.compare_digest(digest.digest(), self._admin_hash):
             self._throttle.failed(source)
             raise AuthenticationError(f"Incorrect admin key provided: {_masked(key)}.", code="invalid_api_key")
-        self._throttle.succeeded(digest.hexdigest())
+        self._throttle.succeeded(hex_digest)
 
     def _refuse_if_throttled(self, source: str | None, key_digest: str) -> None:
         wait_s = self._throttle.retry_after_s(source, key_digest)

@@ -59,9 +59,10 @@ def constraint_of(request: ChatCompletionRequest, output: OutputFormat, max_byte
         return None
     if output.xtml and param != "tool_choice":  # K3: the constrained text is the response channel's
         constraint = in_response_channel(constraint, request.thinking is None or request.thinking.type == "enabled")
-    if constraint.ByteSize() > max_bytes:
+    size = constraint.ByteSize()
+    if size > max_bytes:
         raise InvalidRequestError(
-            f"the output constraint is {constraint.ByteSize()} bytes, over the gateway's limit of {max_bytes} "
+            f"the output constraint is {size} bytes, over the gateway's limit of {max_bytes} "
             "(max_constraint_bytes)", param=param, code="constraint_too_large")
     return constraint
 
