@@ -123,10 +123,6 @@ class SideTls:
         self._contexts: tuple[ssl.SSLContext, ssl.SSLContext] | None = None
         self._lock = threading.Lock()  # accept threads ask together
 
-    @property
-    def server_name(self) -> str:
-        return self._tls.server_name
-
     def _current(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
         latest = self._tls.latest()
         with self._lock:
