@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crescent.services.engine.cache_api import StatefulKvCache
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.llama import ForwardBatch, LlamaModel, SeqChunk
 from crescent.services.engine.model_config import LlamaConfig
