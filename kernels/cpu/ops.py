@@ -1,4 +1,4 @@
-"""Reference ops for Llama-family models, written for numerical reproducibility.
+"""The dense engine's CPU ops for Llama-family models, written for numerical reproducibility.
 
 Disaggregated serving must give the same tokens as a single-process run: a request's decode
 steps are batched with whatever else is running, and its prefix may come from a cache instead
