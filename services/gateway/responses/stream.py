@@ -21,12 +21,12 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from crescent.services.gateway.accounting import RequestRecord
-from crescent.services.gateway.assistant_output import OutputEvent
+from crescent.services.gateway.parsing.assistant_output import OutputEvent
 from crescent.services.gateway.choice_stream import result_or_error, status_of
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, InternalError, RateLimitedError
 from crescent.services.gateway.generation import Finished
-from crescent.services.gateway.responses_output import (
+from crescent.services.gateway.responses.output import (
     OutputBuilder,
     ResponseDraft,
     ResponseErrorInfo,

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from crescent.services.gateway.accounting import RequestRecord, UsageCounts, total_usage
 from crescent.services.gateway.auth import Principal, principal_of
 from crescent.services.gateway.backend import GenerationRequest
-from crescent.services.gateway.rate_limits import RateLimiter, RateLimitExceeded, Ticket
+from crescent.services.gateway.limits.limiter import RateLimiter, RateLimitExceeded, Ticket
 
 _STATE_KEY = "rate_limits"
 

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from crescent.services.gateway.auth import Authenticator, client_address
 from crescent.services.gateway.errors import ApiError, InvalidRequestError, NotFoundError
-from crescent.services.gateway.limit_settings import LimitSettings, LimitValues
-from crescent.services.gateway.rate_limits import RateLimiter
+from crescent.services.gateway.limits.settings import LimitSettings, LimitValues
+from crescent.services.gateway.limits.limiter import RateLimiter
 from crescent.services.tenancy.keys import TenancyError
 from crescent.services.tenancy.limits import LimitBook, Limits, Subject
 

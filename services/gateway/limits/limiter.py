@@ -39,8 +39,8 @@ from prometheus_client import Counter
 from crescent.services.gateway.accounting import UsageCounts
 from crescent.services.gateway.auth import Principal
 from crescent.services.gateway.errors import RateLimitedError, ServiceUnavailableError
-from crescent.services.gateway.limit_settings import LimitSettings, LimitValues
-from crescent.services.gateway.limit_store import (
+from crescent.services.gateway.limits.settings import LimitSettings, LimitValues
+from crescent.services.gateway.limits.store import (
     BudgetCheck,
     Checks,
     LimitStore,
@@ -178,7 +178,7 @@ class RateLimiter:
             store: LimitStore = MemoryLimitStore(settings.period_s, settings.lease_s)
             log.info("rate limits: counters in this process (one gateway; limits.store)")
         else:
-            from crescent.services.gateway.limit_redis import RedisLimitStore  # only deployments with Redis need it
+            from crescent.services.gateway.limits.redis_store import RedisLimitStore  # only deployments with Redis need it
 
             store = RedisLimitStore(settings.store, settings.period_s, settings.lease_s, settings.store_timeout_s)
             parts = urlsplit(settings.store)

@@ -24,8 +24,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from crescent.services.gateway.reasoning import partial_suffix_len
-from crescent.services.gateway.tool_calls import ContentText, ToolCallArguments, ToolCallHeader
+from crescent.services.gateway.parsing.reasoning import partial_suffix_len
+from crescent.services.gateway.parsing.tool_calls import ContentText, ToolCallArguments, ToolCallHeader
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 THINK_OPEN, THINK_CLOSE = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from crescent.services.gateway.limit_store import Checks, RateState
+from crescent.services.gateway.limits.store import Checks, RateState
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from crescent.services.common.metrics import GatewayMetrics
 from crescent.services.gateway.accounting import RequestRecord
-from crescent.services.gateway.assistant_output import OutputEvent
+from crescent.services.gateway.parsing.assistant_output import OutputEvent
 from crescent.services.gateway.auth import principal_of
 from crescent.services.gateway.backend import Backend, RequestId
 from crescent.services.gateway.chat import ChatCompletions
@@ -25,15 +25,15 @@ from crescent.services.gateway.client_gone import answered, unless_disconnected
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ApiError, NotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished
-from crescent.services.gateway.limit_http import admit
+from crescent.services.gateway.limits.http import admit
 from crescent.services.gateway.prompt import ServedModel
-from crescent.services.gateway.response_store import ResponseStore
-from crescent.services.gateway.responses_api import INPUT_ITEMS, ResponseRequest
-from crescent.services.gateway.responses_input import Item, chat_request, responses_error
-from crescent.services.gateway.responses_output import OutputBuilder, ResponseDraft, ResponseObject
-from crescent.services.gateway.responses_stream import OnDone, ResponseStream
+from crescent.services.gateway.responses.store import ResponseStore
+from crescent.services.gateway.responses.api import INPUT_ITEMS, ResponseRequest
+from crescent.services.gateway.responses.input import Item, chat_request, responses_error
+from crescent.services.gateway.responses.output import OutputBuilder, ResponseDraft, ResponseObject
+from crescent.services.gateway.responses.stream import OnDone, ResponseStream
 from crescent.services.gateway.sse import SseResponse
-from crescent.services.gateway.structured_output import ensure_enforceable
+from crescent.services.gateway.parsing.structured_output import ensure_enforceable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 

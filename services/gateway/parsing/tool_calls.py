@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from crescent.services.gateway.reasoning import partial_suffix_len
+from crescent.services.gateway.parsing.reasoning import partial_suffix_len
 
 
 @dataclass(frozen=True, slots=True)

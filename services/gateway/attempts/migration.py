@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from crescent.protos import common_pb2
-from crescent.services.gateway.attempt import AttemptFailed, AttemptRequest, PlaceFailed
+from crescent.services.gateway.attempts.attempt import AttemptFailed, AttemptRequest, PlaceFailed
 from crescent.services.gateway.backend import BackendEvent, FirstToken, GenerationRequest, MoreTokens, RequestId
 from crescent.services.gateway.errors import GatewayTimeoutError, RateLimitedError, ServiceUnavailableError
 from prometheus_client import Counter

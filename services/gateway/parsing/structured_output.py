@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from crescent.protos.common_pb2 import ChoiceList, Constraint
 from crescent.services.gateway.api_models import ChatCompletionRequest
 from crescent.services.gateway.errors import InvalidRequestError
-from crescent.services.gateway.output_format import OutputFormat
-from crescent.services.gateway.tool_grammar import forced_tool_constraint
-from crescent.services.gateway.xtml_grammar import in_response_channel
+from crescent.services.gateway.parsing.output_format import OutputFormat
+from crescent.services.gateway.parsing.tool_grammar import forced_tool_constraint
+from crescent.services.gateway.parsing.xtml_grammar import in_response_channel
 from crescent.services.model.grammar import ConstraintError, check_constraint
 
 _CHECK_THREADS = 2

@@ -24,10 +24,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 
-from crescent.services.gateway.attempt import Attempt, AttemptCalls, AttemptRequest, run_attempt
+from crescent.services.gateway.attempts.attempt import Attempt, AttemptCalls, AttemptRequest, run_attempt
 from crescent.services.gateway.backend import BackendEvent, GenerationRequest
 from crescent.services.gateway.choices import choice_requests
-from crescent.services.gateway.migration import MigrationPolicy, StartAttempt, attempt_request, generate_with_migration
+from crescent.services.gateway.attempts.migration import MigrationPolicy, StartAttempt, attempt_request, generate_with_migration
 from crescent.services.gateway.owning import Owning
 
 

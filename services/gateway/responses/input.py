@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from crescent.services.gateway.api_models import ChatCompletionRequest
 from crescent.services.gateway.errors import ApiError, validation_error
-from crescent.services.gateway.responses_api import (
+from crescent.services.gateway.responses.api import (
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,

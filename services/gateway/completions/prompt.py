@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-from crescent.services.gateway.completions_api import CompletionRequest
+from crescent.services.gateway.completions.api import CompletionRequest
 from crescent.services.gateway.errors import ContextLengthExceededError, InvalidRequestError
 from crescent.services.gateway.prompt import ServedModel
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from crescent.services.gateway.json_tool_calls import HERMES_TOOL_CALL_TAGS, JsonToolCallTags
-from crescent.services.gateway.reasoning import THINK_TAGS, ReasoningTags
-from crescent.services.gateway.tool_calls import KIMI_TOOL_CALL_MARKERS, ToolCallMarkers
+from crescent.services.gateway.parsing.json_tool_calls import HERMES_TOOL_CALL_TAGS, JsonToolCallTags
+from crescent.services.gateway.parsing.reasoning import THINK_TAGS, ReasoningTags
+from crescent.services.gateway.parsing.tool_calls import KIMI_TOOL_CALL_MARKERS, ToolCallMarkers
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from crescent.services.gateway.limit_store import (
+from crescent.services.gateway.limits.store import (
     SLOT_RETRY_S,
     Checks,
     LimitStoreError,
@@ -37,8 +37,8 @@ from crescent.services.gateway.limit_store import (
     Settlement,
     Verdict,
 )
-from crescent.services.gateway.limit_pipe import RedisPipe
-from crescent.services.gateway.limit_view import LimitView
+from crescent.services.gateway.limits.pipe import RedisPipe
+from crescent.services.gateway.limits.view import LimitView
 
 _NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 _STATE = """

@@ -19,9 +19,9 @@ from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE, prefix_block
 from crescent.services.common.grpc_service import GRPC_OPTIONS, open_channel
 from crescent.services.common.settings import load_settings
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
-from crescent.services.gateway.attempt import AttemptRequest, PlaceFailed, run_attempt
+from crescent.services.gateway.attempts.attempt import AttemptRequest, PlaceFailed, run_attempt
 from crescent.services.gateway.backend import BackendEvent, BackendHealth, GenerationRequest, RequestId
-from crescent.services.gateway.choice_group import choice_streams
+from crescent.services.gateway.attempts.choice_group import choice_streams
 from crescent.services.gateway.errors import (
     ApiError,
     GatewayTimeoutError,
@@ -30,7 +30,7 @@ from crescent.services.gateway.errors import (
     RateLimitedError,
     ServiceUnavailableError,
 )
-from crescent.services.gateway.migration import MigrationPolicy, generate_with_migration, migrations_counter
+from crescent.services.gateway.attempts.migration import MigrationPolicy, generate_with_migration, migrations_counter
 
 log = logging.getLogger(__name__)
 

@@ -19,19 +19,19 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
-from crescent.services.gateway.json_tool_calls import JsonToolCallParser, JsonToolCallTags
+from crescent.services.gateway.parsing.json_tool_calls import JsonToolCallParser, JsonToolCallTags
 from crescent.services.gateway.logprobs import TokenLogprobs
-from crescent.services.gateway.output_format import OutputFormat
+from crescent.services.gateway.parsing.output_format import OutputFormat
 from crescent.services.gateway.owning import Owning
-from crescent.services.gateway.reasoning import Piece, ReasoningParser
-from crescent.services.gateway.tool_calls import (
+from crescent.services.gateway.parsing.reasoning import Piece, ReasoningParser
+from crescent.services.gateway.parsing.tool_calls import (
     ContentText,
     ToolCallArguments,
     ToolCallHeader,
     ToolCallMarkers,
     ToolCallParser,
 )
-from crescent.services.gateway.xtml_output import ReasoningText, XtmlEvent, XtmlReplyParser
+from crescent.services.gateway.parsing.xtml_output import ReasoningText, XtmlEvent, XtmlReplyParser
 
 
 @dataclass(frozen=True, slots=True)

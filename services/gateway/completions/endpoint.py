@@ -28,14 +28,14 @@ from crescent.services.gateway.backend import Backend, GenerationRequest, Reques
 from crescent.services.gateway.choice_stream import ChoiceStream, status_of
 from crescent.services.gateway.choices import collect_choices, leaders_first, resumed
 from crescent.services.gateway.client_gone import ClientGone, unless_disconnected
-from crescent.services.gateway.completion_prompt import CompletionPrompt, build_completion_prompts
-from crescent.services.gateway.completions_api import (
+from crescent.services.gateway.completions.prompt import CompletionPrompt, build_completion_prompts
+from crescent.services.gateway.completions.api import (
     MAX_CHOICES_PER_REQUEST,
     CompletionChoice,
     CompletionRequest,
     TextCompletion,
 )
-from crescent.services.gateway.completions_stream import CompletionChunks
+from crescent.services.gateway.completions.stream import CompletionChunks
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import (
     ApiError,
@@ -44,7 +44,7 @@ from crescent.services.gateway.errors import (
     UnsupportedParameterError,
 )
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta, generate_text
-from crescent.services.gateway.limit_http import admit
+from crescent.services.gateway.limits.http import admit
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, completion_logprobs

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from crescent.services.gateway.accounting import UsageCounts
 from crescent.services.gateway.api_models import Usage
-from crescent.services.gateway.completions_api import (
+from crescent.services.gateway.completions.api import (
     CompletionChunkChoice,
     CompletionStreamFinishReason,
     TextCompletionChunk,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from crescent.services.gateway.reasoning import partial_suffix_len
-from crescent.services.gateway.tool_calls import ContentText, ToolCallArguments, ToolCallEvent, ToolCallHeader
+from crescent.services.gateway.parsing.reasoning import partial_suffix_len
+from crescent.services.gateway.parsing.tool_calls import ContentText, ToolCallArguments, ToolCallEvent, ToolCallHeader
 
 
 @dataclass(frozen=True, slots=True)

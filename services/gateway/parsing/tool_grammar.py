@@ -29,10 +29,10 @@ from typing import Any
 
 from crescent.protos.common_pb2 import Constraint
 from crescent.services.gateway.api_models import ChatCompletionRequest, NamedToolChoice, ToolDefinition
-from crescent.services.gateway.json_tool_calls import JsonToolCallTags
-from crescent.services.gateway.output_format import OutputFormat
-from crescent.services.gateway.tool_calls import ToolCallMarkers
-from crescent.services.gateway.xtml_grammar import tool_call_grammar
+from crescent.services.gateway.parsing.json_tool_calls import JsonToolCallTags
+from crescent.services.gateway.parsing.output_format import OutputFormat
+from crescent.services.gateway.parsing.tool_calls import ToolCallMarkers
+from crescent.services.gateway.parsing.xtml_grammar import tool_call_grammar
 from crescent.services.model.grammar import JSON_LAYOUT
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -18,9 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from crescent.services.gateway.accounting import UsageCounts
-from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta
+from crescent.services.gateway.parsing.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta
 from crescent.services.gateway.generation import TextDelta
-from crescent.services.gateway.responses_api import ResponseRequest
+from crescent.services.gateway.responses.api import ResponseRequest
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
