@@ -30,7 +30,7 @@ from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens
 from crescent.services.common.logs import request_id_var
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import stop_token_ids
 from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate

@@ -22,7 +22,7 @@ from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMe
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.kv_layout import LayerGeometry, geometry, read_layer, write_block
 from crescent.services.engine_vllm.store_link import StoreLink
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from crescent.services.kvwire.handoff_wire import encode_part, handoff_parts
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import finish_reason, stop_token_ids
 from crescent.services.engine.constraints import (
     ConstraintError,
     Constraints,
@@ -238,7 +238,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
-            finished = [i for i, first in enumerate(firsts) if first in stop_ids or request.sampling.max_tokens <= 1]
+            reasons = [finish_reason(first, 1, request.sampling.max_tokens, stop_ids) for first in firsts]
+            finished = [i for i, reason in enumerate(reasons) if reason is not None]
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
                 hold.acquire()
@@ -250,7 +251,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     first_token=prefill_pb2.FirstToken(
                         token_id=first, prompt_tokens=len(tokens), cached_tokens=seq.num_cached,
                         finished=i in finished,
-                        finish_reason=("stop" if first in stop_ids else "length") if i in finished else "",
+                        finish_reason=reasons[i] or "",
                         logprob=logprob_message(logprob) if logprob is not None else None, index=i,
                     )
                 )

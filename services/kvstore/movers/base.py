@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from crescent.protos import kvstore_pb2, kvstore_pb2_grpc
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockIntegrityError, KvBlock
 
 log = logging.getLogger(__name__)
