@@ -56,7 +56,8 @@ from crescent.services.instance.wire import (
 )
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.batcher import PrefillBatcher
-from crescent.services.prefill.handoff_mover import GRPC, HandoffMovers
+from crescent.services.kvwire.movers import GRPC
+from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise
 from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
 from crescent.services.prefill.layerwise_store_hybrid import (HybridLayerwiseStoreExport, stores_hybrid_layerwise,
