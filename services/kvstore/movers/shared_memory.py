@@ -40,7 +40,8 @@ class SharedMemoryMover(Mover):
         that copy payloads (default: up to 2)."""
         super().__init__(link)
         self._rest = rest
-        self.usable = shm.available()
+        if not shm.available():
+            self.give_up("no shared memory on this host")
         self._copier = ParallelCopier(copy_threads) if self.usable else None
         self._free_segments: list[shm.ShmSegment] = []
         self._pool_path = ""

@@ -1,6 +1,6 @@
 """The engine's C++ CPU ops (``paged_decode.cpp``), compiled once per machine with ``-march=native``.
 
-``make install`` builds them (``python -m crescent.kernels.reference.cpu_ext``); a process that
+``make install`` builds them (``python -m crescent.kernels.cpu.cpu_ext``); a process that
 finds no build compiles it on first use (torch's file lock keeps concurrent processes to one
 build). The build directory's name hashes the source, the flags, torch's version and the CPU's
 feature flags, so a changed source or another CPU never loads a stale binary. Where no compiler

@@ -2,7 +2,7 @@
 // sequence's pages into a contiguous copy, and one call per layer for the whole batch instead of a
 // handful of torch ops per sequence. One (sequence, KV head) pair is one task, its sums always run
 // in the same order: a row's result never depends on the batch it is in or on the thread count.
-// Built at install (or first use) by crescent.kernels.reference.cpu_ext with -march=native.
+// Built at install (or first use) by crescent.kernels.cpu.cpu_ext with -march=native.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

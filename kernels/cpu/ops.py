@@ -1,4 +1,4 @@
-"""Reference ops for Llama-family models, written for numerical reproducibility.
+"""The dense engine's CPU ops for Llama-family models, written for numerical reproducibility.
 
 Disaggregated serving must give the same tokens as a single-process run: a request's decode
 steps are batched with whatever else is running, and its prefix may come from a cache instead
@@ -19,10 +19,27 @@ import torch.nn.functional as F
 # it takes the M >= 2 path. ``_linear_pointwise`` takes the activations as they are (no
 # conversion to oneDNN's layout and back around every projection, ~9% of a decode step) and
 # gives the same bits as ``mkldnn_linear`` on converted activations. Without oneDNN, small batches are padded to a multiple of 4 rows for
-# MKL instead. tests/kernels/test_reference_ops.py checks the property for the active backend.
+# MKL instead. tests/kernels/test_cpu_ops.py checks the property for the active backend.
+#
+# Neither library is on a GPU, and cuBLAS picks its kernel (and split-K) by shape, so CUDA tensors
+# go to the Triton kernels of ``crescent.kernels.batch_invariant`` (one fixed reduction order per
+# row): ``InvariantLinear``, ``batch_invariant_linear`` and ``rms_norm`` never silently fall back
+# to a batch-dependent path. Triton is imported only then; a CPU-only install needs none.
 _ONEDNN = torch.backends.mkldnn.is_available()
 _MKL_ROW_TILE = 4
 _MKL_ALWAYS_INVARIANT_ROWS = 16
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the Triton kernels (a function, so tests can send CPU tensors there
+    under the Triton interpreter)."""
+    return t.is_cuda  # (not device.type: ~7x cheaper, and it runs on every linear and norm)
+
+
+def _triton_ops():
+    from crescent.kernels import batch_invariant  # Triton: imported only where a GPU is used
+
+    return batch_invariant
 
 
 class InvariantLinear:
@@ -31,12 +48,17 @@ class InvariantLinear:
     __slots__ = ("weight", "out_features", "in_features")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        weight = weight.float().contiguous()
         self.out_features, self.in_features = weight.shape
+        if _on_gpu(weight):  # kept in its dtype (bf16 checkpoints stay bf16 on the device)
+            self.weight = weight.contiguous()
+            return
+        weight = weight.float().contiguous()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if _ONEDNN else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if _on_gpu(x):
+            return _triton_ops().invariant_linear(x, self.weight)
         if _ONEDNN:
             if rows == 1:
                 x = x.expand(2, -1)
@@ -45,7 +67,9 @@ class InvariantLinear:
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """MKL fallback of ``InvariantLinear``: pads small batches to a multiple of 4 rows."""
+    """MKL fallback of ``InvariantLinear``: pads small batches to a multiple of 4 rows (CUDA: Triton)."""
+    if _on_gpu(x):
+        return _triton_ops().invariant_linear(x, weight.to(x.dtype))
     rows = x.shape[0]
     if rows < _MKL_ALWAYS_INVARIANT_ROWS and rows % _MKL_ROW_TILE:
         padded = x.new_zeros((rows + _MKL_ROW_TILE - rows % _MKL_ROW_TILE, x.shape[1]))
@@ -55,6 +79,9 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (CUDA: the Triton kernel)."""
+    if _on_gpu(x):
+        return _triton_ops().invariant_rms_norm(x, weight, eps)
     variance = x.pow(2).mean(-1, keepdim=True)
     return x * torch.rsqrt(variance + eps) * weight
 

@@ -1,7 +1,7 @@
 """``InvariantLinear``: a row's result does not depend on the rows around it, and it is a linear.
 
 Disaggregated serving promises the tokens of a single-process run whatever a request is batched
-with (kernels/reference/ops.py says why MKL's sgemm breaks that); this holds it to the promise on
+with (kernels/cpu/ops.py says why MKL's sgemm breaks that); this holds it to the promise on
 the active backend, for the default model's projection shapes.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crescent.kernels.reference import InvariantLinear
+from crescent.kernels.cpu import InvariantLinear
 
 SHAPES = [(576, 1728), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2-135M: qkv, o, gate_up, down, head
 
