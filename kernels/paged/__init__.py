@@ -56,7 +56,7 @@ def paged_decode_attention(
         h, d, group,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_pool.stride(),
-        TILE=_tile(k_pool.shape[1]), PAGE=k_pool.shape[1], BG=max(16, triton.next_power_of_2(group)),
+        TILE=_tile(k_pool.shape[1], d), PAGE=k_pool.shape[1], BG=max(16, triton.next_power_of_2(group)),
         BD=_bd(d), PRECISION=_precision(q, k_pool),
     )
     return out
@@ -90,7 +90,7 @@ def paged_prefill_attention(
         n, d, h // k_pool.shape[2],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_pool.stride(),
-        BQ=QUERY_BLOCK, TILE=_tile(k_pool.shape[1]), PAGE=k_pool.shape[1], BD=_bd(d),
+        BQ=QUERY_BLOCK, TILE=_tile(k_pool.shape[1], d), PAGE=k_pool.shape[1], BD=_bd(d),
         PRECISION=_precision(q, k_pool),
     )
     return out
@@ -124,8 +124,10 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _tile(page_size: int) -> int:
-    return min(MAX_TILE, page_size & -page_size)  # largest power of two dividing the page size
+def _tile(page_size: int, d: int) -> int:
+    """Keys per step: the largest power of two dividing the page size, at most MAX_TILE, halved
+    for head dims over 128 so a step's fp32 K and V tiles stay within 64 KiB."""
+    return min(MAX_TILE, page_size & -page_size, max(16, 8192 // _bd(d)))
 
 
 def _bd(d: int) -> int:
