@@ -180,3 +180,26 @@ def test_bad_input_is_refused_before_launch(device):
     with pytest.raises(ValueError, match="cu_q"):
         paged_prefill_attention(q, pool.k, pool.v, pool.tables, pool.lens, torch.tensor([0], device=device),
                                 scale=1.0)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_long_decode_rows_split_and_merge_to_the_oracle_and_the_same_bits(device, monkeypatch, page):
+    """With DECODE_SPLIT at 64 keys, rows of 1..4 pieces: the oracle's answer; a row's bits alone,
+    in a batch, and (one piece) on the unsplit kernel are the same."""
+    import crescent.kernels.paged as paged
+
+    lengths = [1, 64, 65, 200, 40]
+    pool = Pool(lengths, page=page, kv=3, device=device)
+    q = torch.randn(len(lengths), 9, D, device=device)
+    unsplit = paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens, scale=scale())
+    monkeypatch.setattr(paged, "DECODE_SPLIT", 64)
+    split = paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens, scale=scale())
+    cu = torch.arange(len(lengths) + 1, device=device)
+    expected = paged_attention_reference(q, pool.k, pool.v, pool.tables, pool.lens, cu, scale=scale())
+    assert rel_rms(split, expected) < FP32_TOL
+    for i in (0, 1, 4):  # one piece each: the unsplit kernel's bits
+        assert torch.equal(split[i], unsplit[i])
+    for i in (2, 3):  # several pieces: alone (a table of its own width) as in the batch
+        alone = paged_decode_attention(q[i:i + 1], pool.k, pool.v, pool.tables[i:i + 1], pool.lens[i:i + 1],
+                                       scale=scale())
+        assert torch.equal(alone[0], split[i])
