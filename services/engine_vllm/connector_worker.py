@@ -35,7 +35,7 @@ from crescent.services.engine_vllm.kv_layout import LayerGeometry, geometry, rea
 from crescent.services.engine_vllm.layer_loads import LayerLoader, LoadBatch
 from crescent.services.engine_vllm.state_blocks import StateLayer, read_state, state_bytes, write_state
 from crescent.services.engine_vllm.store_link import StoreLink
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 
 if TYPE_CHECKING:  # vLLM's base class: this module stays importable (and testable) without vLLM
