@@ -16,7 +16,7 @@ from crescent.services.engine_vllm.connector_options import ConnectorOptions, te
 from crescent.services.engine_vllm.connector_scheduler import ConnectorScheduler
 from crescent.services.engine_vllm.connector_worker import ConnectorWorker
 from crescent.services.engine_vllm.hybrid_layout import GroupLayout, group_layout, resume_point, state_key
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 from crescent.services.kvwire.kv_block import KvBlock
 
 BLOCK, MODEL, FORMAT = 4, "tiny-hybrid", "vllm-state-v1:test"

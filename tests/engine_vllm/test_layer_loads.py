@@ -17,7 +17,7 @@ from crescent.services.engine_vllm import connector_worker
 from crescent.services.engine_vllm.connector_metadata import LoadSpec
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.connector_worker import ConnectorWorker
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 
 LAYERS, HEADS, BLOCK, DIM, BLOCKS = 4, 2, 16, 8, 12
