@@ -228,3 +228,16 @@ def test_smollm2_in_bf16_on_cpu_answers_sensibly(caplog: pytest.LogCaptureFixtur
     ids = tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     text = tokenizer.decode(engine.generate(ids, max_tokens=12))
     assert "Paris" in text, text
+
+
+def test_crescent_up_passes_device_and_dtype_to_native_engines_only() -> None:
+    from crescent.services.launcher import PlanError, PlatformPlan
+
+    plan = PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, tls=False, cores=2, device="cuda:1",
+                        dtype="bfloat16")
+    engines = [spec.config["engine"] for spec in plan.services() if "engine" in spec.config]
+    assert len(engines) == 2 and all(e["device"] == "cuda:1" and e["dtype"] == "bfloat16" for e in engines)
+    plain = PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, tls=False, cores=2)
+    assert all("device" not in spec.config.get("engine", {}) for spec in plain.services())
+    with pytest.raises(PlanError, match="--device cuda"):
+        PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, backend="vllm", device="cuda")
