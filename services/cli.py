@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
 from crescent.services.keys_cli import auth_status, keys_app
 from crescent.services.plan.cli import plan_command

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.scheduler.conductor import Conductor
 from crescent.services.scheduler.config import SchedulerSettings
 from crescent.services.scheduler.cost_model import CostModels

@@ -3,10 +3,11 @@
 ``attention_for(cache_device, cache_dtype, ...)`` picks the path by where the cache lives:
 
 - CPU, float32, head dim 64: ``CpuKernelAttention``, today's path. Decode rows (one new token)
-  go through the C++ op (``kernels/reference/paged_decode.cpp``) straight over the pool in one
+  go through the C++ op (``kernels/cpu/paged_decode.cpp``) straight over the pool in one
   call per layer; prompt chunks gather their pages and run SDPA per sequence.
-- CUDA, when ``crescent.kernels.paged_attention`` exists (the Triton kernel over Crescent's pool
-  layout, another branch's work): ``TritonAttention``, one varlen call per layer for every row.
+- CUDA, when ``crescent.kernels.paged`` imports (the Triton kernels over Crescent's pool layout;
+  a CPU-only install may lack Triton): ``TritonAttention``, decode rows in one call per layer and
+  prompt chunks in one varlen call.
 - anything else (CPU bf16, CUDA without that kernel, tests on ``meta``): ``TorchAttention``, the
   per-sequence gather + SDPA path, which runs on any device and dtype.
 
@@ -21,19 +22,19 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
 import torch
 
-from crescent.kernels.reference import paged_attention
-from crescent.kernels.reference.cpu_ext import paged_decode_ops
+from crescent.kernels.cpu import paged_attention
+from crescent.kernels.cpu.cpu_ext import paged_decode_ops
 
 log = logging.getLogger(__name__)
 
-TRITON_MODULE = "crescent.kernels.paged_attention"  # offers paged_attention(q, k, v, block_table, seq_lens, cu_q, *, scale)
+TRITON_MODULE = "crescent.kernels.paged"  # paged_decode_attention, paged_prefill_attention
 
 
 class Chunk(Protocol):
@@ -136,41 +137,66 @@ class CpuKernelAttention(TorchAttention):
 
 
 class TritonAttention:
-    """One varlen call per layer: sequence i's queries are its last ``cu_q[i+1] - cu_q[i]`` tokens,
-    attending causally to its first ``seq_lens[i]`` tokens through ``block_table[i]``."""
+    """The Triton kernels of ``crescent.kernels.paged`` over the pool, two calls per layer at most:
+    every decode row (one new token) through the decode kernel, every longer chunk through the
+    varlen prefill kernel (sequence i's queries are its last ``cu_q[i+1] - cu_q[i]`` tokens). A
+    decode row takes the decode kernel whether or not prompt chunks share its step, as on the
+    CPU, so its bits do not depend on its batch."""
 
     name = "triton"
 
-    def __init__(self, scale: float, kernel: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, scale: float, kernels: ModuleType) -> None:
         self.scale = scale
-        self._kernel = kernel
+        self._kernels = kernels
 
     def prepare(self, chunks: Sequence[Chunk], page_tables: list[torch.Tensor]) -> AttentionBatch:
         device = page_tables[0].device
-        widest = max(t.numel() for t in page_tables)
-        table = torch.zeros((len(chunks), widest), dtype=torch.int32, device=device)
-        for row, pages in enumerate(page_tables):
-            table[row, : pages.numel()] = pages
-        # Built on the host, moved once per forward (not per layer).
-        lens = torch.tensor([c.context_len for c in chunks], dtype=torch.int32)
-        cu_q = torch.tensor([0, *(c.num_new for c in chunks)], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return AttentionBatch(chunks, page_tables, (table, lens.to(device, non_blocking=True),
-                                                    cu_q.to(device, non_blocking=True)))
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + c.num_new)
+        decode = [i for i, c in enumerate(chunks) if c.num_new == 1]
+        prompt = [i for i, c in enumerate(chunks) if c.num_new > 1]
+        parts = []
+        for picked, is_decode in ((decode, True), (prompt, False)):
+            if not picked:
+                continue
+            widest = max(page_tables[i].numel() for i in picked)
+            table = torch.zeros((len(picked), widest), dtype=torch.int32, device=device)
+            for row, i in enumerate(picked):
+                table[row, : page_tables[i].numel()] = page_tables[i]
+            # Built on the host, moved once per forward (not per layer).
+            lens = torch.tensor([chunks[i].context_len for i in picked], dtype=torch.int32)
+            rows = torch.tensor([r for i in picked for r in range(starts[i], starts[i + 1])], dtype=torch.int64)
+            cu_q = torch.tensor([0, *(chunks[i].num_new for i in picked)], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            every = len(picked) == len(chunks)  # all rows, in order: no gather, no scatter
+            parts.append((is_decode, None if every else rows.to(device, non_blocking=True), table,
+                          lens.to(device, non_blocking=True), cu_q.to(device, non_blocking=True)))
+        return AttentionBatch(chunks, page_tables, parts)
 
     def __call__(self, batch: AttentionBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        table, lens, cu_q = batch.extra
-        return self._kernel(q, k_pool, v_pool, table, lens, cu_q, scale=self.scale)
+        parts = batch.extra
+        attn = None if len(parts) == 1 and parts[0][1] is None else torch.empty_like(q)
+        for is_decode, rows, table, lens, cu_q in parts:
+            q_rows = q if rows is None else q[rows]
+            if is_decode:
+                out = self._kernels.paged_decode_attention(q_rows, k_pool, v_pool, table, lens, scale=self.scale)
+            else:
+                out = self._kernels.paged_prefill_attention(q_rows, k_pool, v_pool, table, lens, cu_q,
+                                                            scale=self.scale)
+            if attn is None:
+                return out
+            attn[rows] = out
+        return attn
 
 
 @functools.cache
-def triton_paged_attention() -> Callable[..., torch.Tensor] | None:
-    """The Triton kernel over Crescent's pool layout, where ``crescent.kernels`` offers it (and
-    Triton imports); None otherwise."""
+def triton_paged_attention() -> ModuleType | None:
+    """``crescent.kernels.paged`` (the Triton kernels over Crescent's pool layout), where it and
+    Triton import; None otherwise."""
     try:
-        module = importlib.import_module(TRITON_MODULE)
+        return importlib.import_module(TRITON_MODULE)
     except ImportError:
         return None
-    return module.paged_attention
 
 
 def attention_for(cache_device: torch.device, cache_dtype: torch.dtype, compute_dtype: torch.dtype, *,
@@ -180,6 +206,6 @@ def attention_for(cache_device: torch.device, cache_dtype: torch.dtype, compute_
         fits = head_dim == 64 and group <= 16 and cache_dtype == compute_dtype == torch.float32
         ops = paged_decode_ops() if fits else None
         return CpuKernelAttention(scale, ops) if ops is not None else TorchAttention(scale)
-    if cache_device.type == "cuda" and (kernel := triton_paged_attention()) is not None:
-        return TritonAttention(scale, kernel)
+    if cache_device.type == "cuda" and (kernels := triton_paged_attention()) is not None:
+        return TritonAttention(scale, kernels)
     return TorchAttention(scale)

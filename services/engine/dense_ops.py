@@ -1,14 +1,14 @@
 """The Llama model's linear layers and norms on any device and dtype.
 
-On the CPU in float32 the engine keeps ``InvariantLinear`` (oneDNN, batch-invariant and the
-bit-exact reference) and the reference ``rms_norm`` as they are. Elsewhere:
-
-- ``DeviceLinear`` is ``F.linear`` in the weight's dtype on its device. On this CPU in bf16 it is
-  batch-invariant (tests/engine/test_device.py checks it); on CUDA cuBLAS picks kernels by the
-  batch's row count, so rows may differ in the last bits between batch sizes until a
-  batch-invariant CUDA matmul (issue 30, item 3) takes its place here. Unverified on a GPU.
-- ``norm`` computes RMSNorm in float32 and rounds the result to the activations' dtype, as
-  Hugging Face's Llama does, so a bf16 model's norms do not lose the mean of squares.
+- CPU, float32: ``InvariantLinear`` (oneDNN, batch-invariant, the bit-exact reference) and the
+  plain ``rms_norm``, as before devices existed.
+- CUDA, any dtype: the same ``InvariantLinear``/``rms_norm`` of ``crescent.kernels.cpu``, which
+  send CUDA tensors to the batch-invariant Triton kernels (``kernels/batch_invariant``, fp32
+  accumulation, the weight kept in its dtype). Unverified on a GPU here (no GPU was lent).
+- CPU in bf16/fp16 (and ``meta``, the tests' stand-in for a device): ``DeviceLinear``, ``F.linear``
+  in the weight's dtype; on this CPU it is batch-invariant in bf16 (tests/engine/test_device.py
+  checks it), and ``norm`` computes in float32 and rounds to the activations' dtype, as
+  Hugging Face's Llama does, so a bf16 model's norms keep the mean of squares exact.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from crescent.kernels.reference import InvariantLinear, rms_norm
+from crescent.kernels.cpu import InvariantLinear, rms_norm
 
 
 class DeviceLinear:
@@ -33,14 +33,15 @@ class DeviceLinear:
 
 
 def make_linear(weight: torch.Tensor) -> InvariantLinear | DeviceLinear:
-    """The batch-invariant oneDNN layer for a float32 CPU weight (today's path), else ``DeviceLinear``."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+    """The batch-invariant layer where one exists for the weight (CPU float32, CUDA), else ``DeviceLinear``."""
+    if weight.is_cuda or (weight.device.type == "cpu" and weight.dtype == torch.float32):
         return InvariantLinear(weight)
     return DeviceLinear(weight)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm; ``weight`` float32. In float32 exactly the reference op; else computed in float32."""
-    if x.dtype == torch.float32:
+    """RMSNorm with a float32 ``weight``: the kernel's on CUDA (fp32 accumulation, x's dtype out),
+    exactly the reference op in float32, else computed in float32 and rounded to x's dtype."""
+    if x.dtype == torch.float32 or x.is_cuda:
         return rms_norm(x, weight, eps)
     return rms_norm(x.float(), weight, eps).to(x.dtype)

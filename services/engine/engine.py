@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from crescent.services.engine.cache_api import StatefulKvCache
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.finish import finish_reason
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.llama import ForwardBatch, LlamaModel, SeqChunk
 from crescent.services.engine.model_config import LlamaConfig
@@ -382,7 +383,7 @@ class Engine:
                 if constraint is not None:
                     constraint.advance(token)
                 out.append(token)
-                if token in stop or len(out) >= max_tokens:
+                if finish_reason(token, len(out), max_tokens, stop) is not None:
                     return out
                 seq.token_ids.append(token)
                 logits = self.decode_step([seq])

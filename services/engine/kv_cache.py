@@ -25,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.layer_wire import LayerLayout
 
 

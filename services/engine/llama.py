@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.reference import InvariantLinear, apply_rope, rope_tables, silu_and_mul
+from crescent.kernels.cpu import InvariantLinear, apply_rope, rope_tables, silu_and_mul
 from crescent.services.engine.attention import AttentionPath, attention_for
 from crescent.services.engine.dense_ops import DeviceLinear, make_linear, norm
 from crescent.services.engine.kv_cache import PagedKvCache

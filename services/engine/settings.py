@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
 from crescent.services.engine.device import DEVICE_PATTERN
 from crescent.services.engine.kimi_k3.config import DEFAULT_SNAPSHOT_EVERY_BLOCKS, DEFAULT_SNAPSHOT_SLOTS

@@ -66,7 +66,8 @@ class CrescentConnector(KVConnectorBase_V1):
         self._worker.load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv placed every layer already
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)  # start_load_kv's loader writes layers in forward order
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -74,6 +75,7 @@ class CrescentConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
+        self._worker.finish_loads()  # layers no attention waited for are placed before the step ends
         if self.has_connector_metadata():
             self._worker.finish_saves(self._meta())
 

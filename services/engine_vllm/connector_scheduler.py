@@ -21,7 +21,7 @@ from crescent.services.engine_vllm.block_events import BlockEventSender
 from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata, LoadSpec, SaveSpec
 from crescent.services.engine_vllm.connector_options import ConnectorOptions, crescent_salt, loadable_blocks, shared_salt
 from crescent.services.engine_vllm.store_link import StoreLink
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from crescent.services.common.tls import TlsSettings, load_tls
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.kvstore.client import KvStoreClient
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 
 log = logging.getLogger(__name__)

@@ -165,8 +165,8 @@ def test_a_forward_on_the_meta_device_mixes_no_host_tensor_and_reads_nothing_bac
 
 
 def reference_varlen_kernel(q, k_pool, v_pool, block_table, seq_lens, cu_q, *, scale):  # noqa: ANN001
-    """A stand-in for the Triton kernel's contract, written as a plain loop: sequence i's queries
-    are its last cu_q[i+1] - cu_q[i] tokens, each attending causally to its pages' tokens."""
+    """A stand-in for the kernels' contract, written as a plain loop: sequence i's queries are its
+    last cu_q[i+1] - cu_q[i] tokens, each attending causally to its pages' tokens."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[2]
     for i in range(seq_lens.numel()):
@@ -181,34 +181,77 @@ def reference_varlen_kernel(q, k_pool, v_pool, block_table, seq_lens, cu_q, *, s
     return out
 
 
-def test_cuda_takes_the_triton_kernel_when_kernels_offers_it_else_the_torch_path(monkeypatch) -> None:  # noqa: ANN001
+class FakeKernels:
+    """``crescent.kernels.paged``'s two entry points, as the loop above; records which ran."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def paged_decode_attention(self, q, k_pool, v_pool, block_tables, seq_lens, *, scale):  # noqa: ANN001
+        self.calls.append(("decode", q.shape[0]))
+        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+        return reference_varlen_kernel(q, k_pool, v_pool, block_tables, seq_lens, cu_q, scale=scale)
+
+    def paged_prefill_attention(self, q, k_pool, v_pool, block_tables, seq_lens, cu_q, *, scale):  # noqa: ANN001
+        self.calls.append(("prefill", q.shape[0]))
+        return reference_varlen_kernel(q, k_pool, v_pool, block_tables, seq_lens, cu_q, scale=scale)
+
+
+def test_cuda_takes_the_triton_kernels_where_they_import_else_the_torch_path(monkeypatch) -> None:  # noqa: ANN001
     cuda = torch.device("cuda")
-    if importlib.util.find_spec("crescent.kernels.paged_attention") is None:
-        assert attention_mod.triton_paged_attention() is None  # not on this branch yet: the torch path
     monkeypatch.setattr(attention_mod, "triton_paged_attention", lambda: None)
     assert isinstance(attention_for(cuda, torch.bfloat16, torch.bfloat16, head_dim=64, group=3, scale=0.1),
                       TorchAttention)
-    monkeypatch.setattr(attention_mod, "triton_paged_attention", lambda: reference_varlen_kernel)
+    monkeypatch.setattr(attention_mod, "triton_paged_attention", lambda: FakeKernels())
     assert attention_for(cuda, torch.bfloat16, torch.bfloat16, head_dim=64, group=3, scale=0.1).name == "triton"
     assert attention_for(torch.device("cpu"), torch.float32, torch.float32, head_dim=64, group=3,
                          scale=0.1).name in ("cpu-kernel", "torch")  # torch where no compiler is found
+    assert attention_for(torch.device("cpu"), torch.bfloat16, torch.bfloat16, head_dim=64, group=3,
+                         scale=0.1).name == "torch"
 
 
-def test_the_triton_paths_varlen_metadata_gives_the_per_sequence_results() -> None:
-    """Prefill from scratch, a chunk after a cached prefix and decode rows in one call: the block
-    table, lengths and query offsets the seam builds make the kernel's contract give what the
-    per-sequence path gives, on shuffled, strided pages."""
+MIXED = [SeqChunk((7, 2), 20, 20), SeqChunk((5,), 9, 1), SeqChunk((11, 0, 3), 40, 12), SeqChunk((4, 9), 17, 1)]
+
+
+def _pool_and_queries(chunks, dtype=torch.float32):  # noqa: ANN001, ANN202
     torch.manual_seed(0)
-    pool = torch.randn(12, 3, 2, PAGE, 2, 64)  # (pages, layers, 2, page_size, kv heads, head dim)
-    k_pool, v_pool = pool[:, 1, 0], pool[:, 1, 1]  # one layer: strided pages
-    chunks = [SeqChunk((7, 2), 20, 20), SeqChunk((5,), 9, 1), SeqChunk((11, 0, 3), 40, 12), SeqChunk((4, 9), 17, 1)]
+    pool = torch.randn(12, 3, 2, PAGE, 2, 64).to(dtype)  # (pages, layers, 2, page_size, kv heads, head dim)
     tables = [torch.tensor(c.pages[: -(-c.context_len // PAGE)]) for c in chunks]
-    q = torch.randn(sum(c.num_new for c in chunks), 4, 64)
-    triton = TritonAttention(0.125, reference_varlen_kernel)
+    q = torch.randn(sum(c.num_new for c in chunks), 4, 64).to(dtype)
+    return pool[:, 1, 0], pool[:, 1, 1], tables, q  # one layer: strided pages
+
+
+@pytest.mark.parametrize("chunks", [MIXED, [c for c in MIXED if c.num_new == 1], [c for c in MIXED if c.num_new > 1]],
+                         ids=["mixed", "decode-only", "prefill-only"])
+def test_the_triton_paths_metadata_gives_the_per_sequence_results(chunks) -> None:  # noqa: ANN001
+    """Prefill from scratch, a chunk after a cached prefix and decode rows: the block tables,
+    lengths, query offsets and row split the seam builds give, through the kernels' contract,
+    what the per-sequence path gives, on shuffled, strided pages; decode rows go to the decode
+    kernel and prompt chunks to the prefill kernel, one call each."""
+    k_pool, v_pool, tables, q = _pool_and_queries(chunks)
+    fake = FakeKernels()
+    triton = TritonAttention(0.125, fake)
     got = triton(triton.prepare(chunks, tables), q, k_pool, v_pool)
     torch_path = TorchAttention(0.125)
     expected = torch_path(torch_path.prepare(chunks, tables), q, k_pool, v_pool)
     assert rel_err(got, expected) < 1e-5
+    decode_rows = sum(1 for c in chunks if c.num_new == 1)
+    prompt_rows = sum(c.num_new for c in chunks if c.num_new > 1)
+    assert fake.calls == [*([("decode", decode_rows)] if decode_rows else []),
+                          *([("prefill", prompt_rows)] if prompt_rows else [])]
+
+
+@pytest.mark.skipif(attention_mod.triton_paged_attention() is None, reason="Triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_real_triton_kernels_through_the_seam_under_the_interpreter(dtype: torch.dtype) -> None:
+    """crescent.kernels.paged itself (TRITON_INTERPRET=1 on this CPU) on a mixed batch, against
+    the per-sequence torch path (bf16 pool: compared in fp32 within bf16 rounding)."""
+    k_pool, v_pool, tables, q = _pool_and_queries(MIXED, dtype)
+    triton = TritonAttention(0.125, attention_mod.triton_paged_attention())
+    got = triton(triton.prepare(MIXED, tables), q, k_pool, v_pool)
+    torch_path = TorchAttention(0.125)
+    expected = torch_path(torch_path.prepare(MIXED, tables), q.float(), k_pool.float(), v_pool.float())
+    assert got.dtype == dtype and rel_err(got, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 # ---- bf16 on this CPU with the real model -------------------------------------------------------------
@@ -241,3 +284,29 @@ def test_crescent_up_passes_device_and_dtype_to_native_engines_only() -> None:
     assert all("device" not in spec.config.get("engine", {}) for spec in plain.services())
     with pytest.raises(PlanError, match="--device cuda"):
         PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, backend="vllm", device="cuda")
+
+
+@pytest.mark.skipif(attention_mod.triton_paged_attention() is None, reason="Triton is not installed")
+def test_an_engine_on_the_triton_path_matches_the_dense_reference(monkeypatch) -> None:  # noqa: ANN001
+    """The engine with its attention on crescent.kernels.paged (as on CUDA; here the interpreter):
+    prefill, then decode steps alone and beside a prompt chunk, against the dense reference, and
+    the decode row's bits the same alone and in the mixed step."""
+    import crescent.services.engine.llama as llama
+
+    monkeypatch.setattr(llama, "attention_for",
+                        lambda *a, scale, **k: TritonAttention(scale, attention_mod.triton_paged_attention()))
+    engine = engine_on("cpu", torch.float32)
+    tokens = prompt(45)
+    reference = dense_logits(TINY, tiny_weights(), tokens)
+    seq = engine.add_sequence("a", tokens[:40])
+    assert rel_err(engine.prefill(seq), reference[39]) < 1e-5
+    assert engine.model.attention_path(engine.cache).name == "triton"
+    other = engine.add_sequence("b", prompt(30, seed=5))
+    seq.token_ids.append(tokens[40])
+    _, mixed = engine.mixed_step([(other, 30)], [seq])
+    assert rel_err(mixed[0], reference[40]) < 1e-5
+    again = engine_on("cpu", torch.float32)
+    alone = again.add_sequence("a", tokens[:40])
+    again.prefill(alone)
+    alone.token_ids.append(tokens[40])
+    assert torch.equal(again.decode_step([alone])[0], mixed[0])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.reference import rms_norm
+from crescent.kernels.cpu import rms_norm
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.ops import K3Ops, linear, mlp_activation, pointwise
 

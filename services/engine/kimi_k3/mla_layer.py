@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.reference import apply_rope, rms_norm
+from crescent.kernels.cpu import apply_rope, rms_norm
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from crescent.kernels.reference import rms_norm
+from crescent.kernels.cpu import rms_norm
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.ffn import DenseFfn, LatentMoe, MoeWeights

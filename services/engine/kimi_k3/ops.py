@@ -17,10 +17,9 @@ from enum import Enum
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
+from crescent.kernels.cpu import batch_invariant_linear
 from crescent.kernels.mxfp4.packed import Mxfp4Tensor
-from crescent.kernels.reference import batch_invariant_linear
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,7 +63,7 @@ def situ_glu(gate_up: torch.Tensor, beta_gate: float = 4.0, beta_up: float | Non
 def mlp_activation(hidden_act: str, beta_gate: float, beta_up: float | None) -> Act:
     """The GLU every MLP of a model applies to ``[gate | up]``: SiTU-GLU or SwiGLU (``silu``)."""
     if hidden_act == "silu":
-        from crescent.kernels.reference import silu_and_mul
+        from crescent.kernels.cpu import silu_and_mul
 
         return silu_and_mul
     return partial(situ_glu, beta_gate=beta_gate, beta_up=beta_up)
@@ -200,5 +199,5 @@ class K3Ops:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` with each row's result independent of the batch (see kernels.reference)."""
-    return batch_invariant_linear(x, weight) if x.device.type == "cpu" else F.linear(x, weight)
+    """``x @ weight.T`` with each row's result independent of the batch (see kernels.cpu)."""
+    return batch_invariant_linear(x, weight)
