@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.reference import InvariantLinear, apply_rope, paged_attention, rms_norm, rope_tables, silu_and_mul
-from crescent.kernels.reference.cpu_ext import paged_decode_ops
+from crescent.kernels.cpu import InvariantLinear, apply_rope, paged_attention, rms_norm, rope_tables, silu_and_mul
+from crescent.kernels.cpu.cpu_ext import paged_decode_ops
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.model_config import LlamaConfig
 

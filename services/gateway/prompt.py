@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from crescent.services.gateway.api_models import ChatCompletionRequest, Message
-from crescent.services.gateway.default_tools import with_default_tools
+from crescent.services.gateway.parsing.default_tools import with_default_tools
 from crescent.services.gateway.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     UnsupportedParameterError,
 )
 from crescent.services.gateway.model_policy import NO_POLICY, ModelPolicy
-from crescent.services.gateway.output_format import PLAIN_OUTPUT, OutputFormat
+from crescent.services.gateway.parsing.output_format import PLAIN_OUTPUT, OutputFormat
 from crescent.services.model.literal_text import ReservedCharacterError, encode_marked, mark_literals
 
 

@@ -34,7 +34,7 @@ from crescent.services.scheduler.datatypes import (
 )
 from crescent.services.scheduler.policies import make_policy
 from crescent.services.scheduler.output_lengths import OutputLengths
-from crescent.services.scheduler.policy import ClusterView, PolicyOptions
+from crescent.services.scheduler.placement import ClusterView, PolicyOptions
 from crescent.services.scheduler.prefix_index import PrefixIndex
 from crescent.services.scheduler.registry import InstanceRecord, InstanceRegistry, InstanceSpec, LoadReport
 from crescent.services.scheduler.reservations import Reservation

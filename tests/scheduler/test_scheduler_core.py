@@ -17,7 +17,7 @@ from crescent.services.scheduler.datatypes import (
     DecodeCandidate, InstanceId, Placement, PlacementRequest, PrefillCandidate, Rejection, Slo, SourceId, Tier,
 )
 from crescent.services.scheduler.policies import POLICIES, UnknownPolicyError, make_policy
-from crescent.services.scheduler.policy import ClusterView, PolicyOptions
+from crescent.services.scheduler.placement import ClusterView, PolicyOptions
 from crescent.services.scheduler.prefix_index import PrefixIndex
 
 

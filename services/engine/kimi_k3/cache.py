@@ -39,6 +39,7 @@ import torch
 
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.memory import cache_torch_dtype, tail_torch_dtype
+from crescent.services.engine.kimi_k3.ops import to_device
 from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy, SnapshotPool
 from crescent.services.engine.kv_cache import PageManager
 from crescent.services.engine.llama import ForwardBatch
@@ -52,6 +53,7 @@ class MlaStep:
 
     slot_pages: torch.Tensor   # [T] page of each new token
     slot_offsets: torch.Tensor  # [T] its slot in that page
+    positions: torch.Tensor    # [T] each new token's position (RoPE, when the model uses it)
     block_table: torch.Tensor  # [N, max_pages] int64
     seq_lens: torch.Tensor     # [N] tokens in the cache per sequence, this forward's included
     cu_q: torch.Tensor         # [N + 1] cumulative new tokens
@@ -64,10 +66,10 @@ class MlaStep:
         cu_q = [0]
         for c in chunks:
             cu_q.append(cu_q[-1] + c.num_new)
-        return MlaStep(batch.slot_pages.to(device), batch.slot_offsets.to(device),
-                       torch.tensor(table, dtype=torch.int64).to(device),
-                       torch.tensor([c.context_len for c in chunks], dtype=torch.int64).to(device),
-                       torch.tensor(cu_q, dtype=torch.int64).to(device))
+        return MlaStep(to_device(batch.slot_pages, device), to_device(batch.slot_offsets, device),
+                       to_device(batch.positions, device),
+                       to_device(table, device), to_device([c.context_len for c in chunks], device),
+                       to_device(cu_q, device))
 
 
 @dataclass(slots=True)

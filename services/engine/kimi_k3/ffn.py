@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.ops import K3Ops, linear, mlp_activation, norm, pointwise
+from crescent.services.engine.kimi_k3.ops import K3Ops, expert_counts, linear, mlp_activation, norm, pointwise
 
 
 class DenseFfn:
@@ -98,7 +98,7 @@ class LatentMoe:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
         weights, ids = self.route(x)
-        self.load += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)
+        self.load += expert_counts(ids, self.cfg.num_experts)
         routed_in = linear(x, w.latent_down) if w.latent_down is not None else x
         routed = self.ops.moe_routed(routed_in, weights, ids, *self.experts, self.act).to(x.dtype)
         if w.latent_norm is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.reference import apply_rope
+from crescent.kernels.cpu import apply_rope
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.ops import K3Ops, head_linear, linear, norm, pointwise
@@ -75,12 +75,12 @@ class MlaLayer:
         kv = linear(x, w.kv_a)
         c_kv = norm(kv[:, :dc], w.kv_a_norm, eps)
         q_nope, q_rope, k_rope = q[..., :dn], q[..., dn:], kv[:, dc:]
-        if cfg.mla_rope:
-            cos, sin = rope_cos_sin(batch.positions.to(x.device), cfg.qk_rope_head_dim, cfg.rope_theta)
-            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None], cos, sin)[:, 0]
-        layer_cache = cache.latent[self.slot]
         step = cache.mla_step
         assert step is not None, "K3Cache.plan_forward runs before the layers"
+        if cfg.mla_rope:
+            cos, sin = rope_cos_sin(step.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+            q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None], cos, sin)[:, 0]
+        layer_cache = cache.latent[self.slot]
         layer_cache[step.slot_pages, step.slot_offsets] = cache.to_latent(torch.cat([c_kv, k_rope], dim=-1))
 
         q_lat = head_linear(q_nope, w.w_uk)

@@ -24,7 +24,7 @@ from crescent.services.engine.kimi_k3.ffn import DenseFfn, LatentMoe, MoeWeights
 from crescent.services.engine.kimi_k3.kda_layer import KdaLayer, KdaWeights
 from crescent.services.engine.kimi_k3.memory import CacheFootprint, k3_footprint
 from crescent.services.engine.kimi_k3.mla_layer import MlaLayer, MlaWeights
-from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, linear, norm, select_backend
+from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, linear, norm, select_backend, to_device
 from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from crescent.services.engine.kimi_k3.weights import weight_shapes
 from crescent.services.engine.llama import ForwardBatch
@@ -102,7 +102,7 @@ class K3Model:
         the snapshots it leaves) for the batch are final."""
         cfg = self.config
         cache.plan_forward(batch)
-        x = self.embed[batch.token_ids.to(self.device)]
+        x = self.embed[to_device(batch.token_ids, self.device)]
         self._on_layer = on_layer
         try:
             h = self._attn_res_stack(x, batch, cache) if cfg.attn_res else self._residual_stack(x, batch, cache)
@@ -111,7 +111,7 @@ class K3Model:
         if not logits_for:
             return x.new_empty((0, cfg.vocab_size), dtype=torch.float32)
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
-        rows = ends[torch.tensor(logits_for)].to(self.device)
+        rows = to_device(ends[torch.tensor(logits_for)], self.device)
         last = h(rows)
         # fp32 logits whatever the model's dtype: sampling compares them across instances
         return linear(norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()

@@ -17,10 +17,9 @@ from enum import Enum
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
+from crescent.kernels.cpu import batch_invariant_linear, rms_norm
 from crescent.kernels.mxfp4.packed import Mxfp4Tensor
-from crescent.kernels.reference import batch_invariant_linear, rms_norm
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,7 +63,7 @@ def situ_glu(gate_up: torch.Tensor, beta_gate: float = 4.0, beta_up: float | Non
 def mlp_activation(hidden_act: str, beta_gate: float, beta_up: float | None) -> Act:
     """The GLU every MLP of a model applies to ``[gate | up]``: SiTU-GLU or SwiGLU (``silu``)."""
     if hidden_act == "silu":
-        from crescent.kernels.reference import silu_and_mul
+        from crescent.kernels.cpu import silu_and_mul
 
         return silu_and_mul
     return partial(situ_glu, beta_gate=beta_gate, beta_up=beta_up)
@@ -158,7 +157,7 @@ class K3Ops:
             flat = ids.flatten()
             order = torch.argsort(flat, stable=True)
             offsets = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
-            offsets[1:] = torch.bincount(flat, minlength=e).cumsum(0)
+            offsets[1:] = expert_counts(flat, e).cumsum(0)
             h = act(_grouped(x[order // top_k], w_gate_up, offsets))
             per_slot = torch.empty(t * top_k, x.shape[1], dtype=torch.float32, device=x.device)
             per_slot[order] = _grouped(h.to(x.dtype).contiguous(), w_down, offsets).float()
@@ -198,6 +197,22 @@ class K3Ops:
         return (mix[..., None] * v).sum(0).to(sources.dtype)
 
 
+def to_device(values: torch.Tensor | list[int], device: torch.device | str) -> torch.Tensor:
+    """Host indices or metadata onto ``device`` without waiting: on CUDA through pinned memory,
+    asynchronously (a pageable copy synchronises the stream); elsewhere as they are."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert ``[E]`` int64 from expert ids, on their device. Not ``torch.bincount``:
+    on CUDA it reads the largest id back to the host to size its output."""
+    flat = ids.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def _grouped(x: torch.Tensor, w: torch.Tensor | Mxfp4Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows sorted by expert times their expert's weight: dense ``[E, in, out]`` or packed MXFP4."""
     if isinstance(w, Mxfp4Tensor):
@@ -211,10 +226,9 @@ def _grouped(x: torch.Tensor, w: torch.Tensor | Mxfp4Tensor, offsets: torch.Tens
 
 def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per head ``x[:, h] @ weight[h].T``: x ``[N, H, I]``, weight ``[H, O, I]`` -> ``[N, H, O]``.
-    On the CPU one batch-invariant linear per head; elsewhere one batched matmul."""
-    if x.device.type == "cpu":
-        return torch.stack([linear(x[:, i], weight[i]) for i in range(weight.shape[0])], dim=1)
-    return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+    One batch-invariant linear per head (a batched cuBLAS matmul picks its kernel by N, so a
+    row's bits would depend on the batch): H launches, no host sync."""
+    return torch.stack([linear(x[:, i], weight[i]) for i in range(weight.shape[0])], dim=1)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -226,5 +240,5 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` with each row's result independent of the batch (see kernels.reference)."""
-    return batch_invariant_linear(x, weight) if x.device.type == "cpu" else F.linear(x, weight)
+    """``x @ weight.T`` with each row's result independent of the batch (see kernels.cpu)."""
+    return batch_invariant_linear(x, weight)
