@@ -146,3 +146,33 @@ def test_fp8_latent_cache_halves_latent_bytes_and_keeps_greedy_outputs_close() -
         rows = _forced(engine, prompts, want)
         agree[dtype] = sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(rows, ref, strict=True))
     assert agree["bfloat16"] >= 88 and agree["fp8"] >= 80, f"equal greedy choices of 96: {agree}"
+
+
+def test_fp8_blocks_travel_as_one_byte_latents_and_resume_exactly() -> None:
+    """An fp8 cache's blocks through the kvstore's wire form (dtype name + raw bytes) into another
+    engine: the prefix hit gives the cold run's logits, and a block is the fp8 latents plus the
+    fp32 state, as a bf16 block would be with half the latent bytes."""
+    from crescent.services.kvwire.chunk_wire import chunks_of_block, decode_chunk, encode_chunk
+    from crescent.services.kvwire.kv_block import BlockAssembler, KvBlock
+
+    a, b, cold = (_engine(Backend.REFERENCE, cache_dtype="float8_e4m3fn") for _ in range(3))
+    tokens = _prompt(3 * PAGE + 5, 21)
+    seq = a.add_sequence("a", tokens)
+    a.prefill(seq)
+    blocks = []
+    for i, key in enumerate(seq.block_keys):
+        payload = a.block_payload(seq, i)
+        assert payload.dtype == torch.float8_e4m3fn
+        sent = KvBlock.build(key, seq.block_keys[i - 1] if i else None, "k3-device", "float8_e4m3fn",
+                             tuple(payload.shape), tokens[i * PAGE:(i + 1) * PAGE],
+                             payload.view(torch.uint8).numpy().tobytes())
+        assembler = BlockAssembler()
+        received = [assembler.feed(decode_chunk(encode_chunk(c))) for c in chunks_of_block(sent, 4096)][-1]
+        received.verify("k3-device")
+        blocks.append(torch.frombuffer(bytearray(received.payload), dtype=torch.float8_e4m3fn).view(received.shape))
+    bf16_latents = K3Model(_cfg("bfloat16"), _weights(False)).make_cache(4, PAGE).block_shape
+    assert a.cache.block_shape == bf16_latents and a.cache.wire_dtype.itemsize == 1
+    other = b.add_sequence("b", tokens)
+    assert b.attach_blocks(other, blocks) == 3 * PAGE
+    want = cold.prefill(cold.add_sequence("c", tokens, use_cache=False))
+    assert _rel(b.prefill(other), want) < 1e-6
