@@ -31,7 +31,8 @@ from crescent.services.engine.cache_api import LayeredKvCache
 from crescent.services.engine.engine import Engine
 from crescent.services.instance.wire import block_tensor, kv_dtype
 from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, MappedLayerAssembler, ShmUnusable
-from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL, HandoffLanding, HandoffTcpError, LandedLayerAssembler
+from crescent.services.kvwire.handoff_tcp import (TCP_REFUSAL, HandoffLanding, HandoffTcpError,
+                                                  LandedLayerAssembler)
 from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens
@@ -55,7 +56,8 @@ class LandedHandoff:
 class HandoffIntake:
     """Where this instance's handoffs land (one per servicer; each ``land`` call one stream)."""
 
-    def __init__(self, engine: Engine, shm_handoff: bool = True, side: HandoffSideChannel | None = None) -> None:
+    def __init__(self, engine: Engine, shm_handoff: bool = True,
+                 side: HandoffSideChannel | None = None) -> None:
         """``shm_handoff``: map a layer-wise handoff's shared memory segment (off: refuse it);
         ``side``: the handoff side channel (TCP) ``OpenHandoff`` opens handoffs on (None: refuse)."""
         self.engine = engine
@@ -91,7 +93,8 @@ class HandoffIntake:
                     raise BlockFormatError("a handoff part after the tail")
                 if part.tail is not None or part.layer is not None or part.state is not None:
                     if layers is None:
-                        raise BlockFormatError("a layer slice, state or tail in a handoff that is not layer-wise")
+                        raise BlockFormatError("a layer slice, state or tail in a handoff that is not "
+                                               "layer-wise")
                     if part.tail is None and landing is not None:
                         await _wait_landed(landing)  # the note's bytes, off the side channel
                     if part.tail is not None:
@@ -141,7 +144,8 @@ class HandoffIntake:
         if (header.kv_dtype != kv_dtype(cache) or tuple(header.kv_block_shape) != cache.block_shape
                 or header.num_layers != layout.num_layers):
             raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
-                                   f"{header.num_layers} layers != {cache.block_shape} in {layout.num_layers}")
+                                   f"{header.num_layers} layers != {cache.block_shape} in "
+                                   f"{layout.num_layers}")
         return LayerAssembler(layout, len(header.prompt_token_ids), self.engine.page_size)
 
     async def _mapped_assembler(self, header: decode_pb2.HandoffHeader,
@@ -171,7 +175,8 @@ class HandoffIntake:
         assembler = LandedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing)
         return assembler, landing
 
-    def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
+    def _layer_payloads(self, header: decode_pb2.HandoffHeader,
+                        buffers: list[memoryview]) -> list[torch.Tensor]:
         """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""
         cache, prompt, page = self.engine.cache, len(header.prompt_token_ids), self.engine.page_size
         stateful = cache.layer_layout().state_bytes > 0
@@ -182,7 +187,8 @@ class HandoffIntake:
                 return cache.payload_shape(tokens, with_state=i == len(buffers) - 1)
             return cache.payload_shape(tokens)
 
-        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(shape(i)) for i, buffer in enumerate(buffers)]
+        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(shape(i))
+                for i, buffer in enumerate(buffers)]
 
 
 async def _wait_landed(landing: HandoffLanding) -> None:
