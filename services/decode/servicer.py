@@ -22,13 +22,13 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
-from crescent.services.common.choices import MAX_CHOICES, choice_seed
+from crescent.services.contract.choices import MAX_CHOICES, choice_seed, reserve_tokens
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL
 from crescent.services.kvwire.handoff_wire import decode_part
 from crescent.services.kvwire.kv_block import BlockFormatError
 from crescent.services.common.logs import request_id_var
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import stop_token_ids
 from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.handoff_in import HandoffIntake, HandoffRefused
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
@@ -48,11 +48,6 @@ _ENDINGS = {
     DRAINING: grpc.StatusCode.UNAVAILABLE,   # the gateway migrates it to another instance
     ABORTED: grpc.StatusCode.ABORTED,
 }
-
-
-def reserve_tokens(prompt_tokens: int, max_tokens: int, context_window: int) -> int:
-    """KV tokens a request may ever hold: prompt + max_tokens, within the context window."""
-    return min(prompt_tokens + max_tokens, context_window)
 
 
 def never_fits_message(prompt_tokens: int, max_tokens: int, reserve: int, choices: int, capacity: int,

@@ -47,7 +47,7 @@ from crescent.services.kvstore.movers.nixl import NixlMover
 from crescent.services.kvstore.movers.shared_memory import SharedMemoryMover
 from crescent.services.kvstore.movers.shm_layers import LayeredPuts, LayeredRoom
 from crescent.services.kvstore.movers.tcp import TcpSideChannelMover
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, KvBlock
 from crescent.services.kvwire.movers import MoverLadder
 

@@ -30,8 +30,8 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2
-from crescent.services.common.choices import choice_seed
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.choices import choice_seed
+from crescent.services.contract.finish import finish_reason, stop_token_ids
 from crescent.services.engine.constraints import Constraints, compile_constraint, submit_masks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.logprobs import TokenLogprob, batch_logprobs
@@ -269,7 +269,8 @@ class PromptRun:
         p.load.done(request.request_id)
         p.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
         p.count_tokens(len(tokens), hits)
-        finished = [i for i, first in enumerate(firsts) if first in stop_ids or sampling_msg.max_tokens <= 1]
+        reasons = [finish_reason(first, 1, sampling_msg.max_tokens, stop_ids) for first in firsts]
+        finished = [i for i, reason in enumerate(reasons) if reason is not None]
 
         # export: not tied to this call, the blocks are worth keeping even if the client has gone
         if p.kvstore is not None:
@@ -277,8 +278,7 @@ class PromptRun:
             p.spawn(self._store_new_blocks(seq, hits.total, export, self.layered, computed_at))
             self.layered = None
         for i, (first, logprob) in enumerate(zip(firsts, logprobs)):
-            reason = ("stop" if first in stop_ids else "length") if i in finished else ""
-            yield FirstToken(i, first, len(tokens), seq.num_cached, reason, logprob)
+            yield FirstToken(i, first, len(tokens), seq.num_cached, reasons[i] or "", logprob)
 
         # hand off
         if len(finished) < n:

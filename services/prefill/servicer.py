@@ -23,11 +23,11 @@ import logging
 import grpc
 
 from crescent.protos import decode_pb2, prefill_pb2, prefill_pb2_grpc
-from crescent.services.common.choices import MAX_CHOICES
 from crescent.services.common.grpc_service import ChannelPool
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.tls import PeerTls
+from crescent.services.contract.choices import MAX_CHOICES
 from crescent.services.engine.constraints import ConstraintError, Constraints
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kv_cache import CacheFullError

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from crescent.protos import kvstore_pb2, kvstore_pb2_grpc
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockIntegrityError, KvBlock
 from crescent.services.kvwire.movers import MoverLadder, said_no
 

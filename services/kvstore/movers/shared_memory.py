@@ -23,7 +23,7 @@ import grpc
 from crescent.protos import kvstore_pb2
 from crescent.services.kvstore import shm
 from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, refused
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.fused_copy import ParallelCopier, empty_buffer
 from crescent.services.kvwire.kv_block import KvBlock
 
