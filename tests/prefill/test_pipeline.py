@@ -143,6 +143,9 @@ def test_the_first_token_streams_then_decode_lands_exactly_the_cache_s_bytes(lay
     assert landed.header.first_token_id == first.token_id and list(landed.header.prompt_token_ids) == tokens
     landed_bytes = [p.contiguous().view(torch.uint8).numpy().tobytes() for p in landed.payloads]
     assert landed_bytes == prompt_bytes(engine, tokens)
+    assert sink.intake.problem(landed.header, landed.payloads) is None, "decode would accept it"
+    landed.header.model_id = "another"
+    assert "not 'another'" in sink.intake.problem(landed.header, landed.payloads)
 
 
 def test_a_choice_that_ends_at_its_first_token_hands_nothing_off() -> None:
