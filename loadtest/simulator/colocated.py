@@ -11,7 +11,7 @@ from crescent.services.scheduler.cost_model import CostModels
 from crescent.services.scheduler.datatypes import (
     DecodeCandidate, Decision, InstanceId, Placement, PlacementRequest, PrefillCandidate, Tier,
 )
-from crescent.services.scheduler.policy import ClusterView
+from crescent.services.scheduler.placement import ClusterView
 from loadtest.simulator.nodes import BlockCache, DecodeNode, PrefillNode, SimRequest
 from loadtest.simulator.sim import SimConfig, Simulation
 

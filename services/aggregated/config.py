@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from crescent.services.contract.mixed_steps import AGGREGATED_CHUNK_TOKENS
 from crescent.services.prefill.config import PrefillBaseSettings
 
 ENV_PREFIX = "CRESCENT_AGGREGATED"
@@ -15,7 +16,7 @@ class AggregatedSettings(PrefillBaseSettings):
         default=10.0, gt=0, description="abort a request whose stream nobody opens within this time"
     )
     chunk_tokens: int = Field(
-        default=256, ge=1,
+        default=AGGREGATED_CHUNK_TOKENS, ge=1,
         description="prompt tokens mixed into one decode step (chunked prefill; rounded down to whole KV blocks): "
                     "larger prefills faster, smaller keeps the gaps between decoded tokens short",
     )

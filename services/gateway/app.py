@@ -13,20 +13,20 @@ from crescent.services.gateway.api_models import ChatCompletionRequest, ModelCar
 from crescent.services.gateway.auth import Authenticator, client_address, principal_of
 from crescent.services.gateway.backend import Backend
 from crescent.services.gateway.chat import ChatCompletions
-from crescent.services.gateway.completions import Completions
-from crescent.services.gateway.completions_api import CompletionRequest
+from crescent.services.gateway.completions.endpoint import Completions
+from crescent.services.gateway.completions.api import CompletionRequest
 from crescent.services.gateway.config import LOOPBACK_HOST_NAMES, GatewayListenSettings, GatewaySettings
 from crescent.services.gateway.drain import Drain, DrainGuard
 from crescent.services.gateway.errors import ERROR_RESPONSES, ApiError, ModelNotFoundError, install_error_handlers
 from crescent.services.gateway.http_guard import HttpGuard
-from crescent.services.gateway.limit_http import RateLimitHeaders
-from crescent.services.gateway.limits_admin import limits_router
+from crescent.services.gateway.limits.http import RateLimitHeaders
+from crescent.services.gateway.limits.admin import limits_router
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.prompt import ServedModel
-from crescent.services.gateway.rate_limits import RateLimiter
-from crescent.services.gateway.response_store import ResponseStore
-from crescent.services.gateway.responses import Responses
-from crescent.services.gateway.responses_api import ResponseRequest
+from crescent.services.gateway.limits.limiter import RateLimiter
+from crescent.services.gateway.responses.store import ResponseStore
+from crescent.services.gateway.responses.endpoint import Responses
+from crescent.services.gateway.responses.api import ResponseRequest
 from crescent.services.gateway.usage_api import DOCUMENTED_RESPONSES, UsageApi, usage_admin_router
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware

@@ -18,7 +18,7 @@ from contextlib import aclosing
 from functools import partial
 
 from crescent.services.common.metrics import GatewayMetrics
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord, response_usage
 from crescent.services.gateway.api_models import (
     AssistantMessage,
@@ -28,7 +28,7 @@ from crescent.services.gateway.api_models import (
     FunctionCallOut,
     ToolCallOut,
 )
-from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
+from crescent.services.gateway.parsing.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta, parse_output
 from crescent.services.gateway.auth import Principal, principal_of
 from crescent.services.gateway.backend import Backend, BackendEvent, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.choice_stream import ChoiceStream
@@ -38,13 +38,13 @@ from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.drain import Drain
 from crescent.services.gateway.errors import ModelNotFoundError, UnsupportedParameterError
 from crescent.services.gateway.generation import Finished, TextDelta, generate_text
-from crescent.services.gateway.limit_http import admit
+from crescent.services.gateway.limits.http import admit
 from crescent.services.gateway.ledger import UsageLedger
 from crescent.services.gateway.logit_bias import token_biases
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.gateway.sse import ChatChunks, ChunkHeader, SseResponse, usage_model
-from crescent.services.gateway.structured_output import constraint_of, ensure_enforceable
+from crescent.services.gateway.parsing.structured_output import constraint_of, ensure_enforceable
 from crescent.services.tenancy import cache_salt
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from crescent.services.common.settings import StrictModel, load_settings
-from crescent.services.gateway.limit_settings import LimitSettings
+from crescent.services.gateway.limits.settings import LimitSettings
 from crescent.services.gateway.model_policy import ModelPolicy
 from crescent.services.model.hf_config import DEFAULT_CONTEXT_WINDOW as HF_DEFAULT_CONTEXT_WINDOW
 from crescent.services.tenancy.pricing import PriceTable

@@ -16,7 +16,7 @@ from crescent.services.model.model_source import ModelSource, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 from crescent.services.gateway.config import DEFAULT_CONTEXT_WINDOW, GatewaySettings
 from crescent.services.gateway.model_policy import NO_POLICY, ModelPolicy, policy_for
-from crescent.services.gateway.output_format import (
+from crescent.services.gateway.parsing.output_format import (
     DEFAULT_TOOL_OUTPUT,
     K3_OUTPUT,
     KIMI_OUTPUT,

@@ -28,11 +28,11 @@ from crescent.services.gateway.app import build_app
 from crescent.services.gateway.auth import Authenticator
 from crescent.services.gateway.config import GatewaySettings, load_gateway_settings
 from crescent.services.gateway.drain import Drain
-from crescent.services.gateway.grpc_backend import GrpcBackend, gateway_tls
+from crescent.services.gateway.attempts.grpc_backend import GrpcBackend, gateway_tls
 from crescent.services.gateway.header_deadline import HeaderDeadlineProtocol
 from crescent.services.gateway.ledger import UsageLedger
-from crescent.services.gateway.migration import MigrationPolicy
-from crescent.services.gateway.rate_limits import RateLimiter
+from crescent.services.gateway.attempts.migration import MigrationPolicy
+from crescent.services.gateway.limits.limiter import RateLimiter
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.tenancy.limits import LimitBook
 from crescent.services.tenancy.usage import UsageStore

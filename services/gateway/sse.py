@@ -31,7 +31,7 @@ from crescent.services.gateway.api_models import (
     ToolCallChunk,
     Usage,
 )
-from crescent.services.gateway.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta
+from crescent.services.gateway.parsing.assistant_output import OutputEvent, ReasoningDelta, ToolCallDelta
 from crescent.services.gateway.errors import ApiError
 from crescent.services.gateway.generation import Finished, TextDelta
 from crescent.services.gateway.logprobs import ReportedToken, TokenLogprobs, chat_logprobs

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.scheduler.config import SchedulerSettings
 from crescent.services.scheduler.cost_model import CostModels, MixedPrefillCost, PrefillCostModel
 from crescent.services.scheduler.cost_presets import cost_models_from_settings
@@ -34,7 +34,7 @@ from crescent.services.scheduler.datatypes import (
 )
 from crescent.services.scheduler.policies import make_policy
 from crescent.services.scheduler.output_lengths import OutputLengths
-from crescent.services.scheduler.policy import ClusterView, PolicyOptions
+from crescent.services.scheduler.placement import ClusterView, PolicyOptions
 from crescent.services.scheduler.prefix_index import PrefixIndex
 from crescent.services.scheduler.registry import InstanceRecord, InstanceRegistry, InstanceSpec, LoadReport
 from crescent.services.scheduler.reservations import Reservation

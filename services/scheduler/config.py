@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from crescent.services.aggregated.config import AggregatedSettings
 from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
 from crescent.services.common.tls import TlsSettings
-from crescent.services.scheduler.discovery import DiscoverySettings
+from crescent.services.contract.mixed_steps import AGGREGATED_CHUNK_TOKENS
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.scheduler.policies import POLICIES
 
 ENV_PREFIX = "CRESCENT_SCHEDULER"
@@ -169,6 +169,24 @@ class OutputLengthSettings(StrictModel):
                                                                    "predicted length (higher: more cautious waits)")
 
 
+class DiscoverySettings(StrictModel):
+    """EndpointSlice discovery; off by default (instances register themselves either way)."""
+
+    enabled: bool = False
+    kubeconfig: str = Field(default="", description="kubeconfig file; empty: the pod's service account")
+    namespace: str = Field(default="default", description="namespace of the engines' Services")
+    prefill_service: str = Field(default="crescent-prefill", description="Service whose endpoints are prefill instances")
+    decode_service: str = Field(default="crescent-decode", description="Service whose endpoints are decode instances")
+    aggregated_service: str = Field(default="crescent-aggregated",
+                                    description="Service whose endpoints are aggregated instances")
+    port_name: str = Field(default="grpc", description="name of the gRPC port in the EndpointSlices")
+    model_id: str = Field(default="", description="model assumed for a discovered instance until it registers")
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0, description="assumed until the instance registers")
+    watch_timeout_s: float = Field(default=60.0, gt=0, description="re-list after this long without an event")
+    retry_delay_s: float = Field(default=2.0, gt=0, description="wait after a failed list or watch")
+
+
+
 class SchedulerSettings(StrictModel):
     listen: ListenSettings = ListenSettings()
     tls: TlsSettings = TlsSettings()  # mutual TLS for gRPC, served and dialled (docs/security.md)
@@ -185,7 +203,7 @@ class SchedulerSettings(StrictModel):
     )
     no_instance_retry_after_s: float = Field(default=2.0, gt=0, description="Retry-After when a role has no instance")
     aggregated_chunk_tokens: int = Field(
-        default=AggregatedSettings.model_fields["chunk_tokens"].default, gt=0,
+        default=AGGREGATED_CHUNK_TOKENS, gt=0,
         description="prompt tokens an aggregated instance mixes into one step (its chunk_tokens): with cost.mixed, "
                     "how many steps a prompt takes there",
     )

@@ -25,39 +25,17 @@ import logging
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import Field
-
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
-from crescent.services.common.settings import StrictModel
+from crescent.services.scheduler.conductor import Conductor
+from crescent.services.scheduler.config import DiscoverySettings
 from crescent.services.scheduler.datatypes import InstanceId, Role
 from crescent.services.scheduler.registry import InstanceSpec
-
-if TYPE_CHECKING:  # the Conductor's settings hold DiscoverySettings: no import at run time
-    from crescent.services.scheduler.conductor import Conductor
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
-
-
-class DiscoverySettings(StrictModel):
-    """EndpointSlice discovery; off by default (instances register themselves either way)."""
-
-    enabled: bool = False
-    kubeconfig: str = Field(default="", description="kubeconfig file; empty: the pod's service account")
-    namespace: str = Field(default="default", description="namespace of the engines' Services")
-    prefill_service: str = Field(default="crescent-prefill", description="Service whose endpoints are prefill instances")
-    decode_service: str = Field(default="crescent-decode", description="Service whose endpoints are decode instances")
-    aggregated_service: str = Field(default="crescent-aggregated",
-                                    description="Service whose endpoints are aggregated instances")
-    port_name: str = Field(default="grpc", description="name of the gRPC port in the EndpointSlices")
-    model_id: str = Field(default="", description="model assumed for a discovered instance until it registers")
-    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0, description="assumed until the instance registers")
-    watch_timeout_s: float = Field(default=60.0, gt=0, description="re-list after this long without an event")
-    retry_delay_s: float = Field(default=2.0, gt=0, description="wait after a failed list or watch")
 
 
 def watched_services(settings: DiscoverySettings) -> dict[str, Role]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from crescent.services.scheduler.cost_model import CostModels
 from crescent.services.scheduler.datatypes import Slo
-from crescent.services.scheduler.policy import DecodeEstimate, Policy, PolicyOptions, PrefillPlan, PrefillPlanner
+from crescent.services.scheduler.placement import DecodeEstimate, Policy, PolicyOptions, PrefillPlan, PrefillPlanner
 
 
 class UnknownPolicyError(ValueError):

@@ -28,7 +28,7 @@ from crescent.protos import common_pb2
 from crescent.services.engine.constraints import ConstraintCompiler
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import load_k3_model
-from crescent.services.gateway.xtml_grammar import in_response_channel
+from crescent.services.gateway.parsing.xtml_grammar import in_response_channel
 from crescent.services.model.kimi_tokenizer import tokenizer_for
 from crescent.services.model.model_source import resolve_model
 from tests.e2e.stack import Stack, start_stack, stop_stack

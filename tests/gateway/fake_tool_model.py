@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from crescent.services.gateway.output_format import KIMI_OUTPUT
+from crescent.services.gateway.parsing.output_format import KIMI_OUTPUT
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.gateway.server import main
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 from crescent.protos import scheduler_pb2
-from crescent.services.gateway.attempt import AttemptFailed, _failure, _unreachable
+from crescent.services.gateway.attempts.attempt import AttemptFailed, _failure, _unreachable
 
 PLACEMENT = scheduler_pb2.Placement(
     prefill=scheduler_pb2.InstanceRef(instance_id="prefill-0", address="127.0.0.1:1"),

@@ -19,7 +19,7 @@ import openai
 import pytest
 from crescent.services.gateway.backend import BackendEvent, FirstToken, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.choices import choice_seed, fan_out
-from crescent.services.gateway.grpc_backend import GrpcBackend
+from crescent.services.gateway.attempts.grpc_backend import GrpcBackend
 
 from .fake_tokenizer import IM_END, MODEL_ID, FakeTokenizer
 from .support import FakeBackend, Gateway

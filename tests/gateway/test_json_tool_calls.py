@@ -7,12 +7,12 @@ import json
 import re
 
 import pytest
-from crescent.services.gateway.assistant_output import AssistantOutputParser, OutputEvent, ToolCallDelta
-from crescent.services.gateway.default_tools import TOOL_PROMPT_HEAD, TOOL_PROMPT_TAIL, with_default_tools
+from crescent.services.gateway.parsing.assistant_output import AssistantOutputParser, OutputEvent, ToolCallDelta
+from crescent.services.gateway.parsing.default_tools import TOOL_PROMPT_HEAD, TOOL_PROMPT_TAIL, with_default_tools
 from crescent.services.gateway.generation import TextDelta
-from crescent.services.gateway.json_tool_calls import JsonToolCallParser, ParsedCall, parse_call
-from crescent.services.gateway.output_format import DEFAULT_TOOL_OUTPUT, KIMI_OUTPUT, OutputFormat
-from crescent.services.gateway.tool_calls import ContentText, ToolCallArguments, ToolCallEvent, ToolCallHeader
+from crescent.services.gateway.parsing.json_tool_calls import JsonToolCallParser, ParsedCall, parse_call
+from crescent.services.gateway.parsing.output_format import DEFAULT_TOOL_OUTPUT, KIMI_OUTPUT, OutputFormat
+from crescent.services.gateway.parsing.tool_calls import ContentText, ToolCallArguments, ToolCallEvent, ToolCallHeader
 
 from .test_output_parsers import cuttings
 

@@ -19,7 +19,7 @@ import pytest
 from crescent.services.gateway.config import GatewaySettings
 from crescent.services.gateway.model import load_served_model
 from crescent.services.gateway.model_policy import K3_POLICY, NO_POLICY
-from crescent.services.gateway.output_format import K3_OUTPUT, KIMI_OUTPUT
+from crescent.services.gateway.parsing.output_format import K3_OUTPUT, KIMI_OUTPUT
 from crescent.services.model.kimi_tokenizer import KimiTokenizer, tokenizer_for
 from crescent.services.model.model_source import resolve_model
 from tests.model.kimi_vocab import SHARED, needs_vocabulary, write_k3_checkpoint

@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 import pytest
-from crescent.services.gateway.assistant_output import AssistantOutputParser, ReasoningDelta, ToolCallDelta
+from crescent.services.gateway.parsing.assistant_output import AssistantOutputParser, ReasoningDelta, ToolCallDelta
 from crescent.services.gateway.generation import TextDelta
-from crescent.services.gateway.output_format import K3_OUTPUT, KIMI_OUTPUT, OutputFormat
+from crescent.services.gateway.parsing.output_format import K3_OUTPUT, KIMI_OUTPUT, OutputFormat
 from crescent.services.model.kimi_tokenizer import KimiTokenizer, tokenizer_for
 from crescent.services.model.literal_text import CLOSE, OPEN
 from crescent.services.model.model_source import ModelSource, resolve_model

@@ -13,13 +13,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from crescent.services.common.metrics import UsageMetrics, gateway_metrics
 from crescent.services.gateway.accounting import RequestRecord, UsageCounts, response_usage
-from crescent.services.gateway.assistant_output import ReasoningDelta, parse_output
+from crescent.services.gateway.parsing.assistant_output import ReasoningDelta, parse_output
 from crescent.services.gateway.auth import Principal
 from crescent.services.gateway.config import LedgerSettings
 from crescent.services.gateway.generation import Finished, GenerationEvent, TextDelta
 from crescent.services.gateway.ledger import UsageLedger
-from crescent.services.gateway.output_format import OutputFormat
-from crescent.services.gateway.reasoning import THINK_TAGS
+from crescent.services.gateway.parsing.output_format import OutputFormat
+from crescent.services.gateway.parsing.reasoning import THINK_TAGS
 from crescent.services.tenancy import KeyStore, connect_database
 from crescent.services.tenancy.pricing import ModelPrices, PriceTable
 from crescent.services.tenancy.usage import UsageQuery, UsageRow, UsageStore

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
-from crescent.services.gateway.limit_redis import RedisLimitStore
-from crescent.services.gateway.limit_store import (
+from crescent.services.gateway.limits.redis_store import RedisLimitStore
+from crescent.services.gateway.limits.store import (
     BudgetCheck,
     Checks,
     LimitStore,
@@ -211,8 +211,8 @@ async def test_two_gateways_admitting_from_their_views_hold_the_limit(redis: Red
 
 
 async def test_a_view_too_old_or_too_near_the_limit_waits_for_redis() -> None:
-    from crescent.services.gateway.limit_store import RateState
-    from crescent.services.gateway.limit_view import LimitView
+    from crescent.services.gateway.limits.store import RateState
+    from crescent.services.gateway.limits.view import LimitView
 
     now = [0.0]
     view = LimitView(60.0, max_age_s=1.0, clock=lambda: now[0])

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
-from crescent.services.gateway.attempt import AttemptFailed, AttemptRequest, PlaceFailed
+from crescent.services.gateway.attempts.attempt import AttemptFailed, AttemptRequest, PlaceFailed
 from crescent.services.gateway.backend import (
     BackendEvent,
     FirstToken,
@@ -22,7 +22,7 @@ from crescent.services.gateway.errors import (
     RateLimitedError,
     ServiceUnavailableError,
 )
-from crescent.services.gateway.migration import MigrationPolicy, generate_with_migration
+from crescent.services.gateway.attempts.migration import MigrationPolicy, generate_with_migration
 
 REQUEST = GenerationRequest(
     request_id=RequestId("r"), model_id="m", prompt_token_ids=(1, 2, 3), cache_salt=b"s",

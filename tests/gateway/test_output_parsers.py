@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from crescent.services.gateway.assistant_output import (
+from crescent.services.gateway.parsing.assistant_output import (
     AssistantOutputParser,
     OutputEvent,
     ReasoningDelta,
@@ -14,9 +14,9 @@ from crescent.services.gateway.assistant_output import (
     final_finish_reason,
 )
 from crescent.services.gateway.generation import TextDelta
-from crescent.services.gateway.output_format import KIMI_OUTPUT, PLAIN_OUTPUT, OutputFormat
-from crescent.services.gateway.reasoning import Piece, ReasoningParser, partial_suffix_len
-from crescent.services.gateway.tool_calls import (
+from crescent.services.gateway.parsing.output_format import KIMI_OUTPUT, PLAIN_OUTPUT, OutputFormat
+from crescent.services.gateway.parsing.reasoning import Piece, ReasoningParser, partial_suffix_len
+from crescent.services.gateway.parsing.tool_calls import (
     ContentText,
     ToolCallArguments,
     ToolCallEvent,

@@ -196,9 +196,9 @@ KIMI_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokeniz
 def test_a_kimi_token_stream_parses_into_reasoning_and_tool_calls() -> None:
     # With the real vocabulary the tags are single tokens; they must reach the parsers as text.
     from crescent.services.model.kimi_tokenizer import KimiTokenizer
-    from crescent.services.gateway.assistant_output import AssistantOutputParser, ReasoningDelta, ToolCallDelta
+    from crescent.services.gateway.parsing.assistant_output import AssistantOutputParser, ReasoningDelta, ToolCallDelta
     from crescent.services.gateway.generation import TextDelta
-    from crescent.services.gateway.output_format import KIMI_OUTPUT
+    from crescent.services.gateway.parsing.output_format import KIMI_OUTPUT
 
     tokenizer = KimiTokenizer.from_dir(KIMI_DIR)
     ids = tokenizer.encode(TWO_CALLS + "<|im_end|>")

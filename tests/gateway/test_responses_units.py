@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from crescent.services.gateway.assistant_output import ReasoningDelta, ToolCallDelta
+from crescent.services.gateway.parsing.assistant_output import ReasoningDelta, ToolCallDelta
 from crescent.services.gateway.generation import TextDelta
-from crescent.services.gateway.responses_api import ResponseRequest
-from crescent.services.gateway.responses_input import Item, chat_messages
-from crescent.services.gateway.responses_output import OutputBuilder
+from crescent.services.gateway.responses.api import ResponseRequest
+from crescent.services.gateway.responses.input import Item, chat_messages
+from crescent.services.gateway.responses.output import OutputBuilder
 
 
 def items(*raw: dict[str, object]) -> list[Item]:

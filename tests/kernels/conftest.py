@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-_KERNEL_PACKAGES = ("kda", "mla", "moe", "mxfp4", "attnres")
+_KERNEL_PACKAGES = ("kda", "mla", "moe", "mxfp4", "attnres", "batch_invariant", "paged")
 
 if not torch.cuda.is_available():
     if os.environ.get("TRITON_INTERPRET") != "1" and any(

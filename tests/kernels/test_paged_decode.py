@@ -1,4 +1,4 @@
-"""The C++ decode attention over the paged pool (kernels/reference/paged_decode.cpp).
+"""The C++ decode attention over the paged pool (kernels/cpu/paged_decode.cpp).
 
 It must give what attention over gathered pages gives (the PyTorch path, up to float rounding),
 give every row the same bits whatever it is batched with and however many threads run it (the
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from crescent.kernels.reference import paged_attention
-from crescent.kernels.reference.cpu_ext import paged_decode_ops
+from crescent.kernels.cpu import paged_attention
+from crescent.kernels.cpu.cpu_ext import paged_decode_ops
 
 PAGES, LAYERS, PAGE, KV, HEADS, DIM = 40, 3, 64, 3, 9, 64  # SmolLM2-135M's heads in a small pool
 SCALE = 1 / math.sqrt(DIM)
@@ -92,7 +92,7 @@ def test_a_bad_table_is_refused_not_read(ops, bad: str) -> None:
 
 
 def test_where_it_cannot_be_built_the_engine_gets_none_not_an_error(tmp_path, monkeypatch) -> None:
-    from crescent.kernels.reference import cpu_ext
+    from crescent.kernels.cpu import cpu_ext
 
     blocked = tmp_path / "not-a-dir"
     blocked.write_text("a file where the cache folder should go")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from crescent.services.gateway.api_models import ChatCompletionRequest
-from crescent.services.gateway.output_format import KIMI_OUTPUT
+from crescent.services.gateway.parsing.output_format import KIMI_OUTPUT
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.model.literal_text import CLOSE, OPEN
 from crescent.services.model.kimi_k2_format import DEFAULT_SYSTEM_PROMPT

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from crescent.services.gateway.api_models import ChatCompletionRequest
 from crescent.services.gateway.errors import InvalidRequestError
-from crescent.services.gateway.output_format import KIMI_OUTPUT
+from crescent.services.gateway.parsing.output_format import KIMI_OUTPUT
 from crescent.services.gateway.prompt import ServedModel, build_prompt
 from crescent.services.model.kimi_tokenizer import KimiTokenizer
 from crescent.services.model.literal_text import CLOSE, OPEN, ReservedCharacterError, encode_marked

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 from crescent.services.common.settings import SettingsError
 from crescent.services.scheduler.config import load_scheduler_settings
 from crescent.services.scheduler.cost_model import (
@@ -17,7 +17,7 @@ from crescent.services.scheduler.datatypes import (
     DecodeCandidate, InstanceId, Placement, PlacementRequest, PrefillCandidate, Rejection, Slo, SourceId, Tier,
 )
 from crescent.services.scheduler.policies import POLICIES, UnknownPolicyError, make_policy
-from crescent.services.scheduler.policy import ClusterView, PolicyOptions
+from crescent.services.scheduler.placement import ClusterView, PolicyOptions
 from crescent.services.scheduler.prefix_index import PrefixIndex
 
 

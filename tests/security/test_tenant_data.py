@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from crescent.services.gateway.response_store import ResponseStore
+from crescent.services.gateway.responses.store import ResponseStore
 from crescent.services.tenancy.database import connect_database
 
 

@@ -1,0 +1,1 @@
+"""The gRPC backend: placement attempts, their migration, and the ``n`` choices sharing one placement."""

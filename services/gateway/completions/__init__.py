@@ -1,0 +1,1 @@
+"""Legacy text completions (``/v1/completions``): request, prompt, endpoint and stream."""
