@@ -20,6 +20,8 @@ from crescent.services.model.tokenizer import Tokenizer
 
 from .support import PRODUCTION_ENTRY, REPO_ROOT, FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},

@@ -16,6 +16,8 @@ from crescent.services.model.tokenizer import Tokenizer
 
 from .support import BLOCK_SIZE, PRODUCTION_ENTRY, FakeBackend, Gateway, served_salt
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 
 @pytest.fixture(scope="module")
 def real(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Tokenizer]]:
