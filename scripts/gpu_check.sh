@@ -1,56 +1,59 @@
 #!/usr/bin/env bash
-# One GPU check of Crescent in under 10 minutes on one GPU (docs/benchmarks.md, "GPU runs"):
+# One GPU check of Crescent in under 9 minutes on one H200 (docs/benchmarks.md, "GPU runs"):
 #   preflight     nvidia-smi, torch/CUDA/Triton versions, the device's peak bf16 TFLOP/s and HBM GB/s
 #   env           a Python that imports torch (CUDA), Triton and Crescent; installs carried wheels
-#   kernel_tests  pytest tests/kernels/test_gpu.py (CUDA kernel tests; skips count as failures)
+#   kernel_tests  pytest tests/kernels on CUDA (every kernel against its reference, plus the GPU-only
+#                 test_gpu.py: K3 shapes, bf16, fla-core's chunk_kda; skips count as failures)
+#   models        scripts/gpu_model_checks.py: SmolLM2 single process vs prefill -> handoff -> decode
+#                 token for token; batch 1 vs batch 8 bitwise; the tiny K3 through the Triton kernels vs
+#                 the CPU reference (and host syncs in a decode forward); the layer-wise handoff between
+#                 two processes. A check whose piece is not built yet says SKIP and why.
 #   bench         loadtest/bench_gpu_kernels.py: KDA vs fla-core chunk_kda, MLA paged decode,
 #                 MoE grouped matmul, MXFP4 matmul, as fractions of the peaks (one JSON line)
 #   smoke         scripts/gpu_serving_smoke.py: crescent up with the kvstore's GPU tier, a chat
 #                 request and a prefix served back from the GPU tier
-# Each stage has a timeout, capped by what is left of GPU_CHECK_BUDGET_S (default 560 s). Everything
-# goes to ${OUT:-./gpu-check-out}: gpu_check.log, summary.txt, bench_gpu_kernels.json, smoke.json,
-# smoke-up.log, kernel_tests.xml. Exits non-zero when any stage failed.
+# Each stage has a timeout, capped by what is left of GPU_CHECK_BUDGET_S (default 530 s). Everything
+# goes to ${OUT:-./gpu-check-out}: gpu_check.log, summary.txt, bench_gpu_kernels.json, models.jsonl,
+# smoke.json, smoke-up.log, kernel_tests.xml. Exits non-zero when any stage failed.
 #
-#   scripts/gpu_check.sh              on the GPU machine, from anywhere in the repo
-#   scripts/gpu_check.sh --prepare    on a machine with PyPI: fetch the wheels (.whl/) and the Kimi
-#                                     vocabulary (.gpu-carry/) an offline GPU machine needs
-#   scripts/gpu_check.sh --dry-run    no GPU: the same stages on the CPU (Triton interpreter, tiny
-#                                     shapes, host tier): checks this script, measures nothing
-# Environment: GPU_CHECK_STAGES=preflight,env,kernel_tests,bench,smoke (a subset runs only those),
-# CRESCENT_PYTHON (use this interpreter as it is), GPU_CHECK_WHEELS (default .whl),
-# GPU_CHECK_MAKE_INSTALL=1 (no wheels and no usable .venv: run `make install`, needs PyPI).
+#   scripts/gpu_check.sh                on the GPU machine, from anywhere in the repo
+#   scripts/gpu_check.sh --prepare      on a machine with PyPI: scripts/gpu_wheelhouse.sh (the wheels
+#                                       in .whl/ and the Kimi vocabulary in .gpu-carry/, <= 64 MiB)
+#   scripts/gpu_check.sh --device cpu   no GPU: the same stages on the CPU (Triton interpreter, tiny
+#                                       fp32 shapes, host tier): checks this script, measures nothing
+#                                       (--dry-run is the same)
+# Environment: GPU_CHECK_STAGES=preflight,env,kernel_tests,models,bench,smoke (a subset runs only those),
+# GPU_MODEL_CHECKS (default: all of smollm2,batch,k3,handoff), CRESCENT_PYTHON (use this interpreter
+# as it is), GPU_CHECK_WHEELS (default .whl), GPU_CHECK_MAKE_INSTALL=1 (no wheels and no usable .venv:
+# run `make install`, needs PyPI).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 OUT=${OUT:-./gpu-check-out}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 CARRY=.gpu-carry
 SITE=${GPU_CHECK_SITE:-/tmp/crescent-gpu-site}
-STAGES=${GPU_CHECK_STAGES:-preflight,env,kernel_tests,bench,smoke}
+STAGES=${GPU_CHECK_STAGES:-preflight,env,kernel_tests,models,bench,smoke}
+MODEL_CHECKS=${GPU_MODEL_CHECKS:-smollm2,batch,k3,handoff}
 DRY_RUN=0
 
-prepare() {
-    local platforms=() n
-    for n in 17 24 27 28 31 34 35 39; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${platforms[@]}" --platform manylinux2014_x86_64 -d "$WHEELS" -r scripts/gpu_wheels.txt || return 1
-    mkdir -p "$CARRY"
-    if [ -d ../shared/kimi-tokenizer ]; then cp -r ../shared/kimi-tokenizer "$CARRY/"; fi
-    du -sh "$WHEELS" "$CARRY"
-    echo "carry [\"$WHEELS\", \"$CARRY\"] and run: bash scripts/gpu_check.sh"
-}
-
 case "${1:-}" in
-    --prepare) prepare; exit $? ;;
+    --prepare) exec bash scripts/gpu_wheelhouse.sh ;;
     --dry-run) DRY_RUN=1 ;;
+    --device)
+        case "${2:-}" in
+            cpu) DRY_RUN=1 ;;
+            cuda | cuda:*) ;;
+            *) echo "usage: $0 [--prepare | --device cpu|cuda | --dry-run]" >&2; exit 2 ;;
+        esac ;;
     "") ;;
-    *) echo "usage: $0 [--prepare | --dry-run]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--prepare | --device cpu|cuda | --dry-run]" >&2; exit 2 ;;
 esac
 
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
-rm -f "$OUT"/{gpu_check.log,bench_gpu_kernels.json,smoke.json,smoke-up.log,kernel_tests.xml}  # a last run's
+rm -f "$OUT"/{gpu_check.log,bench_gpu_kernels.json,models.jsonl,smoke.json,smoke-up.log,kernel_tests.xml}  # a last run's
 : >"$OUT/summary.txt"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 START=$(date +%s)
@@ -138,7 +141,8 @@ stage_env() {
 import importlib
 missing = []
 for module in ("torch", "triton", "crescent.kernels.kda", "crescent.kernels.mla", "crescent.kernels.moe",
-               "crescent.kernels.mxfp4", "fla.ops.kda", "pytest", "httpx", "crescent.services.cli",
+               "crescent.kernels.mxfp4", "crescent.kernels.mxfp4.grouped", "crescent.services.engine.kimi_k3.model",
+               "fla.ops.kda", "pytest", "httpx", "crescent.services.cli",
                "crescent.services.kvstore.server", "crescent.services.gateway.server",
                "crescent.services.prefill.server", "crescent.services.decode.server",
                "crescent.services.scheduler.server"):
@@ -152,8 +156,10 @@ EOF
 }
 
 stage_kernel_tests() {
-    local log="$OUT/kernel_tests.out"
-    timeout "$STAGE_LIMIT" "$PY" -m pytest tests/kernels/test_gpu.py -q -rs -p no:cacheprovider \
+    local log="$OUT/kernel_tests.out" tests=(tests/kernels)
+    # the CPU runs the GPU-only file (it skips) and the grouped MXFP4 kernel: the rest is `make test`'s
+    [ $DRY_RUN -eq 1 ] && tests=(tests/kernels/test_gpu.py tests/kernels/test_mxfp4_grouped.py)
+    timeout "$STAGE_LIMIT" "$PY" -m pytest "${tests[@]}" -q -rs -p no:cacheprovider \
         --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ] && grep -q " skipped" "$log" && [ $DRY_RUN -eq 0 ]; then
@@ -161,6 +167,13 @@ stage_kernel_tests() {
     fi
     rm -f "$log"
     return "$rc"
+}
+
+stage_models() {
+    local device=cuda
+    [ $DRY_RUN -eq 1 ] && device=cpu
+    timeout "$STAGE_LIMIT" "$PY" scripts/gpu_model_checks.py ${MODEL_CHECKS//,/ } --device "$device" \
+        --json "$OUT/models.jsonl" --handoff-timeout $((STAGE_LIMIT > 120 ? STAGE_LIMIT - 60 : 60))
 }
 
 stage_bench() {
@@ -179,8 +192,9 @@ echo "gpu_check: stages $STAGES, budget ${BUDGET_S} s, output in $OUT$([ $DRY_RU
 run_stage preflight 60 stage_preflight
 run_stage env 150 stage_env
 run_stage kernel_tests 150 stage_kernel_tests
-run_stage bench 210 stage_bench
-run_stage smoke 200 stage_smoke
+run_stage models 170 stage_models
+run_stage bench 150 stage_bench
+run_stage smoke 150 stage_smoke
 
 # the figures worth reading first, from the benchmark's JSON
 if [ -s "$OUT/bench_gpu_kernels.json" ]; then
@@ -195,6 +209,15 @@ for kernel in ("kda", "mla", "moe", "mxfp4"):
         print(f"  {kernel} {row['case']}: {row.get('ms')} ms, {row.get('tflops')} TFLOP/s "
               f"({row.get('frac_peak_tflops')} of peak), {row.get('gbs')} GB/s ({row.get('frac_peak_gbs')}){fla}"
               f"{'' if row.get('ok') else ' FAILED: ' + str(row.get('error', 'check'))}")
+EOF
+fi
+if [ -s "$OUT/models.jsonl" ]; then
+    "$PY" - "$OUT/models.jsonl" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    figures = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("check", "status", "reason"))
+    print(f"  model {r['status']:<4} {r['check']}: {r['reason'] + '; ' if r['reason'] else ''}{figures}")
 EOF
 fi
 if [ -s "$OUT/smoke.json" ]; then

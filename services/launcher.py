@@ -40,6 +40,7 @@ import yaml
 
 from crescent.services.common.certs import LOCAL_HOSTS, make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, is_loopback, load_tls
+from crescent.services.contract.roles import settings_class
 from crescent.services.cpu_share import available_cores, share_cores
 from crescent.services.engine_vllm.interpreter import vllm_python
 
@@ -102,10 +103,7 @@ def _drain_setting(service: str, grace_s: float) -> dict[str, Any]:
     """``drain_grace_s`` where this service's settings take it: at the top (gateway) or in its
     engine's settings (prefill, decode); nothing where it has none (an unknown key would fail
     the settings' validation)."""
-    import importlib
-
-    module = importlib.import_module(f"crescent.services.{service}.config")
-    fields = getattr(module, f"{service.capitalize()}Settings").model_fields
+    fields = settings_class(service).model_fields
     if "drain_grace_s" in fields:
         return {"drain_grace_s": grace_s}
     engine = fields.get("engine")

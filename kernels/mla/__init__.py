@@ -56,8 +56,10 @@ def mla_paged_attention(
 
     ``scale`` is the softmax scale of the un-absorbed heads, 1/sqrt(Dn + Dr).
     """
-    for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("cache", cache)):
+    for name, t in (("q_lat", q_lat), ("q_rope", q_rope)):
         check_float(name, t)
+    if cache.dtype != torch.float8_e4m3fn:  # an fp8 latent cache is read as it is (its scale is the caller's)
+        check_float("cache", cache)
     if q_lat.dim() != 3 or q_rope.dim() != 3 or cache.dim() != 3:
         raise ValueError("q_lat, q_rope must be [Tq, H, D] and cache [pages, page_size, Dc + Dr]")
     tq, h, dc = q_lat.shape

@@ -17,7 +17,7 @@ to a power of two in registers). Pools float32, float16 or bfloat16 (K and V ali
 them; softmax and accumulation in fp32; float32 pools use IEEE fp32 dots, others TF32 on a GPU
 (exact for 16-bit pool values). A row's result depends on its own sequence only, in a fixed
 order (``attention.py``): batch-invariant, and a prefill query's bits do not depend on how its
-prompt was chunked. No host sync (the prefill grid is sized from T and N). Runs on CUDA, or on
+prompt was chunked. Decode cuts long contexts into fixed 512-key pieces merged in order. No host sync (the prefill grid is sized from T and N). Runs on CUDA, or on
 CPU under ``TRITON_INTERPRET=1``; the engine's CPU path stays ``crescent.kernels.cpu``.
 """
 
@@ -28,13 +28,19 @@ import triton
 
 from crescent.kernels import _triton
 from crescent.kernels._triton import check_device, check_float
-from crescent.kernels.paged.attention import paged_decode_kernel, paged_prefill_kernel
+from crescent.kernels.paged.attention import (
+    paged_decode_combine_kernel,
+    paged_decode_kernel,
+    paged_decode_split_kernel,
+    paged_prefill_kernel,
+)
 from crescent.kernels.paged.reference import paged_attention_reference
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "paged_attention_reference"]
 
-QUERY_BLOCK = 32  # prefill queries per program
-MAX_TILE = 64     # keys per step (the largest power of two dividing the page size, capped here)
+QUERY_BLOCK = 32    # prefill queries per program
+MAX_TILE = 64       # keys per step (the largest power of two dividing the page size, capped here)
+DECODE_SPLIT = 512  # decode keys per program once a table can reach past this (a multiple of the tile)
 
 
 def paged_decode_attention(
@@ -49,15 +55,32 @@ def paged_decode_attention(
     out = _triton.alloc((n, h, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    kv = k_pool.shape[2]
+    kv, page = k_pool.shape[2], k_pool.shape[1]
     group = h // kv
-    paged_decode_kernel[(n, kv)](
-        q, k_pool, v_pool, block_tables, seq_lens, out, float(scale),
-        h, d, group,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *k_pool.stride(),
-        TILE=_tile(k_pool.shape[1]), PAGE=k_pool.shape[1], BG=max(16, triton.next_power_of_2(group)),
-        BD=_bd(d), PRECISION=_precision(q, k_pool),
+    tile = _tile(page, d)
+    meta = dict(TILE=tile, PAGE=page, BG=max(16, triton.next_power_of_2(group)), BD=_bd(d),
+                PRECISION=_precision(q, k_pool))
+    # Long contexts are cut into fixed SPLIT-key pieces (more programs than N x KV for a small batch
+    # of long sequences), merged in order. The cut depends on positions only, and a row of one
+    # piece gets the unsplit kernel's bits, so which path a batch takes never changes a row.
+    split = max(tile, DECODE_SPLIT // tile * tile)
+    splits = triton.cdiv(block_tables.shape[1] * page, split)  # from shapes: no host sync
+    if splits <= 1:
+        paged_decode_kernel[(n, kv)](
+            q, k_pool, v_pool, block_tables, seq_lens, out, float(scale), h, d, group,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *k_pool.stride(),
+            **meta,
+        )
+        return out
+    part_o = _triton.alloc((n, h, splits, d), dtype=torch.float32, device=q.device)
+    part_ml = _triton.alloc((n, h, splits, 2), dtype=torch.float32, device=q.device)
+    paged_decode_split_kernel[(n, kv, splits)](
+        q, k_pool, v_pool, block_tables, seq_lens, part_o, part_ml, float(scale), h, d, group, splits,
+        q.stride(0), q.stride(1), block_tables.stride(0), *k_pool.stride(),
+        SPLIT=split, **meta,
+    )
+    paged_decode_combine_kernel[(n, h)](
+        part_o, part_ml, seq_lens, out, h, d, splits, out.stride(0), out.stride(1), SPLIT=split, BD=meta["BD"],
     )
     return out
 
@@ -90,7 +113,7 @@ def paged_prefill_attention(
         n, d, h // k_pool.shape[2],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_pool.stride(),
-        BQ=QUERY_BLOCK, TILE=_tile(k_pool.shape[1]), PAGE=k_pool.shape[1], BD=_bd(d),
+        BQ=QUERY_BLOCK, TILE=_tile(k_pool.shape[1], d), PAGE=k_pool.shape[1], BD=_bd(d),
         PRECISION=_precision(q, k_pool),
     )
     return out
@@ -124,8 +147,10 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _tile(page_size: int) -> int:
-    return min(MAX_TILE, page_size & -page_size)  # largest power of two dividing the page size
+def _tile(page_size: int, d: int) -> int:
+    """Keys per step: the largest power of two dividing the page size, at most MAX_TILE, halved
+    for head dims over 128 so a step's fp32 K and V tiles stay within 64 KiB."""
+    return min(MAX_TILE, page_size & -page_size, max(16, 8192 // _bd(d)))
 
 
 def _bd(d: int) -> int:

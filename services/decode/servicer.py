@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
-from crescent.services.common.choices import MAX_CHOICES, choice_seed
+from crescent.services.contract.choices import MAX_CHOICES, choice_seed, reserve_tokens
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL
 from crescent.services.kvwire.handoff_wire import decode_part
@@ -48,11 +48,6 @@ _ENDINGS = {
     DRAINING: grpc.StatusCode.UNAVAILABLE,   # the gateway migrates it to another instance
     ABORTED: grpc.StatusCode.ABORTED,
 }
-
-
-def reserve_tokens(prompt_tokens: int, max_tokens: int, context_window: int) -> int:
-    """KV tokens a request may ever hold: prompt + max_tokens, within the context window."""
-    return min(prompt_tokens + max_tokens, context_window)
 
 
 def never_fits_message(prompt_tokens: int, max_tokens: int, reserve: int, choices: int, capacity: int,

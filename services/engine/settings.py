@@ -50,13 +50,15 @@ class EngineSettings(StrictModel):
         description="routed experts stored in MXFP4: 'packed' keeps them packed in memory (4.25 bits per weight) "
                     "and multiplies through the MXFP4 matmul; 'dequantize' expands them to fp32 at load",
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
         default="auto",
         description="dtype of the paged KV cache. Llama-family models: 'auto' is engine.dtype's (K and V are "
                     "rounded to it when written). Hybrid models (kimi_k3): the dtype the cache stores MLA latents "
                     "and KDA conv-tail snapshots in (compute stays fp32; KDA states are always fp32); 'auto': the "
                     "model's (a real checkpoint's torch_dtype, bf16 for the public ones; fp32 for Crescent's "
-                    "presets); 'float32' for exact fp32 serving at twice the latent bytes",
+                    "presets); 'float32' for exact fp32 serving at twice the latent bytes; 'fp8' (hybrid models "
+                    "only): e4m3 latents with a scale, half of bf16's bytes (vLLM's kv_cache_dtype=fp8; conv tails "
+                    "stay bf16)",
     )
     state_snapshot_every_blocks: int = Field(
         default=DEFAULT_SNAPSHOT_EVERY_BLOCKS, ge=0,

@@ -35,6 +35,9 @@ from crescent.services.plan.gpus import GpuShape, PlanInputError
 
 EXPERT_BITS = {f: FORMAT_BITS[f] for f in EXPERT_FORMATS}  # --experts for a preset
 LATENT_BYTES = 2  # MLA latents and KDA conv tails in the model's dtype (bf16)
+# bytes of a cached MLA latent element per kv cache dtype (EngineSettings.kv_cache_dtype, vLLM's
+# --kv-cache-dtype): fp8 (e4m3) halves the latents; conv tails and KDA states keep theirs
+KV_CACHE_DTYPE_BYTES = {"auto": LATENT_BYTES, "fp8": 1}
 STATE_BYTES = 4  # KDA recurrent states in fp32, as the kernels keep them
 PLAN_PRESETS = {"kimi-k3": K3_FULL, "kimi-k3-nano": NANO}
 
@@ -128,8 +131,9 @@ class SequenceBytes:
         return self.latent_bytes + self.state_bytes + self.snapshot_bytes
 
 
-def sequence_bytes(cfg: K3Config, context_tokens: int, snapshots: int) -> SequenceBytes:
-    fp = k3_footprint(cfg, kv_dtype_bytes=LATENT_BYTES, state_dtype_bytes=STATE_BYTES)
+def sequence_bytes(cfg: K3Config, context_tokens: int, snapshots: int, kv_cache_dtype: str = "auto") -> SequenceBytes:
+    fp = k3_footprint(cfg, kv_dtype_bytes=KV_CACHE_DTYPE_BYTES[kv_cache_dtype], tail_dtype_bytes=LATENT_BYTES,
+                      state_dtype_bytes=STATE_BYTES)
     return SequenceBytes(context_tokens, context_tokens * fp.kv_bytes_per_token, fp.state_bytes_per_sequence,
                          snapshots * fp.snapshot_bytes_per_block)
 
@@ -184,7 +188,7 @@ def min_gpus_to_fit(cfg: K3Config, weights: WeightBytes, seq: SequenceBytes, gpu
 
 def helm_values(model_id: str, gpus: int, gpu: GpuShape, best: LayoutPlan, context_tokens: int,
                 block_size: int, snapshots: int = 0, snapshot_every_blocks: int = 0,
-                decode: LayoutPlan | None = None) -> dict[str, Any]:
+                decode: LayoutPlan | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """prefill/decode values of the chart (helm/crescent/values.yaml) for one instance per pod,
     setting exactly the snapshot budget the plan counted: prefill's prefix cache gets
     ``snapshots`` per sequence (``state_snapshots`` = sequences × snapshots), kept at turn ends and
@@ -197,8 +201,10 @@ def helm_values(model_id: str, gpus: int, gpu: GpuShape, best: LayoutPlan, conte
         out: dict[str, Any] = {"gpus": gpus}
         if gpu.product_label:
             out["nodeSelector"] = {"nvidia.com/gpu.product": gpu.product_label}
-        out["settings"] = {"engine": {"kv_capacity_tokens": plan.sequences * context_tokens,
-                                      "block_size": block_size, **engine_extra}}
+        engine: dict[str, Any] = {"kv_capacity_tokens": plan.sequences * context_tokens, "block_size": block_size}
+        if kv_cache_dtype != "auto":  # the dtype the plan counted the latents in
+            engine["kv_cache_dtype"] = kv_cache_dtype
+        out["settings"] = {"engine": {**engine, **engine_extra}}
         return out
 
     prefill = pool(best, state_snapshots=best.sequences * snapshots, state_snapshot_every_blocks=snapshot_every_blocks)

@@ -27,6 +27,7 @@ from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.plan.capacity import (
     EXPERT_BITS,
+    KV_CACHE_DTYPE_BYTES,
     LayoutPlan,
     SequenceBytes,
     WeightBytes,
@@ -71,6 +72,9 @@ def plan_command(
                                                       "vLLM's gpuMemoryUtilization")] = 0.9,
     backend: Annotated[str, typer.Option(help="engine backend the Helm values are for: native (prefill/decode "
                                          "pools) or vllm (aggregated instances running vLLM)")] = "native",
+    kv_cache_dtype: Annotated[str, typer.Option(help="K3-class: dtype of the MLA latent cache, auto (the model's, "
+                                                "bf16) or fp8 (e4m3, half the latent bytes; KDA states and conv "
+                                                "tails keep theirs); set in the values as kv_cache_dtype")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="every figure as JSON on stdout")] = False,
 ) -> None:
     """Weights per GPU under TP/EP layouts, cache bytes per sequence, sequences that fit, Helm values."""
@@ -82,6 +86,10 @@ def plan_command(
             raise PlanInputError(f"--experts {experts!r}: expected one of {', '.join(EXPERT_BITS)}")
         pm = plan_model(model, experts)
         cfg = pm.config
+        if kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+            raise PlanInputError(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPE_BYTES)}")
+        if kv_cache_dtype != "auto" and isinstance(cfg, DenseConfig):
+            raise PlanInputError("--kv-cache-dtype fp8 is planned for K3-class models (MLA latents) only")
         tokens = parse_tokens(context) if context is not None else cfg.max_position_embeddings
         if tokens > cfg.max_position_embeddings:  # the context window every component serves (hf_config)
             raise PlanInputError(f"--context {tokens:,} tokens exceeds the model's context window "
@@ -99,15 +107,17 @@ def plan_command(
     else:
         assert pm.k3 is not None  # a K3-class model always carries its weight format
         weights = weight_bytes(cfg, pm.k3.weights, pm.k3.module_name)
-        seq = sequence_bytes(cfg, tokens, snapshots)
+        seq = sequence_bytes(cfg, tokens, snapshots, kv_cache_dtype)
         plans = layout_plans(cfg, weights, seq, n, gpu, memory_utilization)
         # decode keeps no snapshots (its values say state_snapshots: 0): its sequences without them
-        decode_plans = layout_plans(cfg, weights, sequence_bytes(cfg, tokens, 0), n, gpu, memory_utilization)
+        decode_plans = layout_plans(cfg, weights, sequence_bytes(cfg, tokens, 0, kv_cache_dtype), n, gpu,
+                                    memory_utilization)
         needed = min_gpus_to_fit(cfg, weights, seq, gpu, memory_utilization)
         _print_tables(pm.model_id, n, gpu, tokens, snapshots, memory_utilization, weights, seq, plans,
                       cfg.num_experts)
         figures = {"expert_format": weights.expert_format, "weights": weights, "sequence": seq,
-                   "snapshot_every_blocks": snapshot_every_blocks, "decode_layouts": decode_plans}
+                   "snapshot_every_blocks": snapshot_every_blocks, "decode_layouts": decode_plans,
+                   "kv_cache_dtype": kv_cache_dtype}
 
     candidates = [p for p in plans if vllm_runnable(p, n, gpu)] if backend == "vllm" else plans
     best = max(candidates, key=lambda p: p.sequences) if candidates else None
@@ -116,11 +126,11 @@ def plan_command(
     values = None
     if fits and backend == "vllm":
         values = vllm_helm_values(pm.model_id, n, gpu, best, tokens, memory_utilization, pm.quantization,
-                                  trust_remote_code=isinstance(cfg, K3Config))
+                                  trust_remote_code=isinstance(cfg, K3Config), kv_cache_dtype=kv_cache_dtype)
     elif fits and one_node and not isinstance(cfg, DenseConfig):
         decode_best = next(p for p in decode_plans if p.name == best.name)
         values = helm_values(pm.model_id, n, gpu, best, tokens, block_size, snapshots, snapshot_every_blocks,
-                             decode=decode_best)
+                             decode=decode_best, kv_cache_dtype=kv_cache_dtype)
 
     if not fits:
         more = f"at least {needed} × {gpu.name}" if needed else f"more than 1024 × {gpu.name}"

@@ -87,7 +87,8 @@ def vllm_runnable(layout: LayoutPlan, gpus: int, gpu: GpuShape) -> bool:
 
 
 def vllm_helm_values(model_id: str, gpus: int, gpu: GpuShape, layout: LayoutPlan, context_tokens: int,
-                     memory_utilization: float, quantization: str | None, trust_remote_code: bool) -> dict[str, Any]:
+                     memory_utilization: float, quantization: str | None, trust_remote_code: bool,
+                     kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Values for aggregated instances on vLLM: one instance of ``gpus`` GPUs per pod (as many pods
     as fill one node), or one LeaderWorkerSet instance over ``gpus / gpus_per_node`` nodes."""
     nodes = max(1, gpus // gpu.gpus_per_node) if gpus > gpu.gpus_per_node else 1
@@ -98,6 +99,8 @@ def vllm_helm_values(model_id: str, gpus: int, gpu: GpuShape, layout: LayoutPlan
         vllm["quantization"] = quantization
     if trust_remote_code:
         vllm["trustRemoteCode"] = True
+    if kv_cache_dtype != "auto":  # the dtype the plan counted the latents in
+        vllm["kvCacheDtype"] = kv_cache_dtype
     aggregated: dict[str, Any] = {"enabled": True, "backend": "vllm",
                                   "replicas": 1 if nodes > 1 else max(1, gpu.gpus_per_node // gpus)}
     if gpu.product_label:

@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
-from crescent.services.common.choices import MAX_CHOICES, choice_seed
+from crescent.services.contract.choices import MAX_CHOICES, choice_seed
 from crescent.services.common.grpc_service import ChannelPool
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvwire import chunk_wire

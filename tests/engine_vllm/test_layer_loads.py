@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from crescent.services.engine_vllm import connector_worker
+from crescent.services.engine_vllm.connector_metadata import LoadSpec
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.connector_worker import ConnectorWorker
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 
 LAYERS, HEADS, BLOCK, DIM, BLOCKS = 4, 2, 16, 8, 12
@@ -65,8 +66,7 @@ def layer_rows(worker: ConnectorWorker, layer: int, block_id: int) -> torch.Tens
 
 
 def meta(*loads: tuple[list[int], list[tuple[int, ...]], list[int]]) -> SimpleNamespace:
-    specs = [SimpleNamespace(request_id=f"r{i}", keys=tuple(bytes([n]) * 16 for n in keys),
-                             token_ids=tuple(tokens), block_ids=tuple(block_ids))
+    specs = [LoadSpec(f"r{i}", tuple(bytes([n]) * 16 for n in keys), tuple(tokens), (tuple(block_ids),))
              for i, (keys, tokens, block_ids) in enumerate(loads)]
     return SimpleNamespace(loads=specs, saves=[])
 

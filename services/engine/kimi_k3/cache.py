@@ -2,7 +2,7 @@
 sequence, and a bounded pool of state snapshots for the prefix cache.
 
 - ``latent[m, page, slot]``: layer m's (m-th MLA layer) c_kv and k_rope of one token, in the
-  config's ``cache_dtype``. Each layer's pages form one contiguous ``[pages, page_size, Dc + Dr]``
+  config's ``cache_dtype`` (fp8 e4m3 with a scale: ``to_latent``). Each layer's pages form one contiguous ``[pages, page_size, Dc + Dr]``
   tensor, the layout the Triton MLA kernel reads. Pages hold nothing else.
 - Live states (``open_state``): each running sequence owns one ``KdaStates`` row — the KDA state
   after its last computed token, all fp32 (its conv tail too: see ``round_tail``). The engine opens it with the sequence, fills it from a snapshot
@@ -38,11 +38,38 @@ from dataclasses import dataclass, field
 import torch
 
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.memory import cache_torch_dtype
+from crescent.services.engine.kimi_k3.memory import cache_torch_dtype, tail_torch_dtype
+from crescent.services.engine.kimi_k3.ops import to_device
 from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy, SnapshotPool
 from crescent.services.engine.kv_cache import PageManager
 from crescent.services.engine.llama import ForwardBatch
 from crescent.services.kvwire.layer_wire import LayerLayout
+
+
+@dataclass(frozen=True, slots=True)
+class MlaStep:
+    """A forward's paged-attention metadata, built once on the host and moved to the cache's
+    device once (not per MLA layer): every layer reads the same pages."""
+
+    slot_pages: torch.Tensor   # [T] page of each new token
+    slot_offsets: torch.Tensor  # [T] its slot in that page
+    positions: torch.Tensor    # [T] each new token's position (RoPE, when the model uses it)
+    block_table: torch.Tensor  # [N, max_pages] int64
+    seq_lens: torch.Tensor     # [N] tokens in the cache per sequence, this forward's included
+    cu_q: torch.Tensor         # [N + 1] cumulative new tokens
+
+    @staticmethod
+    def build(batch: ForwardBatch, page_size: int, device: torch.device | str) -> MlaStep:
+        chunks = batch.chunks
+        width = max(-(-c.context_len // page_size) for c in chunks)
+        table = [list(c.pages[:width]) + [0] * (width - min(width, len(c.pages))) for c in chunks]
+        cu_q = [0]
+        for c in chunks:
+            cu_q.append(cu_q[-1] + c.num_new)
+        return MlaStep(to_device(batch.slot_pages, device), to_device(batch.slot_offsets, device),
+                       to_device(batch.positions, device),
+                       to_device(table, device), to_device([c.context_len for c in chunks], device),
+                       to_device(cu_q, device))
 
 
 @dataclass(slots=True)
@@ -59,6 +86,11 @@ class K3Cache:
                  policy: SnapshotPolicy = SnapshotPolicy()) -> None:
         self.cfg, self.page_size, self.policy, self.device = cfg, page_size, policy, device
         self.dtype = cache_torch_dtype(cfg)
+        self.tail_dtype = tail_torch_dtype(cfg)
+        # fp8 latents are stored divided by a per-cache scale and read back times it (vLLM's MLA
+        # fp8 cache: one scale per layer, 1.0 unless calibrated); the attention folds it into its
+        # softmax scale and output, so the kernels read the fp8 bytes as they are
+        self.latent_scale = 1.0
         self.pages = PageManager(num_pages, on_reset=self._page_reset)
         self._latent_dim = cfg.mla_latent_dim
         self._token_floats = len(cfg.mla_layers) * cfg.mla_latent_dim
@@ -66,10 +98,11 @@ class K3Cache:
         self._state_elements = KdaStates.wire_floats(cfg) * 4 // self.dtype.itemsize
         self.latent = torch.zeros((len(cfg.mla_layers), num_pages, page_size, cfg.mla_latent_dim), dtype=self.dtype,
                                   device=device)
-        self.snapshots = SnapshotPool(cfg, policy.slots, self.dtype, device)
+        self.snapshots = SnapshotPool(cfg, policy.slots, self.tail_dtype, device)
         self._live: dict[int, KdaStates] = {}
         self._handles = itertools.count()
         self.step: list[ChunkStates] = []  # the current forward's plan (``plan_forward``)
+        self.mla_step: MlaStep | None = None  # the current forward's MLA metadata (``plan_forward``)
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -250,13 +283,22 @@ class K3Cache:
                     writer[slot] = (states, end)
             plan.append(states)
         self.step = plan
+        self.mla_step = MlaStep.build(batch, ps, self.device) if self.cfg.mla_layers and batch.chunks else None
         return plan
+
+    def to_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents ``[T, Dc + Dr]`` as the cache stores them: in its dtype; fp8 divided by the
+        scale and saturated to e4m3's range (a plain cast would give NaN past ±448)."""
+        if self.dtype.itemsize != 1:
+            return x.to(self.dtype)
+        limit = torch.finfo(self.dtype).max
+        return (x.float() / self.latent_scale).clamp(-limit, limit).to(self.dtype)
 
     def round_tail(self, tail: torch.Tensor) -> torch.Tensor:
         """A conv tail as the cache keeps it: rounded to the cache dtype at every block boundary,
         snapshot or not, so a resumed run and a cold one carry the very same values (and nowhere
         else: the conv inputs of a token's own block stay fp32)."""
-        return tail if self.dtype == torch.float32 else tail.to(self.dtype).float()
+        return tail if self.tail_dtype == torch.float32 else tail.to(self.tail_dtype).float()
 
     def _page_reset(self, page: int) -> None:
         self.snapshots.drop(page)

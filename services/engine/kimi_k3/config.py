@@ -21,7 +21,10 @@ from crescent.services.engine.model_config import ModelConfigError
 from crescent.services.model.hf_config import GENERIC_FIELDS, LENGTH_KEYS, HfConfigError, check_generic, context_window
 
 MODEL_TYPE = "kimi_k3"
-CACHE_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names a cache may hold latents and conv tails in
+# torch dtype names a cache may hold latents in; conv tails take the same one, except under fp8
+# (``float8_e4m3fn``, EngineSettings.kv_cache_dtype "fp8"), which applies to the MLA latents only
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+FP8_CACHE = "float8_e4m3fn"
 KIMI_VOCAB_SIZE = 163840  # the Kimi tiktoken tokenizer's id space (regular + special tokens)
 # The prefix cache's KDA state snapshots by default (SnapshotPolicy, EngineSettings.state_snapshot_*):
 # sparse — a snapshot every 16th block (1,024 tokens at 64-token blocks) and at every turn end, ~3

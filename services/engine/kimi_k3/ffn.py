@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.cpu import rms_norm
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.ops import K3Ops, linear, mlp_activation, pointwise
+from crescent.services.engine.kimi_k3.ops import K3Ops, expert_counts, linear, mlp_activation, norm, pointwise
 
 
 class DenseFfn:
@@ -84,7 +83,8 @@ class LatentMoe:
         self.cfg, self.w, self.ops = cfg, weights, ops
         self.experts = ops.expert_weights(weights.gate_up, weights.down)
         self.act = mlp_activation(cfg.hidden_act, cfg.situ_beta_gate, cfg.situ_beta_up)
-        self.load = torch.zeros(cfg.num_experts, dtype=torch.int64)  # tokens routed to each expert, ever
+        # tokens routed to each expert, ever: counted where the routing is (no host read per layer)
+        self.load = torch.zeros(cfg.num_experts, dtype=torch.int64, device=weights.router.device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[T, k]``, expert ids ``[T, k]``) for each token, from that token alone."""
@@ -98,11 +98,11 @@ class LatentMoe:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
         weights, ids = self.route(x)
-        self.load += torch.bincount(ids.flatten().cpu(), minlength=self.cfg.num_experts)
+        self.load += expert_counts(ids, self.cfg.num_experts)
         routed_in = linear(x, w.latent_down) if w.latent_down is not None else x
         routed = self.ops.moe_routed(routed_in, weights, ids, *self.experts, self.act).to(x.dtype)
         if w.latent_norm is not None:
-            routed = rms_norm(routed, w.latent_norm, self.cfg.rms_norm_eps)
+            routed = norm(routed, w.latent_norm, self.cfg.rms_norm_eps)
         out = linear(routed, w.latent_up) if w.latent_up is not None else routed
         if w.shared_gate_up is not None and w.shared_down is not None:
             for s in range(w.shared_gate_up.shape[0]):

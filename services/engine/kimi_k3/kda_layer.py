@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from crescent.kernels.kda.reference import gated_rms_norm_reference, kda_gate, kda_softplus_gate, short_conv_reference
 from crescent.services.engine.kimi_k3.cache import ChunkStates, K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise
+from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise, to_device
 from crescent.services.engine.llama import ForwardBatch
 
 
@@ -107,7 +107,7 @@ class KdaLayer:
     def _decode(self, singles, mixed, g, beta, out, cache: K3Cache) -> None:
         """One token for each of several sequences, batched: from and back to their live states."""
         j = self.slot
-        rows = torch.tensor([r for r, _, _ in singles], dtype=torch.int64)
+        rows = to_device([r for r, _, _ in singles], out.device)
         state = torch.stack([plan.live.state[0, j] for _, _, plan in singles])
         tail = torch.stack([plan.live.tail[0, j] for _, _, plan in singles]).float()
         y, tail = conv_step(mixed[rows], self.w.conv, tail)

@@ -5,7 +5,7 @@ MLA layers keep, per token, the latent c_kv (``kv_lora_rank``) and the decoupled
 fixed-size state — the ``HV x K x V`` recurrent state (fp32) and the last ``W - 1`` inputs of the
 q/k/v short convolutions — once per *running sequence* (all fp32: a live tail is rounded only at
 block boundaries), plus the prefix cache's state snapshots, a bounded pool of
-``snapshot_slots`` taken sparsely at block boundaries (fp32 states, tails in the cache dtype;
+``snapshot_slots`` taken sparsely at block boundaries (fp32 states, tails in the cache dtype, bf16 under fp8;
 ``K3Cache``). So the whole cache is
 
     cache_bytes = pages x page_size x kv_bytes_per_token
@@ -26,8 +26,16 @@ from crescent.services.engine.kimi_k3.config import K3Config
 
 
 def cache_torch_dtype(cfg: K3Config) -> torch.dtype:
-    """The torch dtype of cached latents and conv tails (``cfg.cache_dtype``)."""
+    """The torch dtype of cached MLA latents (``cfg.cache_dtype``)."""
     return getattr(torch, cfg.cache_dtype)
+
+
+def tail_torch_dtype(cfg: K3Config) -> torch.dtype:
+    """The torch dtype of snapshot conv tails: the cache dtype, but bf16 under an fp8 latent cache
+    (as vLLM's ``kv_cache_dtype=fp8`` covers attention layers only, never a linear layer's state:
+    a 3-bit mantissa tail would change every later token of a resumed sequence)."""
+    dtype = cache_torch_dtype(cfg)
+    return torch.bfloat16 if dtype.itemsize == 1 else dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +55,15 @@ class CacheFootprint:
         return self.cache_bytes(tokens, 0, snapshots) / tokens
 
 
-def k3_footprint(cfg: K3Config, *, kv_dtype_bytes: int | None = None, state_dtype_bytes: int = 4) -> CacheFootprint:
-    """The cache footprint of ``cfg``. ``kv_dtype_bytes``: bytes of a cached latent / snapshot
-    conv-tail element (default: the config's ``cache_dtype``); ``state_dtype_bytes``: of a KDA
-    state element and of a live conv-tail element (the kernels keep states in fp32)."""
+def k3_footprint(cfg: K3Config, *, kv_dtype_bytes: int | None = None, tail_dtype_bytes: int | None = None,
+                 state_dtype_bytes: int = 4) -> CacheFootprint:
+    """The cache footprint of ``cfg``. ``kv_dtype_bytes``: bytes of a cached latent element
+    (default: the config's ``cache_dtype``); ``tail_dtype_bytes``: of a snapshot conv-tail element
+    (default: ``tail_torch_dtype``; with ``kv_dtype_bytes`` given and this not, the same);
+    ``state_dtype_bytes``: of a KDA state element and of a live conv-tail element (the kernels
+    keep states in fp32)."""
+    if tail_dtype_bytes is None:
+        tail_dtype_bytes = tail_torch_dtype(cfg).itemsize if kv_dtype_bytes is None else max(kv_dtype_bytes, 2)
     if kv_dtype_bytes is None:
         kv_dtype_bytes = cache_torch_dtype(cfg).itemsize
     n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
@@ -58,7 +71,7 @@ def k3_footprint(cfg: K3Config, *, kv_dtype_bytes: int | None = None, state_dtyp
     state = n_kda * cfg.kda_num_v_heads * cfg.kda_head_dim * cfg.kda_v_head_dim * state_dtype_bytes
     conv = n_kda * cfg.kda_conv_dim * (cfg.kda_conv_width - 1)
     return CacheFootprint(kv_bytes_per_token=kv, state_bytes_per_sequence=state + conv * state_dtype_bytes,
-                          snapshot_bytes_per_block=state + conv * kv_dtype_bytes)
+                          snapshot_bytes_per_block=state + conv * tail_dtype_bytes)
 
 
 def dense_gqa_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:

