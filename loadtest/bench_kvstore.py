@@ -48,7 +48,7 @@ import numpy as np
 import yaml
 from dataclasses import dataclass
 
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 from crescent.services.common.certs import make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 from crescent.services.kvwire import side_channel

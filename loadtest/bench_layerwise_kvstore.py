@@ -6,7 +6,7 @@
 Starts a kvstore node (host tier, shared memory) and two prefill processes writing to it
 (``layerwise_kvstore`` on and off), with a stand-in scheduler, all on 127.0.0.1 with the default
 model (SmolLM2-135M, float32; or ``--model``, e.g. the hybrid ``kimi-k3-nano``, whose MLA latents
-go a layer at a time and whose KDA state snapshots once final: ``layerwise_store_hybrid.py``) and
+go a layer at a time and whose KDA state snapshots once final: ``layerwise_store.py``) and
 one torch thread each. Each round sends, to each prefill in
 turn (which one first alternates), the same cold prompt of random tokens (a fresh cache salt)
 with ``max_tokens`` 1 and no decode: the kvstore export alone is measured. ``--with-handoff``

@@ -35,7 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_request_path import start_stack  # noqa: E402
 
-from crescent.services.common.choices import choice_seed  # noqa: E402
+from crescent.services.contract.choices import choice_seed  # noqa: E402
 
 SEED = 2026
 

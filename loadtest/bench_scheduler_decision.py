@@ -17,7 +17,7 @@ import resource
 import sys
 import time
 
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.scheduler.conductor import BlockUpdate, Conductor
 from crescent.services.scheduler.config import SchedulerSettings
 from crescent.services.scheduler.datatypes import InstanceId, Role, Tier

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import SettingsError
 from crescent.services.keys_cli import auth_status, keys_app
 from crescent.services.plan.cli import plan_command
@@ -37,6 +37,13 @@ app.command("plan")(plan_command)
 class EngineBackend(str, Enum):
     native = "native"
     vllm = "vllm"
+
+
+class EngineDtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 class Service(str, Enum):
@@ -113,12 +120,18 @@ def up(
     allow_unauthenticated_network: Annotated[bool, typer.Option(
         help="with --host other than loopback: serve keyless anyway (everyone who reaches it is the default "
              "tenant; a network you trust only)")] = False,
+    device: Annotated[str, typer.Option(
+        help="native engines: where they compute, cpu, cuda or cuda:N (engine.device; docs/cuda.md)")] = "cpu",
+    dtype: Annotated[EngineDtype, typer.Option(
+        help="native engines: weights' and activations' dtype (engine.dtype): auto is the checkpoint's on CUDA, "
+             "float32 on the CPU")] = EngineDtype.auto,
     engine: Annotated[EngineBackend, typer.Option(
         help="what computes in the engines: Crescent's own engine, or vLLM's CPU build (its own venv, "
              "`make install-vllm`; one aggregated instance unless --aggregated 0 asks for the pools)")] = EngineBackend.native,
 ) -> None:
     """Start all five services as separate processes and keep them running (a crashed one is
     restarted with backoff); drain and stop them all on Ctrl-C or SIGTERM (twice: at once)."""
+    from crescent.services.engine.device import DeviceSettingError, resolve_device
     from crescent.services.engine_vllm.interpreter import VllmNotInstalledError
     from crescent.services.launcher import (
         READY_TIMEOUT_S, LaunchError, PlanError, Platform, PlatformPlan, StopRequested,
@@ -132,10 +145,12 @@ def up(
     try:  # a plan that cannot run, or no vLLM to run it, is said before anything starts
         plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9),
                             block_size, ttft_slo, drain_grace, tls, aggregated=aggregated, backend=backend,
-                            unauthenticated_network=allow_unauthenticated_network)
+                            unauthenticated_network=allow_unauthenticated_network, device=device, dtype=dtype.value)
+        if backend == "native":  # a GPU this machine lacks is said once, here, not by every engine's crash loop
+            resolve_device(device)
         run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
         platform = Platform(plan, run_dir)
-    except (PlanError, VllmNotInstalledError) as exc:
+    except (PlanError, VllmNotInstalledError, DeviceSettingError) as exc:
         say(("crescent up:", "red"), f" {exc}")
         raise typer.Exit(2) from None
 

@@ -40,6 +40,7 @@ import yaml
 
 from crescent.services.common.certs import LOCAL_HOSTS, make_pki
 from crescent.services.common.tls import PeerTls, TlsSettings, is_loopback, load_tls
+from crescent.services.contract.roles import settings_class
 from crescent.services.cpu_share import available_cores, share_cores
 from crescent.services.engine_vllm.interpreter import vllm_python
 
@@ -102,10 +103,7 @@ def _drain_setting(service: str, grace_s: float) -> dict[str, Any]:
     """``drain_grace_s`` where this service's settings take it: at the top (gateway) or in its
     engine's settings (prefill, decode); nothing where it has none (an unknown key would fail
     the settings' validation)."""
-    import importlib
-
-    module = importlib.import_module(f"crescent.services.{service}.config")
-    fields = getattr(module, f"{service.capitalize()}Settings").model_fields
+    fields = settings_class(service).model_fields
     if "drain_grace_s" in fields:
         return {"drain_grace_s": grace_s}
     engine = fields.get("engine")
@@ -131,10 +129,15 @@ class PlatformPlan:
     aggregated: int = 0  # > 0: this many aggregated engines (prefill and decode in one) instead of the two pools
     backend: Backend = "native"  # what computes in every engine: Crescent's engine or vLLM (its own venv)
     unauthenticated_network: bool = False  # a keyless gateway on a non-loopback host, said in so many words
+    device: str = "cpu"  # native engines: engine.device (cpu, cuda, cuda:N)
+    dtype: str = "auto"  # native engines: engine.dtype
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise PlanError(f"unknown engine backend {self.backend!r}; choose {' or '.join(BACKENDS)}")
+        if self.backend != "native" and (self.device, self.dtype) != ("cpu", "auto"):
+            raise PlanError(f"--device {self.device} --dtype {self.dtype}: these set the native engine; vLLM takes its "
+                            "own (crescent up runs vLLM's CPU build in float32)")
         if not is_loopback(self.host) and not self.unauthenticated_network:
             raise PlanError(f"--host {self.host}: the gateway would serve without API keys where other hosts reach it "
                             "(crescent up runs with auth off). Bind 127.0.0.1, or add --allow-unauthenticated-network "
@@ -175,6 +178,8 @@ class PlatformPlan:
         }, kvstore, f"{kv_admin}/health", f"{kv_admin}/metrics"))
         engine: dict[str, Any] = {"model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens,
                                   "block_size": self.block_size}
+        if self.backend == "native" and (self.device, self.dtype) != ("cpu", "auto"):
+            engine |= {"device": self.device, "dtype": self.dtype}  # checked by each engine at start-up
         if self.backend == "vllm":
             # vLLM's CPU build (the .venv-vllm one crescent up uses): float32, which is the fast
             # dtype on CPUs without AVX-512 bf16 and comparable with the native engine.

@@ -2,8 +2,8 @@
 
 ``make install`` builds them (``python -m crescent.kernels.cpu.cpu_ext``); a process that
 finds no build compiles it on first use (torch's file lock keeps concurrent processes to one
-build). The build directory's name hashes the source, the flags, torch's version and the CPU's
-feature flags, so a changed source or another CPU never loads a stale binary. Where no compiler
+build). The build directory's name hashes the source and its path, the flags, torch's version
+and the CPU's feature flags, so a changed source or another CPU never loads a stale binary. Where no compiler
 is found the engine runs the plain PyTorch path instead (slower, and its decode rows differ from
 the kernel's in the last bits, so one machine's processes must agree: they share the build).
 ``CRESCENT_CPU_KERNELS=0`` turns the ops off.
@@ -40,8 +40,10 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
-                 sys.version.encode(), _cpu_flags().encode()):
+    # The source's path too: torch's build.ninja names it, so two checkouts sharing one build dir
+    # would rebuild it for each other on every load (seen: minutes per test run with 7 worktrees).
+    for part in (SOURCE.read_bytes(), str(SOURCE.resolve()).encode(), " ".join(FLAGS).encode(),
+                 torch.__version__.encode(), sys.version.encode(), _cpu_flags().encode()):
         digest.update(part)
     root = Path(os.environ.get("CRESCENT_KERNEL_CACHE", Path.home() / ".cache" / "crescent" / "kernels"))
     return root / f"paged_decode-{digest.hexdigest()[:16]}"

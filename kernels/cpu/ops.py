@@ -33,7 +33,7 @@ _MKL_ALWAYS_INVARIANT_ROWS = 16
 def _on_gpu(t: torch.Tensor) -> bool:
     """Whether ``t`` goes to the Triton kernels (a function, so tests can send CPU tensors there
     under the Triton interpreter)."""
-    return t.device.type == "cuda"
+    return t.is_cuda  # (not device.type: ~7x cheaper, and it runs on every linear and norm)
 
 
 def _triton_ops():

@@ -17,7 +17,7 @@ from loadtest.replay.prompts import (
     theoretical_cached_fraction,
     time_scale_for_rate,
 )
-from loadtest.simulator.sim import mooncake_tbt
+from crescent.services.contract.latency import tbt_seconds
 from loadtest.simulator.trace import TraceRequest, rescale
 
 
@@ -94,7 +94,7 @@ async def _one(client, cfg: ReplayConfig, model: str, req: TraceRequest, t0: flo
         else:
             out.ttft_s = times[0] - sent
             out.latency_s = done - sent
-            out.tbt_s = mooncake_tbt([b - a for a, b in zip(times, times[1:])]) if len(times) > 1 else None
+            out.tbt_s = tbt_seconds([b - a for a, b in zip(times, times[1:])])
             out.output_tokens = out.output_tokens or len(times)
     except openai.APIStatusError as exc:
         body = exc.body if isinstance(exc.body, dict) else {}

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
+from crescent.services.contract.latency import tbt_seconds
 from crescent.services.scheduler.conductor import Conductor
 from crescent.services.scheduler.config import SchedulerSettings
 from crescent.services.scheduler.cost_model import CostModels
@@ -253,18 +254,9 @@ class Simulation:
 
     def _finish(self, req: SimRequest) -> None:
         req.finish_s = self.now
-        req.tbt_s = mooncake_tbt(req.intervals)
+        req.tbt_s = tbt_seconds(req.intervals)
         req.intervals = []
         self.records.append(RequestRecord.completed(req))
-
-
-def mooncake_tbt(intervals: Sequence[float]) -> float:
-    """Mooncake's TBT: the mean of the longest 10% of a request's inter-token intervals."""
-    if not intervals:
-        return 0.0
-    k = max(1, math.ceil(len(intervals) * 0.1))
-    longest = heapq.nlargest(k, intervals)
-    return sum(longest) / k
 
 
 def simulate(trace: Sequence[TraceRequest], config: SimConfig, costs: CostModels | None = None) -> list[RequestRecord]:

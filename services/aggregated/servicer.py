@@ -12,8 +12,9 @@ import torch
 
 from crescent.protos import prefill_pb2
 from crescent.services.aggregated.batcher import MixedBatcher
+from crescent.services.contract.choices import reserve_tokens
 from crescent.services.decode.request import DecodeRequest
-from crescent.services.decode.servicer import DecodeServicer, never_fits_message, reserve_tokens
+from crescent.services.decode.servicer import DecodeServicer, never_fits_message
 from crescent.services.engine.engine import Sequence
 from crescent.services.prefill.servicer import PrefillServicer
 

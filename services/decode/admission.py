@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from crescent.services.contract.choices import choice_own_pages, choices_kv_pages
+
 
 @dataclass(slots=True)
 class KvLedger:
@@ -27,13 +29,11 @@ class KvLedger:
 
     def own_pages(self, prompt_tokens: int, reserve_tokens: int) -> int:
         """Pages one of several choices holds alone: all it may need but the prompt's full pages."""
-        return self.pages_for(reserve_tokens) - prompt_tokens // self.page_size
+        return choice_own_pages(prompt_tokens, reserve_tokens, self.page_size)
 
     def pages_for_choices(self, prompt_tokens: int, reserve_tokens: int, choices: int) -> int:
         """Pages ``choices`` sequences of one prompt may ever hold, each up to ``reserve_tokens``."""
-        if choices <= 1:
-            return self.pages_for(reserve_tokens)
-        return prompt_tokens // self.page_size + choices * self.own_pages(prompt_tokens, reserve_tokens)
+        return choices_kv_pages(prompt_tokens, reserve_tokens, choices, self.page_size)
 
     @property
     def admitted_pages(self) -> int:

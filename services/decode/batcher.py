@@ -32,6 +32,7 @@ import torch
 
 from crescent.services.common.metrics import EngineMetrics, engine_metrics
 from crescent.services.common.tasks import cancel_and_wait
+from crescent.services.contract.finish import finish_reason
 from crescent.services.decode.admission import KvLedger
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
 from crescent.services.engine.constraints import ConstraintError, submit_masks
@@ -337,12 +338,9 @@ class Batcher:
         self.metrics.generated_tokens.labels("decode").inc()
         choice.generated += 1
         assert choice.seq is not None
-        reason = None
-        if token in request.stop_token_ids:
-            reason = "stop"
-        elif (choice.generated >= request.max_tokens
-              or choice.seq.num_tokens + 1 >= self.engine.config.max_position_embeddings):
-            reason = "length"
+        reason = finish_reason(token, choice.generated, request.max_tokens, request.stop_token_ids,
+                               context_tokens=choice.seq.num_tokens + 1,
+                               context_window=self.engine.config.max_position_embeddings)
         logprobs = (result.logprob,) if result.logprob is not None else ()
         last = reason is not None and len(request.open_choices) == 1
         request.queue.put_nowait(TokenUpdate((token,), reason, logprobs=logprobs, index=choice.index, last=last))

@@ -5,7 +5,8 @@ the batcher for its pages (see batcher.py) instead of being refused. Refusals: m
 (INVALID_ARGUMENT), a reservation larger than the whole cache (RESOURCE_EXHAUSTED), a request
 aborted before it arrived (ABORTED), a draining instance (UNAVAILABLE), a layer-wise handoff
 through a shared memory segment this process cannot (or may not) map (FAILED_PRECONDITION with
-``handoff_shm.REFUSAL``: prefill sends it again with the bytes).
+``handoff_shm.REFUSAL``: prefill sends it again with the bytes). How the KV lands — whole blocks,
+layer-wise bytes, shared memory or the TCP side channel — is ``handoff_in.py``.
 
 A handoff of ``n > 1`` choices carries every choice's first token; the choices decode on the
 prompt's shared KV and stream through one StreamTokens call, each event tagged with its choice.
@@ -13,7 +14,6 @@ prompt's shared KV and stream through one StreamTokens call, each event tagged w
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -22,22 +22,21 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
-from crescent.services.common.choices import MAX_CHOICES, choice_seed
+from crescent.services.contract.choices import MAX_CHOICES, choice_seed, reserve_tokens
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
-from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, MappedLayerAssembler, ShmUnusable
-from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL, HandoffLanding, HandoffTcpError, LandedLayerAssembler
+from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL
 from crescent.services.kvwire.handoff_wire import decode_part
-from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
-from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens
+from crescent.services.kvwire.kv_block import BlockFormatError
 from crescent.services.common.logs import request_id_var
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import stop_token_ids
 from crescent.services.decode.batcher import Batcher
+from crescent.services.decode.handoff_in import HandoffIntake, HandoffRefused
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
-from crescent.services.engine.cache_api import LayeredKvCache, StatefulKvCache
+from crescent.services.engine.cache_api import StatefulKvCache
 from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
 from crescent.services.engine.engine import Sequence
-from crescent.services.instance.wire import block_tensor, kv_dtype, logprob_message, sampling_config
+from crescent.services.instance.wire import kv_dtype, logprob_message, sampling_config
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +48,6 @@ _ENDINGS = {
     DRAINING: grpc.StatusCode.UNAVAILABLE,   # the gateway migrates it to another instance
     ABORTED: grpc.StatusCode.ABORTED,
 }
-
-
-def reserve_tokens(prompt_tokens: int, max_tokens: int, context_window: int) -> int:
-    """KV tokens a request may ever hold: prompt + max_tokens, within the context window."""
-    return min(prompt_tokens + max_tokens, context_window)
 
 
 def never_fits_message(prompt_tokens: int, max_tokens: int, reserve: int, choices: int, capacity: int,
@@ -122,75 +116,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         ``side``: the handoff side channel (TCP) OpenHandoff opens handoffs on (None: refuse)."""
         self.batcher = batcher
         self.side = side
-        self.shm_handoff = shm_handoff
         self.constraints = constraints
         self.engine = batcher.engine
+        self.intake = HandoffIntake(self.engine, shm_handoff, side)
         self.tombstones = Tombstones()
 
     async def Handoff(self, request_iterator, context: grpc.aio.ServicerContext) -> decode_pb2.HandoffReply:
         if self.batcher.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
         start = time.perf_counter()
-        header: decode_pb2.HandoffHeader | None = None
-        assembler = BlockAssembler()
-        layers: LayerAssembler | None = None  # a layer-wise handoff's (header.num_layers > 0)
-        tail: decode_pb2.HandoffTail | None = None
-        landing: HandoffLanding | None = None  # a handoff over the side channel's (header.tcp_token)
-        payloads: list[torch.Tensor] = []
-        received = 0
-        try:
-            async for part in request_iterator:  # HandoffWirePart: decoded by handoff_wire
-                if part.error:
-                    raise BlockFormatError(part.error)
-                if part.header is not None:
-                    if header is not None:
-                        raise BlockFormatError("a second handoff header")
-                    header = part.header
-                    request_id_var.set(header.request_id)
-                    await self._refuse_early(header, context)  # before its KV crosses the wire
-                    if header.num_layers:
-                        layers = self._layer_assembler(header)
-                        if header.shm_segment:
-                            layers = await self._mapped_assembler(header, layers, context)
-                        elif header.tcp_token:
-                            layers, landing = await self._landed_assembler(header, layers, context)
-                    continue
-                if header is None:
-                    raise BlockFormatError("KV block before the handoff header")
-                if tail is not None:
-                    raise BlockFormatError("a handoff part after the tail")
-                if part.tail is not None or part.layer is not None or part.state is not None:
-                    if layers is None:
-                        raise BlockFormatError("a layer slice, state or tail in a handoff that is not layer-wise")
-                    if part.tail is None and landing is not None:
-                        await self._wait_landed(landing, context)  # the note's bytes, off the side channel
-                    if part.tail is not None:
-                        tail = part.tail
-                    elif part.state is not None:
-                        layers.feed_state(part.state)
-                    else:
-                        layers.feed(part.layer)
-                    continue
-                if layers is not None:
-                    raise BlockFormatError("a whole block in a layer-wise handoff")
-                block = assembler.feed(part.block)
-                if block is not None:
-                    received += block.nbytes
-                    payloads.append(block_tensor(block, block.shape))
-            if layers is not None:
-                if tail is None:
-                    raise BlockFormatError("a layer-wise handoff without its tail (the first tokens)")
-                assert header is not None
-                header.first_token_id = tail.first_token_id
-                header.first_token_ids[:] = tail.first_token_ids
-                header.finished_choices[:] = tail.finished_choices
-                payloads = self._layer_payloads(header, layers.payloads())  # every layer of every block, or an error
-                received = layers.received
+
+        async def on_header(header: decode_pb2.HandoffHeader) -> None:
+            request_id_var.set(header.request_id)
+            await self._refuse_early(header, context)
+
+        try:  # the four landing modes: handoff_in.py
+            landed = await self.intake.land(request_iterator, on_header)
         except BlockFormatError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed handoff: {exc}")
-        finally:
-            if landing is not None:
-                landing.close()  # every note checked (or refused): its connection lands nothing more
+        except HandoffRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        header, payloads = landed.header, landed.payloads
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty handoff")
         problem = self._check(header, payloads)
@@ -198,7 +144,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         await self.accept(header, payloads, context)
         metrics = self.batcher.metrics
-        metrics.transfer_bytes.labels("decode", "handoff_in").inc(received)
+        metrics.transfer_bytes.labels("decode", "handoff_in").inc(landed.received)
         metrics.transfer_seconds.labels("decode", "handoff_in").observe(time.perf_counter() - start)
         return decode_pb2.HandoffReply(accepted=True)
 
@@ -261,30 +207,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 len(header.prompt_token_ids), _max_tokens(header), reserve, choices,
                 self.engine.cache.capacity_tokens))
 
-    def _layer_assembler(self, header: decode_pb2.HandoffHeader) -> LayerAssembler:
-        """Where a layer-wise handoff's slices land; its layout must be this cache's."""
-        cache = self.engine.cache
-        if not isinstance(cache, LayeredKvCache):
-            raise BlockFormatError("this decode instance's cache takes no layer-wise handoff")
-        layout = cache.layer_layout()
-        if (header.kv_dtype != kv_dtype(cache) or tuple(header.kv_block_shape) != cache.block_shape
-                or header.num_layers != layout.num_layers):
-            raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
-                                   f"{header.num_layers} layers != {cache.block_shape} in {layout.num_layers}")
-        return LayerAssembler(layout, len(header.prompt_token_ids), self.engine.page_size)
-
-    async def _mapped_assembler(self, header: decode_pb2.HandoffHeader, layers: LayerAssembler,
-                                context: grpc.aio.ServicerContext) -> MappedLayerAssembler:
-        """The segment of a shared memory handoff, mapped; FAILED_PRECONDITION (``REFUSAL``) when
-        this process cannot see it or may not map it: prefill then sends the bytes."""
-        if not self.shm_handoff:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSAL} turned off on this decode instance")
-        try:
-            segment = await asyncio.to_thread(HandoffSegment.attach, header.shm_segment, header.shm_identity, layers.nbytes)
-        except ShmUnusable as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSAL} {exc}")
-        return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, segment)
-
     async def OpenHandoff(self, request: decode_pb2.OpenHandoffRequest,
                           context: grpc.aio.ServicerContext) -> decode_pb2.OpenHandoffReply:
         """Room for a layer-wise handoff's KV on the side channel (``handoff_side.py``)."""
@@ -302,36 +224,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return decode_pb2.OpenHandoffReply(address=self.side.address, token=token)
-
-    async def _landed_assembler(self, header: decode_pb2.HandoffHeader, layers: LayerAssembler,
-                                context: grpc.aio.ServicerContext) -> tuple[LandedLayerAssembler, HandoffLanding]:
-        """The buffer OpenHandoff allocated for this handoff, as a mapped assembler's; FAILED_PRECONDITION
-        (``TCP_REFUSAL``) for a token this instance does not hold (expired): prefill sends the bytes."""
-        landing = self.side.take(header.tcp_token, header.request_id) if self.side is not None else None
-        if landing is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{TCP_REFUSAL} no side channel handoff of {header.request_id} open here")
-        if len(landing.buf) != layers.nbytes:
-            landing.close()
-            raise BlockFormatError(f"a side channel handoff of {len(landing.buf)} bytes; the prompt's KV takes {layers.nbytes}")
-        return LandedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing), landing
-
-    async def _wait_landed(self, landing: HandoffLanding, context: grpc.aio.ServicerContext) -> None:
-        try:
-            await landing.wait_next()
-        except HandoffTcpError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{TCP_REFUSAL} {exc}")
-
-    def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
-        """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""
-        cache, prompt, page = self.engine.cache, len(header.prompt_token_ids), self.engine.page_size
-        stateful = cache.layer_layout().state_bytes > 0
-
-        def shape(i: int) -> tuple[int, ...]:
-            tokens = block_tokens(i, prompt, page)
-            return cache.payload_shape(tokens, with_state=i == len(buffers) - 1) if stateful else cache.payload_shape(tokens)
-
-        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(shape(i)) for i, buffer in enumerate(buffers)]
 
     def _check(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
         cfg = self.engine.config

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from crescent.services.engine.cache_api import StatefulKvCache
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.finish import finish_reason
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.llama import ForwardBatch, LlamaModel, SeqChunk
 from crescent.services.engine.model_config import LlamaConfig
@@ -68,6 +69,15 @@ def prefill_step_end(seq: Sequence, chunk_tokens: int) -> int:
     return seq.num_tokens
 
 
+def host_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as float32 on the host, where every rule and draw of ``sampler.py`` runs: a row's
+    tokens then depend on its logits' bits only, not on the device that sampled them. A bf16 row
+    crosses as bf16 (half the bytes) and widens on the host, exactly. Float32 CPU logits: as is."""
+    if logits.device.type != "cpu":
+        logits = logits.to("cpu")  # the step's one host sync: the tokens are needed here anyway
+    return logits.float()
+
+
 class Engine:
     def __init__(
         self,
@@ -78,11 +88,13 @@ class Engine:
         page_size: int,
         prefill_chunk_tokens: int = 2048,
         min_cached_prompt_tokens: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """``min_cached_prompt_tokens``: a prompt of at most this many tokens leaves no blocks in the
         prefix cache (nor, through prefill, in the kvstore or the scheduler's index), so whether a
         short, guessable prompt was sent before never shows in ``cached_tokens`` or timing; it may
-        still reuse blocks a longer prompt left. Kimi's API rule is 256 (EngineSettings' default)."""
+        still reuse blocks a longer prompt left. Kimi's API rule is 256 (EngineSettings' default).
+        ``kv_cache_dtype``: the Llama pool's dtype (None: the model's); the pool lives on the model's device."""
         if kv_capacity_tokens < page_size:
             raise ValueError(f"kv_capacity_tokens ({kv_capacity_tokens}) must hold at least one page ({page_size})")
         cfg = model.config
@@ -97,7 +109,9 @@ class Engine:
         if make_cache is not None:
             self.cache = make_cache(num_pages, page_size)
         else:
-            self.cache = PagedKvCache(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim)
+            self.cache = PagedKvCache(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                      dtype=kv_cache_dtype or getattr(model, "dtype", torch.float32),
+                                      device=getattr(model, "device", "cpu"))
         # A cache with recurrent states (kimi_k3) gives each sequence one live state, and a prefix
         # hit resumes only where it kept a state snapshot (see kimi_k3/cache.py).
         self._stateful = isinstance(self.cache, StatefulKvCache)
@@ -322,7 +336,7 @@ class Engine:
             logits = self.model.forward(batch, self.cache, [last_rows[i] for i in logits_for], on_layer)
         for seq, end in work:
             seq.num_computed = end
-        return logits
+        return host_logits(logits)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         if not seq.keeps_blocks:
@@ -369,7 +383,7 @@ class Engine:
                 if constraint is not None:
                     constraint.advance(token)
                 out.append(token)
-                if token in stop or len(out) >= max_tokens:
+                if finish_reason(token, len(out), max_tokens, stop) is not None:
                     return out
                 seq.token_ids.append(token)
                 logits = self.decode_step([seq])

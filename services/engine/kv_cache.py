@@ -25,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.layer_wire import LayerLayout
 
 
@@ -202,11 +202,16 @@ class PagedKvCache:
 
     def __init__(
         self, num_pages: int, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     ) -> None:
+        """The pool is allocated on ``device`` (device memory on a GPU) in ``dtype``, the cache dtype."""
         self.page_size = page_size
-        self.pool = torch.zeros((num_pages, num_layers, 2, page_size, kv_heads, head_dim), dtype=dtype)
+        self.pool = torch.zeros((num_pages, num_layers, 2, page_size, kv_heads, head_dim), dtype=dtype, device=device)
         self.pages = PageManager(num_pages)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -241,7 +246,8 @@ class PagedKvCache:
         return shape[2]
 
     def read_block(self, page: int, num_tokens: int | None = None) -> torch.Tensor:
-        """The page's first ``num_tokens`` tokens (all of them by default; then a view)."""
+        """The page's first ``num_tokens`` tokens (all of them by default; then a view), on the
+        pool's device: a reader that needs host bytes copies it (``prompt_export.owned_bytes``)."""
         if num_tokens is None or num_tokens == self.page_size:
             return self.pool[page]
         return self.pool[page][:, :, :num_tokens].contiguous()
@@ -270,6 +276,6 @@ class PagedKvCache:
         dst.copy_(self.pool[page, layer, :, :num_tokens])
 
     def write_block(self, page: int, payload: torch.Tensor) -> None:
-        """Copy a (possibly partial) block payload into ``page``."""
+        """Copy a (possibly partial) block payload (any device) into ``page``."""
         tokens = self.payload_tokens(payload.shape)
         self.pool[page][:, :, :tokens].copy_(payload)

@@ -2,7 +2,11 @@
 
 One forward pass takes a flat, variable-length batch: a prefill chunk of one sequence, one new
 token for each of many decoding sequences, or a mix. Linear layers run on the whole flat batch;
-attention runs per sequence over its pages.
+attention runs per sequence over its pages (``attention.py`` picks the path by the cache's device).
+
+Weights, activations and the cache live on ``device`` in ``dtype`` (engine.device, engine.dtype);
+the batch's index tensors are built on the host and moved once per forward. Norms are computed
+in float32 whatever the dtype (``dense_ops.norm``), RoPE in the activations' dtype.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from crescent.kernels.cpu import InvariantLinear, apply_rope, paged_attention, rms_norm, rope_tables, silu_and_mul
-from crescent.kernels.cpu.cpu_ext import paged_decode_ops
+from crescent.kernels.cpu import InvariantLinear, apply_rope, rope_tables, silu_and_mul
+from crescent.services.engine.attention import AttentionPath, attention_for
+from crescent.services.engine.dense_ops import DeviceLinear, make_linear, norm
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.model_config import LlamaConfig
 
@@ -59,14 +64,17 @@ class ForwardBatch:
         )
 
 
+Linear = InvariantLinear | DeviceLinear
+
+
 @dataclass(frozen=True, slots=True)
 class _LayerWeights:
-    input_norm: torch.Tensor
-    qkv: InvariantLinear      # q, k and v projections stacked: one GEMM instead of three
-    o: InvariantLinear
+    input_norm: torch.Tensor  # float32
+    qkv: Linear               # q, k and v projections stacked: one GEMM instead of three
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: InvariantLinear  # gate and up stacked
-    down: InvariantLinear
+    gate_up: Linear           # gate and up stacked
+    down: Linear
 
 
 class LlamaModel:
@@ -80,18 +88,24 @@ class LlamaModel:
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, kv_heads: int | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, with_lm_head: bool = True) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, with_lm_head: bool = True,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.config = config
+        self.device, self.dtype = torch.device(device), dtype
         self.kv_heads = config.num_kv_heads if kv_heads is None else kv_heads  # held by this process
         self.heads = self.kv_heads * (config.num_heads // config.num_kv_heads)
         self._reduce = reduce
         w = weights
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             try:
-                return w[name].float().contiguous()
+                tensor = w[name]
             except KeyError:
                 raise ValueError(f"checkpoint has no tensor {name!r}") from None
+            return tensor.to(device=self.device, dtype=as_dtype).contiguous()
+
+        def stacked(*names: str) -> Linear:
+            return make_linear(torch.cat([take(n) for n in names]))
 
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
@@ -99,25 +113,35 @@ class LlamaModel:
             p = f"model.layers.{i}."
             self.layers.append(
                 _LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=InvariantLinear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
-                    o=InvariantLinear(take(p + "self_attn.o_proj.weight")),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=InvariantLinear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                    down=InvariantLinear(take(p + "mlp.down_proj.weight")),
+                    input_norm=take(p + "input_layernorm.weight", torch.float32),
+                    qkv=stacked(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                    o=make_linear(take(p + "self_attn.o_proj.weight")),
+                    post_norm=take(p + "post_attention_layernorm.weight", torch.float32),
+                    gate_up=stacked(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=make_linear(take(p + "mlp.down_proj.weight")),
                 )
             )
-        self.norm = take("model.norm.weight")
+        self.norm = take("model.norm.weight", torch.float32)
         tied = config.tie_word_embeddings or "lm_head.weight" not in w
-        self.lm_head = (InvariantLinear(self.embed if tied else take("lm_head.weight")) if with_lm_head
-                        else None)  # (a reordered copy of the weight even when tied)
-        self.cos, self.sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.lm_head = (make_linear(self.embed if tied else take("lm_head.weight")) if with_lm_head
+                        else None)  # (a reordered copy of the weight even when tied, on the CPU)
+        cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._q_width = self.heads * config.head_dim
         self._kv_width = self.kv_heads * config.head_dim
-        # Decode rows (one new token) attend through the C++ op over the pages, where it applies.
-        kernel_fits = config.head_dim == 64 and config.num_heads // config.num_kv_heads <= 16
-        self._decode_ops = paged_decode_ops() if kernel_fits else None
+        self._attention: dict[tuple[torch.device, torch.dtype], AttentionPath] = {}
+
+    def attention_path(self, cache: PagedKvCache) -> AttentionPath:
+        """The attention path for ``cache`` (by its device and dtype; see ``attention.py``)."""
+        key = (cache.pool.device, cache.pool.dtype)
+        path = self._attention.get(key)
+        if path is None:
+            cfg = self.config
+            path = self._attention[key] = attention_for(
+                cache.pool.device, cache.pool.dtype, self.dtype, head_dim=cfg.head_dim,
+                group=cfg.num_heads // cfg.num_kv_heads, scale=self.scale)
+        return path
 
     def forward(self, batch: ForwardBatch, cache: PagedKvCache, logits_for: list[int],
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -129,76 +153,42 @@ class LlamaModel:
         """
         cfg = self.config
         n = batch.token_ids.shape[0]
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        device = self.device
+        positions = batch.positions.to(device, non_blocking=True)
+        slot_pages = batch.slot_pages.to(device, non_blocking=True)
+        slot_offsets = batch.slot_offsets.to(device, non_blocking=True)
+        cos, sin = self.cos[positions], self.sin[positions]
         page_size = cache.page_size
         page_tables = [
-            torch.tensor(c.pages[: -(-c.context_len // page_size)], dtype=torch.int64) for c in batch.chunks
+            torch.tensor(c.pages[: -(-c.context_len // page_size)], dtype=torch.int64).to(device, non_blocking=True)
+            for c in batch.chunks
         ]
-        decode = self._decode_rows(batch, page_tables, cache)
-        h = self.embed[batch.token_ids]
+        attention = self.attention_path(cache)
+        attend = attention.prepare(batch.chunks, page_tables)
+        h = self.embed[batch.token_ids.to(device, non_blocking=True)]
         for index, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            x = norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
             q = qkv[:, : self._q_width].view(n, self.heads, cfg.head_dim)
             k = qkv[:, self._q_width : self._q_width + self._kv_width].view(n, self.kv_heads, cfg.head_dim)
             v = qkv[:, self._q_width + self._kv_width :].view(n, self.kv_heads, cfg.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             layer_pool = cache.pool[:, index]
-            layer_pool[:, 0][batch.slot_pages, batch.slot_offsets] = k
-            layer_pool[:, 1][batch.slot_pages, batch.slot_offsets] = v
+            layer_pool[:, 0][slot_pages, slot_offsets] = k.to(layer_pool.dtype)
+            layer_pool[:, 1][slot_pages, slot_offsets] = v.to(layer_pool.dtype)
             if on_layer is not None:
                 on_layer(index)
-            attn = torch.empty_like(q)
-            if decode is not None:
-                rows, tables, lens = decode
-                q_rows = q if rows is None else q[rows]
-                out = self._decode_ops.paged_decode_attention(q_rows, layer_pool[:, 0], layer_pool[:, 1], tables,
-                                                              lens, self.scale)
-                if rows is None:
-                    attn = out
-                else:
-                    attn[rows] = out
-            start = 0
-            for chunk, table in zip(batch.chunks, page_tables):
-                end = start + chunk.num_new
-                if decode is not None and chunk.num_new == 1:
-                    start = end
-                    continue
-                # index_select, not layer_pool[table]: the same copy at half the cost. K and V
-                # apart, so each is one contiguous copy that attention takes as a view.
-                k_pages = torch.index_select(layer_pool[:, 0], 0, table)
-                v_pages = torch.index_select(layer_pool[:, 1], 0, table)
-                attn[start:end] = paged_attention(q[start:end], k_pages, v_pages, chunk.context_len, self.scale)
-                start = end
+            attn = attention(attend, q, layer_pool[:, 0], layer_pool[:, 1])
             h = h + self._summed(layer.o(attn.view(n, -1)))
-            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            x = norm(h, layer.post_norm, cfg.rms_norm_eps)
             h = h + self._summed(layer.down(silu_and_mul(layer.gate_up(x))))
         if not logits_for:
             return h.new_empty((0, cfg.vocab_size))
         assert self.lm_head is not None, "logits asked of a model built without lm_head"
         ends = torch.cumsum(torch.tensor([c.num_new for c in batch.chunks]), 0) - 1
-        last = h[ends[torch.tensor(logits_for)]]
-        return self.lm_head(rms_norm(last, self.norm, cfg.rms_norm_eps))
+        last = h[ends[torch.tensor(logits_for)].to(device, non_blocking=True)]
+        return self.lm_head(norm(last, self.norm, cfg.rms_norm_eps))
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A shard's partial projection summed over the group (itself when there is no group)."""
         return partial if self._reduce is None else self._reduce(partial)
-
-    def _decode_rows(self, batch: ForwardBatch, page_tables: list[torch.Tensor],
-                     cache: PagedKvCache) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-        """(flat rows or None for all, padded page tables, context lengths) of the batch's decode
-        rows for the C++ op; None when it does not apply (no op, no decode row, not an fp32 cache)."""
-        if self._decode_ops is None or cache.pool.dtype != torch.float32:
-            return None
-        picked = [i for i, c in enumerate(batch.chunks) if c.num_new == 1]
-        if not picked:
-            return None
-        widest = max(page_tables[i].numel() for i in picked)
-        tables = torch.zeros((len(picked), widest), dtype=torch.int64)
-        for row, i in enumerate(picked):
-            tables[row, : page_tables[i].numel()] = page_tables[i]
-        lens = torch.tensor([batch.chunks[i].context_len for i in picked], dtype=torch.int64)
-        if len(picked) == len(batch.chunks) == batch.token_ids.shape[0]:
-            return None, tables, lens  # a pure decode step: every row
-        offsets = torch.cumsum(torch.tensor([0] + [c.num_new for c in batch.chunks[:-1]]), 0)
-        return offsets[picked], tables, lens

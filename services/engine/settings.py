@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.common.settings import StrictModel
+from crescent.services.engine.device import DEVICE_PATTERN
 from crescent.services.engine.kimi_k3.config import DEFAULT_SNAPSHOT_EVERY_BLOCKS, DEFAULT_SNAPSHOT_SLOTS
 from crescent.services.engine.parallel.settings import ParallelSettings
 from crescent.services.engine_vllm.settings import VllmSettings
@@ -32,6 +33,18 @@ class EngineSettings(StrictModel):
                     "prompts cannot be probed through cached_tokens or timing; 0: every prompt's blocks are kept",
     )
     threads: int = Field(default=2, ge=1, description="torch intra-op threads")
+    device: str = Field(
+        default="cpu", pattern=DEVICE_PATTERN,
+        description="backend native: where weights, activations and the paged KV pool live: 'cpu', 'cuda' (the "
+                    "process's first visible GPU) or 'cuda:N'; a CUDA device this process cannot see is refused at "
+                    "start-up. docs/cuda.md",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="backend native: the weights' and activations' dtype; 'auto': the checkpoint's torch_dtype on "
+                    "CUDA (a GGUF's dequantized weights: float32), float32 on the CPU (bf16 is several times slower "
+                    "there). Logits are sampled on the host from a float32 copy. docs/cuda.md",
+    )
     mxfp4_experts: Literal["packed", "dequantize"] = Field(
         default="packed",
         description="routed experts stored in MXFP4: 'packed' keeps them packed in memory (4.25 bits per weight) "
@@ -39,11 +52,13 @@ class EngineSettings(StrictModel):
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
         default="auto",
-        description="hybrid models (kimi_k3): dtype the cache stores MLA latents and KDA conv-tail snapshots in "
-                    "(compute stays fp32; KDA states are always fp32); 'auto': the model's (a real checkpoint's "
-                    "torch_dtype, bf16 for the public ones; fp32 for Crescent's presets); 'float32' for exact "
-                    "fp32 serving at twice the latent bytes; 'fp8': e4m3 latents with a scale, half of bf16's "
-                    "bytes (vLLM's kv_cache_dtype=fp8; conv tails stay bf16)",
+        description="dtype of the paged KV cache. Llama-family models: 'auto' is engine.dtype's (K and V are "
+                    "rounded to it when written). Hybrid models (kimi_k3): the dtype the cache stores MLA latents "
+                    "and KDA conv-tail snapshots in (compute stays fp32; KDA states are always fp32); 'auto': the "
+                    "model's (a real checkpoint's torch_dtype, bf16 for the public ones; fp32 for Crescent's "
+                    "presets); 'float32' for exact fp32 serving at twice the latent bytes; 'fp8' (kimi_k3 only): "
+                    "e4m3 latents with a scale, half of bf16's bytes (vLLM's kv_cache_dtype=fp8; conv tails "
+                    "stay bf16)",
     )
     state_snapshot_every_blocks: int = Field(
         default=DEFAULT_SNAPSHOT_EVERY_BLOCKS, ge=0,

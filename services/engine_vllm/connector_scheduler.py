@@ -7,6 +7,12 @@ prefixes alike. A prompt the instance marked private (Kimi's short-prompt rule) 
 up nor saved nor reported; one under a handoff's one-time salt is saved and loaded, not reported.
 Lookups ask the node which leading blocks it holds (``Exists``);
 the last prompt token is never loaded (vLLM computes at least one token to sample from).
+
+A hybrid model (recurrent-state groups beside attention, hybrid_layout.py) also needs the state
+its recurrent layers resume from: a hit is cut back to the last block whose snapshot the store
+holds, and is loaded asynchronously (vLLM holds the request until the worker reports it): vLLM
+takes block-level load errors only from single-group models, so a hybrid load that fails is
+reported for its whole request, which vLLM then recomputes from its start.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from typing import TYPE_CHECKING
 
 from crescent.protos import common_pb2
 from crescent.services.engine_vllm.block_events import BlockEventSender
-from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata, LoadSpec, SaveSpec
+from crescent.services.engine_vllm.connector_metadata import CrescentConnectorMetadata, LoadSpec, SaveSpec, StateSaveSpec
 from crescent.services.engine_vllm.connector_options import ConnectorOptions, crescent_salt, loadable_blocks, shared_salt
+from crescent.services.engine_vllm.hybrid_layout import GroupLayout, resume_point, state_key
 from crescent.services.engine_vllm.store_link import StoreLink
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -41,19 +48,24 @@ class _Prompt:
     salt: bytes | None          # None: private, never looked up nor saved
     keys: list[BlockKey]
     shared: bool                # False: a handoff's one-time salt, saved and loaded but not reported
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group (vLLM's tables)
     load_first: int = 0         # blocks [load_first, load_first + load_count) come from the kvstore
     load_count: int = 0
     save_from: int = 0          # blocks before it were cached here or loaded: not saved again
     saved_upto: int = 0
+    states_saved: set[int] = field(default_factory=set)  # block indices whose snapshot was saved
     reported_upto: int = 0      # blocks reported held in vLLM's cache
 
 
 class ConnectorScheduler:
-    def __init__(self, options: ConnectorOptions, link: StoreLink | None) -> None:
+    def __init__(self, options: ConnectorOptions, link: StoreLink | None, layout: GroupLayout | None = None,
+                 state_format: str = "") -> None:
         self.options = options
         self.block_size = options.block_size
-        self.link = link
+        self.layout = layout or GroupLayout((0,), (), {})
+        self.state_format = state_format  # hybrid: names the snapshots' layout (part of their keys)
+        self.link = link if self.layout.carried else None  # a layout it cannot carry: passive
+        self._pending_loads: list[LoadSpec] = []  # hybrid loads allocated, for the next step's metadata
         self.events = BlockEventSender(options.events_socket) if options.events_socket else None
         self.pool: BlockPool | None = None
         self._prompts: dict[str, _Prompt] = {}
@@ -72,66 +84,111 @@ class ConnectorScheduler:
 
     # -- lookups -----------------------------------------------------------------------------------
 
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens the kvstore adds after vLLM's own hit, and whether they load asynchronously."""
         prompt = self._prompt(request)
         prompt.load_count = 0
         prompt.load_first = num_computed_tokens // self.block_size
         if prompt.salt is None or self.link is None:
-            return 0
+            return 0, False
         usable = loadable_blocks(len(prompt.tokens), self.block_size)
         first = prompt.load_first  # vLLM's own cache has the blocks before it
         if usable <= first:
-            return 0
-        prompt.load_count = self.link.leading_hits(prompt.keys[first:usable])
-        return prompt.load_count * self.block_size
+            return 0, False
+        keys = prompt.keys[first:usable]
+        if self.layout.hybrid:
+            present = self.link.present(keys)
+            states = self.link.present([state_key(k, self.state_format) for k in keys])
+            prompt.load_count = resume_point(present, states)
+        else:
+            prompt.load_count = self.link.leading_hits(keys)
+        return prompt.load_count * self.block_size, self.layout.hybrid and prompt.load_count > 0
 
-    def after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def after_alloc(self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         prompt = self._prompt(request)
         if num_external_tokens == 0:
             prompt.load_count = 0
         prompt.save_from = max(prompt.save_from, prompt.load_first + prompt.load_count)
+        if self.layout.hybrid and prompt.load_count:  # an async load: planned now, sent with the next step
+            prompt.block_ids = [list(ids) for ids in block_ids]
+            self._pending_loads.append(self._load_spec(request.request_id, prompt))
+            prompt.load_count = 0
+
+    def _load_spec(self, req_id: str, prompt: _Prompt) -> LoadSpec:
+        first, end, b = prompt.load_first, prompt.load_first + prompt.load_count, self.block_size
+        attention = tuple(tuple(prompt.block_ids[g][first:end]) for g in self.layout.attention_groups)
+        state, state_ids = b"", ()
+        if self.layout.hybrid:  # the snapshot after the last loaded block, into that block of each state group
+            state = state_key(prompt.keys[end - 1], self.state_format)
+            state_ids = tuple(prompt.block_ids[g][end - 1] for g in self.layout.state_groups)
+        return LoadSpec(req_id, tuple(prompt.keys[first:end]),
+                        tuple(tuple(prompt.tokens[i * b:(i + 1) * b]) for i in range(first, end)),
+                        attention, state, state_ids)
 
     # -- each step ---------------------------------------------------------------------------------
 
     def build_meta(self, out: SchedulerOutput) -> CrescentConnectorMetadata:
-        meta = CrescentConnectorMetadata()
+        meta = CrescentConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
         for new in out.scheduled_new_reqs:
             prompt = self._prompts.get(new.req_id)
             if prompt is None:
                 continue
-            prompt.block_ids = list(new.block_ids[0])
-            self._plan(new.req_id, prompt, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id], meta)
+            prompt.block_ids = [list(ids) for ids in new.block_ids]
+            self._plan(new.req_id, prompt, new.num_computed_tokens,
+                       new.num_computed_tokens + out.num_scheduled_tokens[new.req_id], meta)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             prompt = self._prompts.get(req_id)
             if prompt is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                prompt.block_ids = list(new_ids[0]) if new_ids else []  # a resumed request's whole table
+            if req_id in cached.resumed_req_ids:  # a resumed request's whole tables
+                prompt.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                prompt.block_ids.extend(new_ids[0])
-            self._plan(req_id, prompt, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id], meta)
+                for group, ids in enumerate(new_ids):
+                    prompt.block_ids[group].extend(ids)
+            self._plan(req_id, prompt, cached.num_computed_tokens[i],
+                       cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id], meta)
         self._report_held()
         return meta
 
-    def _plan(self, req_id: str, prompt: _Prompt, computed_after: int, meta: CrescentConnectorMetadata) -> None:
-        if prompt.load_count:
-            end = prompt.load_first + prompt.load_count
-            b = self.block_size
-            meta.loads.append(LoadSpec(
-                req_id, tuple(prompt.keys[prompt.load_first:end]),
-                tuple(tuple(prompt.tokens[i * b:(i + 1) * b]) for i in range(prompt.load_first, end)),
-                tuple(prompt.block_ids[prompt.load_first:end])))
+    def _plan(self, req_id: str, prompt: _Prompt, computed_before: int, computed_after: int,
+              meta: CrescentConnectorMetadata) -> None:
+        if prompt.load_count:  # a synchronous load (one attention group): placed before this step's forward
+            meta.loads.append(self._load_spec(req_id, prompt))
             prompt.load_count = 0
-        if prompt.salt is None or self.link is None:
+        if prompt.salt is None or self.link is None or not prompt.block_ids:
             return
         full = min(computed_after, len(prompt.tokens)) // self.block_size
         b = self.block_size
-        for i in range(max(prompt.saved_upto, prompt.save_from), min(full, len(prompt.block_ids))):
+        attention = [prompt.block_ids[g] for g in self.layout.attention_groups]
+        for i in range(max(prompt.saved_upto, prompt.save_from), min(full, *(len(ids) for ids in attention))):
             meta.saves.append(SaveSpec(prompt.keys[i], prompt.keys[i - 1] if i else None,
-                                       tuple(prompt.tokens[i * b:(i + 1) * b]), prompt.block_ids[i]))
+                                       tuple(prompt.tokens[i * b:(i + 1) * b]), tuple(ids[i] for ids in attention)))
         prompt.saved_upto = max(prompt.saved_upto, full)
+        if self.layout.hybrid:
+            self._plan_states(prompt, computed_before // self.block_size, full, meta)
+
+    def _plan_states(self, prompt: _Prompt, first: int, full: int, meta: CrescentConnectorMetadata) -> None:
+        """Snapshots vLLM keeps at the block boundaries this step passes (blocks ``first`` to
+        ``full - 1``): a state block it has cached (hashed) holds the state after that block,
+        written by this step's forward, before the worker copies it out (``wait_for_save``).
+        Earlier boundaries are not looked at: their blocks may have been freed and reused."""
+        if self.pool is None:
+            return
+        b = self.block_size
+        tables = [prompt.block_ids[g] for g in self.layout.state_groups]
+        for i in range(max(first, prompt.save_from), min(full, *(len(ids) for ids in tables))):
+            if i in prompt.states_saved:
+                continue
+            blocks = [self.pool.blocks[ids[i]] for ids in tables]
+            if any(block.is_null or block.block_hash is None for block in blocks):
+                continue  # no state kept at this boundary (vLLM's interior blocks are null)
+            meta.state_saves.append(StateSaveSpec(state_key(prompt.keys[i], self.state_format),
+                                                  tuple(prompt.tokens[i * b:(i + 1) * b]),
+                                                  tuple(block.block_id for block in blocks)))
+            prompt.states_saved.add(i)
 
     def finished(self, request: Request) -> None:
         self._prompts.pop(request.request_id, None)
@@ -146,8 +203,11 @@ class ConnectorScheduler:
         for prompt in self._prompts.values():
             if prompt.salt is None or not prompt.shared:
                 continue
-            for i in range(prompt.reported_upto, min(len(prompt.keys), len(prompt.block_ids))):
-                block = self.pool.blocks[prompt.block_ids[i]]
+            if not prompt.block_ids:
+                continue
+            table = prompt.block_ids[self.layout.attention_groups[0]]
+            for i in range(prompt.reported_upto, min(len(prompt.keys), len(table))):
+                block = self.pool.blocks[table[i]]
                 if block.block_hash is None:
                     break
                 previous = self._held.get(block.block_id)

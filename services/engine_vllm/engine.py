@@ -87,16 +87,11 @@ def start_engine(settings: EngineSettings, model: VllmModel, connector: Connecto
 
     config = engine_args(settings, model, connector).create_engine_config()
     if connector is not None and config.model_config.is_hybrid and require_connector:
-        raise ValueError(f"{model.model_id} is a hybrid model: Crescent's KV connector does not carry recurrent state "
-                         "yet, so it cannot be handed from a vLLM prefill to a vLLM decode; serve it on aggregated "
-                         "instances (engine.backend vllm) or on native pools")
-    if connector is not None and config.model_config.is_hybrid:
-        # vLLM keeps a hybrid model's recurrent state in its hybrid KV manager, which it turns off
-        # for a connector that does not support it (SupportsHMA); such a model would not start.
-        log.warning("%s is a hybrid model: Crescent's KV connector does not carry recurrent state yet, so this "
-                    "instance serves without it (no kvstore prefix cache, no engine blocks in the scheduler's index)",
-                    model.model_id)
-        config = engine_args(settings, model, None).create_engine_config()
+        # The connector carries a hybrid model's recurrent state (SupportsHMA), but a handoff
+        # waits only for blocks, not for the snapshot decode resumes from: untested, refused.
+        raise ValueError(f"{model.model_id} is a hybrid model: vLLM prefill -> decode handoffs do not wait for its "
+                         "recurrent-state snapshots yet; serve it on aggregated instances (engine.backend vllm) or on "
+                         "native pools")
     llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
     return llm, facts_of(llm.vllm_config, model.model_id)
 
@@ -107,7 +102,9 @@ def facts_of(config, model_id: str) -> BackendFacts:  # noqa: ANN001 - vllm.conf
     model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
     layout = attention_layout(config)
     layers, heads, dim = model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size()
-    if layout in NATIVE_LAYOUTS:  # blocks are the native engine's (kv_layout.py)
+    if model.is_hybrid:  # attention blocks beside recurrent-state snapshots (hybrid_layout.py): vLLM's alone
+        kv_format = f"vllm-hybrid-{layout}:" + "x".join(map(str, (heads, cache.block_size, dim)))
+    elif layout in NATIVE_LAYOUTS:  # blocks are the native engine's (kv_layout.py)
         kv_format = "paged-v1:" + "x".join(map(str, (layers, 2, cache.block_size, heads, dim)))
     else:  # vLLM's own rows, named by layout: shared only with vLLM instances that hold the same
         kv_format = f"vllm-{layout}:" + "x".join(map(str, (layers, heads, cache.block_size, dim)))

@@ -39,7 +39,7 @@ from crescent.services.engine_vllm.connector_options import (
 )
 from crescent.services.engine_vllm.servicer import VllmServicer, first_token_message
 from crescent.services.kvstore.client import KvStoreClient
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from crescent.protos import common_pb2
-from crescent.services.common.choices import choice_seed
+from crescent.services.contract.choices import choice_seed
 from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS
 
 

@@ -20,12 +20,13 @@ from crescent.services.common.settings import SettingsError
 from crescent.services.decode.config import DecodeSettings
 from crescent.services.decode.servicer import add_decode_to_server
 from crescent.services.instance.shell import EngineInstance, EngineLoad
-from crescent.services.instance.runtime import ShutdownSignals, run_engine_process
+from crescent.services.instance.runtime import EngineWorker, ShutdownSignals, run_engine_process
 from crescent.services.engine_vllm.block_events import EngineBlockSet
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.engine_vllm.engine import BackendFacts, prepare_environment, start_engine
 from crescent.services.engine_vllm.model_dir import vllm_model
 from crescent.services.engine_vllm.reaper import watch_descendants
+from crescent.services.engine_vllm.start_guard import StartGuard, StartInterrupted
 from crescent.services.engine_vllm.handoff import VllmDecodeServicer, VllmPrefillServicer
 from crescent.services.engine_vllm.servicer import VllmServicer
 from crescent.services.kvstore.client import KvStoreClient
@@ -99,9 +100,20 @@ Role = Literal["aggregated", "prefill", "decode"]
 InstanceSettings = AggregatedSettings | PrefillSettings | DecodeSettings
 
 
-async def start_backend(settings: InstanceSettings, role: Role, run_dir: Path) -> VllmBackend:
-    """vLLM started with Crescent's connector, whose block events this process listens for."""
-    model = vllm_model(settings.engine.model)
+async def start_backend(settings: InstanceSettings, role: Role, run_dir: Path, worker: EngineWorker) -> VllmBackend:
+    """vLLM started with Crescent's connector, whose block events this process listens for. A
+    SIGTERM/SIGINT during the start stops it there (``StartInterrupted``; start_guard.py)."""
+    guard = StartGuard()
+    await worker.run(guard.install)  # the worker runs calls on the main thread, where handlers live
+    try:
+        return await _start_backend(settings, role, run_dir, guard)
+    finally:
+        await worker.run(guard.remove)
+
+
+async def _start_backend(settings: InstanceSettings, role: Role, run_dir: Path, guard: StartGuard) -> VllmBackend:
+    model = vllm_model(settings.engine.model)  # the first start of a GGUF exports it: minutes
+    guard.check()
     blocks = EngineBlockSet(settings.engine.block_size)
     socket_path = run_dir / "block-events.sock"
     await blocks.listen(str(socket_path))
@@ -115,7 +127,16 @@ async def start_backend(settings: InstanceSettings, role: Role, run_dir: Path) -
             tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key, tls_server_name=tls.server_name,
             saves_wait=role == "prefill")
     log.info("starting vLLM on %s (%s) as %s; this takes minutes on a CPU", model.directory, model.model_id, role)
-    llm, facts = start_engine(settings.engine, model, connector, require_connector=role != "aggregated")
+    try:
+        llm, facts = start_engine(settings.engine, model, connector, require_connector=role != "aggregated")
+    except Exception:
+        await blocks.close()
+        guard.check()  # vLLM's start failed because the signal stopped its processes: not an error
+        raise
+    if guard.signalled.is_set():  # the start won the race with the signal
+        llm.shutdown()
+        await blocks.close()
+        guard.check()
     log.info("vLLM ready: %s, %d KV tokens, blocks %s (%s)", facts.model_id, facts.kv_capacity_tokens,
              facts.kv_format, facts.kv_dtype)
     return VllmBackend(llm, facts, blocks)
@@ -153,6 +174,8 @@ async def serve(settings: InstanceSettings, role: Role, instance: EngineInstance
 
     try:
         await instance.run(attach, signals)
+    except StartInterrupted as stopped:
+        log.info("%s; stopped before serving", stopped)
     finally:
         backend = instance.backend
         if isinstance(backend, VllmBackend):
@@ -167,7 +190,7 @@ def main(settings: InstanceSettings, role: Role = "aggregated") -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="crescent-vllm-"))
     instance = EngineInstance(role, settings.listen, settings.engine, settings.scheduler_address,
                               settings.instance_id, settings.advertise_address, settings.tls,
-                              load_backend=lambda: start_backend(settings, role, run_dir))
+                              load_backend=lambda: start_backend(settings, role, run_dir, instance.worker))
     try:
         run_engine_process(instance.worker, lambda signals: serve(settings, role, instance, signals))
     finally:

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from crescent.services.common.tls import TlsSettings, load_tls
 from crescent.services.engine_vllm.connector_options import ConnectorOptions
 from crescent.services.kvstore.client import KvStoreClient
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 
 log = logging.getLogger(__name__)
@@ -49,18 +49,23 @@ class StoreLink:
     def _call(self, coro, timeout_s: float):  # noqa: ANN001, ANN202
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def leading_hits(self, keys: Sequence[BlockKey]) -> int:
-        """How many of ``keys``, from the first, the store holds now (0 on any failure)."""
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` the store holds now (none on any failure)."""
         if not keys:
-            return 0
+            return []
         try:
-            found = self._call(self._client.exists(keys, self.options.model_id), LOOKUP_TIMEOUT_S)
+            found = self._call(self._client.exists([BlockKey(k) for k in keys], self.options.model_id),
+                               LOOKUP_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a lookup that failed is a miss
             log.warning("kvstore lookup failed (a miss): %s", exc)
-            return 0
+            return [False] * len(keys)
+        return [bool(f) for f in found]
+
+    def leading_hits(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, the store holds now (0 on any failure)."""
         hits = 0
-        for present in found:
-            if not present:
+        for here in self.present(keys):
+            if not here:
                 break
             hits += 1
         return hits
@@ -109,6 +114,10 @@ class StoreLink:
         self._call(idle(), timeout_s)
 
     def close(self) -> None:
+        try:
+            self.flush(5.0)  # blocks already handed over reach the store before vLLM exits
+        except Exception:  # noqa: BLE001 - closing at shutdown: what did not make it is a future miss
+            log.warning("kvstore puts still in flight at shutdown were dropped")
         try:
             self._call(self._client.close(), 5.0)
         except Exception:  # noqa: BLE001 - closing at shutdown

@@ -2,7 +2,7 @@
 
 TTFT is measured from the moment the request arrived to the first generated token; the
 inter-token intervals are what a streaming client sees (tokens that arrive together count as
-0 s apart); TBT is Mooncake's: the mean of the longest 10% of a request's intervals.
+0 s apart); TBT is Mooncake's (``contract.latency.tbt_seconds``).
 
 A request with ``n`` choices (docs/api.md, "n > 1") is one request here: TTFT is its first token
 (choice 0's), intervals are measured within each choice, and its usage is what the client is
@@ -19,13 +19,13 @@ OpenAI's ``completion_tokens_details.reasoning_tokens``), the same count the led
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from crescent.services.common.metrics import GatewayMetrics
+from crescent.services.contract.latency import tbt_seconds
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,6 @@ def choices_usage(usages: Sequence[UsageCounts]) -> UsageCounts:
 def response_usage(usages: Sequence[UsageCounts], n: int) -> UsageCounts:
     """Usage of a response whose choices (in choice order) are ``n`` per prompt."""
     return total_usage([choices_usage(usages[i:i + n]) for i in range(0, len(usages), n)])
-
-
-def tbt_seconds(intervals: Sequence[float]) -> float | None:
-    """Mean of the longest 10% of the intervals (at least one); None without intervals."""
-    if not intervals:
-        return None
-    longest = sorted(intervals, reverse=True)[: max(1, math.ceil(len(intervals) * 0.1))]
-    return sum(longest) / len(longest)
 
 
 class UsageSink(Protocol):

@@ -26,7 +26,7 @@ class Sampling:
     top_k: int                      # 0: off
     seed: int | None
     max_tokens: int                 # the first token included
-    stop_token_ids: tuple[int, ...]  # with ignore_eos, what services/common/stop_rule.py is given
+    stop_token_ids: tuple[int, ...]  # with ignore_eos, what services/contract/finish.py is given
     ignore_eos: bool = False        # benchmarks: run to max_tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -18,7 +18,7 @@ from contextlib import aclosing
 from functools import partial
 
 from crescent.services.common.metrics import GatewayMetrics
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord, response_usage
 from crescent.services.gateway.api_models import (
     AssistantMessage,

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
-from crescent.services.common.choices import MAX_CHOICES, choice_seed
+from crescent.services.contract.choices import MAX_CHOICES, choice_seed
 from crescent.services.gateway.backend import Backend, BackendEvent, GenerationRequest, RequestId
 
 __all__ = ["MAX_CHOICES", "choice_seed", "choice_requests", "fan_out", "all_or_none", "collect_choices",

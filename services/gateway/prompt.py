@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from crescent.services.contract.context_window import ContextWindowExceeded, completion_budget
 from crescent.services.gateway.api_models import ChatCompletionRequest, Message
 from crescent.services.gateway.parsing.default_tools import with_default_tools
 from crescent.services.gateway.errors import (
@@ -181,21 +182,27 @@ def build_prompt(request: ChatCompletionRequest, model: ServedModel, default_max
         raise InvalidRequestError(f"invalid text in the request: {exc}", param="messages") from exc
     except model.template_errors as exc:
         raise InvalidRequestError(f"messages do not fit the model's chat template: {exc}", param="messages") from exc
-    window = model.context_window
-    if len(token_ids) >= window:
-        raise ContextLengthExceededError(
-            f"this model's context window is {window} tokens; the messages take {len(token_ids)} tokens, "
-            "leaving no room for a completion",
-            param="messages",
-        )
     requested = request.requested_max_tokens()
-    if requested is None:
-        return Prompt(token_ids, min(default_max_tokens, window - len(token_ids)))
-    if len(token_ids) + requested > window:
-        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = fit_completion(len(token_ids), model.context_window, requested, default_max_tokens,
+                                subject="the messages take", prompt_param="messages", max_param=max_param)
+    return Prompt(token_ids, max_tokens)
+
+
+def fit_completion(prompt_tokens: int, window: int, requested: int | None, default: int, *,
+                   subject: str, prompt_param: str, max_param: str) -> int:
+    """``contract.context_window.completion_budget``, its refusal as the client's 400."""
+    try:
+        return completion_budget(prompt_tokens, window, requested, default)
+    except ContextWindowExceeded as exc:
+        if exc.requested is None:
+            raise ContextLengthExceededError(
+                f"this model's context window is {window} tokens; {subject} {prompt_tokens} tokens, "
+                "leaving no room for a completion",
+                param=prompt_param,
+            ) from None
         raise ContextLengthExceededError(
-            f"this model's context window is {window} tokens; the messages take {len(token_ids)} tokens and "
-            f"{requested} completion tokens were requested ({len(token_ids) + requested} in all)",
-            param=param,
-        )
-    return Prompt(token_ids, requested)
+            f"this model's context window is {window} tokens; {subject} {prompt_tokens} tokens and "
+            f"{requested} completion tokens were requested ({prompt_tokens + exc.requested} in all)",
+            param=max_param,
+        ) from None

@@ -18,6 +18,8 @@ from typing import TypeVar
 
 import torch
 
+from crescent.services.engine.device import (DeviceSettingError, dtype_name, resolve_cache_dtype, resolve_device,
+                                             resolve_dtype)
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
@@ -32,9 +34,17 @@ T = TypeVar("T")
 
 def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     torch.set_num_threads(settings.threads)
+    device = resolve_device(settings.device)  # before the model loads: a missing GPU fails at once
     source = resolve_model(settings.model)
     group = settings.parallel.resolve()
     group.check_leader()  # before the model loads: a worker's settings on a server fail at once
+    if group.size > 1 and (device.type != "cpu" or settings.dtype not in ("auto", "float32")):
+        raise GroupSettingsError(f"engine.device {settings.device!r}, engine.dtype {settings.dtype!r} with "
+                                 f"engine.parallel.group_size {group.size}: tensor-parallel groups run on the CPU "
+                                 "(gloo) in float32 only; use device: cpu and dtype: auto")
+    if settings.kv_cache_dtype == "fp8" and source.kind != "kimi_k3":
+        raise DeviceSettingError(f"engine.kv_cache_dtype 'fp8': the fp8 cache covers kimi_k3's MLA latents only; "
+                                 f"{settings.model!r} is a {source.kind} model: use auto, float32, bfloat16 or float16")
     if group.size > 1 and source.kind == "kimi_k3":
         raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
                                  f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")
@@ -44,9 +54,12 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
 
         policy = SnapshotPolicy(every_blocks=settings.state_snapshot_every_blocks, slots=settings.state_snapshots)
         dtype = None if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
-        model = load_k3_model(source, mxfp4_experts=settings.mxfp4_experts, snapshots=policy, cache_dtype=dtype)
+        # on CUDA the Triton kernels (docs/k3.md, "On a GPU"); not yet run on a GPU: scripts/gpu_check.sh
+        model = load_k3_model(source, device=device, dtype=settings.dtype, mxfp4_experts=settings.mxfp4_experts,
+                              snapshots=policy, cache_dtype=dtype)
         model_id = source.model_id
     else:
+        cache_dtype = None
         loaded = load_model(source, progress=progress)
         model_id = loaded.model_id
         if group.size > 1:  # this process leads a group; its workers run parallel/worker.py
@@ -54,7 +67,9 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
 
             model = leader_model(loaded.config, loaded.weights, group)
         else:
-            model = LlamaModel(loaded.config, loaded.weights)
+            dtype = resolve_dtype(settings.dtype, device, loaded.torch_dtype)
+            model = LlamaModel(loaded.config, loaded.weights, device=device, dtype=dtype)
+            cache_dtype = resolve_cache_dtype(settings.kv_cache_dtype, dtype)
         del loaded
     engine = Engine(
         model,
@@ -63,11 +78,15 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         page_size=settings.block_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
         min_cached_prompt_tokens=settings.min_cached_prompt_tokens,
+        kv_cache_dtype=cache_dtype,
     )
     log.info(
         "engine ready: model %s, %d KV pages of %d tokens (%.2f GB)",
         model_id, engine.cache.pages.num_pages, settings.block_size, engine.cache.nbytes() / 1e9,
     )
+    if isinstance(model, LlamaModel):
+        log.info("engine on %s: weights and activations %s, KV cache %s, attention path %s", model.device,
+                 dtype_name(model.dtype), dtype_name(engine.cache.pool.dtype), model.attention_path(engine.cache).name)
     footprint = getattr(model, "footprint", None)  # hybrid models: latents per token, state per block
     if footprint is not None:
         from crescent.services.engine.kimi_k3.metrics import publish_expert_load

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from crescent.protos import common_pb2
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockFormatError, KvBlock
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob

@@ -20,6 +20,8 @@ pool mapping; ``movers/shm_layers.py``); elsewhere prefill puts them whole, a ch
 
 A mover that can never work with this node (another host, a feature the node lacks, an engine
 absent here) is dropped for good; one whose call failed this time passes that call to the next.
+The order and the refusals are a ``MoverLadder`` (``kvwire/movers.py``), the family the layer-wise
+handoff to decode climbs too.
 The mover in use with each node shows in ``crescent_kv_mover_selected{peer,mover}``.
 
 A block that fails its check is reported back (``Remove`` with ``crescent-reason: corrupt``):
@@ -45,8 +47,9 @@ from crescent.services.kvstore.movers.nixl import NixlMover
 from crescent.services.kvstore.movers.shared_memory import SharedMemoryMover
 from crescent.services.kvstore.movers.shm_layers import LayeredPuts, LayeredRoom
 from crescent.services.kvstore.movers.tcp import TcpSideChannelMover
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, KvBlock
+from crescent.services.kvwire.movers import MoverLadder
 
 __all__ = ["KvStoreClient", "PutResult", "MOVERS", "wait_ready"]
 
@@ -87,7 +90,9 @@ class KvStoreClient:
         self.address = address
         self.timeout_s = timeout_s
         self.max_chunk_bytes = max_chunk_bytes
-        self._link = NodeLink(address, open_channel(address, tls), timeout_s)
+        names = list(dict.fromkeys(names))
+        self._ladder = MoverLadder(names, metrics=_NodeMoverMetrics(), what="kvstore")
+        self._link = NodeLink(address, open_channel(address, tls), timeout_s, self._ladder)
         grpc_mover = GrpcStreamMover(self._link, max_chunk_bytes)
         build = {
             "shm": lambda: SharedMemoryMover(self._link, grpc_mover, copy_threads),
@@ -95,7 +100,8 @@ class KvStoreClient:
             "nixl": lambda: NixlMover(self._link, grpc_mover),
             "grpc": lambda: grpc_mover,
         }
-        self.movers: list[Mover] = [build[name]() for name in dict.fromkeys(names)]
+        self.movers: list[Mover] = [build[name]() for name in names]
+        self._by_name = {m.name: m for m in self.movers}
         shm = self.shared_memory
         self._layered = LayeredPuts(shm) if shm is not None else None
         self._metrics = kv_mover_metrics()
@@ -121,14 +127,12 @@ class KvStoreClient:
         return shm is not None and shm.usable
 
     def _usable(self) -> list[Mover]:
-        return [m for m in self.movers if m.usable]
+        """The movers to try now, fastest first (the ladder's: what this node has not refused)."""
+        return [self._by_name[name] for name in self._ladder.open(self.address)]
 
     def _moved(self, mover: Mover, direction: str, nbytes: int) -> None:
-        if mover.name != self.mover:
-            for other in self.movers:
-                self._metrics.selected.labels(self.address, other.name).set(other is mover)
-            self.mover = mover.name
-        self._metrics.moved_bytes.labels(self.address, mover.name, direction).inc(nbytes)
+        self.mover = mover.name
+        self._ladder.moved(self.address, mover.name, direction, nbytes)
 
     # -- put ------------------------------------------------------------------------------------
 
@@ -177,7 +181,8 @@ class KvStoreClient:
         return prefix
 
     async def get(
-        self, keys: Sequence[BlockKey], model_id: str | None = None, lease_ms: int = 0, *, local_only: bool = False
+        self, keys: Sequence[BlockKey], model_id: str | None = None, lease_ms: int = 0, *,
+        local_only: bool = False,
     ) -> dict[BlockKey, KvBlock]:
         """Whichever of ``keys`` the store holds, verified (``model_id`` None: any model)."""
         return await self._get(keys, model_id, lease_ms, stop_at_first_miss=False, local_only=local_only)
@@ -213,13 +218,15 @@ class KvStoreClient:
         except (grpc.aio.AioRpcError, OSError) as exc:
             self._link.failed("report_corrupt", exc)
             return
-        log.info("kvstore %s dropped %d of %d blocks reported corrupt", self.address, reply.removed, len(keys))
+        log.info("kvstore %s dropped %d of %d blocks reported corrupt", self.address, reply.removed,
+                 len(keys))
 
     # -- small calls ----------------------------------------------------------------------------
 
     async def exists(self, keys: Sequence[BlockKey], model_id: str = "") -> list[bool]:
         try:
-            reply = await self._stub.Exists(kvstore_pb2.KeysRequest(keys=keys, model_id=model_id), timeout=self.timeout_s)
+            reply = await self._stub.Exists(kvstore_pb2.KeysRequest(keys=keys, model_id=model_id),
+                                            timeout=self.timeout_s)
         except (grpc.aio.AioRpcError, OSError) as exc:
             self._link.failed("exists", exc)
             return [False] * len(keys)
@@ -243,16 +250,19 @@ class KvStoreClient:
     async def replicate(self, keys: Sequence[BlockKey], target: str) -> int:
         """Ask this node to copy ``keys`` to ``target`` (a peer's node id or host:port)."""
         try:
-            reply = await self._stub.Replicate(kvstore_pb2.ReplicateRequest(keys=keys, target=target), timeout=self.timeout_s)
+            reply = await self._stub.Replicate(kvstore_pb2.ReplicateRequest(keys=keys, target=target),
+                                               timeout=self.timeout_s)
         except (grpc.aio.AioRpcError, OSError) as exc:
             self._link.failed("replicate", exc)
             return 0
         return reply.replicated
 
-    async def list_blocks(self, tier: int = 0, limit: int = 0, start_after: bytes = b"") -> kvstore_pb2.ListReply | None:
+    async def list_blocks(self, tier: int = 0, limit: int = 0,
+                          start_after: bytes = b"") -> kvstore_pb2.ListReply | None:
         try:
             return await self._stub.List(
-                kvstore_pb2.ListRequest(tier=tier, limit=limit, start_after=start_after), timeout=self.timeout_s
+                kvstore_pb2.ListRequest(tier=tier, limit=limit, start_after=start_after),
+                timeout=self.timeout_s,
             )
         except (grpc.aio.AioRpcError, OSError) as exc:
             self._link.failed("list", exc)
@@ -262,6 +272,23 @@ class KvStoreClient:
         for mover in self.movers:
             await mover.close()
         await self._link.channel.close()
+
+
+class _NodeMoverMetrics:
+    """The ladder's reports as ``crescent_kv_mover_*`` (refusals show in the logs only)."""
+
+    def __init__(self) -> None:
+        self._metrics = kv_mover_metrics()
+
+    def moved(self, peer: str, mover: str, direction: str, nbytes: int) -> None:
+        self._metrics.moved_bytes.labels(peer, mover, direction).inc(nbytes)
+
+    def selected(self, peer: str, mover: str, names: Sequence[str]) -> None:
+        for name in names:
+            self._metrics.selected.labels(peer, name).set(name == mover)
+
+    def refused(self, peer: str, mover: str) -> None:
+        pass
 
 
 async def wait_ready(client: KvStoreClient, timeout_s: float = 10.0) -> bool:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from crescent.protos import common_pb2
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockFormatError, KvBlock
 from crescent.services.kvstore import block_file
 from crescent.services.kvstore.config import DiskTierSettings

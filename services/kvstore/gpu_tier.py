@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from crescent.protos import common_pb2
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvstore.config import GpuTierSettings
 from crescent.services.kvstore.tier import BlockInfo, Tier

@@ -17,7 +17,7 @@ from crescent.services.kvstore.config import KvStoreSettings
 from crescent.services.kvstore.reservations import Landing
 from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.nixl_engine import NixlEngine, NixlUnavailable, address_of
 from crescent.services.kvwire.side_channel import SideChannelServer, SideTls
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvstore.client import KvStoreClient
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 
 

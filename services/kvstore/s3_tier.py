@@ -18,7 +18,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from crescent.protos import common_pb2
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.common.metrics import KvStoreMetrics
 from crescent.services.common.tasks import cancel_and_wait

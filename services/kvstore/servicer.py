@@ -12,7 +12,7 @@ import grpc
 from crescent.protos import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.common.tls import PeerTls

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from crescent.protos import common_pb2
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockFormatError, BlockIntegrityError, KvBlock
 from crescent.services.common.metrics import KvStoreMetrics
 from crescent.services.kvstore.eviction import EvictionPolicy, make_policy

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from crescent.protos import common_pb2
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock, meta_of
 from crescent.services.kvstore.config import HostTierSettings, TierSettings
 from crescent.services.kvstore.host_pool import HostPool

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from crescent.protos import common_pb2
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.fused_copy import copy_with_checksum, crc32, empty_buffer
 
 # Bump when the payload layout of a block changes; older blocks then read as misses.

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from crescent.services.engine.kimi_k3.config import K3Config
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.plan.capacity import (
     EXPERT_BITS,
     KV_CACHE_DTYPE_BYTES,

@@ -52,7 +52,8 @@ from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
 from crescent.services.kvwire.layer_wire import (block_buffers, block_tokens, buffers_nbytes, layer_piece, layer_slice,
                                                  slice_groups)
-from crescent.services.prefill.handoff_mover import GRPC, SHM, TCP, HandoffMovers
+from crescent.services.kvwire.movers import GRPC
+from crescent.services.prefill.handoff_mover import SHM, TCP, HandoffMovers
 from crescent.services.prefill.prompt_export import PromptExport
 
 OPEN_TIMEOUT_S = 10.0  # decode's OpenHandoff reply

@@ -1,34 +1,45 @@
 """Layer-wise kvstore export: a prompt's new full blocks go into the node's pool a layer at a
-time while prefill computes (Mooncake, FAST'25 §3.3), committed once every layer has landed.
+time while prefill computes (Mooncake, FAST'25 §3.3), committed once whole. One class for every
+cache the layer-wise handoff covers; where a layer lies in a block is the cache's ``LayerLayout``
+(``kvwire/layer_wire.py``), as for the handoff:
 
-Fed by the engine's per-layer hook like the layer-wise handoff (``layerwise.py``): on the event
-loop's thread, each event ``(layer, end)`` copies that layer of the blocks the first ``end``
-tokens completed straight from the paged cache into room reserved in the node's shared pool
-(``KvStoreClient.reserve_layers``, mover ``shm-layers``: ``cache.copy_layer`` into the mapped
-room, one copy, no buffer in between) and takes its CRC while the bytes are in cache. Room is
-reserved per chunk, when its first layer is done (the node holds it ``layer_reservation_ms``: a
-long prompt may outlive that, one chunk does not); a chunk's blocks are committed with their
-CRCs once their last layer has landed, and the node checks each CRC over the room before the
-block becomes readable.
+- **layer-major, no state** (the Llama cache): a layer of a block is one range of its payload;
+  it is copied from the paged cache straight into that range of the room (one copy, no buffer
+  in between) and its CRC taken while the bytes are in cache, layer after layer.
+- **token-major, with states** (the hybrid kimi_k3 cache): a layer is copied into a scratch
+  slice and placed into the room's token-major rows (``LayerLayout.place``); a block's CRC is
+  taken at commit over its room. The stored blocks are the very ones the whole-block export
+  stores (``Engine.block_payload``): latents after a state where the block carries one — the
+  prompt's last block, if full, the sequence's live state; another block its page's snapshot if
+  the page still keeps one once the prompt is computed; the rest none. Whether a block carries a
+  state decides its room's size, so it is settled before room is asked for, on the engine
+  thread, in the hook of each forward's first layer (``_plan``): no snapshot at the forward that
+  completes the block: latents only, room now, streamed; a snapshot before the last forward:
+  the block waits (the pool may still evict it) and is copied whole at the forward that evicts
+  it, or at the last forward with its snapshot; the states are copied out in the hook of the
+  last KDA layer of the last forward (``states_after``), then written into the rooms.
 
-What the store never holds: a block with a layer missing or damaged (refused at commit), or
-one of a prompt that stopped before the block was whole (``stop``: no copy after it; the room
-still open goes back). Blocks that get no room this way (the node had none, or it grew stale
-before they were whole) are returned by ``finished`` for the whole-block put after the prompt.
+Room is reserved per forward, for the blocks it completes, in its first layer's event (the node
+holds it ``layer_reservation_ms``: a long prompt may outlive that, one chunk does not); a room
+is committed once its blocks are whole, and the node checks each CRC over the room before the
+block becomes readable. The store never holds a block with a layer missing or damaged (refused
+at commit), or one of a prompt that stopped before the block was whole (``stop``: no copy after
+it; the room still open goes back). Blocks that get no room (the node had none, it grew stale,
+no answer), and a state-carrying block whose state could not be copied, are returned by
+``finished`` for the whole-block put after the prompt.
 
-A node this client cannot write through shared memory (another host, another pod: the TCP side
-channel, NIXL or gRPC carry its blocks) gets each chunk's new blocks whole as soon as the
-chunk's last layer is done, while the next chunk computes (each layer copied into the block's
-own buffer as it is done, as the handoff copies): only the last chunk's blocks are left for after
-the prompt.
-None of this is on the request's path: reservations and commits are awaited by this export's
-own task, never by the prompt's computation or its first token.
+A node this client cannot write through shared memory (another host or pod: the TCP side
+channel, NIXL or gRPC carry its blocks; found out by the first reservation) gets each block
+whole as soon as it is final and all its layers are in a buffer of its own, put while later
+forwards compute: only the last forward's blocks are left for after the prompt. None of this is
+on the request's path: reservations and commits are awaited by this export's own task.
 
-With a layer-wise handoff streaming the same prompt (``source``), a layer is not copied out of
-the cache a second time: it is read from the handoff's payload buffer (``layer_view``, which
-copies it out of the cache if the handoff has not yet), into the room; a chunk put whole is the
-handoff's buffer itself, no copy at all. Out of a GPU's cache that is one device-to-host copy
-per layer instead of two. ``bytes_from_cache`` counts what this export copied out of the cache.
+Beside a layer-wise handoff of the same prompt (``source``), a layer is copied out of the cache
+once: whichever of the two needs it first copies it into the handoff's buffer (``layer_view``);
+a layer-major block put whole is the handoff's buffer itself, no copy at all. Out of a GPU's
+cache that is one device-to-host copy per layer instead of two. ``bytes_from_cache`` counts
+what this export copied out of the cache. Every read of a layer's bytes goes through
+``read_layer``: the one seam where a device-ordered copy (CUDA events) would plug in.
 """
 
 from __future__ import annotations
@@ -37,18 +48,29 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from crescent.protos import common_pb2
+from crescent.services.engine.cache_api import StatefulKvCache
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.instance.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers.shm_layers import LayeredRoom
 from crescent.services.kvwire.fused_copy import crc32, empty_buffer
 from crescent.services.kvwire.kv_block import KV_FORMAT_VERSION, KvBlock
+from crescent.services.prefill.layerwise import hands_off_layerwise, supports_layerwise
 
 log = logging.getLogger(__name__)
+
+
+def stores_layerwise(engine: Engine) -> bool:
+    """Whether the layer-wise kvstore export applies: a layer-major cache without states, or a
+    token-major one with states (kimi_k3)."""
+    if supports_layerwise(engine):
+        return True
+    return (hands_off_layerwise(engine) and engine.cache.layer_layout().token_major
+            and isinstance(engine.cache, StatefulKvCache))
 
 
 class LayerSource(Protocol):
@@ -59,20 +81,83 @@ class LayerSource(Protocol):
     def block_view(self, block: int) -> memoryview: ...
 
 
-class StoreExportTask:
-    """What both layer-wise kvstore exports (this one, kimi_k3's) share: the new blocks
-    ``[first, end)``, the events their hook queues, the task that acts on them, and its end."""
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a forward's first layer settled: ``streamed`` blocks it completes (block -> carries a
+    state), copied a layer at a time; ``evicted`` and ``kept`` waiting blocks, copied whole now
+    (latents only; with their snapshot); ``stop``: the blocks below are complete."""
 
-    def _init_task(self, first: int, end: int) -> None:
-        self.first, self.end = first, end
-        self._settled: set[int] = set()  # committed (stored or refused) or held already; the rest go whole
+    streamed: dict[int, bool]
+    evicted: list[int]
+    kept: list[int]
+    stop: int
+
+
+@dataclass(eq=False)
+class _Room:
+    """Room reserved for some blocks (slot order), committed together once they are whole."""
+
+    room: LayeredRoom
+    blocks: list[int]
+    writing: set[int] = field(default_factory=set)  # blocks with a view, not given up
+
+
+class LayerwiseStoreExport:
+    """One prompt's new full blocks, streamed into the kvstore a layer at a time."""
+
+    def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient,
+                 source: LayerSource | None = None) -> None:
+        """``already_cached``: the prompt's leading tokens that came from a cache (not exported);
+        ``source``: the layer-wise handoff of the same prompt, whose layer copies are read instead."""
+        cache = engine.cache
+        self._engine, self._seq, self._kvstore, self._source = engine, seq, kvstore, source
+        self._cache = cache
+        self.layout = layout = cache.layer_layout()
+        self.num_layers = layout.num_layers
+        self._page = page = engine.page_size
+        self._prompt_tokens = seq.num_tokens
+        self.first = already_cached // page
+        self.end = len(seq.block_keys) if seq.keeps_blocks else self.first  # blocks [first, end) are new
+        self._stateful = isinstance(cache, StatefulKvCache)
+        self._states = bool(layout.state_bytes) and layout.states_after is not None
+        # Engine.block_payload: a full last block carries the live state
+        full_last = self._states and self._prompt_tokens % page == 0
+        self._live_block = self._prompt_tokens // page - 1 if full_last else None
+        # layer-major without states: a layer is one range of the payload, its CRC taken as it lands
+        self._ranges = not layout.token_major and not layout.state_bytes
+        self._last_hook = len(layout.wire_layers) - 1
+        self._dtype = kv_dtype(cache)
+        self._layer_size = layout.layer_bytes(page)
+        # the engine thread's
+        self._planned_to = self.first  # blocks below were classified
+        self._waiting: set[int] = set()  # blocks with a snapshot the pool may still evict
+        self._with_state: list[int] = []  # blocks that carry a state (settled at the last forward)
+        # the event loop's
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Queue[tuple | None] = asyncio.Queue()
         self._stopped = False
         self._done: asyncio.Future[list[int]] = self._loop.create_future()
+        self._settled: set[int] = set()  # committed (stored or refused) or held already; the rest go whole
+        self._carries: dict[int, bool] = {}  # block -> carries a state (room asked for)
+        self._room: dict[int, _Room] = {}  # block -> its room
+        self._staged: dict[int, memoryview] = {}  # block -> its own buffer (no shared pool: put whole)
+        self._on_source: set[int] = set()  # staged blocks whose buffer is the handoff's own
+        self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
+        self._crc = dict.fromkeys(range(self.first, self.end), 0)  # layer-major: CRC so far
+        self._next_block = [self.first] * self.num_layers  # per layer: the first block not written yet
+        self._state_in: set[int] = set()
+        self._streaming: list[int] = []  # the current forward's streamed blocks
+        self._forward_stop = self.first
+        self._scratch = empty_buffer(self._layer_size) if not self._ranges else None
+        self._last_layer_seen = False
+        self._states_seen = not self._states
         self.computed_at: float | None = None  # perf_counter when the prompt's last layer was computed
         self.stored = self.rejected = 0
         self.bytes_written = self.bytes_early = 0  # bytes into the node; before the last layer was computed
+        self.bytes_from_cache = 0  # copied out of the cache by this export (not read from ``source``)
+        self.events_handled = 0  # hook events this loop has acted on (a test paces the engine by it)
+
+    # ---- its owner's side --------------------------------------------------------------------
 
     @property
     def wanted(self) -> bool:
@@ -96,167 +181,264 @@ class StoreExportTask:
         """Once every layer (and state) has been written and committed: the new blocks left to put whole."""
         return await asyncio.shield(self._done)
 
-    async def _run(self) -> None:
-        raise NotImplementedError
-
-    async def _release_open(self) -> None:
-        raise NotImplementedError
-
-    async def _end(self) -> None:
-        """The task's end, however it came: the blocks left to put whole (none once stopped), and
-        the room still open given back."""
-        if not self._done.done():
-            self._done.set_result([] if self._stopped else [i for i in range(self.first, self.end) if i not in self._settled])
-        await self._release_open()
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """Room reserved for consecutive blocks (one chunk's), committed together."""
-
-    room: LayeredRoom
-    first: int  # the block of the room's first slot
-    blocks: list[int]  # the blocks written into it (slots with room)
-
-
-class LayerwiseStoreExport(StoreExportTask):
-    """One prompt's new full blocks, streamed to the kvstore a layer at a time."""
-
-    def __init__(self, engine: Engine, seq: Sequence, already_cached: int, kvstore: KvStoreClient,
-                 source: LayerSource | None = None) -> None:
-        """``already_cached``: the prompt's leading tokens that came from a cache (not exported);
-        ``source``: the layer-wise handoff of the same prompt, whose copies are read instead."""
-        cache = engine.cache
-        self._engine, self._seq, self._kvstore, self._source = engine, seq, kvstore, source
-        self.num_layers = cache.num_layers
-        self._page = engine.page_size
-        first = already_cached // self._page
-        self._init_task(first, len(seq.block_keys) if seq.keeps_blocks else first)  # blocks [first, end) are new
-        self._layer_bytes = self._page * cache.token_layer_bytes()
-        self._shape = cache.payload_shape(self._page)
-        self._dtype = kv_dtype(cache)
-        self._next_block = [self.first] * self.num_layers  # per layer: the first block not written yet
-        self._reserved_to = self.first  # blocks below were offered room
-        self._chunk: dict[int, _Chunk] = {}  # block -> the room it is written into
-        self._stale: list[_Chunk] = []  # rooms given up, to give back
-        self._staged: dict[int, memoryview] = {}  # block -> its payload, filled layer by layer, put whole
-        self._layers = dict.fromkeys(range(self.first, self.end), 0)  # block -> layers landed
-        self._crc = dict.fromkeys(range(self.first, self.end), 0)
-        self.bytes_from_cache = 0  # copied out of the cache by this export (not read from ``source``)
-        self._prompt_tokens = seq.num_tokens
+    def landed(self, block: int, layer: int, room: memoryview) -> None:
+        """Called once a layer-major layer is in the room and its CRC taken: a test's way to damage it."""
 
     # ---- the engine thread's side ----------------------------------------------------------------
 
     def on_layer(self, layer: int, end: int) -> None:
-        """``Engine``'s hook (on the engine thread): layer ``layer`` of the first ``end`` tokens is final."""
-        if end == self._prompt_tokens and layer == self.num_layers - 1:
+        """``Engine``'s hook (on the engine thread): model layer ``layer`` of the first ``end`` tokens ran."""
+        layout, last = self.layout, end == self._prompt_tokens
+        post = self._loop.call_soon_threadsafe
+        if last and layer == self._last_hook:
             self.computed_at = time.perf_counter()
-        self._loop.call_soon_threadsafe(self._ready.put_nowait, (layer, end))
+        if layer == 0:
+            post(self._ready.put_nowait, ("plan", self._plan(end), last))
+        wire = layout.wire_layers[layer]
+        if wire is not None:
+            post(self._ready.put_nowait, ("layer", wire, last))
+        if last and self._states and layer == layout.states_after:
+            post(self._ready.put_nowait, ("states", self._copy_states(), True))
+
+    def _plan(self, end: int) -> _Plan:
+        """Which blocks this forward completes, and which carry a state (see the module's doc)."""
+        stop, last = min(self.end, end // self._page), end == self._prompt_tokens
+        if not self._states:  # every block completed is final now
+            streamed = dict.fromkeys(range(self._planned_to, stop), False)
+            self._planned_to = max(self._planned_to, stop)
+            return _Plan(streamed, [], [], stop)
+        has_snapshot, pages = self._cache.has_snapshot, self._seq.pages
+        evicted = sorted(i for i in self._waiting if not has_snapshot(pages[i]))
+        self._waiting.difference_update(evicted)
+        streamed: dict[int, bool] = {}
+        for i in range(self._planned_to, stop):
+            snapshot = has_snapshot(pages[i])
+            if last and (i == self._live_block or snapshot):
+                streamed[i] = True
+            elif snapshot:
+                self._waiting.add(i)
+            else:
+                streamed[i] = False
+        self._planned_to = max(self._planned_to, stop)
+        kept: list[int] = []
+        if last:
+            kept, self._waiting = sorted(self._waiting), set()
+            self._with_state = [i for i, carries in streamed.items() if carries] + kept
+        return _Plan(streamed, evicted, kept, stop)
+
+    def _copy_states(self) -> dict[int, memoryview]:
+        """The states of the blocks that carry one, final now (the last KDA layer of the last forward)."""
+        cache, pages, out = self._cache, self._seq.pages, {}
+        for i in self._with_state:
+            buffer = empty_buffer(self.layout.state_bytes)
+            if i == self._live_block:
+                cache.copy_live_state(self._seq.state, buffer)
+            elif cache.has_snapshot(pages[i]):
+                cache.copy_snapshot(pages[i], buffer)
+            else:
+                continue  # gone after all: put whole (without it), never with a state not its own
+            out[i] = buffer
+        return out
 
     # ---- the event loop's side -------------------------------------------------------------------
 
     async def _run(self) -> None:
         try:
-            while not self._stopped and min(self._next_block) < self.end:
+            while not self._stopped and not (self._last_layer_seen and self._states_seen):
                 event = await self._ready.get()
                 if event is None or self._stopped:
                     break
-                layer, end = event
-                stop = min(self.end, end // self._page)
-                if stop > self._reserved_to:  # a new chunk's blocks: room for them now
-                    if self._kvstore.takes_layers:
-                        await self._reserve(self._reserved_to, stop)
-                    else:  # no shared pool: whole blocks as soon as the chunk is done
-                        self._stage(self._reserved_to, stop)
-                    self._reserved_to = stop
-                    if self._stopped:
-                        break
-                for i in range(self._next_block[layer], stop):
-                    self._write(i, layer)
-                self._next_block[layer] = max(self._next_block[layer], stop)
-                if layer == self.num_layers - 1 and self._staged:
-                    await self._put_staged(stop)
-                while self._stale:
-                    await self._stale.pop().room.release()
+                kind, what, last = event
+                if kind == "plan":
+                    await self._start_forward(what)
+                elif kind == "layer":
+                    for i in self._streaming:
+                        self._write_layer(i, what)
+                    self._next_block[what] = max(self._next_block[what], self._forward_stop)
+                    self._last_layer_seen = last and what == self.num_layers - 1
+                else:
+                    self._write_states(what)
+                    self._states_seen = True
+                if self._stopped:
+                    break
                 await self._commit_whole()
+                await self._put_staged()
+                self.events_handled += 1
         finally:
             await self._end()
 
-    async def _reserve(self, first: int, stop: int) -> None:
-        room = await self._kvstore.reserve_layers([self._meta(i) for i in range(first, stop)])
-        if room is None and not self._kvstore.takes_layers:  # the node cannot: whole, once the chunk is done
-            self._stage(first, stop)
-        chunk = _Chunk(room, first, []) if room is not None else None
-        for slot, i in enumerate(range(first, stop)):
-            if room is not None and room.held[slot]:
-                self._settled.add(i)  # the node has it already: nothing to send
-            elif chunk is not None and room is not None and room.views[slot] is not None:
-                chunk.blocks.append(i)
-                self._chunk[i] = chunk
-        if chunk is not None and not chunk.blocks:
+    async def _end(self) -> None:
+        """The task's end, however it came: the blocks left to put whole (none once stopped), and
+        the room still open given back."""
+        if not self._done.done():
+            left = [] if self._stopped else [i for i in range(self.first, self.end) if i not in self._settled]
+            self._done.set_result(left)
+        chunks = list({id(c): c for c in self._room.values()}.values())
+        self._room = {}
+        for chunk in chunks:
             await chunk.room.release()
 
+    async def _start_forward(self, plan: _Plan) -> None:
+        """Room for the blocks this forward settles; the evicted and kept ones copied whole now."""
+        self._carries.update(plan.streamed)
+        self._carries.update(dict.fromkeys(plan.evicted, False) | dict.fromkeys(plan.kept, True))
+        self._forward_stop = max(self._forward_stop, plan.stop)
+        blocks = sorted([*plan.streamed, *plan.evicted, *plan.kept])
+        if blocks and self._kvstore.takes_layers:
+            await self._reserve(blocks)
+        if blocks and not self._kvstore.takes_layers:  # no shared pool (found out now or before): whole puts
+            for i in blocks:
+                self._stage(i)
+        self._streaming = [i for i in plan.streamed if i in self._room or i in self._staged]
+        for i in [*plan.evicted, *plan.kept]:
+            for layer in range(self.num_layers):
+                self._write_layer(i, layer)
+
+    async def _reserve(self, blocks: list[int]) -> None:
+        room = await self._kvstore.reserve_layers([self._meta(i) for i in blocks])
+        if room is None:
+            return  # put whole after the prompt (or, the node found unable now, staged by the caller)
+        chunk = _Room(room, blocks)
+        for slot, i in enumerate(blocks):
+            if room.held[slot]:
+                self._settled.add(i)  # the node has it already: nothing to send
+            elif room.views[slot] is not None:
+                chunk.writing.add(i)
+                self._room[i] = chunk
+        if not chunk.writing:
+            await room.release()
+
+    def _stage(self, i: int) -> None:
+        """Block ``i`` goes whole: a buffer of its own (a layer-major block beside a handoff: the
+        handoff's buffer itself), filled by ``_write_layer`` layer by layer."""
+        if self._ranges and self._source is not None:
+            self._staged[i] = self._source.block_view(i)
+            self._on_source.add(i)
+            assert len(self._staged[i]) == self._meta(i).nbytes, "the handoff's block is another size"
+        else:
+            self._staged[i] = empty_buffer(self._meta(i).nbytes)
+
     def _meta(self, i: int, checksum: int = 0) -> common_pb2.BlockMeta:
-        page, keys = self._page, self._seq.block_keys
+        page, keys, carries = self._page, self._seq.block_keys, self._carries.get(i, False)
+        nbytes = self._layer_size * self.num_layers + (self.layout.state_bytes if carries else 0)
+        cache = self._cache
+        shape = cache.payload_shape(page, with_state=carries) if self._stateful else cache.payload_shape(page)
         return common_pb2.BlockMeta(
             key=keys[i], parent_key=keys[i - 1] if i else b"", model_id=self._engine.model_id,
-            format_version=KV_FORMAT_VERSION, dtype=self._dtype, shape=self._shape,
-            token_ids=self._seq.token_ids[i * page : (i + 1) * page], nbytes=self._layer_bytes * self.num_layers,
-            checksum=checksum, found=True,
+            format_version=KV_FORMAT_VERSION, dtype=self._dtype, shape=shape,
+            token_ids=self._seq.token_ids[i * page : (i + 1) * page], nbytes=nbytes, checksum=checksum,
+            found=True,
         )
 
-    def _write(self, i: int, layer: int) -> None:
-        """Layer ``layer`` of block ``i``, from the cache into its room (this thread; the engine
-        thread computes later layers, which never touch this memory)."""
-        chunk = self._chunk.get(i)
-        view = self._staged.get(i)
-        if chunk is not None:
-            if not chunk.room.fresh():  # held up too long: the node may give this room away
-                self._abandon(chunk)
-                return
-            view = chunk.room.views[i - chunk.first]
+    def _view(self, i: int) -> memoryview | None:
+        """Block ``i``'s room, if it is still being written and still safely ours (or its own buffer)."""
+        if i in self._staged:
+            return self._staged[i]
+        chunk = self._room.get(i)
+        if chunk is None or i not in chunk.writing:
+            return None
+        if not chunk.room.fresh():  # held up too long: the node may give this room away
+            chunk.writing.clear()
+            return None
+        return chunk.room.views[chunk.blocks.index(i)]
+
+    def read_layer(self, block: int, layer: int, out: memoryview) -> memoryview:
+        """Layer ``layer`` of block ``block`` as on the wire (its tokens' KV of that layer, token
+        after token; the layer is final): the handoff's copy if one streams beside, else copied
+        out of the cache into ``out`` (this thread; the engine thread computes later layers,
+        which never touch this page's finished ones). The one place this export reads the cache."""
+        if self._source is not None:
+            return self._source.layer_view(block, layer)
+        self._engine.cache.copy_layer(self._seq.pages[block], layer, self._page, out)
+        self.bytes_from_cache += len(out)
+        return out
+
+    def _write_layer(self, i: int, layer: int) -> None:
+        """Layer ``layer`` of block ``i`` into its room (or buffer)."""
+        view = self._view(i)
         if view is None:
-            return  # held already, or put whole later
+            return
         assert self._layers[i] == layer, f"block {i}: layer {layer} after {self._layers[i]}"
-        out = view[layer * self._layer_bytes : (layer + 1) * self._layer_bytes]
-        if self._source is None:
-            self._engine.cache.copy_layer(self._seq.pages[i], layer, self._page, out)
-            self.bytes_from_cache += len(out)
-        elif chunk is None:  # staged: ``out`` is a view of the source's buffer
-            self._source.layer_view(i, layer)
+        if self._ranges:
+            out = view[layer * self._layer_size : (layer + 1) * self._layer_size]
+            piece = self.read_layer(i, layer, out)
+            if piece is not out and i not in self._on_source:  # the handoff's buffer is this block's own
+                out[:] = piece
+            self._crc[i] = crc32(out, self._crc[i])  # still in cache
+            self.landed(i, layer, out)
         else:
-            out[:] = self._source.layer_view(i, layer)
-        self._crc[i] = crc32(out, self._crc[i])  # still in cache
-        self.landed(i, layer, out)
+            assert self._scratch is not None
+            head = self.layout.state_bytes if self._carries[i] else 0
+            piece = self.read_layer(i, layer, self._scratch)
+            self.layout.place(view[head:], self._page, layer, piece)
         self._layers[i] = layer + 1
-        if chunk is not None:  # in the node's room already (a staged block counts when put)
-            self.bytes_written += len(out)
-            if self.computed_at is None:
-                self.bytes_early += len(out)
+        if i in self._room:  # in the node's room already (a staged block counts when put)
+            self._count(self._layer_size)
 
-    def landed(self, block: int, layer: int, room: memoryview) -> None:
-        """Called once a layer is in the room and its CRC taken: a test's way to damage it."""
+    def _write_states(self, states: dict[int, memoryview]) -> None:
+        for i in (i for i, carries in self._carries.items() if carries):
+            view = self._view(i)
+            if view is None:
+                continue
+            if i not in states:  # its snapshot was gone: whole after the prompt
+                if i in self._staged:
+                    del self._staged[i]
+                else:
+                    self._room[i].writing.discard(i)
+                continue
+            view[: self.layout.state_bytes] = states[i]
+            self.bytes_from_cache += len(states[i])
+            self._state_in.add(i)
+            if i in self._room:
+                self._count(self.layout.state_bytes)
 
-    def _stage(self, first: int, stop: int) -> None:
-        """Blocks ``[first, stop)`` go whole: a buffer each, filled by ``_write`` layer by layer."""
-        for i in range(first, stop):
-            if self._source is not None:
-                self._staged[i] = self._source.block_view(i)
-                assert len(self._staged[i]) == self._layer_bytes * self.num_layers, "the handoff's block is another size"
-            else:
-                self._staged[i] = empty_buffer(self._layer_bytes * self.num_layers)
+    def _count(self, nbytes: int) -> None:
+        self.bytes_written += nbytes
+        if self.computed_at is None:
+            self.bytes_early += nbytes
 
-    async def _put_staged(self, stop: int) -> None:
-        """Put the staged blocks below ``stop`` whole, through the client's mover (the TCP side
-        channel, NIXL, gRPC), while the next chunk computes."""
-        ready = [i for i in self._staged if i < stop and self._layers[i] == self.num_layers]
+    def _whole(self, i: int) -> bool:
+        return self._layers[i] == self.num_layers and (not self._carries.get(i) or i in self._state_in)
+
+    def _checksum(self, i: int, view: memoryview) -> int:
+        """Block ``i``'s CRC: taken as its layers landed (layer-major), else over its room now
+        (token-major rows do not follow the layer order)."""
+        return self._crc[i] if self._ranges else crc32(view)
+
+    async def _commit_whole(self) -> None:
+        """Commit every room whose blocks being written are all whole."""
+        for chunk in {id(c): c for c in self._room.values()}.values():
+            if not all(self._whole(i) for i in chunk.writing):
+                continue
+            for i in chunk.blocks:
+                self._room.pop(i, None)
+            written = [i in chunk.writing for i in chunk.blocks]
+            if not any(written):
+                await chunk.room.release()
+                continue
+            headers = [self._meta(i, self._checksum(i, view) if ok and view is not None else 0)
+                       for i, ok, view in zip(chunk.blocks, written, chunk.room.views)]
+            result = await chunk.room.commit(headers, written)
+            if result.failed:
+                continue  # the node did not answer: put them whole
+            self._settled.update(i for i in chunk.blocks if i in chunk.writing)
+            self.stored += result.stored
+            self.rejected += result.rejected
+            self._kvstore.layers_moved(sum(h.nbytes for h, ok in zip(headers, written) if ok))
+            if result.rejected:
+                log.warning("kvstore refused %d layer-wise blocks at commit (damaged)", result.rejected)
+
+    async def _put_staged(self) -> None:
+        """Put the staged blocks that are whole, through the client's mover (the TCP side channel,
+        NIXL, gRPC), while later forwards compute."""
+        ready = [i for i in self._staged if self._whole(i)]
         if not ready:
             return
         blocks = []
         for i in ready:
-            meta = self._meta(i, self._crc[i])
-            blocks.append(KvBlock.from_meta(meta, self._staged.pop(i).toreadonly(), payload_crc=self._crc[i]))
-        nbytes = sum(b.nbytes for b in blocks)
+            payload = self._staged.pop(i).toreadonly()
+            crc = self._checksum(i, payload)
+            blocks.append(KvBlock.from_meta(self._meta(i, crc), payload, payload_crc=crc))
         early = self.computed_at is None
         result = await self._kvstore.put(blocks)
         if result.failed:
@@ -264,37 +446,6 @@ class LayerwiseStoreExport(StoreExportTask):
         self._settled.update(ready)
         self.stored += result.stored
         self.rejected += result.rejected
+        nbytes = sum(b.nbytes for b in blocks)
         self.bytes_written += nbytes
         self.bytes_early += nbytes if early else 0
-
-    def _abandon(self, chunk: _Chunk) -> None:
-        """Stop writing ``chunk``'s room (stale): its blocks go whole after the prompt, the room back now."""
-        for i in chunk.blocks:
-            del self._chunk[i]
-        self._stale.append(chunk)
-
-    async def _commit_whole(self) -> None:
-        """Commit every chunk whose blocks have all their layers."""
-        for chunk in {id(c): c for c in self._chunk.values()}.values():
-            if not all(self._layers[i] == self.num_layers for i in chunk.blocks):
-                continue
-            slots = range(chunk.first, chunk.first + len(chunk.room.views))
-            headers = [self._meta(i, self._crc[i] if i in chunk.blocks else 0) for i in slots]
-            result = await chunk.room.commit(headers, [i in chunk.blocks for i in slots])
-            for i in chunk.blocks:
-                del self._chunk[i]
-            if result.failed:
-                continue  # the node did not answer: put them whole
-            self._settled.update(chunk.blocks)
-            self.stored += result.stored
-            self.rejected += result.rejected
-            self._kvstore.layers_moved(self._layer_bytes * self.num_layers * len(chunk.blocks))
-            if result.rejected:
-                log.warning("kvstore refused %d layer-wise blocks at commit (damaged)", result.rejected)
-
-    async def _release_open(self) -> None:
-        """Give back room still open (the prompt stopped, or an event never came)."""
-        chunks = [*{id(c): c for c in self._chunk.values()}.values(), *self._stale]
-        self._chunk, self._stale = {}, []
-        for chunk in chunks:
-            await chunk.room.release()

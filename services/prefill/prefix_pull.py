@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from crescent.protos import prefill_pb2, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.common.grpc_service import ChannelPool, open_channel
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvwire import chunk_wire

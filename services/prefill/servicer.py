@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
-from crescent.services.common.choices import MAX_CHOICES, choice_seed
+from crescent.services.contract.choices import MAX_CHOICES, choice_seed
 from crescent.services.common.grpc_service import ChannelPool
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvwire import chunk_wire
@@ -34,7 +34,7 @@ from crescent.services.kvwire.handoff_wire import encode_part, handoff_parts
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import engine_metrics
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import finish_reason, stop_token_ids
 from crescent.services.engine.constraints import (
     ConstraintError,
     Constraints,
@@ -56,11 +56,10 @@ from crescent.services.instance.wire import (
 )
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.prefill.batcher import PrefillBatcher
-from crescent.services.prefill.handoff_mover import GRPC, HandoffMovers
+from crescent.services.kvwire.movers import GRPC
+from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_layerwise
-from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
-from crescent.services.prefill.layerwise_store_hybrid import (HybridLayerwiseStoreExport, stores_hybrid_layerwise,
-                                                              stores_layerwise)
+from crescent.services.prefill.layerwise_store import LayerwiseStoreExport, stores_layerwise
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.prompt_export import PromptExport
 from crescent.services.prefill.prefix_pull import PeerDirectory, PrefixPuller, serve_prefix
@@ -119,7 +118,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.lease_ms = lease_ms
         self.layerwise_handoff = layerwise_handoff and hands_off_layerwise(engine)
         self.layerwise_kvstore = layerwise_kvstore and stores_layerwise(engine) and kvstore is not None
-        self._hybrid_store = stores_hybrid_layerwise(engine)  # kimi_k3: its own layer-wise export
         self._on_blocks_stored = on_blocks_stored
         self.handoff_movers = handoff_movers
         self._decode_channels = ChannelPool(tls)
@@ -197,7 +195,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         seq: Sequence | None = None
         hold: _PageHold | None = None
         streamed: LayerwiseHandoff | None = None
-        layered: LayerwiseStoreExport | HybridLayerwiseStoreExport | None = None  # stopped in the end unless the store export took it
+        layered: LayerwiseStoreExport | None = None  # stopped in the end unless the store export took it
         try:
             await self._admit_prompt(request, context)
             # A moved request's streamed tokens are computed as decode computed them (bit for bit).
@@ -238,7 +236,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - start)
             self._count(len(tokens), local_hit, remote_hit, peer_hit)
 
-            finished = [i for i, first in enumerate(firsts) if first in stop_ids or request.sampling.max_tokens <= 1]
+            reasons = [finish_reason(first, 1, request.sampling.max_tokens, stop_ids) for first in firsts]
+            finished = [i for i, reason in enumerate(reasons) if reason is not None]
             if self.kvstore is not None:
                 # Not tied to this call: the blocks are worth keeping even if the client has gone.
                 hold.acquire()
@@ -250,7 +249,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     first_token=prefill_pb2.FirstToken(
                         token_id=first, prompt_tokens=len(tokens), cached_tokens=seq.num_cached,
                         finished=i in finished,
-                        finish_reason=("stop" if first in stop_ids else "length") if i in finished else "",
+                        finish_reason=reasons[i] or "",
                         logprob=logprob_message(logprob) if logprob is not None else None, index=i,
                     )
                 )
@@ -354,15 +353,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return added
 
     def _layered_export(self, seq: Sequence, already_cached: int,
-                        streamed: LayerwiseHandoff | None) -> LayerwiseStoreExport | HybridLayerwiseStoreExport | None:
+                        streamed: LayerwiseHandoff | None) -> LayerwiseStoreExport | None:
         """A layer-wise export of the prompt's new blocks, started (a chunk at a time where the
         node takes no layer-wise puts; kimi_k3: each block once final). With a layer-wise
         handoff ``streamed``, the export reads the layers it copied out of the cache."""
         if not self.layerwise_kvstore:
             return None
         assert self.kvstore is not None  # layerwise_kvstore is on only with a kvstore
-        kind = HybridLayerwiseStoreExport if self._hybrid_store else LayerwiseStoreExport
-        layered = kind(self.engine, seq, already_cached, self.kvstore, source=streamed)
+        layered = LayerwiseStoreExport(self.engine, seq, already_cached, self.kvstore, source=streamed)
         if not layered.wanted:
             return None
         layered.start(self._spawn)
@@ -385,7 +383,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ]
 
     async def _store_new_blocks(self, seq: Sequence, already_cached: int, hold: _PageHold, export: PromptExport,
-                                layered: LayerwiseStoreExport | HybridLayerwiseStoreExport | None,
+                                layered: LayerwiseStoreExport | None,
                                 computed_at: float) -> None:
         """The new blocks into the kvstore: what a layer-wise export did not store, whole.
         Metrics: ``to_kvstore_exposed``, the seconds from the prompt computed to its new blocks

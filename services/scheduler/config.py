@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from crescent.services.common.settings import ListenSettings, StrictModel, load_settings
 from crescent.services.common.tls import TlsSettings
 from crescent.services.contract.mixed_steps import AGGREGATED_CHUNK_TOKENS
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from crescent.services.scheduler.policies import POLICIES
 
 ENV_PREFIX = "CRESCENT_SCHEDULER"

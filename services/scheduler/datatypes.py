@@ -9,8 +9,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NewType
 
-from crescent.services.kvwire.block_keys import BlockKey
-from crescent.services.common.choices import choices_kv_tokens
+from crescent.services.contract.block_keys import BlockKey
+from crescent.services.contract.choices import choices_kv_tokens
 
 InstanceId = NewType("InstanceId", str)
 SourceId = NewType("SourceId", str)  # an instance or a kvstore node that holds blocks

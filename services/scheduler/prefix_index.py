@@ -16,7 +16,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.scheduler.datatypes import PrefixMatch, SourceId, Tier
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.kvwire.block_keys import BlockKey
-from crescent.services.common.choices import MAX_CHOICES
+from crescent.services.contract.block_keys import BlockKey
+from crescent.services.contract.choices import MAX_CHOICES
 from crescent.services.common.logs import request_id_var
 from crescent.services.common.metrics import scheduler_metrics
 from crescent.services.scheduler.conductor import (

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import torch
 
 from crescent.services.common.metrics import engine_metrics
-from crescent.services.common.choices import choice_seed
+from crescent.services.contract.choices import choice_seed
 from crescent.services.decode.batcher import Batcher, Choice, DecodeRequest
 from crescent.services.engine.engine import Engine
 from crescent.services.instance.runtime import EngineWorker

@@ -11,7 +11,7 @@ import uuid
 
 import openai
 import pytest
-from crescent.services.common.choices import choice_seed
+from crescent.services.contract.choices import choice_seed
 from crescent.services.model.model_source import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from crescent.services.common.choices import choice_seed
+from crescent.services.contract.choices import choice_seed
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.sampler import SamplingConfig, sample_batch
 from tests.engine import test_engine, test_kimi_k3

@@ -19,7 +19,7 @@ from crescent.services.engine.kimi_k3.loading import seeded_weights
 from crescent.services.engine.kimi_k3.model import K3Model
 from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy
 from crescent.services.instance.wire import block_matches, block_tensor, kv_dtype, payload_bytes
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockFormatError, KvBlock
 from tests.engine.k3_reference import TEST_CFG, dense_k3_logits
 

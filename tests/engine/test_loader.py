@@ -310,9 +310,10 @@ def test_sharded_bf16_hf_checkpoint(tiny: tuple[ModelSource, dict[str, np.ndarra
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     again = load_model(resolve_model(str(out)), progress=False)
     assert again.config == loaded.config
+    assert again.torch_dtype == torch.float32  # what export_hf_dir declared; the shards hold bf16
     for name, t in loaded.weights.items():
-        assert again.weights[name].dtype == torch.float32
-        assert torch.equal(again.weights[name], t.to(torch.bfloat16).float()), name
+        assert again.weights[name].dtype == torch.bfloat16  # as stored: the model converts to engine.dtype
+        assert torch.equal(again.weights[name], t.to(torch.bfloat16)), name
     (out / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
         load_model(ModelSource("hf", out, "tiny-hf"), progress=False)

@@ -21,7 +21,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
 from crescent.services.kvstore.client import KvStoreClient
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.model.model_source import resolve_model
 from tests.engine_vllm.vllm_stack import (

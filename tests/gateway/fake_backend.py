@@ -55,8 +55,8 @@ from crescent.protos import (
     scheduler_pb2_grpc,
 )
 from crescent.services.common.admin_http import AdminServer
-from crescent.services.kvwire.block_keys import prefix_block_keys
-from crescent.services.common.choices import choice_seed
+from crescent.services.contract.block_keys import prefix_block_keys
+from crescent.services.contract.choices import choice_seed
 from fastapi import FastAPI
 
 from .fake_tokenizer import IM_END, IM_START, MODEL_ID, FakeTokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID
 from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
 from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt

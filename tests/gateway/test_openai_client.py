@@ -6,7 +6,7 @@ import time
 
 import openai
 import pytest
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
 from .support import BLOCK_SIZE, FakeBackend, served_salt

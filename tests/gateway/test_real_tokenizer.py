@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from crescent.services.gateway.accounting import tbt_seconds
+from crescent.services.contract.latency import tbt_seconds
 from crescent.services.gateway.stop_strings import StopStringMatcher
 
 

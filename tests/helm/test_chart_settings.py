@@ -15,18 +15,12 @@ from typing import Any
 import pytest
 import yaml
 
+from crescent.services.contract.roles import ENGINE_ROLES, SERVICE_SETTINGS
 from tests.helm.test_chart import VALUES_FILES
 from tests.helm.tools import CHART, by_kind, render
 
-SETTINGS = {
-    "gateway": ("crescent.services.gateway.config", "GatewaySettings"),
-    "scheduler": ("crescent.services.scheduler.config", "SchedulerSettings"),
-    "prefill": ("crescent.services.prefill.config", "PrefillSettings"),
-    "decode": ("crescent.services.decode.config", "DecodeSettings"),
-    "aggregated": ("crescent.services.aggregated.config", "AggregatedSettings"),
-    "kvstore": ("crescent.services.kvstore.config", "KvStoreSettings"),
-}
-ENGINES = ("prefill", "decode", "aggregated")
+SETTINGS = SERVICE_SETTINGS
+ENGINES = ENGINE_ROLES
 # What the downward API would give the pod.
 POD_FIELDS = {"POD_NAME": "crescent-prefill-g0-abcde", "POD_IP": "10.1.2.3", "NODE_NAME": "gpu-node-0"}
 FIELD_PATHS = {"metadata.name": "POD_NAME", "status.podIP": "POD_IP", "spec.nodeName": "NODE_NAME"}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from tests.helm.test_chart_settings import POD_FIELDS, _pod_env
 from tests.helm.tools import NAMESPACE, REPO, by_kind, render, tls_channel, use_rendered_tls
 from tests.ports import free_port

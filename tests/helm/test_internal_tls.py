@@ -28,7 +28,7 @@ AGGREGATED = ["--set", "aggregated.enabled=true"]
 CERT_MANAGER = ["--set", "internalTls.certManager.enabled=true", "--set", "internalTls.certManager.adminCertificate=true",
                 *AGGREGATED]
 PLAINTEXT = ["--set", "internalTls.selfSigned.enabled=false", "--set", "internalTls.allowPlaintext=true"]
-SETTINGS_OF = {**SETTINGS, "aggregated": ("crescent.services.aggregated.config", "AggregatedSettings")}
+SETTINGS_OF = SETTINGS  # every role, aggregated included (contract/roles.py)
 TLS_FILES = ("ca.crt", "tls.crt", "tls.key")
 
 

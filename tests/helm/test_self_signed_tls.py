@@ -111,7 +111,7 @@ def test_no_certificate_or_another_renders_ca_is_refused_at_the_handshake(render
     assert _code(lambda: anonymous.ListInstances(scheduler_pb2.ListInstancesRequest(), timeout=5)) == \
         grpc.StatusCode.UNAVAILABLE
     # `helm template` makes a new CA each time: a second render's gateway is a stranger.
-    other = render()
+    other = render(fresh=True)
     assert other != rendered
     stranger = _stub(other, "crescent-gateway-tls", scheduler.address, tmp_path / "other")
     assert _code(lambda: stranger.ListInstances(scheduler_pb2.ListInstancesRequest(), timeout=5)) == \

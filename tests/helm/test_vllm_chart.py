@@ -26,7 +26,7 @@ from crescent.services.common.settings import load_settings
 from crescent.services.decode.config import ENV_PREFIX as DECODE_ENV, DecodeSettings
 from crescent.services.prefill.config import ENV_PREFIX as PREFILL_ENV, PrefillSettings
 from crescent.services.engine_vllm.settings import VllmSettings
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE
 from tests.helm.crd_schemas import schema_errors
 from tests.helm.test_chart_settings import _pod_env
 from tests.helm.tools import CHART, EXAMPLES, REPO, by_kind, helm_template, run, tool

@@ -7,6 +7,8 @@ grafana-foundation-sdk in the venv, and promtool/prometheus on PATH (Debian pack
 from __future__ import annotations
 
 import base64
+import copy
+import hashlib
 import os
 import shutil
 import subprocess
@@ -41,20 +43,53 @@ def run(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=120, **kwargs)
 
 
-def helm_template(*args: str, values: list[Path] = (), show_only: str | None = None) -> subprocess.CompletedProcess[str]:
+# Renders are memoised for the session, keyed by helm's arguments and the values files' bytes: the
+# chart tests render the same values many times (the default alone ~14 times), and each `helm
+# template` is a subprocess of ~0.3-1 s on 2 busy cores. Not memoised: renders that read a cluster
+# (`--kubeconfig`, `--dry-run=server`: the answer depends on its state) and those asked `fresh`
+# (the self-signed CA is new in every render, which a test may check).
+_RENDERS: dict[tuple, subprocess.CompletedProcess[str]] = {}
+_PARSED: dict[tuple, list[dict[str, Any]]] = {}
+_READS_A_CLUSTER = ("--kubeconfig", "--dry-run=server")
+
+
+def _render_key(cmd: list[str], values: list[Path] | tuple[Path, ...]) -> tuple:
+    contents = tuple(hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in values)
+    return (*cmd, contents)
+
+
+def _helm(cmd: list[str], values: list[Path] | tuple[Path, ...], fresh: bool) -> subprocess.CompletedProcess[str]:
+    if fresh or any(arg.startswith(_READS_A_CLUSTER) for arg in cmd):
+        return run(cmd)
+    key = _render_key(cmd, values)
+    if key not in _RENDERS:
+        _RENDERS[key] = run(cmd)
+    cached = _RENDERS[key]  # a copy: a test may not change what the next one reads
+    return subprocess.CompletedProcess(cached.args, cached.returncode, cached.stdout, cached.stderr)
+
+
+def helm_template(*args: str, values: list[Path] = (), show_only: str | None = None,
+                  fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``helm template`` of the chart (memoised per session unless ``fresh``: see above)."""
     cmd = [tool("helm"), "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     for path in values:
         cmd += ["-f", str(path)]
     if show_only:
         cmd += ["--show-only", show_only]
-    return run(cmd + list(args))
+    return _helm(cmd + list(args), values, fresh)
 
 
-def render(*args: str, values: list[Path] = ()) -> list[dict[str, Any]]:
-    """Rendered manifests as dicts; fails the test with helm's message if rendering fails."""
-    result = helm_template(*args, values=values)
+def render(*args: str, values: list[Path] = (), fresh: bool = False) -> list[dict[str, Any]]:
+    """Rendered manifests as dicts (the test's own copy); fails the test with helm's message if
+    rendering fails. ``fresh``: a new render (a new self-signed CA), not the session's memo."""
+    result = helm_template(*args, values=values, fresh=fresh)
     assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    if fresh:
+        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    key = (result.stdout,)
+    if key not in _PARSED:
+        _PARSED[key] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return copy.deepcopy(_PARSED[key])  # tests edit what they get (use_rendered_tls)
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -71,11 +106,11 @@ def rules_file(tmp_path: Path, *args: str) -> Path:
 
 
 def notes(*args: str, values: list[Path] = ()) -> str:
-    """NOTES.txt as `helm install` prints it (a client-side dry run: no cluster needed)."""
+    """NOTES.txt as `helm install` prints it (a client-side dry run: no cluster needed; memoised)."""
     cmd = [tool("helm"), "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client"]
     for path in values:
         cmd += ["-f", str(path)]
-    result = run(cmd + list(args))
+    result = _helm(cmd + list(args), values, fresh=False)
     assert result.returncode == 0, result.stderr
     return result.stdout.split("NOTES:", 1)[1]
 

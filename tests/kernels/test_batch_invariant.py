@@ -29,10 +29,14 @@ BF16_TOL = 1e-2  # one bf16 rounding of the output (2^-8 relative), on every ele
 
 
 def each_row_alone_equals_batched(fn, x: torch.Tensor) -> None:
-    alone = torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+    # rows at tile edges (0, 2, 16, 63, 64, the last), each launched alone: one launch per row is
+    # what makes this slow in the interpreter, so not every row
+    picked = sorted({i for i in (0, 1, 2, 7, 16, 63, 64, x.shape[0] - 1) if i < x.shape[0]})
+    alone = {i: fn(x[i : i + 1])[0] for i in picked}
     for rows in BATCHES + (x.shape[0],):
         batched = fn(x[:rows])
-        assert torch.equal(batched, alone[:rows]), f"a row changed in a batch of {rows}"
+        for i in (i for i in picked if i < rows):
+            assert torch.equal(batched[i], alone[i]), f"row {i} changed in a batch of {rows}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

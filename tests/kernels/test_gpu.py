@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from crescent.kernels.batch_invariant import invariant_linear, invariant_rms_norm, linear_reference
 from crescent.kernels.kda import chunk_kda, kda_decode, kda_gate, recurrent_kda_reference
 from crescent.kernels.mxfp4 import mxfp4_matmul, mxfp4_matmul_reference, quantize_mxfp4
+from crescent.kernels.paged import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from tests.kernels.helpers import rel_rms
 
 pytestmark = pytest.mark.gpu
@@ -54,3 +56,48 @@ def test_mxfp4_matmul_bf16_activations():
     x = torch.randn(64, 1024)
     out = mxfp4_matmul(x.cuda().bfloat16(), blocks.cuda(), scales.cuda())
     assert rel_rms(out.float(), mxfp4_matmul_reference(x.bfloat16().float(), blocks, scales)) < BF16_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_linear_and_rms_norm_on_the_gpu(dtype):
+    """The property the interpreter cannot prove for real MMA units: a row's bits in a batch of
+    1 equal those in batches of 3, 8, 17 and 256, at SmolLM2's and a Llama-8B-sized projection."""
+    for n, k in ((1728, 576), (4096, 4096)):
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+        x = torch.randn(256, k, device="cuda").to(dtype)
+        alone = torch.cat([invariant_linear(x[i : i + 1], w) for i in range(17)])
+        for rows in (3, 8, 17, 256):
+            assert torch.equal(invariant_linear(x[:rows], w)[: min(rows, 17)], alone[: min(rows, 17)]), rows
+        tol = 1e-5 if dtype == torch.float32 else BF16_TOL
+        assert rel_rms(invariant_linear(x, w), linear_reference(x, w)) < tol
+        norm_w = torch.randn(k, device="cuda")
+        alone = torch.cat([invariant_rms_norm(x[i : i + 1], norm_w, 1e-5) for i in range(17)])
+        assert torch.equal(invariant_rms_norm(x, norm_w, 1e-5)[:17], alone)
+
+
+@pytest.mark.parametrize("heads,kv,dim", [(9, 3, 64), (32, 8, 128)])
+def test_paged_attention_bf16_pool_on_the_gpu(heads, kv, dim):
+    """Decode and varlen prefill over a strided bf16 pool of 64-token pages at serving sizes."""
+    page, layers = 64, 2
+    lengths, new = [1, 63, 64, 65, 1500, 2048], [1, 63, 1, 65, 300, 1]
+    pages_per_seq = [-(-n // page) for n in lengths]
+    pool = torch.randn(sum(pages_per_seq), layers, 2, page, kv, dim, device="cuda").bfloat16()
+    perm = torch.randperm(pool.shape[0], device="cuda")
+    tables = torch.zeros(len(lengths), max(pages_per_seq), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, p in enumerate(pages_per_seq):
+        tables[i, :p] = perm[used : used + p]
+        used += p
+    k, v = pool[:, 1, 0], pool[:, 1, 1]
+    lens = torch.tensor(lengths, device="cuda")
+    scale = dim**-0.5
+    q = torch.randn(len(lengths), heads, dim, device="cuda").bfloat16()
+    decode = paged_decode_attention(q, k, v, tables, lens, scale=scale)
+    cu = torch.arange(len(lengths) + 1, device="cuda")
+    assert rel_rms(decode, paged_attention_reference(q, k, v, tables, lens, cu, scale=scale)) < BF16_TOL
+    alone = paged_decode_attention(q[4:5], k, v, tables[4:5], lens[4:5], scale=scale)
+    assert torch.equal(alone[0], decode[4])
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], device="cuda")
+    qp = torch.randn(sum(new), heads, dim, device="cuda").bfloat16()
+    prefill = paged_prefill_attention(qp, k, v, tables, lens, cu, scale=scale)
+    assert rel_rms(prefill, paged_attention_reference(qp, k, v, tables, lens, cu, scale=scale)) < BF16_TOL

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 from crescent.services.kvwire.kv_block import KvBlock
 
 MODEL = "test-model"

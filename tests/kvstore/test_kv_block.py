@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 from crescent.services.kvwire.kv_block import (
     KV_FORMAT_VERSION,
     BlockAssembler,

@@ -24,7 +24,7 @@ from loadtest.replay import (
     theoretical_cached_fraction,
     time_scale_for_rate,
 )
-from loadtest.simulator.sim import mooncake_tbt
+from crescent.services.contract.latency import tbt_seconds as mooncake_tbt
 from loadtest.simulator.trace import TraceRequest, load_trace, rescale
 from tests.loadtest.serve import serving
 

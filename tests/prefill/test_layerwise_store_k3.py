@@ -24,7 +24,8 @@ from crescent.services.instance.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.prefill.layerwise import LayerwiseHandoff, supports_layerwise
-from crescent.services.prefill.layerwise_store_hybrid import HybridLayerwiseStoreExport, stores_layerwise
+from crescent.services.prefill.layerwise_store import LayerwiseStoreExport as HybridLayerwiseStoreExport
+from crescent.services.prefill.layerwise_store import stores_layerwise
 from crescent.services.prefill.prompt_export import PromptExport, owned_bytes
 from tests.engine.test_kimi_k3_snapshots import BF16_CFG, PAGE, TEST_CFG, make_engine, prompt
 from tests.kvstore.conftest import kvstore_node  # noqa: F401  (the fixture)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from crescent.protos import common_pb2, prefill_pb2, prefill_pb2_grpc
-from crescent.services.common.choices import choice_seed
+from crescent.services.contract.choices import choice_seed
 from crescent.services.engine.sampler import SamplingConfig
 from tests.decode.process import TEXTS as SHARED_TEXTS, BLOCK, DecodeProcess, PromptKv, SchedulerStandIn
 from tests.ports import free_port

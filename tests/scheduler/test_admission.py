@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 from crescent.services.scheduler.conductor import BlockSizeMismatchError, Conductor, RegistrationConflictError
 from crescent.services.scheduler.config import SchedulerSettings
 from crescent.services.scheduler.datatypes import InstanceId, Placement, Rejection, Role

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 from crescent.services.common.scheduler_agent import SchedulerAgent
 
 from .support import instance

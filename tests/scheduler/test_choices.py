@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from crescent.protos import scheduler_pb2
-from crescent.services.common.choices import choices_kv_tokens
+from crescent.services.contract.choices import choices_kv_tokens
 from crescent.services.scheduler.datatypes import Placement, Rejection
 from crescent.services.scheduler.decode_outlook import KnownRequest, project_releases
 

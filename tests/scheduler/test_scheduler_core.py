@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from crescent.services.kvwire.block_keys import BlockKey, prefix_block_keys
+from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
 from crescent.services.common.settings import SettingsError
 from crescent.services.scheduler.config import load_scheduler_settings
 from crescent.services.scheduler.cost_model import (

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from crescent.protos import common_pb2, scheduler_pb2
-from crescent.services.kvwire.block_keys import prefix_block_keys
+from crescent.services.contract.block_keys import prefix_block_keys
 
 from .support import instance
 

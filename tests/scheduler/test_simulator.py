@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.simulator import SimConfig, load_trace, rescale, simulate, summarize
-from loadtest.simulator.sim import mooncake_tbt
+from crescent.services.contract.latency import tbt_seconds as mooncake_tbt
 from loadtest.simulator.trace import DEFAULT_TRACE, TraceError
 from crescent.services.scheduler.cost_presets import paper_cost_models
 
@@ -121,7 +121,7 @@ def test_colocated_baselines_show_interference_and_no_reuse_without_caching() ->
 def test_mooncake_tbt_is_the_mean_of_the_longest_tenth() -> None:
     assert mooncake_tbt([0.01] * 90 + [0.5] * 10) == pytest.approx(0.5)
     assert mooncake_tbt([0.02, 0.04, 0.03]) == pytest.approx(0.04)  # at least one interval
-    assert mooncake_tbt([]) == 0.0
+    assert mooncake_tbt([]) is None  # no interval, no TBT (the gateway's metric agrees)
 
 
 def test_trace_errors_name_the_line(tmp_path: Path) -> None:

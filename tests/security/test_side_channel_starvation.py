@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 
+from crescent.services.kvwire import movers as movers_module
 from crescent.services.kvwire import side_channel
 from crescent.services.kvwire.fused_copy import crc32
 from crescent.services.kvwire.side_channel import SideChannelServer, send_payloads
@@ -100,7 +101,7 @@ def unusable() -> grpc.aio.AioRpcError:
 
 def test_a_side_channel_found_unusable_is_tried_again_after_a_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr(handoff_mover.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(movers_module.time, "monotonic", lambda: now[0])  # the ladder keeps the backoff
     movers = HandoffMovers("prefill-0", shared_memory=False, tcp=True)
     peer = "decode-0:50053"
     assert movers.uses_tcp(peer)

@@ -259,6 +259,11 @@ instance id and advertised address are per pod, so they come from env vars in th
 {{- end }}
 {{- /* The engine backend (_vllm.tpl): native, or vLLM with its arguments. */}}
 {{- $_ := set $cfg.engine "backend" $v.backend }}
+{{- /* The native engine computes on the pod's GPU when it requests one (a multiNode group runs its
+tensor-parallel ranks on the CPU); settings.engine.device/dtype override. */}}
+{{- if eq $v.backend "native" }}
+{{- $_ := set $cfg.engine "device" (ternary "cuda" "cpu" (and (gt (int $v.gpus) 0) (not $v.multiNode.enabled))) }}
+{{- end }}
 {{- if include "crescent.isVllm" . }}
 {{- $_ := set $cfg.engine "vllm" (include "crescent.vllmSettings" . | fromJson) }}
 {{- end }}

@@ -87,7 +87,7 @@ reads YAML numbers as float64, and 1048576 would print as 1.048576e+06). */}}
 engine arguments (crescent.vllmSettings, less the two Crescent-only ones), as a JSON list. The
 leader's instance adds a few of its own to every engine (services/engine_vllm/engine.py,
 engine_args): the KV block size (engine.block_size, default 64: DEFAULT_BLOCK_SIZE of
-services/kvwire/block_keys.py), prefix caching, guidance for structured outputs and no stats
+services/contract/block_keys.py), prefix caching, guidance for structured outputs and no stats
 logging; the workers get the same. Crescent's KV connector is not among them: the instance builds
 its options at start (services/engine_vllm/connector_options.py), so the workers' ranks run without it. */}}
 {{- define "crescent.vllmWorkerArgs" -}}

@@ -1,4 +1,4 @@
-"""Model loading: GGUF files and Hugging Face directories → float32 weights, config, tokenizer.
+"""Model loading: GGUF files and Hugging Face directories → weights (as stored), config, tokenizer.
 
 ``load_model(resolve_model(spec))`` is the entry point. GGUF loads are cached on disk as
 float32 safetensors (see ``cache``), so only the first process pays for dequantization.
@@ -18,7 +18,8 @@ __all__ = ["LoadedModel", "ModelLoadError", "UnsupportedTensorTypeError", "expor
 
 
 def load_model(source: ModelSource, *, progress: bool = True, use_cache: bool = True) -> LoadedModel:
-    """Load weights (float32, CPU, Hugging Face names), config and tokenizer of ``source``.
+    """Load weights (CPU, Hugging Face names; a checkpoint's dtype, a GGUF's dequantized to
+    float32), config and tokenizer of ``source``.
 
     ``use_cache=False`` skips the GGUF weight cache both ways (read and write).
     """

@@ -1,4 +1,4 @@
-"""Write a loaded model as a float32 Hugging Face directory (LlamaForCausalLM).
+"""Write a loaded model as a Hugging Face directory (LlamaForCausalLM), its weights in their dtype.
 
 The result loads in transformers and vLLM (e.g. to compare against a peer on the same weights)
 and through ``load_model`` again; the weight cache stores GGUF loads in this same layout.
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from crescent.services.engine.device import dtype_name
 from crescent.services.engine.loader.loaded import LoadedModel
 
 WEIGHTS_FILE = "model.safetensors"
@@ -21,7 +22,9 @@ def export_hf_dir(loaded: LoadedModel, out_dir: Path) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = loaded.config
-    (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    hf_config = config.to_hf_dict()
+    hf_config["torch_dtype"] = dtype_name(loaded.weights["model.embed_tokens.weight"].dtype)  # as written below
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tensors = {name: t.contiguous() for name, t in sorted(loaded.weights.items())}

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from crescent.services.engine.device import checkpoint_dtype
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.loader.loaded import LoadedModel
 from crescent.services.engine.loader.progress import track
@@ -22,10 +23,11 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _read_config(path: Path) -> LlamaConfig:
+def _read_config(path: Path) -> tuple[LlamaConfig, torch.dtype | None]:
+    """The model's shape and its declared dtype (``torch_dtype``, or ``dtype`` in newer files)."""
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        return LlamaConfig.from_hf_dict(raw)
+        return LlamaConfig.from_hf_dict(raw), checkpoint_dtype(raw.get("torch_dtype") or raw.get("dtype"))
     except (OSError, ValueError) as exc:  # ModelConfigError is a ValueError
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
 
@@ -55,7 +57,7 @@ def _ignored(name: str, config: LlamaConfig) -> bool:
 
 
 def load_hf_dir(path: Path, model_id: str, *, progress: bool) -> LoadedModel:
-    config = _read_config(path)
+    config, declared = _read_config(path)
     try:
         tokenizer = Tokenizer.from_hf_dir(path)
     except TokenizerError as exc:
@@ -88,11 +90,11 @@ def load_hf_dir(path: Path, model_id: str, *, progress: bool) -> LoadedModel:
                     if tuple(tensor.shape) != expected[name]:
                         raise ModelLoadError(f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                              f"expected {expected[name]}")
-                    weights[name] = tensor.to(torch.float32)
+                    weights[name] = tensor  # as stored: the model converts to engine.dtype on its device
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         raise ModelLoadError(f"{path} lacks tensors: {', '.join(missing[:5])}")
     logger.info("loaded %s from %s (%d tensors in %d files)", model_id, path, len(weights), len(files))
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, model_id=model_id)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, model_id=model_id, torch_dtype=declared)

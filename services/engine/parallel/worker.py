@@ -9,7 +9,6 @@ registers nothing, and exits when the leader says so (0) or is gone (``EXIT_GROU
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
+from crescent.services.contract.roles import ENGINE_ROLES, settings_class, settings_module
 from crescent.services.engine.kv_cache import PagedKvCache
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
@@ -30,10 +30,6 @@ from crescent.services.model.model_source import resolve_model
 
 log = logging.getLogger(__name__)
 
-# role -> (module, settings class): the settings a worker of that role reads
-ROLE_SETTINGS = {"prefill": ("crescent.services.prefill.config", "PrefillSettings"),
-                 "decode": ("crescent.services.decode.config", "DecodeSettings"),
-                 "aggregated": ("crescent.services.aggregated.config", "AggregatedSettings")}
 
 
 class ShardWorker:
@@ -102,12 +98,10 @@ def run_worker(engine: EngineSettings) -> None:
 
 def main(role: str, config_path: Path | None = None) -> None:
     """Read ``role``'s settings and run as a worker of its engine group."""
-    if role not in ROLE_SETTINGS:
-        raise GroupSettingsError(f"unknown role {role!r} for a worker; valid: {', '.join(ROLE_SETTINGS)}")
+    if role not in ENGINE_ROLES:
+        raise GroupSettingsError(f"unknown role {role!r} for a worker; valid: {', '.join(ENGINE_ROLES)}")
     configure_logging(f"{role}-worker")
-    module, name = ROLE_SETTINGS[role]
-    config = importlib.import_module(module)
-    settings = load_settings(getattr(config, name), config_path, env_prefix=config.ENV_PREFIX)
+    settings = load_settings(settings_class(role), config_path, env_prefix=settings_module(role).ENV_PREFIX)
     run_worker(settings.engine)
 
 

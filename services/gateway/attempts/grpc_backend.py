@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 
 import grpc
 from crescent.protos import decode_pb2, decode_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from crescent.services.kvwire.block_keys import DEFAULT_BLOCK_SIZE, prefix_block_keys
+from crescent.services.contract.block_keys import DEFAULT_BLOCK_SIZE, prefix_block_keys
 from crescent.services.common.grpc_service import GRPC_OPTIONS, open_channel
 from crescent.services.common.settings import load_settings
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls

@@ -21,7 +21,7 @@ from contextlib import aclosing
 from functools import partial
 
 from crescent.services.common.metrics import GatewayMetrics
-from crescent.services.common.stop_rule import stop_token_ids
+from crescent.services.contract.finish import stop_token_ids
 from crescent.services.gateway.accounting import RequestRecord, RequestStatus, UsageCounts, response_usage
 from crescent.services.gateway.auth import Principal, principal_of
 from crescent.services.gateway.backend import Backend, GenerationRequest, RequestId, Sampling

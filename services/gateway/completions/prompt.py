@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 
 from crescent.services.gateway.completions.api import CompletionRequest
-from crescent.services.gateway.errors import ContextLengthExceededError, InvalidRequestError
-from crescent.services.gateway.prompt import ServedModel
+from crescent.services.gateway.errors import InvalidRequestError
+from crescent.services.gateway.prompt import ServedModel, fit_completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,21 +36,9 @@ def _check_vocabulary(ids: Sequence[int], vocab_size: int, which: str) -> None:
 
 def _fit(token_ids: tuple[int, ...], request: CompletionRequest, window: int, which: str) -> int:
     """The prompt's max_tokens: the requested one if it fits, else a 400; the default shrinks to fit."""
-    if len(token_ids) >= window:
-        raise ContextLengthExceededError(
-            f"this model's context window is {window} tokens; {which} takes {len(token_ids)} tokens, "
-            "leaving no room for a completion",
-            param="prompt",
-        )
-    if not request.max_tokens_given():
-        return min(request.max_tokens, window - len(token_ids))
-    if len(token_ids) + request.max_tokens > window:
-        raise ContextLengthExceededError(
-            f"this model's context window is {window} tokens; {which} takes {len(token_ids)} tokens and "
-            f"{request.max_tokens} completion tokens were requested ({len(token_ids) + request.max_tokens} in all)",
-            param="max_tokens",
-        )
-    return request.max_tokens
+    requested = request.max_tokens if request.max_tokens_given() else None
+    return fit_completion(len(token_ids), window, requested, request.max_tokens,
+                          subject=f"{which} takes", prompt_param="prompt", max_param="max_tokens")
 
 
 def build_completion_prompts(request: CompletionRequest, model: ServedModel) -> list[CompletionPrompt]:

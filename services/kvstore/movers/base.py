@@ -2,10 +2,12 @@
 
 A mover moves the payloads of a put or a get; the control calls (reserve, commit, get headers)
 always go over the node's authenticated gRPC channel. ``put`` and ``get`` return None when this
-mover cannot serve the call — the client then asks the next mover — and set ``usable`` False
-when it never will for this node (another host, a node without the feature, an optional engine
-that is absent or broken), so the next calls skip it. Every block a mover returns has passed
-``KvBlock.verify``; a damaged one is a miss, added to ``corrupt`` to be reported to the node.
+mover cannot serve the call — the client then asks the next mover — and ``give_up`` when it
+never will for this node (another host, a node without the feature, an optional engine that is
+absent or broken): the refusal is kept by the client's ``MoverLadder`` (``kvwire/movers.py``,
+the one mover family the layer-wise handoff uses too), so the next calls skip it. Every block a
+mover returns has passed ``KvBlock.verify``; a damaged one is a miss, added to ``corrupt`` to be
+reported to the node.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 import grpc
 
 from crescent.protos import kvstore_pb2, kvstore_pb2_grpc
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockIntegrityError, KvBlock
+from crescent.services.kvwire.movers import MoverLadder, said_no
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,11 @@ class PutResult:
 class NodeLink:
     """The control channel to one node, and the bookkeeping every mover reports into."""
 
-    def __init__(self, address: str, channel: grpc.aio.Channel, timeout_s: float) -> None:
+    def __init__(self, address: str, channel: grpc.aio.Channel, timeout_s: float,
+                 ladder: MoverLadder) -> None:
+        """``ladder``: the client's movers in order, and which of them this node refused."""
         self.address = address
+        self.ladder = ladder
         self.channel = channel
         self.stub = kvstore_pb2_grpc.KvStoreStub(channel)
         self.timeout_s = timeout_s
@@ -44,7 +50,8 @@ class NodeLink:
     def failed(self, operation: str, exc: BaseException) -> None:
         self.errors[operation] += 1
         if isinstance(exc, grpc.aio.AioRpcError):
-            log.warning("kvstore %s %s failed: %s %s", self.address, operation, exc.code().name, exc.details())
+            log.warning("kvstore %s %s failed: %s %s", self.address, operation, exc.code().name,
+                        exc.details())
         else:
             log.warning("kvstore %s %s failed: %s", self.address, operation, repr(exc))
 
@@ -64,12 +71,7 @@ class NodeLink:
             return False
 
 
-def refused(exc: BaseException) -> bool:
-    """The node cannot do this for us at all (another host, a feature off or missing, a role
-    not allowed to), as opposed to a call that failed this time."""
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
-        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
-    )
+refused = said_no  # the node cannot do this for us at all, as opposed to a call that failed this time
 
 
 class Mover:
@@ -79,13 +81,15 @@ class Mover:
 
     def __init__(self, link: NodeLink) -> None:
         self.link = link
-        self.usable = True
+
+    @property
+    def usable(self) -> bool:
+        """Whether the client still asks this mover (the node has not refused it)."""
+        return self.link.ladder.allows(self.link.address, self.name)
 
     def give_up(self, why: str) -> None:
         """This mover will not work with this node: the client stops asking it."""
-        if self.usable:
-            log.info("kvstore %s: mover %s is not usable (%s); using the next one", self.link.address, self.name, why)
-        self.usable = False
+        self.link.ladder.refuse(self.link.address, self.name, why)
 
     async def put(self, blocks: Sequence[KvBlock]) -> PutResult | None:
         raise NotImplementedError

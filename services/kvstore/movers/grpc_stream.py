@@ -10,7 +10,7 @@ import grpc
 from crescent.protos import kvstore_pb2
 from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult
 from crescent.services.kvwire import chunk_wire
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, KvBlock
 
 

@@ -17,7 +17,7 @@ import grpc
 
 from crescent.protos import kvstore_pb2
 from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.nixl_engine import NixlEngine, NixlUnavailable, address_of
 

@@ -23,7 +23,7 @@ import grpc
 from crescent.protos import kvstore_pb2
 from crescent.services.kvstore import shm
 from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, refused
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.fused_copy import ParallelCopier, empty_buffer
 from crescent.services.kvwire.kv_block import KvBlock
 
@@ -40,7 +40,8 @@ class SharedMemoryMover(Mover):
         that copy payloads (default: up to 2)."""
         super().__init__(link)
         self._rest = rest
-        self.usable = shm.available()
+        if not shm.available():
+            self.give_up("no shared memory on this host")
         self._copier = ParallelCopier(copy_threads) if self.usable else None
         self._free_segments: list[shm.ShmSegment] = []
         self._pool_path = ""

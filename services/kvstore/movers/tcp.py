@@ -20,7 +20,7 @@ import grpc
 from crescent.protos import kvstore_pb2
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, refused
-from crescent.services.kvwire.block_keys import BlockKey
+from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.side_channel import (
