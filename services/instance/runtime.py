@@ -48,6 +48,7 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     if group.size > 1 and source.kind == "kimi_k3":
         raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
                                  f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")
+    cache_dtype = None  # kimi_k3: its cache takes the dtype from the model (load_k3_model's cache_dtype)
     if source.kind == "kimi_k3":  # the hybrid family loads through its own package
         from crescent.services.engine.kimi_k3.loading import load_k3_model
         from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
@@ -59,7 +60,6 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
                               snapshots=policy, cache_dtype=dtype)
         model_id = source.model_id
     else:
-        cache_dtype = None
         loaded = load_model(source, progress=progress)
         model_id = loaded.model_id
         if group.size > 1:  # this process leads a group; its workers run parallel/worker.py
