@@ -176,3 +176,50 @@ def test_fp8_blocks_travel_as_one_byte_latents_and_resume_exactly() -> None:
     assert b.attach_blocks(other, blocks) == 3 * PAGE
     want = cold.prefill(cold.add_sequence("c", tokens, use_cache=False))
     assert _rel(b.prefill(other), want) < 1e-6
+
+
+class ShapeOnlyKernels(K3Ops):
+    """The Triton backend's layer code with each kernel call replaced by an output of the right
+    shape on the inputs' device: on ``meta`` tensors (no values) any host read raises."""
+
+    def kda_segment(self, q, k, v, g, beta, state, scale):  # noqa: ANN001
+        return torch.empty_like(v), torch.empty_like(state)
+
+    def kda_step(self, q, k, v, g, beta, states, scale):  # noqa: ANN001
+        return torch.empty_like(v), torch.empty_like(states, dtype=torch.float32)
+
+    def mla_attention(self, q_lat, q_rope, cache, block_table, seq_lens, cu_q, scale):  # noqa: ANN001
+        return torch.empty_like(q_lat)
+
+    def attn_res(self, sources, query, norm_weight, eps):  # noqa: ANN001
+        return torch.empty_like(sources[0])
+
+
+def test_a_forward_on_the_meta_device_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer loop of the Triton path (routing, expert sorting and counts, page metadata,
+    KDA segments and decode rows, snapshots) on ``meta`` tensors, which hold no values: a
+    ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or a Python branch on a tensor raises."""
+    import crescent.services.engine.kimi_k3.ops as ops
+    from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
+    from crescent.services.engine.llama import ForwardBatch, SeqChunk
+
+    def grouped(x, w, offsets):  # noqa: ANN001
+        return torch.empty((x.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
+
+    monkeypatch.setattr(ops, "_grouped", grouped)
+    model = K3Model(_cfg(), _weights(False), backend=Backend.TRITON, device="meta",
+                    snapshots=SnapshotPolicy(every_blocks=1, slots=4))
+    model.ops = ShapeOnlyKernels(Backend.TRITON)
+    for layer in model.attn + model.ffn:
+        if hasattr(layer, "ops"):
+            layer.ops = model.ops
+    cache = model.make_cache(8, PAGE)
+    a, b, c = (cache.open_state() for _ in range(3))
+    chunks = [(SeqChunk((0, 1), 20, 20, state=a, prompt_tokens=20), _prompt(20, 1)),  # a prefill over a boundary
+              (SeqChunk((2,), 9, 1, state=b), [5]), (SeqChunk((3,), 4, 1, state=c), [6])]  # two decode rows
+    hooks: list[int] = []
+    logits = model.forward(ForwardBatch.build(chunks, PAGE), cache, [0, 1, 2], on_layer=hooks.append)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (3, TEST_CFG.vocab_size)
+    assert hooks == list(range(TEST_CFG.num_layers))
+    loads = [f.load for f in model.ffn if hasattr(f, "load")]  # counted on the device; read between forwards
+    assert loads and all(t.device.type == "meta" for t in loads)

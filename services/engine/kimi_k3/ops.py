@@ -201,9 +201,10 @@ def to_device(values: torch.Tensor | list[int], device: torch.device | str) -> t
     """Host indices or metadata onto ``device`` without waiting: on CUDA through pinned memory,
     asynchronously (a pageable copy synchronises the stream); elsewhere as they are."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if kind == "cpu" else t.to(device)
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
