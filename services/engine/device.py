@@ -64,7 +64,12 @@ def resolve_dtype(spec: str, device: torch.device, declared: torch.dtype | None)
 
 def resolve_cache_dtype(spec: str, compute: torch.dtype) -> torch.dtype:
     """The KV pool's dtype for ``engine.kv_cache_dtype`` = ``spec``: ``auto`` is the compute dtype."""
-    return compute if spec == "auto" else DTYPES[spec]
+    if spec == "auto":
+        return compute
+    if spec not in DTYPES:  # fp8 is the hybrid models' latent cache; a Llama pool has no scaled format
+        raise DeviceSettingError(f"engine.kv_cache_dtype {spec!r} is for hybrid models (kimi_k3) only; "
+                                 f"Llama-family models take auto, {', '.join(DTYPES)}")
+    return DTYPES[spec]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
