@@ -18,7 +18,7 @@ VLLM_PYTHON_ENV = CRESCENT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
 AGGREGATED ?= $(if $(filter vllm,$(ENGINE)),1,$(shell [ "$$(nproc)" -lt 4 ] && echo 1 || echo 0))
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm tools up test protos bench clean
+.PHONY: install install-vllm tools up test test-fast protos bench clean
 
 install: $(VENV)/.installed
 
@@ -54,6 +54,11 @@ up: install $(if $(filter vllm,$(ENGINE)),install-vllm)
 # The vLLM venv too: the tests start vLLM-backed instances.
 test: install tools install-vllm
 	$(VLLM_PYTHON_ENV) $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+# The inner loop: every test that starts no process (-m "not slow"; tests/process_guard.py fails a
+# process test missing the mark there). Minutes on 2 cores: docs/test-durations.md.
+test-fast: install
+	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 protos: install
 	$(PY) -m crescent.protos.generate

@@ -67,6 +67,7 @@ def test_vllm_python_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         vllm_python()
 
 
+@pytest.mark.slow
 def test_the_interpreter_module_imports_neither_vllm_nor_torch() -> None:
     code = ("import sys; import crescent.services.engine_vllm.interpreter as i; i.vllm_python; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")

@@ -6,9 +6,12 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import crescent.services.contract as contract
 
 
+@pytest.mark.slow  # a fresh interpreter (tests/process_guard.py)
 def test_the_contract_imports_neither_torch_nor_grpc_nor_a_service() -> None:
     modules = [f"crescent.services.contract.{m.name}" for m in pkgutil.iter_modules(contract.__path__)]
     assert modules, "the contract has no modules"

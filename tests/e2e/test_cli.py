@@ -13,6 +13,8 @@ import pytest
 
 from tests.e2e.stack import free_port, process_alive
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 CLI = [sys.executable, "-m", "crescent.services.cli"]
 
 

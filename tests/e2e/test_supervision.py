@@ -52,6 +52,7 @@ class CrashLoop(Platform):
         return [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
+@pytest.mark.slow
 def test_a_service_that_keeps_crashing_is_restarted_with_backoff_and_reported(tmp_path: Path) -> None:
     now = [0.0]
     plan = PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16)
@@ -94,6 +95,7 @@ class ExitsCleanly(Platform):
         return [sys.executable, "-c", code]
 
 
+@pytest.mark.slow
 def test_a_service_that_exits_unasked_with_code_0_is_restarted_too(tmp_path: Path) -> None:
     now = [0.0]
     platform = ExitsCleanly(PlatformPlan("m", "127.0.0.1", free_port(), 1, 1, 256, 1 << 20, 16), tmp_path,
@@ -129,6 +131,7 @@ def healthy(url: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_killed_services_come_back_and_requests_succeed(tmp_path) -> None:
     stack = start_stack(tmp_path, *SMALL)
     try:
@@ -165,6 +168,7 @@ LONG_PROMPT = "Here is a list of words to remember: " + " ".join(f"word{i}" for 
     ("pools", LONG_PROMPT, 1),  # the prompt's KV still on its way to decode
     ("aggregated", LONG_PROMPT, 1),
 ], ids=["pools-mid-stream", "pools-during-handoff", "aggregated-during-handoff"])
+@pytest.mark.slow
 def test_ctrl_c_lets_an_open_stream_finish_then_stops_everything(tmp_path: Path, mode: str, prompt: str,
                                                                  press_at_line: int) -> None:
     port = free_port()

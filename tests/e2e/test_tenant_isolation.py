@@ -16,6 +16,8 @@ import pytest
 
 from tests.e2e.stack import Stack, start_stack, stop_stack
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 log = logging.getLogger(__name__)
 
 ADMIN_KEY = "admin-" + uuid.uuid4().hex

@@ -9,7 +9,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from crescent.services.engine_vllm.reaper import process_stat
+
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 PARENT = """
 import subprocess, sys, time

@@ -21,6 +21,8 @@ import pytest
 
 from .support import FakeBackend, Gateway, served_salt
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 KEY_CACHE_S = 1.0
 

@@ -13,6 +13,8 @@ from crescent.services.contract.block_keys import prefix_block_keys
 from .fake_tokenizer import MODEL_ID
 from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 
 @pytest.fixture
 def own_backend() -> Iterator[FakeBackend]:

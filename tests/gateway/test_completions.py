@@ -19,6 +19,8 @@ import pytest
 from .fake_tokenizer import IM_END, MODEL_ID, VOCAB_SIZE, FakeTokenizer
 from .support import FakeBackend, Gateway, served_salt
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 TOKENIZER = FakeTokenizer()
 CONTEXT_WINDOW = 256  # the fake model's
 

@@ -10,10 +10,13 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.tenancy.postgres import postgres_instance
 
 from .support import FakeBackend, Gateway
+
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 

@@ -15,10 +15,12 @@ from typing import Any
 
 import openai
 import pytest
-from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from crescent.services.model.model_source import DEFAULT_MODEL, ModelSpecError, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 
 from .support import PRODUCTION_ENTRY, REPO_ROOT, FakeBackend, Gateway
+
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -55,7 +57,7 @@ class RealEchoBackend(FakeBackend):
 def tokenizer() -> Tokenizer:
     try:
         return Tokenizer.for_model(resolve_model(DEFAULT_MODEL))
-    except ModelNotFoundError as exc:
+    except ModelSpecError as exc:
         pytest.skip(f"the default model is not installed: {exc}")
 
 

@@ -21,6 +21,8 @@ import pytest
 from .fake_tokenizer import MODEL_ID
 from .support import FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 
 class StreamReader(threading.Thread):
     """Reads one streamed completion in the background, keeping every SSE event."""

@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from .support import REPO_ROOT, FakeBackend, Gateway
+
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 
 def configured(gw: Gateway, **changes: Any) -> Gateway:

@@ -7,8 +7,11 @@ import re
 
 import httpx
 import openai
+import pytest
 
 from .support import FakeBackend, Gateway
+
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

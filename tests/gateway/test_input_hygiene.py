@@ -20,6 +20,8 @@ import pytest
 from .fake_tokenizer import IM_START, MODEL_ID
 from .support import FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 GOOD = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
 BODY_TIMEOUT_S = 1.0
 MAX_BODY_BYTES = 64 * 1024

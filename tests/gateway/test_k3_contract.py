@@ -93,6 +93,7 @@ def refused(call: Any) -> dict[str, Any]:
     return body.get("error", body)
 
 
+@pytest.mark.slow
 def test_a_thinking_reply_becomes_reasoning_content_and_tool_calls(api: openai.OpenAI) -> None:
     reply = api.chat.completions.create(model=MODEL, messages=user(THINK_THEN_CALL), tools=[WEATHER])
     choice = reply.choices[0]
@@ -102,6 +103,7 @@ def test_a_thinking_reply_becomes_reasoning_content_and_tool_calls(api: openai.O
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
 
 
+@pytest.mark.slow
 def test_the_same_reply_streamed(api: openai.OpenAI) -> None:
     reasoning, content, name, arguments, finish = "", "", "", "", None
     for chunk in api.chat.completions.create(model=MODEL, messages=user(THINK_THEN_CALL), tools=[WEATHER],
@@ -117,6 +119,7 @@ def test_the_same_reply_streamed(api: openai.OpenAI) -> None:
         "The user wants weather.", "Checking.", "get_weather", {"city": "Paris"}, "tool_calls")
 
 
+@pytest.mark.slow
 def test_a_call_and_its_result_sent_back_render_where_k3_puts_them(api: openai.OpenAI, k3_backend: FakeBackend,
                                                                     k3: KimiTokenizer) -> None:
     first = api.chat.completions.create(model=MODEL, messages=user(THINK_THEN_CALL), tools=[WEATHER])
@@ -133,6 +136,7 @@ def test_a_call_and_its_result_sent_back_render_where_k3_puts_them(api: openai.O
     assert reply.usage.prompt_tokens == len(sent(k3_backend)["token_ids"])
 
 
+@pytest.mark.slow
 def test_usage_counts_the_tokens_of_k3s_own_format(api: openai.OpenAI, k3_backend: FakeBackend,
                                                    k3: KimiTokenizer) -> None:
     reply = api.chat.completions.create(model=MODEL, messages=user("Hi"))
@@ -140,6 +144,7 @@ def test_usage_counts_the_tokens_of_k3s_own_format(api: openai.OpenAI, k3_backen
     assert sent(k3_backend)["token_ids"] == expected and reply.usage.prompt_tokens == len(expected)
 
 
+@pytest.mark.slow
 def test_thinking_effort_wins_over_reasoning_effort_and_keep_all_is_accepted(
         api: openai.OpenAI, k3_backend: FakeBackend, k3: KimiTokenizer) -> None:
     api.chat.completions.create(model=MODEL, messages=user("Hi"), reasoning_effort="high",  # type: ignore[arg-type]
@@ -154,6 +159,7 @@ def test_thinking_effort_wins_over_reasoning_effort_and_keep_all_is_accepted(
     assert error["param"] == "thinking.effort" and "low" in error["message"]
 
 
+@pytest.mark.slow
 def test_instant_mode_ignores_the_effort_and_answers_in_the_response_channel(
         api: openai.OpenAI, k3_backend: FakeBackend, k3: KimiTokenizer) -> None:
     reply = api.chat.completions.create(
@@ -172,12 +178,14 @@ def test_instant_mode_ignores_the_effort_and_answers_in_the_response_channel(
     ({"frequency_penalty": 0.2}, "frequency_penalty"), ({"n": 2}, "n"),
     ({"temperature": 1.0, "extra_body": {"thinking": {"type": "disabled"}}}, "temperature"),
 ])
+@pytest.mark.slow
 def test_locked_sampling_parameters_are_refused_by_name(api: openai.OpenAI, fields: dict, param: str) -> None:
     error = refused(lambda: api.chat.completions.create(model=MODEL, messages=user("Hi"), **fields))
     assert (error["param"], error["code"]) == (param, "locked_parameter")
     assert "fixed at" in error["message"]
 
 
+@pytest.mark.slow
 def test_locked_parameters_sent_at_their_fixed_values_are_accepted(api: openai.OpenAI) -> None:
     reply = api.chat.completions.create(model=MODEL, messages=user("Hi"), temperature=1.0, top_p=0.95, n=1,
                                         presence_penalty=0.0, frequency_penalty=0.0)
@@ -185,10 +193,12 @@ def test_locked_parameters_sent_at_their_fixed_values_are_accepted(api: openai.O
 
 
 @pytest.mark.parametrize("choice", ["none", "auto"])
+@pytest.mark.slow
 def test_tool_choice_none_or_auto_without_tools_is_accepted(api: openai.OpenAI, choice: str) -> None:
     assert api.chat.completions.create(model=MODEL, messages=user("Hi"), tool_choice=choice).choices  # type: ignore
 
 
+@pytest.mark.slow
 def test_dynamic_tools_are_declared_in_place_and_callable(api: openai.OpenAI, k3_backend: FakeBackend,
                                                           k3: KimiTokenizer) -> None:
     reply_text = ("Time?<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
@@ -204,6 +214,7 @@ def test_dynamic_tools_are_declared_in_place_and_callable(api: openai.OpenAI, k3
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "clock"}}])
+@pytest.mark.slow
 def test_a_forced_call_is_satisfied_by_dynamic_tools_alone(api: openai.OpenAI, k3_backend: FakeBackend,
                                                            k3: KimiTokenizer, choice: Any) -> None:
     messages = [{"role": "system", "tools": [CLOCK]}, *user("What time is it?")]
@@ -222,6 +233,7 @@ def test_a_forced_call_is_satisfied_by_dynamic_tools_alone(api: openai.OpenAI, k
         {"role": "tool", "content": "sunny"}]}, "tool_call_id"),
     ({"messages": [{"role": "user", "content": "Hi", "tools": [CLOCK]}]}, "tools"),
 ])
+@pytest.mark.slow
 def test_incomplete_requests_are_refused(api: openai.OpenAI, body: dict[str, Any], param: str) -> None:
     fields = {"messages": user("Hi"), **body}
     error = refused(lambda: api.chat.completions.create(model=MODEL, **fields))
@@ -247,6 +259,7 @@ class Verdict(pydantic.BaseModel):
     verdict: str
 
 
+@pytest.mark.slow
 def test_a_structured_output_is_the_response_channels_text(api: openai.OpenAI, k3_backend: FakeBackend,
                                                            k3: KimiTokenizer) -> None:
     scripted = ('<|close|>think<|sep|><|open|>response<|sep|>{"verdict": "yes"}<|close|>response<|sep|>'

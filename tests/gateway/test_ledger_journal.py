@@ -9,6 +9,8 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from crescent.services.gateway import ledger_journal
 from crescent.services.gateway.ledger_journal import Journal
 from crescent.services.tenancy.usage import UsageRow
@@ -21,6 +23,7 @@ def row(i: int) -> UsageRow:
                     savings_nusd=i)
 
 
+@pytest.mark.slow
 def test_rows_of_a_killed_writer_are_recovered_whole_and_a_live_ones_are_not(tmp_path: Path) -> None:
     live = Journal(tmp_path)
     live.append(row(1000))  # a gateway still running beside: its rows are its own

@@ -149,6 +149,7 @@ async def test_a_sent_settle_is_seen_by_the_next_admission_from_another_gateway(
     await asyncio.gather(*outcomes)
 
 
+@pytest.mark.slow
 async def test_a_sent_settle_survives_a_redis_that_lost_its_scripts(redis: RedisServer) -> None:
     """A restarted Redis has no scripts loaded: the settle is run again with its script."""
     store, spend = RedisLimitStore(redis.url, 60.0, 30.0, timeout_s=2.0), key("spend")
@@ -178,6 +179,7 @@ async def test_seeding_a_budget_raises_it_never_lowers_it(make_store: StoreFacto
     assert (await store.admit(check)).refused == 0, "a smaller sum (rows not yet committed) lowers nothing"
 
 
+@pytest.mark.slow
 async def test_two_gateways_admitting_from_their_views_hold_the_limit(redis: RedisServer) -> None:
     """Most admissions far from a limit are answered from each gateway's view of Redis (no round
     trip); near the limit both wait for Redis. Two stores on one Redis, 40 concurrent callers

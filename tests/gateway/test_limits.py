@@ -21,6 +21,8 @@ from tests.tenancy.redis_server import RedisServer, redis_server
 
 from .support import FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 PERIOD_S = 2.0
 LEASE_S = 1.0

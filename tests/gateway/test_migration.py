@@ -22,6 +22,8 @@ from .fake_tokenizer import MODEL_ID, FakeTokenizer
 from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt
 from .test_health_metrics import metric
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 TOKENIZER = FakeTokenizer()
 
 

@@ -111,6 +111,7 @@ def post(gw: Gateway, model: str, **fields: Any) -> httpx.Response:
     return httpx.post(f"{gw.url}/v1/chat/completions", json={"model": model, "messages": USER, **fields}, timeout=20)
 
 
+@pytest.mark.slow
 def test_kimi_thinking_switch_and_effort_reach_the_prompt_and_the_sampling(kimi: Gateway,
                                                                           backend: FakeBackend) -> None:
     from crescent.services.model.kimi_tokenizer import tokenizer_for
@@ -133,6 +134,7 @@ def test_kimi_thinking_switch_and_effort_reach_the_prompt_and_the_sampling(kimi:
     assert (refused["param"], refused["code"]) == ("top_p", "locked_parameter")
 
 
+@pytest.mark.slow
 def test_the_card_is_on_the_model_endpoint(kimi: Gateway, carded: Gateway) -> None:
     card = httpx.get(f"{kimi.url}/v1/models/kimi-k3-nano", timeout=5).json()["policy"]
     assert card["reasoning_efforts"] == ["max", "low", "high"] and card["thinking"] == ["enabled", "disabled"]
@@ -142,6 +144,7 @@ def test_the_card_is_on_the_model_endpoint(kimi: Gateway, carded: Gateway) -> No
     assert listed["sampling"] == {"defaults": {"max_tokens": 7.0}, "locked": {"temperature": 0.3}}
 
 
+@pytest.mark.slow
 def test_a_card_from_the_settings_file_applies(carded: Gateway, backend: FakeBackend) -> None:
     assert post(carded, MODEL_ID, reasoning_effort="high").status_code == 200
     sent = backend.get("/prefills")[-1]
@@ -152,6 +155,7 @@ def test_a_card_from_the_settings_file_applies(carded: Gateway, backend: FakeBac
     assert error["param"] == "reasoning_effort" and "medium, high" in error["message"]
 
 
+@pytest.mark.slow
 def test_a_model_without_reasoning_controls_refuses_them_by_name(gateway: Gateway) -> None:
     error = post(gateway, MODEL_ID, reasoning_effort="high").json()["error"]
     assert error["param"] == "reasoning_effort" and "no reasoning effort control" in error["message"]
@@ -159,6 +163,7 @@ def test_a_model_without_reasoning_controls_refuses_them_by_name(gateway: Gatewa
     assert error["param"] == "thinking.type"
 
 
+@pytest.mark.slow
 def test_chat_template_kwargs_reach_the_template_but_not_the_gateways_names(gateway: Gateway) -> None:
     assert post(gateway, MODEL_ID, chat_template_kwargs={"custom_flag": True}).status_code == 200
     for name in ("messages", "add_generation_prompt", "thinking"):

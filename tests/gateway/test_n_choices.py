@@ -24,6 +24,8 @@ from crescent.services.gateway.model_policy import K3_POLICY
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
 from .support import BLOCK_SIZE, FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 TOKENIZER = FakeTokenizer()
 WORDS = ["alpha", "beta", "gamma", "delta"]
 DRAW = "#draw " + " ".join(WORDS)

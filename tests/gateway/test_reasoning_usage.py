@@ -24,6 +24,8 @@ import pytest
 from .fake_tool_model import TOOL_MODEL_ID, FakeToolTokenizer
 from .support import BLOCK_SIZE, FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 TOKENIZER = FakeToolTokenizer()
 THINK = "<think>The user asks about the sky; it is blue by Rayleigh scattering.</think>"

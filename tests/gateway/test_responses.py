@@ -23,6 +23,8 @@ from .fake_tokenizer import FakeTokenizer
 from .support import FakeBackend, Gateway
 from .test_disconnect import abort_for, wait_for_event
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 TOKENIZER = FakeTokenizer()
 STREAM_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 

@@ -22,6 +22,8 @@ from .support import FakeBackend, Gateway
 from .test_reasoning_tools import REASONING, SECTION_BEGIN, SECTION_END, THINK, TWO_CALLS, call
 from .test_responses import STREAM_EVENT, strictly
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "Current weather of a city",
                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                     "required": ["city"]}, "strict": False}]

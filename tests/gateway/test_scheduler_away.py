@@ -14,6 +14,8 @@ import pytest
 from .fake_tokenizer import MODEL_ID
 from .support import FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 HELLO = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hello"}]}
 
 

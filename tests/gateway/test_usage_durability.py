@@ -28,6 +28,8 @@ import pytest
 from .support import FakeBackend, Gateway
 from .usage_load import send_all
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 log = logging.getLogger(__name__)
 
 REQUESTS = 1000

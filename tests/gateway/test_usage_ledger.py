@@ -138,6 +138,7 @@ def two_tenants(sqlite_gateway: Gateway) -> dict[str, Any]:
     return {"a1": a1, "a2": a2, "b1": b1, "a": a, "b": b, "a1_id": a1_id, "a2_id": a2_id}
 
 
+@pytest.mark.slow
 def test_a_tenant_sees_only_its_own_usage(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     t = two_tenants
     assert usage(sqlite_gateway, t["a1"]).json()["total"]["requests"] == 5
@@ -155,6 +156,7 @@ def test_a_tenant_sees_only_its_own_usage(sqlite_gateway: Gateway, two_tenants: 
     assert admin(sqlite_gateway, "GET", "/usage", tenant="nobody").status_code == 404
 
 
+@pytest.mark.slow
 def test_grouping_by_key_model_and_day(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     t = two_tenants
     today = datetime.now(UTC).date().isoformat()
@@ -168,6 +170,7 @@ def test_grouping_by_key_model_and_day(sqlite_gateway: Gateway, two_tenants: dic
     assert [(r["model"], r["requests"]) for r in grouped_csv] == [(MODEL, "5")]
 
 
+@pytest.mark.slow
 def test_time_ranges(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     t = two_tenants
     now = datetime.now(UTC)
@@ -178,6 +181,7 @@ def test_time_ranges(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> No
     assert usage(sqlite_gateway, t["a1"], start="2020-01-01", end=tomorrow).json()["total"]["requests"] == 5
 
 
+@pytest.mark.slow
 def test_csv_by_accept_header_and_as_an_attachment(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     reply = httpx.get(f"{sqlite_gateway.url}/v1/usage", timeout=30,
                       headers={"Authorization": f"Bearer {two_tenants['a2']}", "Accept": "text/csv"})
@@ -197,6 +201,7 @@ def test_csv_by_accept_header_and_as_an_attachment(sqlite_gateway: Gateway, two_
     ({"format": "xml"}, "format", "json or csv"),
     ({"groupby": "key"}, "groupby", "unknown parameter"),
 ])
+@pytest.mark.slow
 def test_bad_parameters_are_a_400_naming_them(sqlite_gateway: Gateway, two_tenants: dict[str, Any],
                                               params: dict[str, str], param: str, needle: str) -> None:
     reply = usage(sqlite_gateway, two_tenants["a1"], **params)
@@ -205,6 +210,7 @@ def test_bad_parameters_are_a_400_naming_them(sqlite_gateway: Gateway, two_tenan
     assert error["param"] == param and needle in error["message"]
 
 
+@pytest.mark.slow
 def test_crescent_usage_reads_the_database(sqlite_url: str, two_tenants: dict[str, Any]) -> None:
     def cli(*args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "crescent.services.cli", "usage", "--database-url", sqlite_url,

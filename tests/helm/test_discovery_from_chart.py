@@ -25,7 +25,7 @@ from tests.scheduler.support import SchedulerProcess, instance
 kubernetes = pytest.importorskip("kubernetes")
 pytest.importorskip("kmock")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 KMOCK_SERVER = REPO / "tests" / "scheduler" / "kmock_server.py"
 PODS = {"prefill": ("crescent-prefill-g0-abcde", "10.1.2.3"), "decode": ("crescent-decode-g0-fghij", "10.1.2.4"),

@@ -19,6 +19,7 @@ MIB = 1 << 20
 POOL = 16 * MIB  # 8 huge pages of 2 MiB
 
 
+@pytest.mark.slow
 def test_too_few_huge_pages_stop_the_node_at_start_with_what_is_needed(tmp_path: Path) -> None:
     pages = free_huge_pages("2Mi") + 1  # one more than this machine can give
     config = tmp_path / "kvstore.yaml"

@@ -197,6 +197,7 @@ async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvs
 
 
 @pytest.mark.skipif(not _nixl_installed(), reason="NIXL is not installed here (pip install 'crescent[nixl]')")
+@pytest.mark.slow
 async def test_with_nixl_blocks_are_written_one_sided_and_checked_at_commit(kvstore_node) -> None:
     node = kvstore_node({"nixl": True, "tiers": {"host": {"capacity_bytes": 64 * MIB}}})
     writer = await asyncio.create_subprocess_exec(

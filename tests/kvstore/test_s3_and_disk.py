@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import boto3
+import pytest
 
 from crescent.services.kvstore.client import KvStoreClient
 
@@ -53,6 +54,7 @@ async def locations(client: KvStoreClient) -> dict[bytes, int]:
     return {b.key: b.tier for b in listed.blocks}
 
 
+@pytest.mark.slow
 async def test_blocks_demote_through_every_tier_and_promote_back(tmp_path, s3_server, kvstore_node) -> None:
     node = kvstore_node(tiers(tmp_path, s3_server))
     client = KvStoreClient(node.address)
@@ -79,6 +81,7 @@ async def test_blocks_demote_through_every_tier_and_promote_back(tmp_path, s3_se
         await client.close()
 
 
+@pytest.mark.slow
 async def test_corrupt_copies_on_disk_and_s3_are_counted_dropped_and_stored_again(tmp_path, s3_server, kvstore_node) -> None:
     node = kvstore_node(tiers(tmp_path, s3_server, host_blocks=1, disk_blocks=1))
     client = KvStoreClient(node.address)
@@ -107,6 +110,7 @@ async def test_corrupt_copies_on_disk_and_s3_are_counted_dropped_and_stored_agai
         await client.close()
 
 
+@pytest.mark.slow
 async def test_s3_outage_means_misses_and_dropped_writes_and_the_node_stays_up(tmp_path, s3_server, kvstore_node) -> None:
     node = kvstore_node(tiers(tmp_path, s3_server, host_blocks=1, disk_blocks=1, write_queue_blocks=2))
     client = KvStoreClient(node.address)
@@ -135,6 +139,7 @@ async def test_s3_outage_means_misses_and_dropped_writes_and_the_node_stays_up(t
         await client.close()
 
 
+@pytest.mark.slow
 async def test_a_restarted_node_finds_its_disk_and_s3_blocks(tmp_path, s3_server, kvstore_node) -> None:
     config = {**tiers(tmp_path, s3_server, host_blocks=1, disk_blocks=2), "spill_on_stop_s": 0}  # the host copy dies
     node = kvstore_node(config, name="first")

@@ -37,6 +37,7 @@ def test_peak_table_matches_the_longest_device_name():
     assert peaks_for("Some Future Accelerator") is None
 
 
+@pytest.mark.slow
 def test_dry_run_prints_one_json_line_with_every_kernel_checked(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--json", str(out)],
@@ -65,6 +66,7 @@ def test_a_wrong_kernel_fails_its_check(monkeypatch, capsys):
     assert all(row["rel_rms_vs_check"] > 0.05 for row in result["mxfp4"])
 
 
+@pytest.mark.slow
 def test_without_cuda_and_without_dry_run_it_refuses_plainly():
     proc = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, env=cpu_env(), timeout=120)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr

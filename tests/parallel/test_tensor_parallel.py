@@ -52,6 +52,7 @@ def engines(model: TensorParallelLlama) -> tuple[Engine, Engine]:
     return Engine(model, **settings), Engine(tiny_model(), **settings)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_and_logits_match_a_single_process(group: TensorParallelLlama) -> None:
     tp, one = engines(group)
     for prompt in PROMPTS:
@@ -73,6 +74,7 @@ def test_greedy_tokens_and_logits_match_a_single_process(group: TensorParallelLl
             e.release(seq)
 
 
+@pytest.mark.slow
 def test_a_prefix_hit_reuses_the_groups_pages(group: TensorParallelLlama) -> None:
     tp, one = engines(group)
     base = PROMPTS[0]
@@ -86,6 +88,7 @@ def test_a_prefix_hit_reuses_the_groups_pages(group: TensorParallelLlama) -> Non
     torch.testing.assert_close(tp.prefill(hits[tp]), one.prefill(hits[one]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_blocks_read_as_single_process_blocks_and_writes_read_back(group: TensorParallelLlama) -> None:
     tp, one = engines(group)
     assert tp.cache.block_shape == one.cache.block_shape and tp.cache.wire_dtype == one.cache.wire_dtype

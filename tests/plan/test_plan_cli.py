@@ -91,6 +91,7 @@ def test_k3_does_not_fit_on_one_8_h200_node_and_says_how_many_would() -> None:
     assert plan("--gpus", f"{needed - 1}xH200", "--context", "1M")[1]["best"] is None
 
 
+@pytest.mark.slow
 def test_helm_values_render_in_the_chart_and_load_in_the_decode_service(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "crescent.services.cli", "plan", "--model", "kimi-k3",
                              "--gpus", "8xB300", "--context", "128k"], capture_output=True, text=True, timeout=120)

@@ -140,6 +140,7 @@ def test_a_crashed_prefill_s_segments_are_swept_and_a_live_one_s_kept() -> None:
 
 # ---- real processes on loopback -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_prompt_handed_through_shared_memory_decodes_as_one_process(tmp_path) -> None:
     prompts = PromptKv()
     scheduler = SchedulerStandIn()

@@ -189,6 +189,7 @@ def speak(port: int, data: bytes) -> bytes:
 
 # ---- real processes on loopback -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_prompt_handed_over_tcp_between_processes_decodes_as_one_process(tmp_path) -> None:
     prompts = PromptKv()
     scheduler = SchedulerStandIn()

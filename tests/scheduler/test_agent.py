@@ -14,7 +14,7 @@ from crescent.services.common.scheduler_agent import SchedulerAgent
 
 from .support import instance
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 KEYS = prefix_block_keys(list(range(4 * 6)), 4, "m")
 

@@ -140,6 +140,7 @@ def start_discovering(start_scheduler, kubeconfig: Path, **extra):
     )
 
 
+@pytest.mark.slow
 def test_instances_come_and_go_with_their_endpoints(start_scheduler, kubeconfig, slices) -> None:
     slices.create_namespaced_endpoint_slice(NAMESPACE, endpoint_slice("pf-a", "crescent-prefill", [("pf-0", "10.0.0.1")]))
     sched = start_discovering(start_scheduler, kubeconfig)
@@ -170,6 +171,7 @@ def test_instances_come_and_go_with_their_endpoints(start_scheduler, kubeconfig,
     eventually(lambda: not listed(sched), "the deleted slice's prefill instance is dropped", 2.0)
 
 
+@pytest.mark.slow
 def test_an_instance_that_registers_itself_keeps_its_own_details(start_scheduler, kubeconfig, slices) -> None:
     sched = start_discovering(start_scheduler, kubeconfig)
     slices.create_namespaced_endpoint_slice(NAMESPACE, endpoint_slice("pf-b", "crescent-prefill", [("pf-1", "10.0.0.7")]))

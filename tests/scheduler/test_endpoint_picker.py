@@ -83,6 +83,7 @@ def picker(start_scheduler) -> Iterator[tuple[object, int]]:
     yield sched, port
 
 
+@pytest.mark.slow
 def test_routes_a_chat_request_to_a_gateway_pod_once_engines_serve_its_model(picker) -> None:
     sched, port = picker
     sched.stub.Register(instance("p0", "prefill"))
@@ -93,6 +94,7 @@ def test_routes_a_chat_request_to_a_gateway_pod_once_engines_serve_its_model(pic
     assert destination(second, "request_body") == (f"127.0.0.1:{GATEWAY_PORT}",) * 2
 
 
+@pytest.mark.slow
 def test_full_duplex_answers_headers_after_the_body_and_hands_the_body_back(picker) -> None:
     sched, port = picker
     sched.stub.Register(instance("p0", "prefill"))
@@ -117,6 +119,7 @@ def _servable(sched) -> None:
     sched.stub.Register(instance("d0", "decode"))
 
 
+@pytest.mark.slow
 def test_full_duplex_hands_a_large_body_back_in_chunks_in_order_after_the_route(picker) -> None:
     sched, port = picker
     _servable(sched)
@@ -130,6 +133,7 @@ def test_full_duplex_hands_a_large_body_back_in_chunks_in_order_after_the_route(
     assert returned == body and ends == [False] * (len(ends) - 1) + [True] and len(ends) == 4
 
 
+@pytest.mark.slow
 def test_full_duplex_with_trailers_routes_when_they_arrive_and_answers_them_last(picker) -> None:
     """With trailers the last body chunk has no end_of_stream; the trailers say the body is whole."""
     sched, port = picker
@@ -142,6 +146,7 @@ def test_full_duplex_with_trailers_routes_when_they_arrive_and_answers_them_last
     assert _streamed_body(answers, "request_body") == (body, [False])  # trailers follow: not the end
 
 
+@pytest.mark.slow
 def test_full_duplex_response_bodies_are_handed_back_chunk_for_chunk(picker) -> None:
     """The response path in FULL_DUPLEX_STREAMED mode: an empty answer would empty the client's body."""
     sched, port = picker
@@ -160,6 +165,7 @@ def test_full_duplex_response_bodies_are_handed_back_chunk_for_chunk(picker) -> 
     assert not buffered[-1].response_body.response.HasField("body_mutation")  # other modes: left as it is
 
 
+@pytest.mark.slow
 def test_a_partial_buffer_cut_short_is_routed_unjudged_and_a_whole_one_judged(picker) -> None:
     """BUFFERED_PARTIAL sends at most the proxy's buffer: without end_of_stream the body may be
     cut, so it is not refused as bad JSON; with it, it is the whole body and is checked."""
@@ -172,6 +178,7 @@ def test_a_partial_buffer_cut_short_is_routed_unjudged_and_a_whole_one_judged(pi
     assert refusal(answers[1])[2]["code"] == "invalid_json"
 
 
+@pytest.mark.slow
 def test_streamed_and_no_body_modes_route_on_the_headers(picker) -> None:
     """STREAMED: the proxy routes on the header answer before any body arrives; NONE: no body comes."""
     sched, port = picker
@@ -185,6 +192,7 @@ def test_streamed_and_no_body_modes_route_on_the_headers(picker) -> None:
     assert destination(only, "request_headers")[0] == f"127.0.0.1:{GATEWAY_PORT}"
 
 
+@pytest.mark.slow
 def test_a_request_without_a_body_is_routed_on_its_headers(picker) -> None:
     _, port = picker
     (only,) = ask(port, _headers(end_of_stream=True))  # e.g. GET /v1/models: no engine needed
@@ -200,6 +208,7 @@ BAD_BODIES = [
 ]
 
 
+@pytest.mark.slow
 def test_a_bad_body_is_answered_at_once_with_400_and_its_reason(picker) -> None:
     sched, port = picker
     sched.stub.Register(instance("p0", "prefill"))
@@ -211,6 +220,7 @@ def test_a_bad_body_is_answered_at_once_with_400_and_its_reason(picker) -> None:
         assert error["message"]
 
 
+@pytest.mark.slow
 def test_no_engine_for_the_model_is_a_503_naming_the_missing_role(picker) -> None:
     sched, port = picker
     _, answer = ask(port, _headers(False), _body(json.dumps(CHAT).encode()))
@@ -286,6 +296,7 @@ def test_a_required_client_certificate_admits_only_the_proxy_role_and_health_any
     assert anonymous.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake itself fails
 
 
+@pytest.mark.slow
 def test_the_health_service_answers_for_the_names_the_protocol_lists(picker) -> None:
     _, port = picker
     with picker_channel(port) as channel:

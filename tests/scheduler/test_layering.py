@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCHEDULER = Path(__file__).resolve().parents[2] / "services" / "scheduler"
 ROLES = ("prefill", "decode", "aggregated", "engine", "engine_vllm", "kvstore", "instance", "gateway")
 
 
+@pytest.mark.slow  # a fresh interpreter (tests/process_guard.py)
 def test_the_scheduler_imports_no_data_plane_role() -> None:
     probe = (
         "import sys, crescent.services.scheduler.server, crescent.services.scheduler.picker_server;"

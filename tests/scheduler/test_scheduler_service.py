@@ -128,6 +128,7 @@ def test_silent_instances_are_dropped(start_scheduler) -> None:
     assert not sched.stub.Heartbeat(scheduler_pb2.InstanceLoad(instance_id="p0")).known
 
 
+@pytest.mark.slow
 def test_after_restart_instances_reregister_and_sources_resend_snapshots(start_scheduler) -> None:
     sched = start_scheduler(heartbeat_timeout_s=30)
     sched.stub.Register(instance("p0", "prefill"))

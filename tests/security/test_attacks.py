@@ -25,7 +25,7 @@ from tests.kvstore.helpers import MODEL, make_chain
 from tests.scheduler.support import SchedulerProcess, free_port, instance
 from tests.security.support import Pki, make_test_pki
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 LEGIT_ADDRESS = "127.0.0.1:7001"
 ROGUE_ADDRESS = "127.0.0.1:6666"

@@ -82,6 +82,7 @@ async def list_instances(address: str, channel: grpc.aio.Channel | None = None, 
         return await go(fresh)
 
 
+@pytest.mark.slow
 async def test_a_running_server_serves_its_renewed_certificate_and_trusts_the_new_ca(
         scheduler: tuple[SchedulerProcess, Path], pkis: tuple[Path, Path]) -> None:
     process, files = scheduler
@@ -94,6 +95,7 @@ async def test_a_running_server_serves_its_renewed_certificate_and_trusts_the_ne
     assert await list_instances(process.address, tls_dir=old) == grpc.StatusCode.UNAVAILABLE, "the old CA is gone"
 
 
+@pytest.mark.slow
 async def test_a_client_channel_reopens_with_its_renewed_key_pair(
         scheduler: tuple[SchedulerProcess, Path], pkis: tuple[Path, Path], tmp_path: Path) -> None:
     """The channel outlives its certificate: after the rotation the scheduler restarts (every

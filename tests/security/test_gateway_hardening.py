@@ -21,6 +21,8 @@ from crescent.protos.common_pb2 import Constraint
 from crescent.services.model.grammar import ConstraintError, check_constraint
 from tests.gateway.support import FakeBackend, Gateway
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 
 

@@ -23,6 +23,8 @@ from tests.kvstore.conftest import Node, start_node
 from tests.kvstore.helpers import MODEL, make_chain
 from tests.security.support import Pki, make_test_pki
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 MIB = 1 << 20
 
 

@@ -36,6 +36,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
             yield url
 
 
+@pytest.mark.slow
 def test_create_list_revoke_round_trip(database_url: str) -> None:
     created = keys(database_url, "create", "acme", "--name", "ci", "--expires-in", "30d")
     assert created.returncode == 0, created.stderr
@@ -65,6 +66,7 @@ def test_create_list_revoke_round_trip(database_url: str) -> None:
     store.engine.dispose()
 
 
+@pytest.mark.slow
 def test_only_the_hash_is_stored_and_expiry_is_kept(database_url: str) -> None:
     store = KeyStore(connect_database(database_url))
     created = store.create_key("acme", "short", expires_in=timedelta(seconds=1), create_tenant=True)
@@ -77,6 +79,7 @@ def test_only_the_hash_is_stored_and_expiry_is_kept(database_url: str) -> None:
     store.engine.dispose()
 
 
+@pytest.mark.slow
 def test_two_gateways_share_one_salt_secret(database_url: str) -> None:
     """Several gateways on one database derive the same tenant salts (the secret is made once)."""
     first, second = connect_database(database_url), connect_database(database_url)

@@ -13,6 +13,8 @@ from crescent.services.tenancy.limits import LimitBook, Limits, Subject
 from tests.tenancy.postgres import postgres_server
 from tests.tenancy.test_keys_cli import keys, rows
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:

@@ -16,6 +16,8 @@ from crescent.services.tenancy.usage import UsageQuery, UsageRow, UsageStore, fr
 
 from .postgres import postgres_server
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 T0 = datetime(2026, 3, 1, 23, 59, 0, tzinfo=UTC)
 
 
