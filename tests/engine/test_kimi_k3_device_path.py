@@ -15,7 +15,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import model_dtype, seeded_weights
 from crescent.services.engine.kimi_k3.memory import k3_footprint
 from crescent.services.engine.kimi_k3.model import K3Model
-from crescent.services.engine.kimi_k3.ops import OpsBackend
+from crescent.services.engine.kimi_k3.ops import K3Ops, OpsBackend
 from tests.engine.k3_reference import TEST_CFG
 
 PAGE = 16
@@ -207,9 +207,9 @@ def test_a_forward_on_the_meta_device_reads_nothing_back(monkeypatch: pytest.Mon
         return torch.empty((x.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
 
     monkeypatch.setattr(ops, "_grouped", grouped)
-    model = K3Model(_cfg(), _weights(False), backend=Backend.TRITON, device="meta",
+    model = K3Model(_cfg(), _weights(False), backend=OpsBackend.TRITON, device="meta",
                     snapshots=SnapshotPolicy(every_blocks=1, slots=4))
-    model.ops = ShapeOnlyKernels(Backend.TRITON)
+    model.ops = ShapeOnlyKernels(OpsBackend.TRITON)
     for layer in model.attn + model.ffn:
         if hasattr(layer, "ops"):
             layer.ops = model.ops
