@@ -18,7 +18,8 @@ from typing import TypeVar
 
 import torch
 
-from crescent.services.engine.device import dtype_name, resolve_cache_dtype, resolve_device, resolve_dtype
+from crescent.services.engine.device import (DeviceSettingError, dtype_name, resolve_cache_dtype, resolve_device,
+                                            resolve_dtype)
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
@@ -41,6 +42,9 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         raise GroupSettingsError(f"engine.device {settings.device!r}, engine.dtype {settings.dtype!r} with "
                                  f"engine.parallel.group_size {group.size}: tensor-parallel groups run on the CPU "
                                  "(gloo) in float32 only; use device: cpu and dtype: auto")
+    if settings.kv_cache_dtype == "fp8" and source.kind != "kimi_k3":
+        raise DeviceSettingError(f"engine.kv_cache_dtype 'fp8': the fp8 cache covers kimi_k3's MLA latents only; "
+                                 f"{settings.model!r} is a {source.kind} model: use auto, float32, bfloat16 or float16")
     if group.size > 1 and source.kind == "kimi_k3":
         raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
                                  f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")
