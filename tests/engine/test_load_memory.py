@@ -20,6 +20,7 @@ from loadtest.bench_load_memory import measure_load, write_checkpoint
 BOUND = 1.2
 
 
+@pytest.mark.slow  # measures a loading process of its own (tests/process_guard.py)
 @pytest.mark.parametrize("fmt", ["kimi_linear", "kimi_k3"])
 def test_peak_host_memory_while_loading_stays_near_the_weights_bytes(fmt: str, tmp_path: Path) -> None:
     path, _ = write_checkpoint(tmp_path / fmt, fmt, hidden=384, experts=24, vocab=16384, shards=4)

@@ -34,7 +34,7 @@ def redis() -> Iterator[RedisServer]:
         yield server
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.slow)])  # redis: a server process
 async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[StoreFactory]:
     made: list[LimitStore] = []
 

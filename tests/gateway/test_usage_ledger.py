@@ -83,6 +83,7 @@ def sums(outcomes: list[Outcome]) -> tuple[int, int, int, int]:
             sum(o.cached for o in outcomes), sum(o.completion for o in outcomes))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_sums_over_1000_concurrent_requests_equal_what_clients_were_told(database: str,
                                                                        request: pytest.FixtureRequest) -> None:

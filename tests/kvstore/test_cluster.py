@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from crescent.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from crescent.services.kvstore.client import KvStoreClient
 
 from .conftest import free_port
 from .helpers import MODEL, make_chain
+
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 
 async def test_a_miss_is_fetched_from_a_peer_and_replicate_pushes_blocks(kvstore_node) -> None:

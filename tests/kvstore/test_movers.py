@@ -68,6 +68,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 async def test_the_side_channel_moves_blocks_both_ways_and_across_several_calls(kvstore_node) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
     client = KvStoreClient(node.address, movers=["tcp"])
@@ -86,6 +87,7 @@ async def test_the_side_channel_moves_blocks_both_ways_and_across_several_calls(
 
 
 @pytest.mark.parametrize("floats, where", [(MIB // 4, 12345), (3 * MIB, -7)])  # one connection; two stripes
+@pytest.mark.slow
 async def test_bytes_damaged_on_the_side_channel_are_refused_as_they_land(kvstore_node, floats: int, where: int) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})
     client = KvStoreClient(node.address, movers=["tcp"])
@@ -123,6 +125,7 @@ def _closed_without_answer(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.slow
 async def test_a_connection_without_the_issued_token_writes_nothing(kvstore_node) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     client = KvStoreClient(node.address, movers=["tcp"])
@@ -162,6 +165,7 @@ def hide_nixl(monkeypatch, tmp_path) -> None:  # noqa: ANN001
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "no-nixl"), os.environ.get("PYTHONPATH")])))
 
 
+@pytest.mark.slow
 async def test_without_nixl_here_the_client_falls_back_to_the_portable_mover(kvstore_node, monkeypatch, tmp_path) -> None:
     hide_nixl(monkeypatch, tmp_path)
     node = kvstore_node({"nixl": True})  # asked for, but NIXL is not installed there: the node serves the rest
@@ -223,6 +227,7 @@ class _WorkingEngine:
         self.role = role
 
 
+@pytest.mark.slow
 async def test_a_node_without_a_mover_is_served_the_next_way_and_the_choice_is_per_node(kvstore_node, monkeypatch) -> None:
     monkeypatch.setattr(nixl_mover, "NixlEngine", _WorkingEngine)
     plain = kvstore_node({"side_channel": {"enabled": False}}, name="plain")
@@ -244,6 +249,7 @@ async def test_a_node_without_a_mover_is_served_the_next_way_and_the_choice_is_p
             await client.close()
 
 
+@pytest.mark.slow
 async def test_a_side_channel_this_client_cannot_reach_costs_one_fallback_not_one_per_call(kvstore_node) -> None:
     # The node advertises an address nothing answers on (as behind a firewall or network policy).
     node = kvstore_node({"side_channel": {"advertise_host": "127.0.0.2"}})
@@ -262,6 +268,7 @@ async def test_a_side_channel_this_client_cannot_reach_costs_one_fallback_not_on
         await client.close()
 
 
+@pytest.mark.slow
 async def test_peer_nodes_fetch_from_each_other_over_the_side_channel(kvstore_node) -> None:
     a = kvstore_node(name="node-a")
     b = kvstore_node({"peers": {"node-a": a.address}}, name="node-b")
@@ -317,6 +324,7 @@ async def test_a_stripe_arriving_after_its_transfer_failed_writes_nothing() -> N
         server.close()
 
 
+@pytest.mark.slow
 async def test_calls_in_a_row_share_one_kept_connection_each_way(kvstore_node) -> None:
     """No connect (nor TLS handshake) per call: the client keeps its connection for the next one."""
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 * MIB}}})

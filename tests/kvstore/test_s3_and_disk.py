@@ -13,6 +13,8 @@ from crescent.services.kvstore.client import KvStoreClient
 from .conftest import s3_config
 from .helpers import MODEL, make_chain
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 BLOCK = 64 * 1024
 
 

@@ -18,6 +18,7 @@ KIB = 1024
 
 
 @pytest.mark.parametrize("path", ["grpc", "tcp", "shm-pool", "shm-segment"])
+@pytest.mark.slow
 async def test_put_then_get_prefix_exists_remove_stat(kvstore_node, path: str) -> None:
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 64 << 20}}})
     mover = path.split("-")[0]
@@ -52,6 +53,7 @@ async def test_put_then_get_prefix_exists_remove_stat(kvstore_node, path: str) -
     assert not client.errors
 
 
+@pytest.mark.slow
 async def test_wrong_model_or_corrupt_blocks_are_misses(kvstore_node) -> None:
     node = kvstore_node()
     client = KvStoreClient(node.address)
@@ -80,6 +82,7 @@ async def test_an_unreachable_store_is_a_miss_not_an_error() -> None:
         await client.close()
 
 
+@pytest.mark.slow
 async def test_leased_blocks_survive_concurrent_puts(kvstore_node) -> None:
     block_bytes = 64 * KIB
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 8 * block_bytes, "page_bytes": block_bytes,
@@ -106,6 +109,7 @@ async def test_leased_blocks_survive_concurrent_puts(kvstore_node) -> None:
             await c.close()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_node_cleanly(kvstore_node) -> None:
     node = kvstore_node()
     assert node.stop() == 0

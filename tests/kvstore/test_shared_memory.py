@@ -18,6 +18,8 @@ from crescent.services.kvstore.client import KvStoreClient
 
 from .helpers import MODEL, make_chain
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 MIB = 1 << 20
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from crescent.services.kvstore import shm
 
-pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")]
 
 MAKE_ONE = """
 import sys, time

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from crescent.protos import kvstore_pb2
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.side_channel import stripe_pieces
 
 from .helpers import MODEL, make_chain
+
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 MIB = 1 << 20
 

@@ -55,6 +55,7 @@ def server_url():
         yield url
 
 
+@pytest.mark.slow
 def test_overhead_is_live_minus_simulated_and_sim_vs_live_adds_it(server_url: str, tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 512 * (i + 1), "output_length": 64,

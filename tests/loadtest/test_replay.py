@@ -126,6 +126,7 @@ def fake_server():
         yield url, seen
 
 
+@pytest.mark.slow
 def test_replay_against_a_fake_server(fake_server, tmp_path):
     url, seen = fake_server
     rows = [  # outputs 4, 5 (slow first token), 1 (rejected), 3
@@ -170,6 +171,7 @@ def test_replay_against_a_fake_server(fake_server, tmp_path):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_sweep_command_line(fake_server, tmp_path):
     from loadtest.replay.cli import main
 
@@ -197,6 +199,7 @@ def test_sweep_command_line(fake_server, tmp_path):
     assert [r["target"] for r in json.loads(merged.read_text())] == ["a", "b", "a", "b", "c"]
 
 
+@pytest.mark.slow
 def test_tokens_without_text_count_as_completed(fake_server, tmp_path):
     url, _ = fake_server
     trace = [req(0, 0, 512, 6, [1])]
@@ -206,6 +209,7 @@ def test_tokens_without_text_count_as_completed(fake_server, tmp_path):
     assert report["per_request"][0]["ok"] and report["per_request"][0]["prompt_tokens"] == 16
 
 
+@pytest.mark.slow
 def test_skip_starts_at_a_window_of_the_trace(fake_server, tmp_path):
     from loadtest.replay.cli import main
 

@@ -52,6 +52,7 @@ def _example(name: str) -> dict[str, Any]:
     return yaml.safe_load((EXAMPLES / name).read_text())
 
 
+@pytest.mark.slow
 def test_k3_on_two_h200_nodes_is_the_examples_expert_parallel_layout(tmp_path: Path) -> None:
     args = ("--model", "kimi-k3", "--gpus", "16xH200", "--context", "256k", "--backend", "vllm")
     code, f, _ = plan(*args)
@@ -88,6 +89,7 @@ def test_k3_on_two_h200_nodes_is_the_examples_expert_parallel_layout(tmp_path: P
             settings.engine.vllm.data_parallel_size, settings.engine.vllm.quantization) == ("vllm", 8, 2, "compressed-tensors")
 
 
+@pytest.mark.slow
 def test_qwen3_32b_figures_by_hand_and_the_eight_gpu_examples(tmp_path: Path) -> None:
     code, f, _ = plan("--model", "qwen3-32b", "--gpus", "1xH200", "--context", "32k", "--backend", "vllm")
     assert code == 0

@@ -29,6 +29,8 @@ from crescent.services.prefill.prompt_export import PromptExport, owned_bytes
 from tests.engine.tiny_model import tiny_model
 from tests.kvstore.conftest import kvstore_node  # noqa: F401  (the fixture)
 
+pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
 PAGE = 4
 MIB = 1 << 20
 

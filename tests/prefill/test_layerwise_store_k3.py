@@ -101,6 +101,7 @@ def test_the_predicate_takes_the_k3_cache_to_its_own_export() -> None:
     (BF16_CFG, 9, 7, 32, 3 * PAGE),   # every block keeps its snapshot (bf16 latents, fp32 states)
     (TEST_CFG, 6, 3, 32, 2048),       # one forward
 ], ids=["evicting", "live-state", "bf16", "one-forward"])
+@pytest.mark.slow
 def test_blocks_read_back_as_the_whole_block_export_stores_them(kvstore_node, cfg, blocks, extra, slots, chunk) -> None:  # noqa: F811, ANN001
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     engine = make_engine(cfg=cfg, slots=slots, chunk=chunk)
@@ -120,6 +121,7 @@ def test_blocks_read_back_as_the_whole_block_export_stores_them(kvstore_node, cf
 
 
 @pytest.mark.parametrize(("blocks", "extra", "slots"), [(13, 5, 3), (12, 0, 3)], ids=["evicting", "live-state"])
+@pytest.mark.slow
 def test_beside_a_handoff_the_latents_are_copied_out_of_the_cache_once(kvstore_node, blocks, extra, slots) -> None:  # noqa: F811, ANN001
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     engine = make_engine(slots=slots, chunk=4 * PAGE)
@@ -131,6 +133,7 @@ def test_beside_a_handoff_the_latents_are_copied_out_of_the_cache_once(kvstore_n
     assert layered.bytes_from_cache == states * engine.cache.layer_layout().state_bytes
 
 
+@pytest.mark.slow
 def test_a_cached_prefix_is_not_exported_again(kvstore_node) -> None:  # noqa: F811
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     engine = make_engine(chunk=2 * PAGE)
@@ -141,6 +144,7 @@ def test_a_cached_prefix_is_not_exported_again(kvstore_node) -> None:  # noqa: F
     assert all(bytes(got[k].payload) == bytes(b.payload) for k, b in whole.items())
 
 
+@pytest.mark.slow
 def test_a_block_whose_snapshot_is_gone_before_its_state_is_copied_goes_whole(kvstore_node) -> None:  # noqa: F811
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     engine = make_engine(chunk=2 * PAGE)
@@ -161,6 +165,7 @@ def seq_key(whole: dict[bytes, KvBlock], i: int) -> bytes:
     return list(whole)[i]
 
 
+@pytest.mark.slow
 def test_a_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_node) -> None:  # noqa: F811
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
     engine = make_engine(chunk=2048)
@@ -172,6 +177,7 @@ def test_a_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_
     assert stat.tiers[0].blocks == 0 and stat.tiers[0].reserved_bytes == 0
 
 
+@pytest.mark.slow
 def test_a_node_without_a_shared_pool_gets_each_block_whole_once_final(kvstore_node) -> None:  # noqa: F811
     node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "shared_memory": False})
     engine = make_engine(every=0, chunk=2 * PAGE)  # a snapshot only at the prompt's last full block

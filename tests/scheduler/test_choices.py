@@ -66,6 +66,7 @@ def place(stub, n: int) -> scheduler_pb2.Placement:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_n_reaches_the_scheduler_through_grpc(start_scheduler) -> None:
     sched = start_scheduler()
     sched.stub.Register(instance("p0", "prefill"))

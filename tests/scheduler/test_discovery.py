@@ -197,6 +197,7 @@ def test_an_instance_that_registers_itself_keeps_its_own_details(start_scheduler
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 def test_the_scheduler_keeps_serving_while_the_api_server_is_unreachable(start_scheduler, tmp_path) -> None:
     config = tmp_path / "kubeconfig"
     config.write_text(yaml.safe_dump({

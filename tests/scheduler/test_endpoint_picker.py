@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .support import free_port, instance
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 GATEWAY_PORT = 8123
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}

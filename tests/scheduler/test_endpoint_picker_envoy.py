@@ -26,7 +26,7 @@ from crescent.protos import scheduler_pb2_grpc
 
 from .support import free_port, instance
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENVOY = os.environ.get("CRESCENT_ENVOY") or shutil.which("envoy", path=str(REPO_ROOT / ".tools" / "bin")) or shutil.which("envoy")

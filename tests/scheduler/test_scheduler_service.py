@@ -12,7 +12,7 @@ from crescent.services.contract.block_keys import prefix_block_keys
 
 from .support import instance
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def keys(n: int, tag: int = 0) -> list[bytes]:
