@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +37,22 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+# torch's build lock is a plain file; a process killed mid-build leaves it and every later process
+# would wait on it forever. A build takes about a minute here; a lock this old has no live owner.
+STALE_LOCK_S = 900
+
+
+def _clear_stale_lock(where: Path) -> None:
+    lock = where / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a build lock left %.0f s ago by a process that died mid-build: %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def build_dir() -> Path:
@@ -63,6 +80,7 @@ def paged_decode_ops() -> ModuleType | None:
     try:
         where = build_dir()
         where.mkdir(parents=True, exist_ok=True)  # a read-only home: the PyTorch path, not a crash
+        _clear_stale_lock(where)
         return cpp_extension.load(name="crescent_paged_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
                                   build_directory=str(where), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no writable cache: the PyTorch path serves
