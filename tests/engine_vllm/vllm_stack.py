@@ -149,7 +149,7 @@ class VllmStack:
         started = [self.start_engine(name, role) for name, role in engines.items()]
         peer, self.peer_url = start_peer(run, self.python, model.directory, MODEL, BLOCK)
         self.services["peer"] = peer
-        wait_healthy([scheduler, kvstore, gateway], 120)
+        wait_healthy([scheduler, kvstore, gateway], 300)  # they start beside the vLLMs, on the same cores
         wait_healthy([*started, peer], VLLM_START_S)
         wait_healthy([gateway], 60)
         for tenant in ("acme", "globex"):
