@@ -296,7 +296,7 @@ def policy_hit_rates(capacity_blocks: int = 512, requests: int = 20000, seed: in
     with Zipf popularity whose prefixes are re-read, mixed with one-off long prompts (20%)."""
     import random
 
-    from crescent.services.kvstore.eviction import make_policy, policy_names
+    from crescent.services.kvstore.eviction import make_eviction_policy, policy_names
 
     rng = random.Random(seed)
     conversations = 400
@@ -310,7 +310,7 @@ def policy_hit_rates(capacity_blocks: int = 512, requests: int = 20000, seed: in
             trace.append([f"conv-{conv}-{i}".encode() for i in range(rng.randint(4, 16))])
     rates = {}
     for name in policy_names():
-        policy, held, hits, total = make_policy(name), set(), 0, 0
+        policy, held, hits, total = make_eviction_policy(name), set(), 0, 0
         for keys in trace:
             for key in keys:
                 total += 1

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the checkout
 
 from loadtest.simulator import SimConfig, load_trace, rescale, simulate, summarize  # noqa: E402
-from loadtest.simulator.report import RequestRecord, Summary, render_table  # noqa: E402
+from loadtest.simulator.report import SimOutcome, Summary, render_table  # noqa: E402
 from loadtest.simulator.trace import DEFAULT_TRACE  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(("colocated+cache", replace(base, policy="cache_aware", colocated=True)))
         runs.append(("colocated", replace(base, policy="least_loaded", colocated=True, prefix_caching=False)))
     summaries: list[Summary] = []
-    records: dict[str, list[RequestRecord]] = {}
+    records: dict[str, list[SimOutcome]] = {}
     for label, config in runs:
         start = time.perf_counter()
         recs = simulate(trace, config, costs)

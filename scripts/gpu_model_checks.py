@@ -234,7 +234,7 @@ def check_k3(device: str) -> dict[str, Any]:
     from crescent.kernels.mxfp4 import Mxfp4Tensor
     from crescent.services.engine.kimi_k3.config import NANO
     from crescent.services.engine.kimi_k3.loading import seeded_weights
-    from crescent.services.engine.kimi_k3.ops import Backend
+    from crescent.services.engine.kimi_k3.ops import OpsBackend
 
     cfg = dataclasses.replace(NANO, vocab_size=512, eos_token_ids=(1,))
     dense_cfg = dataclasses.replace(cfg, first_dense_layers=cfg.num_layers)
@@ -248,21 +248,21 @@ def check_k3(device: str) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     failures = []
     for name, (c, weights) in variants.items():
-        ref = _k3_rows(_k3_engine(c, weights, "cpu", torch.float32, Backend.REFERENCE), prompts, fed)
-        got = _k3_rows(_k3_engine(c, weights, device, torch.float32, Backend.TRITON), prompts, fed)
+        ref = _k3_rows(_k3_engine(c, weights, "cpu", torch.float32, OpsBackend.REFERENCE), prompts, fed)
+        got = _k3_rows(_k3_engine(c, weights, device, torch.float32, OpsBackend.TRITON), prompts, fed)
         err = max(_rel(a, b) for a, b in zip(got, ref))
         figures[f"rel_err {name}"] = f"{err:.1e}"
         if err > 1e-3:
             failures.append(f"{name} off by {err:.1e} (> 1e-3)")
     if device != "cpu":  # bf16 on the GPU (the interpreter cannot do bf16 math); dense FFNs: see the test
         dw = seeded_weights(dense_cfg, 0)
-        ref = _k3_rows(_k3_engine(dense_cfg, dw, "cpu", torch.float32, Backend.REFERENCE), prompts, fed)
-        got = _k3_rows(_k3_engine(dense_cfg, dw, device, torch.bfloat16, Backend.TRITON), prompts, fed)
+        ref = _k3_rows(_k3_engine(dense_cfg, dw, "cpu", torch.float32, OpsBackend.REFERENCE), prompts, fed)
+        got = _k3_rows(_k3_engine(dense_cfg, dw, device, torch.bfloat16, OpsBackend.TRITON), prompts, fed)
         err = max(_rel(a, b) for a, b in zip(got, ref))
         figures["rel_err bf16 dense"] = f"{err:.1e}"
         if err > 0.2:
             failures.append(f"bf16 off by {err:.1e} (> 0.2)")
-        count, where = _syncs_in_one_forward(_k3_engine(cfg, w, device, torch.bfloat16, Backend.TRITON), prompts)
+        count, where = _syncs_in_one_forward(_k3_engine(cfg, w, device, torch.bfloat16, OpsBackend.TRITON), prompts)
         figures["host_syncs_in_a_decode_forward"] = count
         if count:
             failures.append(f"{count} host syncs in one decode forward, first at {where}")

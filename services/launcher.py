@@ -53,8 +53,8 @@ REQUEST_PATH = ("gateway", "prefill", "decode", "aggregated")  # drained first: 
 DRAINS_AFTER_PREFILL = ("decode",)
 BACKEND_GRACE_S = 10.0  # scheduler and kvstore: nothing in flight to finish
 KILL_MARGIN_S = 5.0  # past a service's own drain grace before SIGKILL
-Backend = Literal["native", "vllm"]
-BACKENDS: tuple[Backend, ...] = ("native", "vllm")
+EngineBackend = Literal["native", "vllm"]
+BACKENDS: tuple[EngineBackend, ...] = ("native", "vllm")
 # How long `crescent up` waits for every service by default: vLLM's CPU build takes 100-190 s to
 # start one engine on 2 cores (torch.compile, KV cache allocation), more when engines share them.
 READY_TIMEOUT_S: dict[str, float] = {"native": 600.0, "vllm": 900.0}
@@ -127,7 +127,7 @@ class PlatformPlan:
     tls: bool = True  # mutual TLS between the services (off: plaintext, loopback only)
     cores: int | None = None  # cores the engines share (None: this process's affinity mask)
     aggregated: int = 0  # > 0: this many aggregated engines (prefill and decode in one) instead of the two pools
-    backend: Backend = "native"  # what computes in every engine: Crescent's engine or vLLM (its own venv)
+    backend: EngineBackend = "native"  # what computes in every engine: Crescent's engine or vLLM (its own venv)
     unauthenticated_network: bool = False  # a keyless gateway on a non-loopback host, said in so many words
     device: str = "cpu"  # native engines: engine.device (cpu, cuda, cuda:N)
     dtype: str = "auto"  # native engines: engine.dtype

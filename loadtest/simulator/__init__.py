@@ -4,10 +4,10 @@ It runs the scheduling core of ``crescent.services.scheduler`` unchanged (polici
 models, prefix index) against simulated prefill and decode instances.
 """
 
-from loadtest.simulator.report import RequestRecord, Summary, summarize
+from loadtest.simulator.report import SimOutcome, Summary, summarize
 from loadtest.simulator.sim import SimConfig, Simulation, simulate
 from loadtest.simulator.trace import TraceRequest, load_trace, rescale
 
 __all__ = [
-    "RequestRecord", "SimConfig", "Simulation", "Summary", "TraceRequest", "load_trace", "rescale", "simulate", "summarize",
+    "SimOutcome", "SimConfig", "Simulation", "Summary", "TraceRequest", "load_trace", "rescale", "simulate", "summarize",
 ]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from loadtest.simulator.report import RequestRecord, Summary
+from loadtest.simulator.report import SimOutcome, Summary
 
 
-def plot_results(summaries: Sequence[Summary], records: Mapping[str, Sequence[RequestRecord]], out_dir: Path) -> list[Path]:
+def plot_results(summaries: Sequence[Summary], records: Mapping[str, Sequence[SimOutcome]], out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -12,7 +12,7 @@ from loadtest.simulator.nodes import SimRequest
 
 
 @dataclass(frozen=True, slots=True)
-class RequestRecord:
+class SimOutcome:
     index: int
     arrival_s: float
     input_length: int
@@ -27,14 +27,14 @@ class RequestRecord:
     decode: str = ""
 
     @staticmethod
-    def rejected(req: SimRequest, reason: str) -> RequestRecord:
-        return RequestRecord(req.index, req.arrival_s, req.input_length, req.output_length, len(req.keys), 0, 0,
+    def rejected(req: SimRequest, reason: str) -> SimOutcome:
+        return SimOutcome(req.index, req.arrival_s, req.input_length, req.output_length, len(req.keys), 0, 0,
                              None, None, reason)
 
     @staticmethod
-    def completed(req: SimRequest) -> RequestRecord:
+    def completed(req: SimRequest) -> SimOutcome:
         assert req.first_token_s is not None
-        return RequestRecord(
+        return SimOutcome(
             req.index, req.arrival_s, req.input_length, req.output_length, len(req.keys), req.reused_blocks,
             req.computed_tokens, req.first_token_s - req.arrival_s, req.tbt_s, "", req.prefill, req.decode,
         )
@@ -69,7 +69,7 @@ COLUMNS = ["run", "requests", "rejected", "TTFT avg s", "p50", "p90", "p99", "TB
            "effective", "hit rate", "prefill Mtok"]
 
 
-def summarize(label: str, records: Sequence[RequestRecord], slo_ttft_s: float, slo_tbt_s: float) -> Summary:
+def summarize(label: str, records: Sequence[SimOutcome], slo_ttft_s: float, slo_tbt_s: float) -> Summary:
     done = [r for r in records if r.ttft_s is not None]
     ttft = np.array([r.ttft_s for r in done], dtype=float) if done else np.zeros(1)
     tbt = np.array([r.tbt_s or 0.0 for r in done], dtype=float) if done else np.zeros(1)

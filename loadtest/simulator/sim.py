@@ -27,7 +27,7 @@ from crescent.services.scheduler.cost_presets import paper_cost_models
 from crescent.services.scheduler.datatypes import Decision, InstanceId, Placement, Role, Tier
 from crescent.services.scheduler.registry import InstanceSpec
 from loadtest.simulator.nodes import BlockCache, DecodeNode, PrefillNode, SimRequest
-from loadtest.simulator.report import RequestRecord
+from loadtest.simulator.report import SimOutcome
 from loadtest.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 
@@ -98,7 +98,7 @@ class Simulation:
         self._last_report = -math.inf
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
-        self.records: list[RequestRecord] = []
+        self.records: list[SimOutcome] = []
 
     # ---- event plumbing --------------------------------------------------------------------
 
@@ -107,7 +107,7 @@ class Simulation:
     def _at(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
-    def run(self, trace: Sequence[TraceRequest]) -> list[RequestRecord]:
+    def run(self, trace: Sequence[TraceRequest]) -> list[SimOutcome]:
         for r in trace:
             self._at(r.arrival_s, self._ARRIVE, r)
         handlers: tuple[Callable[[Any], None], ...] = (self._arrive, self._chunk_done, self._handoff_done, self._step_done)
@@ -138,7 +138,7 @@ class Simulation:
         req = SimRequest(tr.index, tr.arrival_s, tr.input_length, tr.output_length, tuple(_key(h) for h in tr.hash_ids))
         decision = self._decide(req)
         if not isinstance(decision, Placement):
-            self.records.append(RequestRecord.rejected(req, decision.reason))
+            self.records.append(SimOutcome.rejected(req, decision.reason))
             return
         self._assign(req, decision)
 
@@ -256,10 +256,10 @@ class Simulation:
         req.finish_s = self.now
         req.tbt_s = tbt_seconds(req.intervals)
         req.intervals = []
-        self.records.append(RequestRecord.completed(req))
+        self.records.append(SimOutcome.completed(req))
 
 
-def simulate(trace: Sequence[TraceRequest], config: SimConfig, costs: CostModels | None = None) -> list[RequestRecord]:
+def simulate(trace: Sequence[TraceRequest], config: SimConfig, costs: CostModels | None = None) -> list[SimOutcome]:
     if config.colocated:
         from loadtest.simulator.colocated import ColocatedSimulation
 

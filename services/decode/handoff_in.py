@@ -11,7 +11,8 @@
   channel (``handoff_side.py``, ``kvwire/handoff_tcp.py``) into the buffer ``OpenHandoff``
   allocated, each note waiting for its group to land.
 
-``land`` reads a stream to its end and returns the header, the payloads and the bytes received;
+``land`` reads a stream to its end and returns the header, the payloads and the bytes received,
+``problem`` says what makes a landed handoff unusable here (INVALID_ARGUMENT);
 malformed input is a ``BlockFormatError`` (INVALID_ARGUMENT), a segment or side channel handoff
 this instance cannot take a ``HandoffRefused`` (FAILED_PRECONDITION with the mover's refusal
 note: prefill sends it again as bytes). No gRPC here: the servicer maps those to status codes.
@@ -27,14 +28,26 @@ import torch
 
 from crescent.protos import decode_pb2
 from crescent.services.decode.handoff_side import HandoffSideChannel
-from crescent.services.engine.cache_api import LayeredKvCache
+from crescent.services.contract.choices import MAX_CHOICES
+from crescent.services.engine.cache_api import LayeredKvCache, StatefulKvCache
 from crescent.services.engine.engine import Engine
 from crescent.services.instance.wire import block_tensor, kv_dtype
 from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, MappedLayerAssembler, ShmUnusable
-from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL, HandoffLanding, HandoffTcpError, LandedLayerAssembler
+from crescent.services.kvwire.handoff_tcp import (TCP_REFUSAL, HandoffLanding, HandoffTcpError,
+                                                  LandedLayerAssembler)
 from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError
 from crescent.services.kvwire.layer_wire import LayerAssembler, block_tokens
+
+
+def first_tokens(header: decode_pb2.HandoffHeader) -> list[int]:
+    """Every choice's first token, in index order."""
+    return list(header.first_token_ids) or [header.first_token_id]
+
+
+def open_choices(header: decode_pb2.HandoffHeader) -> int:
+    """Choices left to decode (prefill ended the others at their first token)."""
+    return len(first_tokens(header)) - len(set(header.finished_choices))
 
 
 class HandoffRefused(Exception):
@@ -55,7 +68,8 @@ class LandedHandoff:
 class HandoffIntake:
     """Where this instance's handoffs land (one per servicer; each ``land`` call one stream)."""
 
-    def __init__(self, engine: Engine, shm_handoff: bool = True, side: HandoffSideChannel | None = None) -> None:
+    def __init__(self, engine: Engine, shm_handoff: bool = True,
+                 side: HandoffSideChannel | None = None) -> None:
         """``shm_handoff``: map a layer-wise handoff's shared memory segment (off: refuse it);
         ``side``: the handoff side channel (TCP) ``OpenHandoff`` opens handoffs on (None: refuse)."""
         self.engine = engine
@@ -91,7 +105,8 @@ class HandoffIntake:
                     raise BlockFormatError("a handoff part after the tail")
                 if part.tail is not None or part.layer is not None or part.state is not None:
                     if layers is None:
-                        raise BlockFormatError("a layer slice, state or tail in a handoff that is not layer-wise")
+                        raise BlockFormatError("a layer slice, state or tail in a handoff that is not "
+                                               "layer-wise")
                     if part.tail is None and landing is not None:
                         await _wait_landed(landing)  # the note's bytes, off the side channel
                     if part.tail is not None:
@@ -141,7 +156,8 @@ class HandoffIntake:
         if (header.kv_dtype != kv_dtype(cache) or tuple(header.kv_block_shape) != cache.block_shape
                 or header.num_layers != layout.num_layers):
             raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
-                                   f"{header.num_layers} layers != {cache.block_shape} in {layout.num_layers}")
+                                   f"{header.num_layers} layers != {cache.block_shape} in "
+                                   f"{layout.num_layers}")
         return LayerAssembler(layout, len(header.prompt_token_ids), self.engine.page_size)
 
     async def _mapped_assembler(self, header: decode_pb2.HandoffHeader,
@@ -171,7 +187,46 @@ class HandoffIntake:
         assembler = LandedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing)
         return assembler, landing
 
-    def _layer_payloads(self, header: decode_pb2.HandoffHeader, buffers: list[memoryview]) -> list[torch.Tensor]:
+    def problem(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
+        """What makes a landed handoff unusable on this instance (None: nothing)."""
+        engine = self.engine
+        cfg, cache = engine.config, engine.cache
+        if header.vllm_cache_salt:
+            return ("a vLLM prefill's handoff (its KV in the kvstore, no first tokens) needs a "
+                    "vLLM-backed decode")
+        if header.model_id != engine.model_id:
+            return f"this instance serves {engine.model_id!r}, not {header.model_id!r}"
+        prompt_len = len(header.prompt_token_ids)
+        if prompt_len == 0 or prompt_len + 1 >= cfg.max_position_embeddings:
+            return f"prompt of {prompt_len} tokens does not fit the context window"
+        if header.kv_dtype != kv_dtype(cache) or tuple(header.kv_block_shape) != cache.block_shape:
+            return f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} != {cache.block_shape}"
+        firsts = first_tokens(header)
+        n = max(header.sampling.n, 1)
+        if header.first_token_ids and len(firsts) != n:
+            return f"{len(firsts)} first tokens for n = {n}"
+        if n > MAX_CHOICES or (n > 1 and header.sampling.first_step > 0):
+            return f"n = {n} is not in [1, {MAX_CHOICES}] or is not a new request"
+        if any(t < 0 or t >= cfg.vocab_size for t in firsts):
+            return f"first token ids must be in [0, {cfg.vocab_size})"
+        if not all(0 <= i < len(firsts) for i in header.finished_choices) or open_choices(header) < 1:
+            return (f"finished_choices {list(header.finished_choices)} do not leave a choice of "
+                    f"{len(firsts)} to decode")
+        if len(payloads) != header.num_blocks or len(payloads) != -(-prompt_len // engine.page_size):
+            return f"{len(payloads)} KV blocks for a prompt of {prompt_len} tokens"
+        try:
+            covered = sum(cache.payload_tokens(p.shape) for p in payloads)
+        except ValueError as exc:
+            return str(exc)
+        if covered != prompt_len:
+            return "KV blocks do not cover the prompt exactly"
+        # recurrent-state models (kimi_k3): the last block carries the state
+        if isinstance(cache, StatefulKvCache) and not cache.payload_has_state(payloads[-1].shape):
+            return "the last KV block carries no recurrent state to continue from"
+        return None
+
+    def _layer_payloads(self, header: decode_pb2.HandoffHeader,
+                        buffers: list[memoryview]) -> list[torch.Tensor]:
         """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""
         cache, prompt, page = self.engine.cache, len(header.prompt_token_ids), self.engine.page_size
         stateful = cache.layer_layout().state_bytes > 0
@@ -182,7 +237,8 @@ class HandoffIntake:
                 return cache.payload_shape(tokens, with_state=i == len(buffers) - 1)
             return cache.payload_shape(tokens)
 
-        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(shape(i)) for i, buffer in enumerate(buffers)]
+        return [torch.frombuffer(buffer, dtype=cache.wire_dtype).view(shape(i))
+                for i, buffer in enumerate(buffers)]
 
 
 async def _wait_landed(landing: HandoffLanding) -> None:

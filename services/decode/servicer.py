@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc
-from crescent.services.contract.choices import MAX_CHOICES, choice_seed, reserve_tokens
+from crescent.services.contract.choices import choice_seed, reserve_tokens
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL
 from crescent.services.kvwire.handoff_wire import decode_part
@@ -30,16 +30,17 @@ from crescent.services.kvwire.kv_block import BlockFormatError
 from crescent.services.common.logs import request_id_var
 from crescent.services.contract.finish import stop_token_ids
 from crescent.services.decode.batcher import Batcher
-from crescent.services.decode.handoff_in import HandoffIntake, HandoffRefused
+from crescent.services.decode.handoff_in import HandoffIntake, HandoffRefused, first_tokens, open_choices
 from crescent.services.decode.handoff_side import HandoffSideChannel, HandoffTooLarge
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, Choice, DecodeRequest, TokenUpdate
-from crescent.services.engine.cache_api import StatefulKvCache
-from crescent.services.engine.constraints import ConstraintError, Constraints, TokenConstraint, compile_constraint
+from crescent.services.engine.constraints import (ConstraintError, Constraints, TokenConstraint,
+                                                  compile_constraint)
 from crescent.services.engine.engine import Sequence
-from crescent.services.instance.wire import kv_dtype, logprob_message, sampling_config
+from crescent.services.instance.wire import logprob_message, sampling_config
 
 log = logging.getLogger(__name__)
 
+_DRAINING = "draining: this decode instance takes no new requests"
 TOMBSTONE_TTL_S = 60.0  # an Abort that came before its Handoff refuses that Handoff this long
 
 # How StreamTokens ends a request that did not finish normally.
@@ -61,16 +62,6 @@ def never_fits_message(prompt_tokens: int, max_tokens: int, reserve: int, choice
 def _max_tokens(header: decode_pb2.HandoffHeader) -> int:
     """Tokens to generate, prefill's first one included."""
     return max(header.sampling.max_tokens, 1)
-
-
-def _first_tokens(header: decode_pb2.HandoffHeader) -> list[int]:
-    """Every choice's first token, in index order."""
-    return list(header.first_token_ids) or [header.first_token_id]
-
-
-def _open_choices(header: decode_pb2.HandoffHeader) -> int:
-    """Choices left to decode (prefill ended the others at their first token)."""
-    return len(_first_tokens(header)) - len(set(header.finished_choices))
 
 
 def _coalesced(updates: list[TokenUpdate]) -> list[TokenUpdate]:
@@ -106,7 +97,8 @@ class Tombstones:
 def add_decode_to_server(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
     """The generated registration, with Handoff's parts decoded by ``handoff_wire`` (the KV
     payloads are slices of the received messages, not protobuf's copies)."""
-    add_with_codecs(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, server, requests={"Handoff": decode_part})
+    add_with_codecs(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, server,
+                    requests={"Handoff": decode_part})
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -123,7 +115,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Handoff(self, request_iterator, context: grpc.aio.ServicerContext) -> decode_pb2.HandoffReply:
         if self.batcher.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         start = time.perf_counter()
 
         async def on_header(header: decode_pb2.HandoffHeader) -> None:
@@ -139,7 +131,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         header, payloads = landed.header, landed.payloads
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty handoff")
-        problem = self._check(header, payloads)
+        problem = self.intake.problem(header, payloads)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         await self.accept(header, payloads, context)
@@ -149,7 +141,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.HandoffReply(accepted=True)
 
     async def accept(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor] | None,
-                     context: grpc.aio.ServicerContext, local_prompt: Sequence | None = None) -> DecodeRequest:
+                     context: grpc.aio.ServicerContext,
+                     local_prompt: Sequence | None = None) -> DecodeRequest:
         """Hand a checked request to the batcher: its KV in ``payloads`` (a handoff), or in
         ``local_prompt``, a sequence this process prefilled (an aggregated instance)."""
         first_step = max(header.sampling.first_step, 0)
@@ -157,12 +150,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                header.sampling.ignore_eos)
         sampling = sampling_config(header.sampling, stops)
         choices = []
-        for index, first in enumerate(_first_tokens(header)):
+        for index, first in enumerate(first_tokens(header)):
             if index in header.finished_choices:
                 continue
             token_ids = [*header.prompt_token_ids, first]
             # The constraint continues where prefill left it: it takes every token generated so far.
-            constraint = await self._constraint(header.sampling, token_ids[len(token_ids) - first_step - 1:], context)
+            generated = token_ids[len(token_ids) - first_step - 1:]
+            constraint = await self._constraint(header.sampling, generated, context)
             choices.append(Choice(index, token_ids, replace(sampling, seed=choice_seed(sampling.seed, index)),
                                   constraint))
         if local_prompt is None:
@@ -191,17 +185,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return reserve_tokens(len(header.prompt_token_ids), _max_tokens(header),
                               self.engine.config.max_position_embeddings)
 
-    async def _refuse_early(self, header: decode_pb2.HandoffHeader, context: grpc.aio.ServicerContext) -> None:
+    async def _refuse_early(self, header: decode_pb2.HandoffHeader,
+                            context: grpc.aio.ServicerContext) -> None:
         """Refusals the header alone decides."""
         request_id = header.request_id
         if self.batcher.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         if request_id in self.tombstones:
             await context.abort(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
         if self.batcher.holds(request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already here")
         reserve = self._reserve_tokens(header)
-        choices = _open_choices(header)
+        choices = open_choices(header)
         if self.batcher.never_fits(len(header.prompt_token_ids), reserve, choices):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, never_fits_message(
                 len(header.prompt_token_ids), _max_tokens(header), reserve, choices,
@@ -212,9 +207,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """Room for a layer-wise handoff's KV on the side channel (``handoff_side.py``)."""
         request_id_var.set(request.request_id)
         if self.side is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{TCP_REFUSAL} no side channel on this decode instance")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{TCP_REFUSAL} no side channel on this decode instance")
         if self.batcher.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this decode instance takes no new requests")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _DRAINING)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         try:
@@ -225,47 +221,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return decode_pb2.OpenHandoffReply(address=self.side.address, token=token)
 
-    def _check(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
-        cfg = self.engine.config
-        if header.vllm_cache_salt:
-            return "a vLLM prefill's handoff (its KV in the kvstore, no first tokens) needs a vLLM-backed decode"
-        if header.model_id != self.engine.model_id:
-            return f"this instance serves {self.engine.model_id!r}, not {header.model_id!r}"
-        prompt_len = len(header.prompt_token_ids)
-        if prompt_len == 0 or prompt_len + 1 >= cfg.max_position_embeddings:
-            return f"prompt of {prompt_len} tokens does not fit the context window"
-        if header.kv_dtype != kv_dtype(self.engine.cache) or tuple(header.kv_block_shape) != self.engine.cache.block_shape:
-            return f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} != {self.engine.cache.block_shape}"
-        firsts = _first_tokens(header)
-        n = max(header.sampling.n, 1)
-        if header.first_token_ids and len(firsts) != n:
-            return f"{len(firsts)} first tokens for n = {n}"
-        if n > MAX_CHOICES or (n > 1 and header.sampling.first_step > 0):
-            return f"n = {n} is not in [1, {MAX_CHOICES}] or is not a new request"
-        if any(t < 0 or t >= cfg.vocab_size for t in firsts):
-            return f"first token ids must be in [0, {cfg.vocab_size})"
-        if not all(0 <= i < len(firsts) for i in header.finished_choices) or _open_choices(header) < 1:
-            return f"finished_choices {list(header.finished_choices)} do not leave a choice of {len(firsts)} to decode"
-        if len(payloads) != header.num_blocks or len(payloads) != -(-prompt_len // self.engine.page_size):
-            return f"{len(payloads)} KV blocks for a prompt of {prompt_len} tokens"
-        try:
-            covered = sum(self.engine.cache.payload_tokens(p.shape) for p in payloads)
-        except ValueError as exc:
-            return str(exc)
-        if covered != prompt_len:
-            return "KV blocks do not cover the prompt exactly"
-        cache = self.engine.cache  # recurrent-state models (kimi_k3): the last block carries the state
-        if isinstance(cache, StatefulKvCache) and not cache.payload_has_state(payloads[-1].shape):
-            return "the last KV block carries no recurrent state to continue from"
-        return None
-
     async def StreamTokens(self, request: decode_pb2.StreamRequest, context: grpc.aio.ServicerContext):
         request_id_var.set(request.request_id)
         entry = self.batcher.requests.get(request.request_id)
         if entry is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id} on this instance")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no request {request.request_id} on this instance")
         if entry.claimed:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already streaming")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request {request.request_id} is already streaming")
         entry.claimed = True
         done = False
         try:
@@ -291,7 +255,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             else:  # the reader went away (client disconnect): free the slot and KV now
                 self.batcher.abort(request.request_id, "stream cancelled")
 
-    async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decode_pb2.AbortReply:
+    async def Abort(self, request: decode_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> decode_pb2.AbortReply:
         request_id_var.set(request.request_id)
         why = f"aborted by the caller: {request.reason or 'no reason given'}"
         if request.one_choice:

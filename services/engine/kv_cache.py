@@ -26,6 +26,7 @@ from enum import Enum
 import torch
 
 from crescent.services.contract.block_keys import BlockKey
+from crescent.services.engine.device_staging import DeviceStaging, streams_for
 from crescent.services.kvwire.layer_wire import LayerLayout
 
 
@@ -208,6 +209,7 @@ class PagedKvCache:
         self.page_size = page_size
         self.pool = torch.zeros((num_pages, num_layers, 2, page_size, kv_heads, head_dim), dtype=dtype, device=device)
         self.pages = PageManager(num_pages)
+        self.staging = DeviceStaging(num_layers, streams_for(self.pool.device))  # layer copies after their kernels
 
     @property
     def device(self) -> torch.device:
@@ -270,10 +272,15 @@ class PagedKvCache:
     def copy_layer(self, page: int, layer: int, num_tokens: int, out: memoryview) -> None:
         """Copy layer ``layer`` of the page's first ``num_tokens`` tokens into ``out`` (that
         layer's bytes of a payload). Another thread may compute later layers meanwhile: a
-        finished layer's memory is not written again."""
+        finished layer's memory is not written again. On a GPU the copy waits for the layer's
+        kernels (``layer_written``'s fence), not just for its hook (``device_staging.py``)."""
         _, _, two, _, heads, dim = self.pool.shape
         dst = torch.frombuffer(out, dtype=self.pool.dtype).view(two, num_tokens, heads, dim)
-        dst.copy_(self.pool[page, layer, :, :num_tokens])
+        self.staging.copy_out(layer, self.pool[page, layer, :, :num_tokens], dst)
+
+    def layer_written(self, layer: int) -> None:
+        """The forward queued layer ``layer``'s K and V writes (compute thread, before its hook)."""
+        self.staging.record(layer)
 
     def write_block(self, page: int, payload: torch.Tensor) -> None:
         """Copy a (possibly partial) block payload (any device) into ``page``."""

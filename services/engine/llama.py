@@ -149,7 +149,8 @@ class LlamaModel:
 
         ``logits_for`` lists chunk indices whose last token's logits are wanted. ``on_layer(i)``
         is called once layer i's K and V of the batch are in the cache (they change no more in
-        this forward): a layer-wise handoff sends them while later layers compute.
+        this forward): a layer-wise handoff sends them while later layers compute. On a GPU they
+        are queued, not done, then: ``cache.copy_layer`` waits for the layer's fence.
         """
         cfg = self.config
         n = batch.token_ids.shape[0]
@@ -177,6 +178,7 @@ class LlamaModel:
             layer_pool[:, 0][slot_pages, slot_offsets] = k.to(layer_pool.dtype)
             layer_pool[:, 1][slot_pages, slot_offsets] = v.to(layer_pool.dtype)
             if on_layer is not None:
+                cache.layer_written(index)  # a fence on the compute stream: the hook's copies wait for it
                 on_layer(index)
             attn = attention(attend, q, layer_pool[:, 0], layer_pool[:, 1])
             h = h + self._summed(layer.o(attn.view(n, -1)))

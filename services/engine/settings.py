@@ -56,8 +56,8 @@ class EngineSettings(StrictModel):
                     "rounded to it when written). Hybrid models (kimi_k3): the dtype the cache stores MLA latents "
                     "and KDA conv-tail snapshots in (compute stays fp32; KDA states are always fp32); 'auto': the "
                     "model's (a real checkpoint's torch_dtype, bf16 for the public ones; fp32 for Crescent's "
-                    "presets); 'float32' for exact fp32 serving at twice the latent bytes; 'fp8' (hybrid models "
-                    "only): e4m3 latents with a scale, half of bf16's bytes (vLLM's kv_cache_dtype=fp8; conv tails "
+                    "presets); 'float32' for exact fp32 serving at twice the latent bytes; 'fp8' (kimi_k3 only): "
+                    "e4m3 latents with a scale, half of bf16's bytes (vLLM's kv_cache_dtype=fp8; conv tails "
                     "stay bf16)",
     )
     state_snapshot_every_blocks: int = Field(

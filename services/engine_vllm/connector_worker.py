@@ -79,6 +79,9 @@ class ConnectorWorker:
 
     def register(self, kv_caches: dict[str, StateLayer]) -> None:
         groups = self.groups
+        if not groups.carried:  # passive: nothing to load into or save from
+            log.info("Crescent connector passive for this model: %s", groups.unsupported)
+            return
         names = sorted(kv_caches, key=_layer_order)
         attention = [n for n in names if groups.layer_groups.get(n, groups.attention_groups[0]) in groups.attention_groups]
         states = [n for n in names if groups.layer_groups.get(n) in groups.state_groups]

@@ -75,7 +75,7 @@ def _policy(source: ModelSource, tokenizer: ChatTokenizer) -> ModelPolicy:
 
 
 def load_served_model(settings: GatewaySettings) -> ServedModel:
-    """Resolve ``settings.model``; raises the engine's ``ModelNotFoundError`` for an unknown spec."""
+    """Resolve ``settings.model``; raises ``model_source.ModelSpecError`` for an unknown spec."""
     source = resolve_model(settings.model)
     tokenizer: ChatTokenizer
     if source.kind == "gguf":

@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 
 from crescent.services.engine.device import (DeviceSettingError, dtype_name, resolve_cache_dtype, resolve_device,
-                                             resolve_dtype)
+                                            resolve_dtype)
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
@@ -42,22 +42,24 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         raise GroupSettingsError(f"engine.device {settings.device!r}, engine.dtype {settings.dtype!r} with "
                                  f"engine.parallel.group_size {group.size}: tensor-parallel groups run on the CPU "
                                  "(gloo) in float32 only; use device: cpu and dtype: auto")
-    if device.type != "cpu" and source.kind == "kimi_k3":
-        raise DeviceSettingError(f"engine.device {settings.device!r}: the kimi_k3 family runs on the CPU only so far "
-                                 "(issue 30, item 5); use device: cpu")
+    if settings.kv_cache_dtype == "fp8" and source.kind != "kimi_k3":
+        raise DeviceSettingError(f"engine.kv_cache_dtype 'fp8': the fp8 cache covers kimi_k3's MLA latents only; "
+                                 f"{settings.model!r} is a {source.kind} model: use auto, float32, bfloat16 or float16")
     if group.size > 1 and source.kind == "kimi_k3":
         raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
                                  f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")
+    cache_dtype = None  # kimi_k3: its cache takes the dtype from the model (load_k3_model's cache_dtype)
     if source.kind == "kimi_k3":  # the hybrid family loads through its own package
         from crescent.services.engine.kimi_k3.loading import load_k3_model
         from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 
         policy = SnapshotPolicy(every_blocks=settings.state_snapshot_every_blocks, slots=settings.state_snapshots)
         dtype = None if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
-        model = load_k3_model(source, mxfp4_experts=settings.mxfp4_experts, snapshots=policy, cache_dtype=dtype)
+        # on CUDA the Triton kernels (docs/k3.md, "On a GPU"); not yet run on a GPU: scripts/gpu_check.sh
+        model = load_k3_model(source, device=device, dtype=settings.dtype, mxfp4_experts=settings.mxfp4_experts,
+                              snapshots=policy, cache_dtype=dtype)
         model_id = source.model_id
     else:
-        cache_dtype = None
         loaded = load_model(source, progress=progress)
         model_id = loaded.model_id
         if group.size > 1:  # this process leads a group; its workers run parallel/worker.py

@@ -46,8 +46,9 @@ def kv_dtype(cache) -> str:
 
 
 def payload_bytes(payload: torch.Tensor) -> bytes:
-    """A block payload's raw little-endian bytes (numpy has no bfloat16: read them as bytes)."""
-    return payload.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    """A block payload's raw little-endian bytes (numpy has no bfloat16: read them as bytes); a
+    device payload (engine.device cuda) is copied to the host first."""
+    return payload.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
 # The dtypes a cache may keep KV in, by the name blocks carry (``kv_dtype``).

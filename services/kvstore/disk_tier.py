@@ -18,7 +18,7 @@ from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockFormatError, KvBlock
 from crescent.services.kvstore import block_file
 from crescent.services.kvstore.config import DiskTierSettings
-from crescent.services.kvstore.tier import BlockInfo, Tier
+from crescent.services.kvstore.tier import BlockInfo, StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ SUFFIX = ".kvb"
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-class DiskTier(Tier):
+class DiskTier(StorageTier):
     kind = common_pb2.KV_TIER_DISK
     spill_target = True  # re-indexed at the next start
 

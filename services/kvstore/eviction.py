@@ -152,7 +152,7 @@ def policy_names() -> list[str]:
     return sorted(POLICIES)
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_eviction_policy(name: str) -> EvictionPolicy:
     """The policy called ``name``; a ValueError lists the valid names."""
     factory = POLICIES.get(name)
     if factory is None:

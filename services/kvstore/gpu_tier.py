@@ -8,7 +8,7 @@ from crescent.protos import common_pb2
 from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvstore.config import GpuTierSettings
-from crescent.services.kvstore.tier import BlockInfo, Tier
+from crescent.services.kvstore.tier import BlockInfo, StorageTier
 
 
 def cuda_available() -> bool:
@@ -19,7 +19,7 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class GpuTier(Tier):
+class GpuTier(StorageTier):
     kind = common_pb2.KV_TIER_GPU
 
     def __init__(self, settings: GpuTierSettings) -> None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from crescent.protos import common_pb2
 from crescent.services.kvstore.store import TieredStore
-from crescent.services.kvstore.tier import Reservation
+from crescent.services.kvstore.tier import SpaceReservation
 from crescent.services.kvwire.side_channel import SideChannelServer
 
 # (header, room): no header for room reserved ahead, no room for a block held already
-Slot = tuple[common_pb2.BlockMeta | None, Reservation | None]
+Slot = tuple[common_pb2.BlockMeta | None, SpaceReservation | None]
 
 
 @dataclass(eq=False)

@@ -24,14 +24,14 @@ from crescent.services.common.metrics import KvStoreMetrics
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.kvstore import block_file
 from crescent.services.kvstore.config import S3TierSettings
-from crescent.services.kvstore.tier import BlockInfo, Tier
+from crescent.services.kvstore.tier import BlockInfo, StorageTier
 
 log = logging.getLogger(__name__)
 
 S3_ERRORS = (BotoCoreError, ClientError, OSError, asyncio.TimeoutError)
 
 
-class S3Tier(Tier):
+class S3Tier(StorageTier):
     kind = common_pb2.KV_TIER_S3
 
     def __init__(self, settings: S3TierSettings, metrics: KvStoreMetrics) -> None:

@@ -28,13 +28,13 @@ from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.kvstore.s3_tier import S3Tier
 from crescent.services.kvstore.servicer import KvStoreServicer, add_to_server
 from crescent.services.kvstore.store import TieredStore
-from crescent.services.kvstore.tier import HostTier, Tier
+from crescent.services.kvstore.tier import HostTier, StorageTier
 
 log = logging.getLogger(__name__)
 
 
-def build_tiers(settings: KvStoreSettings, metrics: KvStoreMetrics) -> list[Tier]:
-    tiers: list[Tier] = []
+def build_tiers(settings: KvStoreSettings, metrics: KvStoreMetrics) -> list[StorageTier]:
+    tiers: list[StorageTier] = []
     t = settings.tiers
     if t.gpu.enabled:
         from crescent.services.kvstore.gpu_tier import GpuTier, cuda_available

@@ -23,7 +23,7 @@ from crescent.services.kvstore.peers import PeerSet
 from crescent.services.kvstore.reservations import Landing, PendingReservations, Slot
 from crescent.services.kvstore.shm import AttachedSegments, ShmError, ShmSegment
 from crescent.services.kvstore.store import TieredStore
-from crescent.services.kvstore.tier import HostTier, Reservation
+from crescent.services.kvstore.tier import HostTier, SpaceReservation
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         shared = self.settings.shared_memory and isinstance(tier, HostTier) and tier.pool.share_path
         return tier if shared else None
 
-    def _reserve_reply(self, host: HostTier, rooms: list[Reservation | None],
+    def _reserve_reply(self, host: HostTier, rooms: list[SpaceReservation | None],
                        held: list[bool] | None = None) -> kvstore_pb2.ShmReserveReply:
         """Where ``rooms`` lie in ``host``'s pool (None: no room granted, or ``held`` already)."""
         reply = kvstore_pb2.ShmReserveReply(
@@ -241,7 +241,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         copy, checksummed on the way), else into a buffer and placed by the store."""
         assembler = BlockAssembler(max_block_bytes=self.settings.max_block_bytes)
         stored = rejected = 0
-        reservation: Reservation | None = None
+        reservation: SpaceReservation | None = None
         try:
             async for chunk in request_iterator:
                 if chunk.error:
@@ -406,7 +406,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
 
     async def _reserve_ahead(self, host: HostTier, sizes: list[int]) -> kvstore_pb2.ShmReserveReply | None:
         """Room for a client's next put, from spare room only: holding it must not evict anything."""
-        held: list[Reservation] = []
+        held: list[SpaceReservation] = []
         for size in sizes:
             reservation = None
             if 0 < size <= self.settings.max_block_bytes:

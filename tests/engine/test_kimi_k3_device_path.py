@@ -15,7 +15,7 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.loading import model_dtype, seeded_weights
 from crescent.services.engine.kimi_k3.memory import k3_footprint
 from crescent.services.engine.kimi_k3.model import K3Model
-from crescent.services.engine.kimi_k3.ops import Backend
+from crescent.services.engine.kimi_k3.ops import K3Ops, OpsBackend
 from tests.engine.k3_reference import TEST_CFG
 
 PAGE = 16
@@ -37,7 +37,7 @@ def _weights(packed: bool) -> dict:
     return w
 
 
-def _engine(backend: Backend, *, packed: bool = False, dtype: torch.dtype = torch.float32,
+def _engine(backend: OpsBackend, *, packed: bool = False, dtype: torch.dtype = torch.float32,
             cache_dtype: str = "float32") -> Engine:
     torch.set_num_threads(1)
     model = K3Model(_cfg(cache_dtype), _weights(packed), backend=backend, dtype=dtype)
@@ -84,8 +84,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_triton_path_matches_the_cpu_reference(packed: bool) -> None:
     # two sequences, one crossing a block boundary (KDA segments, a state carried over), batched decode
     prompts = [_prompt(19, 1), _prompt(6, 2)]
-    ref_rows, ref_tokens = _run(_engine(Backend.REFERENCE, packed=packed), prompts, steps=2)
-    tri_rows, tri_tokens = _run(_engine(Backend.TRITON, packed=packed), prompts, steps=2)
+    ref_rows, ref_tokens = _run(_engine(OpsBackend.REFERENCE, packed=packed), prompts, steps=2)
+    tri_rows, tri_tokens = _run(_engine(OpsBackend.TRITON, packed=packed), prompts, steps=2)
     assert tri_tokens == ref_tokens
     worst = max(_rel(t, r) for t, r in zip(tri_rows, ref_rows, strict=True))
     assert worst < 1e-4, f"Triton path logits differ from the reference by {worst:.2e} (relative)"
@@ -94,8 +94,8 @@ def test_triton_path_matches_the_cpu_reference(packed: bool) -> None:
 @interpreted
 def test_triton_path_reads_an_fp8_latent_cache_like_the_reference() -> None:
     prompts = [_prompt(19, 3)]
-    ref_rows, _ = _run(_engine(Backend.REFERENCE, cache_dtype="float8_e4m3fn"), prompts, steps=1)
-    tri_rows, _ = _run(_engine(Backend.TRITON, cache_dtype="float8_e4m3fn"), prompts, steps=1)
+    ref_rows, _ = _run(_engine(OpsBackend.REFERENCE, cache_dtype="float8_e4m3fn"), prompts, steps=1)
+    tri_rows, _ = _run(_engine(OpsBackend.TRITON, cache_dtype="float8_e4m3fn"), prompts, steps=1)
     assert max(_rel(t, r) for t, r in zip(tri_rows, ref_rows, strict=True)) < 1e-4
 
 
@@ -107,7 +107,7 @@ def test_bf16_compute_tracks_fp32() -> None:
     weights = seeded_weights(cfg, 0)
 
     def engine(dtype: torch.dtype) -> Engine:
-        model = K3Model(cfg, weights, backend=Backend.REFERENCE, dtype=dtype)
+        model = K3Model(cfg, weights, backend=OpsBackend.REFERENCE, dtype=dtype)
         return Engine(model, model_id="k3-dense", kv_capacity_tokens=64 * PAGE, page_size=PAGE)
 
     prompts = [_prompt(19, 4), _prompt(9, 5)]
@@ -131,7 +131,7 @@ def test_fp8_latent_cache_halves_latent_bytes_and_keeps_greedy_outputs_close() -
     bf16, fp8 = k3_footprint(_cfg("bfloat16")), k3_footprint(_cfg("float8_e4m3fn"))
     assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
     assert fp8.snapshot_bytes_per_block == bf16.snapshot_bytes_per_block  # conv tails stay bf16
-    fp8_engine = _engine(Backend.REFERENCE, cache_dtype="float8_e4m3fn")
+    fp8_engine = _engine(OpsBackend.REFERENCE, cache_dtype="float8_e4m3fn")
     bf16_pages = K3Model(_cfg("bfloat16"), _weights(False)).make_cache(4, PAGE)
     assert fp8_engine.model.make_cache(4, PAGE).page_bytes() * 2 == bf16_pages.page_bytes()
     # 8 prompts, 12 greedy tokens each from the fp32 cache; each cache dtype is fed those tokens
@@ -139,10 +139,10 @@ def test_fp8_latent_cache_halves_latent_bytes_and_keeps_greedy_outputs_close() -
     # 0.24 at std 1.0), which makes it harder on fp8 than a trained model. Measured here:
     # bf16 latents 92/96 equal choices (median logits error 0.66%), fp8 86/96 (1.9%).
     prompts = [_prompt(20 + 5 * i, 10 + i) for i in range(8)]
-    _, want = _run(_engine(Backend.REFERENCE), prompts, steps=12)
-    ref = _forced(_engine(Backend.REFERENCE), prompts, want)
+    _, want = _run(_engine(OpsBackend.REFERENCE), prompts, steps=12)
+    ref = _forced(_engine(OpsBackend.REFERENCE), prompts, want)
     agree = {}
-    for dtype, engine in (("bfloat16", _engine(Backend.REFERENCE, cache_dtype="bfloat16")), ("fp8", fp8_engine)):
+    for dtype, engine in (("bfloat16", _engine(OpsBackend.REFERENCE, cache_dtype="bfloat16")), ("fp8", fp8_engine)):
         rows = _forced(engine, prompts, want)
         agree[dtype] = sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(rows, ref, strict=True))
     assert agree["bfloat16"] >= 88 and agree["fp8"] >= 80, f"equal greedy choices of 96: {agree}"
@@ -155,7 +155,7 @@ def test_fp8_blocks_travel_as_one_byte_latents_and_resume_exactly() -> None:
     from crescent.services.kvwire.chunk_wire import chunks_of_block, decode_chunk, encode_chunk
     from crescent.services.kvwire.kv_block import BlockAssembler, KvBlock
 
-    a, b, cold = (_engine(Backend.REFERENCE, cache_dtype="float8_e4m3fn") for _ in range(3))
+    a, b, cold = (_engine(OpsBackend.REFERENCE, cache_dtype="float8_e4m3fn") for _ in range(3))
     tokens = _prompt(3 * PAGE + 5, 21)
     seq = a.add_sequence("a", tokens)
     a.prefill(seq)
@@ -176,3 +176,50 @@ def test_fp8_blocks_travel_as_one_byte_latents_and_resume_exactly() -> None:
     assert b.attach_blocks(other, blocks) == 3 * PAGE
     want = cold.prefill(cold.add_sequence("c", tokens, use_cache=False))
     assert _rel(b.prefill(other), want) < 1e-6
+
+
+class ShapeOnlyKernels(K3Ops):
+    """The Triton backend's layer code with each kernel call replaced by an output of the right
+    shape on the inputs' device: on ``meta`` tensors (no values) any host read raises."""
+
+    def kda_segment(self, q, k, v, g, beta, state, scale):  # noqa: ANN001
+        return torch.empty_like(v), torch.empty_like(state)
+
+    def kda_step(self, q, k, v, g, beta, states, scale):  # noqa: ANN001
+        return torch.empty_like(v), torch.empty_like(states, dtype=torch.float32)
+
+    def mla_attention(self, q_lat, q_rope, cache, block_table, seq_lens, cu_q, scale):  # noqa: ANN001
+        return torch.empty_like(q_lat)
+
+    def attn_res(self, sources, query, norm_weight, eps):  # noqa: ANN001
+        return torch.empty_like(sources[0])
+
+
+def test_a_forward_on_the_meta_device_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer loop of the Triton path (routing, expert sorting and counts, page metadata,
+    KDA segments and decode rows, snapshots) on ``meta`` tensors, which hold no values: a
+    ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or a Python branch on a tensor raises."""
+    import crescent.services.engine.kimi_k3.ops as ops
+    from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
+    from crescent.services.engine.llama import ForwardBatch, SeqChunk
+
+    def grouped(x, w, offsets):  # noqa: ANN001
+        return torch.empty((x.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
+
+    monkeypatch.setattr(ops, "_grouped", grouped)
+    model = K3Model(_cfg(), _weights(False), backend=OpsBackend.TRITON, device="meta",
+                    snapshots=SnapshotPolicy(every_blocks=1, slots=4))
+    model.ops = ShapeOnlyKernels(OpsBackend.TRITON)
+    for layer in model.attn + model.ffn:
+        if hasattr(layer, "ops"):
+            layer.ops = model.ops
+    cache = model.make_cache(8, PAGE)
+    a, b, c = (cache.open_state() for _ in range(3))
+    chunks = [(SeqChunk((0, 1), 20, 20, state=a, prompt_tokens=20), _prompt(20, 1)),  # a prefill over a boundary
+              (SeqChunk((2,), 9, 1, state=b), [5]), (SeqChunk((3,), 4, 1, state=c), [6])]  # two decode rows
+    hooks: list[int] = []
+    logits = model.forward(ForwardBatch.build(chunks, PAGE), cache, [0, 1, 2], on_layer=hooks.append)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (3, TEST_CFG.vocab_size)
+    assert hooks == list(range(TEST_CFG.num_layers))
+    loads = [f.load for f in model.ffn if hasattr(f, "load")]  # counted on the device; read between forwards
+    assert loads and all(t.device.type == "meta" for t in loads)

@@ -13,14 +13,14 @@ from crescent.kernels.mxfp4 import Mxfp4Tensor, dequantize_mxfp4, quantize_mxfp4
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.ffn import LatentMoe
 from crescent.services.engine.kimi_k3.loading import load_k3_model, save_hf_dir, seeded_weights
-from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, situ_glu
+from crescent.services.engine.kimi_k3.ops import OpsBackend, K3Ops, situ_glu
 from crescent.services.instance.runtime import build_engine
 from crescent.services.engine.settings import EngineSettings
 from crescent.services.model.model_source import resolve_model
 from tests.engine.k3_reference import TEST_CFG
 from tests.engine.kimi_real_format import K3_CONFIG, real_tensors, write_checkpoint
 
-REF, TRITON = K3Ops(Backend.REFERENCE), K3Ops(Backend.TRITON)
+REF, TRITON = K3Ops(OpsBackend.REFERENCE), K3Ops(OpsBackend.TRITON)
 TOKENS = [5, 17, 300, 42, 7, 99, 250, 3, 11, 64, 128, 200, 31, 77, 411, 8, 19, 23, 505, 6]
 
 

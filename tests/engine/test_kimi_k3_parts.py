@@ -18,13 +18,13 @@ from crescent.services.engine.kimi_k3 import K3_FULL, NANO, K3Config, dense_gqa_
 from crescent.services.engine.kimi_k3.ffn import LatentMoe
 from crescent.services.engine.kimi_k3.loading import load_k3_model, save_hf_dir, seeded_weights
 from crescent.services.engine.kimi_k3.model import K3Model
-from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, select_backend, situ_glu
+from crescent.services.engine.kimi_k3.ops import OpsBackend, K3Ops, select_backend, situ_glu
 from crescent.services.engine.loader.errors import ModelLoadError
 from crescent.services.engine.model_config import ModelConfigError
 from crescent.services.model.model_source import resolve_model
 from tests.engine.k3_reference import TEST_CFG
 
-REF, TRITON = K3Ops(Backend.REFERENCE), K3Ops(Backend.TRITON)
+REF, TRITON = K3Ops(OpsBackend.REFERENCE), K3Ops(OpsBackend.TRITON)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,9 +48,9 @@ TOKENS = list(range(3, 40))
 
 
 def test_backend_follows_the_device():
-    assert select_backend("cpu") is Backend.REFERENCE
-    assert select_backend("cuda") is Backend.TRITON
-    assert K3Model(TEST_CFG, _weights()).ops.backend is Backend.REFERENCE
+    assert select_backend("cpu") is OpsBackend.REFERENCE
+    assert select_backend("cuda") is OpsBackend.TRITON
+    assert K3Model(TEST_CFG, _weights()).ops.backend is OpsBackend.REFERENCE
 
 
 def _kda_inputs(t: int, gen: torch.Generator):
@@ -113,7 +113,7 @@ def test_attn_res_backends_agree_with_the_kernel_reference():
 def test_whole_model_on_triton_kernels_matches_the_references():
     tokens = TOKENS[:20]
     ref = _logits(K3Model(TEST_CFG, _weights()), tokens)
-    tri = _logits(K3Model(TEST_CFG, _weights(), backend=Backend.TRITON), tokens)
+    tri = _logits(K3Model(TEST_CFG, _weights(), backend=OpsBackend.TRITON), tokens)
     assert rel_err(tri, ref) < 1e-4
 
 

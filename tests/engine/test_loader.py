@@ -28,7 +28,7 @@ from crescent.services.engine.loader import (
 )
 from crescent.services.engine.loader.dequant import dequantize
 from crescent.services.engine.model_config import LlamaConfig
-from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
+from crescent.services.model.model_source import DEFAULT_MODEL, ModelSpecError, ModelSource, resolve_model
 
 torch.set_num_threads(2)
 
@@ -353,12 +353,12 @@ def test_dequantize_rejects_other_types_by_name() -> None:
 # --- model specs --------------------------------------------------------------------------------
 
 def test_unknown_model_spec_lists_valid_forms(tmp_path: Path) -> None:
-    with pytest.raises(ModelNotFoundError) as info:
+    with pytest.raises(ModelSpecError) as info:
         resolve_model("gpt-17-ultra")
     message = str(info.value)
     assert isinstance(info.value, ValueError)
     assert "'gpt-17-ultra'" in message and DEFAULT_MODEL in message and ".gguf" in message
     assert "config.json" in message
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelNotFoundError, match=r"missing tokenizer\.json, \*\.safetensors"):
+    with pytest.raises(ModelSpecError, match=r"missing tokenizer\.json, \*\.safetensors"):
         resolve_model(str(tmp_path))

@@ -212,3 +212,13 @@ def test_a_saved_snapshot_is_the_state_layers_bytes_after_the_forward() -> None:
     (block,) = store.put
     assert (bytes(block.key), block.dtype, block.shape, block.token_ids) == (key, "uint8", (STATE_BYTES,), (1, 2, 3, 4))
     assert bytes(block.payload) == bytes(range(STATE_BYTES))
+
+
+def test_a_model_with_groups_it_cannot_name_starts_with_the_connector_passive() -> None:
+    layout = group_layout(config(SlidingWindowSpec(), SlidingWindowSpec()))
+    worker = ConnectorWorker(ConnectorOptions(MODEL, BLOCK), Store(), "cpu-vec", BLOCKS, layout)
+    worker.register({"model.layers.0.x": torch.zeros(BLOCKS, 2, BLOCK, 16),
+                     "model.layers.1.x": torch.zeros(BLOCKS, 2, BLOCK, 16)})  # no error: passive
+    assert worker.link is None and worker.geo is None
+    scheduler = ConnectorScheduler(ConnectorOptions(MODEL, BLOCK), Link(set()), layout, "")
+    assert scheduler.matched_tokens(request(list(range(18))), 0) == (0, False)

@@ -15,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from crescent.services.model.model_source import DEFAULT_MODEL, ModelSpecError, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 
 from .support import PRODUCTION_ENTRY, REPO_ROOT, FakeBackend, Gateway
@@ -57,7 +57,7 @@ class RealEchoBackend(FakeBackend):
 def tokenizer() -> Tokenizer:
     try:
         return Tokenizer.for_model(resolve_model(DEFAULT_MODEL))
-    except ModelNotFoundError as exc:
+    except ModelSpecError as exc:
         pytest.skip(f"the default model is not installed: {exc}")
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from crescent.services.contract.block_keys import prefix_block_keys
-from crescent.services.model.model_source import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from crescent.services.model.model_source import DEFAULT_MODEL, ModelSpecError, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 
 from .support import BLOCK_SIZE, PRODUCTION_ENTRY, FakeBackend, Gateway, served_salt
@@ -24,7 +24,7 @@ def real(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """The gateway as production starts it, and the same tokenizer here (loaded while it starts)."""
     try:
         source = resolve_model(DEFAULT_MODEL)
-    except ModelNotFoundError as exc:
+    except ModelSpecError as exc:
         pytest.skip(f"the default model is not installed: {exc}")
     gw = Gateway(tmp_path_factory.mktemp("real"), backend.address, entry=PRODUCTION_ENTRY)
     gw.spawn()

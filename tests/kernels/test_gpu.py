@@ -101,3 +101,31 @@ def test_paged_attention_bf16_pool_on_the_gpu(heads, kv, dim):
     qp = torch.randn(sum(new), heads, dim, device="cuda").bfloat16()
     prefill = paged_prefill_attention(qp, k, v, tables, lens, cu, scale=scale)
     assert rel_rms(prefill, paged_attention_reference(qp, k, v, tables, lens, cu, scale=scale)) < BF16_TOL
+
+
+def test_grouped_mxfp4_bf16_at_k3_latent_width():
+    """kimi_k3's packed experts on CUDA: 8 experts, K3's latent width 3584 in, bf16 activations."""
+    from crescent.kernels.mxfp4 import Mxfp4Tensor
+    from crescent.kernels.mxfp4.grouped import grouped_mxfp4_matmul
+
+    w = Mxfp4Tensor.quantize(torch.randn(8, 512, 3584) / 60)
+    offsets = [0, 40, 40, 97, 130, 200, 201, 256, 300]
+    x = torch.randn(offsets[-1], 3584)
+    out = grouped_mxfp4_matmul(x.cuda().bfloat16(), w.blocks.cuda(), w.scales.cuda(), torch.tensor(offsets).cuda())
+    dense = w.dequantize()
+    want = torch.cat([x[a:b].bfloat16().float() @ dense[e].T for e, (a, b) in enumerate(zip(offsets, offsets[1:]))])
+    assert rel_rms(out.float().cpu(), want) < BF16_TOL
+
+
+def test_mla_reads_an_fp8_latent_cache_as_its_dequantized_values():
+    """The fp8 latent cache (engine.kv_cache_dtype fp8): the kernel's fp8 loads give what the same
+    cache widened to fp32 gives (fp32 queries: no tf32 in either)."""
+    from crescent.kernels.mla import mla_paged_attention
+
+    cache = torch.randn(12, 64, 576, device="cuda").to(torch.float8_e4m3fn)
+    q_lat, q_rope = torch.randn(3, 16, 512, device="cuda"), torch.randn(3, 16, 64, device="cuda")
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [11, 0, 0, 0]], device="cuda")
+    seq_lens, cu_q = torch.tensor([200, 100, 30], device="cuda"), torch.tensor([0, 1, 2, 3], device="cuda")
+    got = mla_paged_attention(q_lat, q_rope, cache, table, seq_lens, cu_q, scale=0.07)
+    want = mla_paged_attention(q_lat, q_rope, cache.float(), table, seq_lens, cu_q, scale=0.07)
+    assert rel_rms(got, want) < 1e-5

@@ -10,7 +10,7 @@ from crescent.protos import common_pb2
 from crescent.services.common.metrics import kvstore_metrics
 from crescent.services.kvstore.config import DiskTierSettings, HostTierSettings
 from crescent.services.kvstore.disk_tier import DiskTier
-from crescent.services.kvstore.eviction import LruPolicy, S3FifoPolicy, make_policy
+from crescent.services.kvstore.eviction import LruPolicy, S3FifoPolicy, make_eviction_policy
 from crescent.services.kvstore.store import TieredStore
 from crescent.services.kvstore.tier import HostTier
 
@@ -148,7 +148,7 @@ async def test_put_rejects_a_corrupt_block() -> None:
 
 
 def test_s3fifo_keeps_blocks_read_again_over_one_hit_wonders() -> None:
-    policy = make_policy("s3fifo")
+    policy = make_eviction_policy("s3fifo")
     keys = [bytes([i]) * 16 for i in range(20)]
     for key in keys[:10]:
         policy.insert(key)
@@ -162,7 +162,7 @@ def test_s3fifo_keeps_blocks_read_again_over_one_hit_wonders() -> None:
 
 def test_unknown_policy_names_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="valid: lru, s3fifo"):
-        make_policy("fifo")
+        make_eviction_policy("fifo")
 
 
 async def test_blocks_written_in_place_are_stored_once_committed() -> None:

@@ -4,6 +4,7 @@ interpreter inside gpu_check.sh --device cpu."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,25 +20,31 @@ GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU mode")]
 
 
-def run(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHECKS), *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+def load_script():
+    """scripts/gpu_model_checks.py as a module (scripts/ is no package), run in this process."""
+    spec = importlib.util.spec_from_file_location("gpu_model_checks", CHECKS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_a_check_without_its_piece_says_skip_and_why(tmp_path: Path) -> None:
+def test_a_check_without_its_piece_says_skip_and_why(tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
     out = tmp_path / "models.jsonl"
-    proc = run("handoff", "--device", "cpu", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    monkeypatch.setattr(sys, "argv", ["gpu_model_checks.py", "handoff", "--device", "cpu", "--json", str(out)])
+    assert load_script().main() == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["check"] == "handoff" and line["status"] == "SKIP" and "CPU mode" in line["reason"]
     assert json.loads(out.read_text()) == line
 
 
-def test_cuda_without_a_gpu_and_unknown_checks_are_refused() -> None:
-    proc = run("k3", "--device", "cuda")
-    assert proc.returncode == 1 and "no CUDA device" in proc.stdout
-    proc = run("flash", "--device", "cpu")
-    assert proc.returncode == 2 and "unknown checks" in proc.stderr
+def test_cuda_without_a_gpu_and_unknown_checks_are_refused(monkeypatch, capsys) -> None:  # noqa: ANN001
+    script = load_script()
+    monkeypatch.setattr(sys, "argv", ["gpu_model_checks.py", "k3", "--device", "cuda"])
+    assert script.main() == 1 and "no CUDA device" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["gpu_model_checks.py", "flash", "--device", "cpu"])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    assert exit_info.value.code == 2 and "unknown checks" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ import yaml
 
 from crescent.protos import scheduler_pb2
 from crescent.services.scheduler.datatypes import Role
-from crescent.services.scheduler.discovery import DiscoverySettings, EndpointSliceWatcher, SliceTracker, endpoints_of
+from crescent.services.scheduler.config import DiscoverySettings
+from crescent.services.scheduler.discovery import EndpointSliceWatcher, SliceTracker, endpoints_of
 
 from .support import free_port, instance
 

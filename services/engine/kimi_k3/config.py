@@ -23,7 +23,8 @@ from crescent.services.model.hf_config import GENERIC_FIELDS, LENGTH_KEYS, HfCon
 MODEL_TYPE = "kimi_k3"
 # torch dtype names a cache may hold latents in; conv tails take the same one, except under fp8
 # (``float8_e4m3fn``, EngineSettings.kv_cache_dtype "fp8"), which applies to the MLA latents only
-CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what a checkpoint's config may state as its dtype
+CACHE_DTYPES = (*MODEL_DTYPES, "float8_e4m3fn")
 FP8_CACHE = "float8_e4m3fn"
 KIMI_VOCAB_SIZE = 163840  # the Kimi tiktoken tokenizer's id space (regular + special tokens)
 # The prefix cache's KDA state snapshots by default (SnapshotPolicy, EngineSettings.state_snapshot_*):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from crescent.services.engine.kimi_k3.config import CACHE_DTYPES, K3Config
+from crescent.services.engine.kimi_k3.config import K3Config, MODEL_DTYPES
 from crescent.services.engine.model_config import ModelConfigError
 from crescent.services.model.hf_config import (
     GENERIC_FIELDS,
@@ -137,9 +137,10 @@ def _cache_dtype(top: Mapping[str, Any], weights_dtype: str | None) -> str:
     stated = config_dtype(top)
     if stated is not None:
         value, key = stated
-        _check(value in CACHE_DTYPES, key, value, f"one of {', '.join(CACHE_DTYPES)}")
+        # fp8 is a cache option (engine.kv_cache_dtype), never a model's dtype
+        _check(value in MODEL_DTYPES, key, value, f"one of {', '.join(MODEL_DTYPES)}")
         return value
-    return weights_dtype if weights_dtype in CACHE_DTYPES else "float32"
+    return weights_dtype if weights_dtype in MODEL_DTYPES else "float32"
 
 
 def _context_window(top: Mapping[str, Any]) -> int:

@@ -24,7 +24,7 @@ from crescent.services.engine.kimi_k3.ffn import DenseFfn, LatentMoe, MoeWeights
 from crescent.services.engine.kimi_k3.kda_layer import KdaLayer, KdaWeights
 from crescent.services.engine.kimi_k3.memory import CacheFootprint, k3_footprint
 from crescent.services.engine.kimi_k3.mla_layer import MlaLayer, MlaWeights
-from crescent.services.engine.kimi_k3.ops import Backend, K3Ops, linear, norm, select_backend, to_device
+from crescent.services.engine.kimi_k3.ops import OpsBackend, K3Ops, linear, norm, select_backend, to_device
 from crescent.services.engine.kimi_k3.snapshots import SnapshotPolicy
 from crescent.services.engine.kimi_k3.weights import weight_shapes
 from crescent.services.engine.llama import ForwardBatch
@@ -33,7 +33,7 @@ from crescent.services.engine.llama import ForwardBatch
 class K3Model:
     """Weights and the forward pass. Inference only; call under ``torch.inference_mode()``."""
 
-    def __init__(self, config: K3Config, weights: dict[str, torch.Tensor], *, backend: Backend | None = None,
+    def __init__(self, config: K3Config, weights: dict[str, torch.Tensor], *, backend: OpsBackend | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  snapshots: SnapshotPolicy = SnapshotPolicy()) -> None:
         """``device``: where weights, cache and compute live (``EngineSettings.device``); the

@@ -2,7 +2,7 @@
 
 ``select_backend(device)`` picks Triton on CUDA and the references elsewhere: the Triton CPU
 interpreter is far too slow to serve with, and the kernels refuse CPU tensors without it. The
-choice is explicit (``K3Ops(Backend.TRITON)`` under ``TRITON_INTERPRET=1`` runs the kernels on
+choice is explicit (``K3Ops(OpsBackend.TRITON)`` under ``TRITON_INTERPRET=1`` runs the kernels on
 CPU, which is how tests/engine/test_kimi_k3.py checks that both backends compute the same ops).
 
 Every reference op computes a token's (or a sequence's) result from that token (sequence) alone,
@@ -24,13 +24,13 @@ from crescent.kernels.mxfp4.packed import Mxfp4Tensor
 Act = Callable[[torch.Tensor], torch.Tensor]
 
 
-class Backend(Enum):
+class OpsBackend(Enum):
     REFERENCE = "reference"
     TRITON = "triton"
 
 
-def select_backend(device: torch.device | str) -> Backend:
-    return Backend.TRITON if torch.device(device).type == "cuda" else Backend.REFERENCE
+def select_backend(device: torch.device | str) -> OpsBackend:
+    return OpsBackend.TRITON if torch.device(device).type == "cuda" else OpsBackend.REFERENCE
 
 
 _VECTOR_CHUNK = 64  # floats; a multiple of what PyTorch's vectorised CPU loops take per step
@@ -89,7 +89,7 @@ def kda_step_reference(q, k, v, g, beta, states: torch.Tensor, scale: float) -> 
 
 @dataclass(frozen=True, slots=True)
 class K3Ops:
-    backend: Backend
+    backend: OpsBackend
 
     def kda_segment(self, q, k, v, g, beta, state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """KDA over ``T`` consecutive tokens of one sequence from ``state`` ``[HV,K,V]``:
@@ -97,7 +97,7 @@ class K3Ops:
         if q.shape[0] == 1:
             o, s = self.kda_step(q, k, v, g, beta, state[None], scale)
             return o, s[0]
-        if self.backend is Backend.TRITON:
+        if self.backend is OpsBackend.TRITON:
             from crescent.kernels.kda import chunk_kda
 
             o, s = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale,
@@ -110,7 +110,7 @@ class K3Ops:
 
     def kda_step(self, q, k, v, g, beta, states: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode token for each of N sequences; states ``[N,HV,K,V]`` (not modified)."""
-        if self.backend is Backend.TRITON:
+        if self.backend is OpsBackend.TRITON:
             from crescent.kernels.kda import kda_decode
 
             new = states.float().contiguous().clone()
@@ -120,7 +120,7 @@ class K3Ops:
     def mla_attention(self, q_lat, q_rope, cache, block_table, seq_lens, cu_q, scale: float) -> torch.Tensor:
         """Absorbed causal latent attention over a paged cache ``[P, S, Dc+Dr]``: see
         ``crescent.kernels.mla``. Returns o_lat ``[Tq, H, Dc]``."""
-        if self.backend is Backend.TRITON:
+        if self.backend is OpsBackend.TRITON:
             from crescent.kernels.mla import mla_paged_attention
 
             return mla_paged_attention(q_lat, q_rope, cache, block_table, seq_lens, cu_q, scale=scale)
@@ -141,7 +141,7 @@ class K3Ops:
         weights keep rows batch-invariant), ``[E, in, out]`` for the grouped-matmul kernel; packed
         MXFP4 experts (``Mxfp4Tensor``) stay packed on both."""
         def layout(w):
-            if isinstance(w, Mxfp4Tensor) or self.backend is Backend.REFERENCE:
+            if isinstance(w, Mxfp4Tensor) or self.backend is OpsBackend.REFERENCE:
                 return w.contiguous()
             return w.transpose(1, 2).contiguous()
 
@@ -152,7 +152,7 @@ class K3Ops:
         :meth:`expert_weights` -> ``[T, L]`` = sum over a token's k experts of weight · expert(x)."""
         t, top_k = ids.shape
         e = w_gate_up.shape[0]
-        if self.backend is Backend.TRITON:
+        if self.backend is OpsBackend.TRITON:
             # sorted by expert on the device: no host read of the routing (one launch per projection)
             flat = ids.flatten()
             order = torch.argsort(flat, stable=True)
@@ -175,7 +175,7 @@ class K3Ops:
         the call and drops it (the same fp32 weight as at load, so the same bits as dequantized)."""
         if not isinstance(w, Mxfp4Tensor):
             return batch_invariant_linear(x, w)
-        if self.backend is Backend.TRITON:
+        if self.backend is OpsBackend.TRITON:
             from crescent.kernels.mxfp4 import mxfp4_matmul
 
             return mxfp4_matmul(x.contiguous(), w.blocks, w.scales)
@@ -185,7 +185,7 @@ class K3Ops:
         """Block AttnRes mix over ``[N, T, D]`` sources -> ``[T, D]``."""
         if sources.shape[0] == 1:
             return sources[0]  # softmax over one source is 1
-        if self.backend is Backend.TRITON:
+        if self.backend is OpsBackend.TRITON:
             from crescent.kernels.attnres import block_attn_res
 
             return block_attn_res(sources, query, norm_weight, eps)
@@ -201,9 +201,10 @@ def to_device(values: torch.Tensor | list[int], device: torch.device | str) -> t
     """Host indices or metadata onto ``device`` without waiting: on CUDA through pinned memory,
     asynchronously (a pageable copy synchronises the stream); elsewhere as they are."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if kind == "cpu" else t.to(device)
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -56,7 +56,8 @@ class NixlMover(Mover):
                 self.give_up(str(exc))
         try:
             committed = await self.link.stub.CommitShm(
-                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written), timeout=self.link.timeout_s,
+                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written),
+                timeout=self.link.timeout_s,
             )
         except (grpc.aio.AioRpcError, OSError) as exc:
             self.link.failed("put", exc)

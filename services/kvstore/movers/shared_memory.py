@@ -53,7 +53,8 @@ class SharedMemoryMover(Mover):
         self._reserve_unusable = False
         # Pool room the node holds for our next put (payload sizes, reservation): a put of the
         # same shape then costs one round trip. Blocks of one model are all one size.
-        self._ahead: tuple[tuple[int, ...], kvstore_pb2.ShmReserveReply, float] | None = None  # + when received
+        # (payload sizes, reservation, when received)
+        self._ahead: tuple[tuple[int, ...], kvstore_pb2.ShmReserveReply, float] | None = None
 
     async def put(self, blocks: Sequence[KvBlock]) -> PutResult | None:
         return await self._put_shm(blocks)
@@ -101,7 +102,8 @@ class SharedMemoryMover(Mover):
             reserved_at = time.monotonic()
             try:
                 reply = await self.link.stub.ReserveShm(
-                    kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks]), timeout=self.link.timeout_s
+                    kvstore_pb2.ShmReserveRequest(blocks=[b.to_meta() for b in blocks]),
+                    timeout=self.link.timeout_s,
                 )
             except (grpc.aio.AioRpcError, OSError) as exc:
                 if refused(exc):
@@ -151,11 +153,13 @@ class SharedMemoryMover(Mover):
         """Give back room held for a put that did not come (the node would after a while)."""
         try:
             await self.link.stub.CommitShm(
-                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=[False] * len(reply.slots)),
+                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation,
+                                             written=[False] * len(reply.slots)),
                 timeout=self.link.timeout_s,
             )
         except (grpc.aio.AioRpcError, OSError) as exc:
-            log.debug("kvstore %s: giving back reserved room failed (%s); it expires by itself", self.link.address, exc)
+            log.debug("kvstore %s: giving back reserved room failed (%s); it expires by itself",
+                      self.link.address, exc)
 
     async def _put_segment(self, blocks: Sequence[KvBlock]) -> PutResult | None:
         segment = self._segment(sum(b.nbytes for b in blocks))
@@ -181,7 +185,8 @@ class SharedMemoryMover(Mover):
         try:
             reply = await self.link.stub.GetShm(
                 kvstore_pb2.ShmGetRequest(
-                    request=request, segment=segment.name, capacity=segment.size, segment_only=self._pool_unusable
+                    request=request, segment=segment.name, capacity=segment.size,
+                    segment_only=self._pool_unusable,
                 ),
                 timeout=self.link.timeout_s,
             )
@@ -241,7 +246,8 @@ class SharedMemoryMover(Mover):
                 try:
                     mapping, self._pool_writable = await asyncio.to_thread(_map_pool, path, identity)
                 except (OSError, ValueError) as exc:
-                    log.info("cannot map the host pool of kvstore %s (%s); copying through a segment", self.link.address, exc)
+                    log.info("cannot map the host pool of kvstore %s (%s); copying through a segment",
+                             self.link.address, exc)
                     self._pool_unusable = True
                     return None
                 self._pool_path, self._pool_view, self._pool_map = path, memoryview(mapping), mapping
@@ -264,7 +270,8 @@ class SharedMemoryMover(Mover):
                 self._pool_view.release()
                 self._pool_map.close()
             except BufferError:  # a view is still alive somewhere; the mapping goes when it does
-                log.debug("kvstore %s: pool mapping still in use; left to the garbage collector", self.link.address)
+                log.debug("kvstore %s: pool mapping still in use; left to the garbage collector",
+                          self.link.address)
         self._pool_view = self._pool_map = None
 
     async def close(self) -> None:

@@ -51,7 +51,8 @@ class TcpSideChannelMover(Mover):
     def _target(self, side_address: str) -> tuple[str, ssl.SSLContext | None]:
         """Where to connect, and with which TLS context: the node's host as we dial it for gRPC
         when it advertises an unspecified one (it listens on every interface)."""
-        return dial_target(side_address, self.link.address, self._side_tls.client() if self._side_tls else None)
+        client_tls = self._side_tls.client() if self._side_tls else None
+        return dial_target(side_address, self.link.address, client_tls)
 
     def _unreachable(self, operation: str, exc: BaseException) -> None:
         """A transfer failed: this call goes another way; the mover is dropped for good when the
@@ -90,7 +91,8 @@ class TcpSideChannelMover(Mover):
                 sent = False
         try:  # even after a failed send: the commit gives the room back at once
             committed = await self.link.stub.CommitShm(
-                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written), timeout=self.link.timeout_s,
+                kvstore_pb2.ShmCommitRequest(reservation=reply.reservation, written=written),
+                timeout=self.link.timeout_s,
             )
         except (grpc.aio.AioRpcError, OSError) as exc:
             self.link.failed("put_tcp", exc)
