@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 
 # Quick static checkers and shell snippets (no server, no torch import): what the chart, workflow
-# and script tests run in a fraction of a second.
+# and script tests run in a fraction of a second. And the toolchain torch's cpp_extension calls
+# when the engine's C++ decode kernel is first loaded in a process (`ninja --version`, a compile
+# once per machine into ~/.cache/crescent/kernels): compute in this process, not a process test.
 QUICK_TOOLS = frozenset({"helm", "kubectl", "promtool", "kubernetes-validate", "actionlint", "shellcheck", "node",
-                         "git", "sh", "bash"})
+                         "git", "sh", "bash", "ninja", "c++", "g++", "gcc", "cc", "which"})
 
 _fast_test: pytest.Item | None = None  # the running test, while it is not marked slow
 _popen_init = subprocess.Popen.__init__

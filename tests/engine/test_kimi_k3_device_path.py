@@ -79,6 +79,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.slow  # over 5 s of compute here (docs/test-durations.md)
 @interpreted
 @pytest.mark.parametrize("packed", [False, True], ids=["dense experts", "packed mxfp4 experts"])
 def test_triton_path_matches_the_cpu_reference(packed: bool) -> None:

@@ -106,6 +106,7 @@ def kimi_nano() -> tuple[Engine, Any, ConstraintCompiler]:
     return engine, tokenizer_for(source), compiler
 
 
+@pytest.mark.slow  # over 5 s of compute here (docs/test-durations.md)
 def test_smollm_outputs_follow_generated_schemas(smollm: tuple[Engine, Any, ConstraintCompiler]) -> None:
     engine, tok, compiler = smollm
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Answer with a JSON value."}]))
@@ -121,6 +122,7 @@ def test_smollm_outputs_follow_generated_schemas(smollm: tuple[Engine, Any, Cons
     assert stopped_count >= 4, "most completions should end before max_tokens"
 
 
+@pytest.mark.slow  # over 5 s of compute here (docs/test-durations.md)
 def test_kimi_outputs_follow_generated_schemas(kimi_nano: tuple[Engine, Any, ConstraintCompiler]) -> None:
     engine, tok, compiler = kimi_nano
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "JSON please."}]))
@@ -134,6 +136,7 @@ def test_kimi_outputs_follow_generated_schemas(kimi_nano: tuple[Engine, Any, Con
     assert stopped_count >= 1
 
 
+@pytest.mark.slow  # over 5 s of compute here (docs/test-durations.md)
 def test_regex_choice_and_grammar(smollm: tuple[Engine, Any, ConstraintCompiler]) -> None:
     engine, tok, compiler = smollm
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Is the sky blue?"}]))

@@ -1,6 +1,7 @@
 """Crescent over vLLM, as a user meets it: the OpenAI API of a real gateway, a real scheduler and
 kvstore, and aggregated instances whose engine is vLLM's CPU build (``engine.backend: vllm``),
-all separate processes on loopback; beside them a standalone vLLM server on the same weights.
+all separate processes on loopback; beside them the session's standalone vLLM server on the same
+weights (tests/engine_vllm/conftest.py).
 
 vLLM starts in minutes on this machine, so the module starts its processes once and the tests
 run in order on them (the last ones stop and replace the vLLM instance).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -37,13 +38,8 @@ MIGRATE_TOKENS = 160  # long enough on this CPU that a kill lands mid-stream
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
-    running = VllmStack(tmp_path_factory.mktemp("vllm"))
-    try:
-        running.start({"aggregated-0": "aggregated"})
-        yield running
-    finally:
-        running.stop()
+def stack(vllm_stack: Callable[[dict[str, str]], VllmStack]) -> VllmStack:  # tests/engine_vllm/conftest.py
+    return vllm_stack({"aggregated-0": "aggregated"})
 
 
 def test_greedy_outputs_equal_a_standalone_vllm(stack: VllmStack) -> None:

@@ -1,14 +1,15 @@
 """Prefill and decode pools on vLLM, as a user meets them: the OpenAI API of a real gateway,
 scheduler and kvstore, one vLLM prefill and two vLLM decode instances (``engine.backend: vllm``),
-each prompt's KV handed from prefill to decode through the kvstore; beside them a standalone
-vLLM server on the same weights. Separate processes on loopback, started once for the module;
-the tests run in order (the last ones kill and drain decode instances).
+each prompt's KV handed from prefill to decode through the kvstore; beside them the session's
+standalone vLLM server on the same weights (tests/engine_vllm/conftest.py). Separate processes
+on loopback, started once for the module; the tests run in order (the last ones kill and drain
+decode instances).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -26,13 +27,8 @@ DECODES = ("decode-0", "decode-1")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
-    running = VllmStack(tmp_path_factory.mktemp("vllm-pools"))
-    try:
-        running.start({"prefill-0": "prefill", **{name: "decode" for name in DECODES}})
-        yield running
-    finally:
-        running.stop()
+def stack(vllm_stack: Callable[[dict[str, str]], VllmStack]) -> VllmStack:  # tests/engine_vllm/conftest.py
+    return vllm_stack({"prefill-0": "prefill", **{name: "decode" for name in DECODES}})
 
 
 def kvstore_hits(stack: VllmStack) -> float:

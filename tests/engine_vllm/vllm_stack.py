@@ -31,6 +31,11 @@ from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.ports import free_port
 
 VLLM_START_S = 900  # vLLM's CPU start (load, profile, compile) takes 100-300 s on 2 busy cores
+# A SIGTERM'd instance finishes its streams within this: 160 tokens took 20+ s on 2 cores shared
+# with other test runs (2026-12-05, load ~20), and a stream cut at the grace is not a drain.
+DRAIN_GRACE_S = 90
+# The gateway loads the model's tokenizer before it answers: 120 s was not enough at load ~20.
+CONTROL_PLANE_START_S = 300
 
 
 def vllm_interpreter() -> str | None:
@@ -52,7 +57,7 @@ class Service:
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
-    def stop(self, timeout_s: float = 60) -> int:
+    def stop(self, timeout_s: float = DRAIN_GRACE_S + 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -80,19 +85,29 @@ def start_service(run_dir: Path, name: str, service: str, config: dict, python: 
     return Service(name, proc, log, grpc_address, health, config)
 
 
-def start_peer(run_dir: Path, python: str, model_dir: Path, served_name: str, block_size: int) -> tuple[Service, str]:
-    """Standalone vLLM (its own OpenAI server) on the same weights: what Crescent-over-vLLM must equal."""
-    port = free_port()
-    log = run_dir / "peer-vllm.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CACHE_ROOT": str(run_dir / "peer-cache"), "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "peer-inductor")}
-    proc = subprocess.Popen(
-        [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-         served_name, "--dtype", "float32", "--block-size", str(block_size), "--max-model-len", "8192",
-         "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details"],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    return Service("peer-vllm", proc, log, health=f"{url}/health"), url
+class PeerVllm:
+    """Standalone vLLM (its own OpenAI server) on the same weights: what Crescent-over-vLLM must
+    equal. One per test session (the ``vllm_peer`` fixture of tests/engine_vllm/conftest.py), so
+    prefix caching is off: every reply is a cold prefill whatever another module asked before."""
+
+    def __init__(self, run_dir: Path, python: str, model_dir: Path, served_name: str, block_size: int) -> None:
+        port = free_port()
+        log = run_dir / "peer-vllm.log"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+               "VLLM_CACHE_ROOT": str(run_dir / "peer-cache"), "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "peer-inductor")}
+        proc = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+             served_name, "--dtype", "float32", "--block-size", str(block_size), "--max-model-len", "8192",
+             "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--no-enable-prefix-caching"],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.url = f"http://127.0.0.1:{port}"
+        self.service = Service("peer-vllm", proc, log, health=f"{self.url}/health")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+    def stop(self) -> None:
+        self.service.stop(timeout_s=30)
 
 
 def wait_healthy(services: list[Service], timeout_s: float) -> None:
@@ -120,15 +135,17 @@ MODEL = DEFAULT_MODEL
 
 
 class VllmStack:
-    """Scheduler, kvstore and gateway (auth on, tenants acme and globex), vLLM-backed engine
-    instances of the roles asked for, and a standalone vLLM server on the same weights."""
+    """Scheduler, kvstore and gateway (auth on, tenants acme and globex) and vLLM-backed engine
+    instances of the roles asked for; beside them the session's standalone vLLM (``peer``), which
+    this stack waits for but never stops."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, peer: PeerVllm) -> None:
         self.run_dir = run_dir
         self.python = vllm_interpreter()
         self.services: dict[str, Service] = {}
         self.gateway_url = ""
-        self.peer_url = ""
+        self.peer_url = peer.url
+        self._peer = peer
         self.keys: dict[str, str] = {}
 
     def start(self, engines: dict[str, str]) -> None:
@@ -145,12 +162,9 @@ class VllmStack:
             "ledger": {"journal_dir": str(run / "ledger-journal")}})
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.services.update(scheduler=scheduler, kvstore=kvstore, gateway=gateway)
-        model = vllm_model(MODEL)  # the HF directory every vLLM loads (exported once from the GGUF)
         started = [self.start_engine(name, role) for name, role in engines.items()]
-        peer, self.peer_url = start_peer(run, self.python, model.directory, MODEL, BLOCK)
-        self.services["peer"] = peer
-        wait_healthy([scheduler, kvstore, gateway], 300)  # they start beside the vLLMs, on the same cores
-        wait_healthy([*started, peer], VLLM_START_S)
+        wait_healthy([scheduler, kvstore, gateway], CONTROL_PLANE_START_S)
+        wait_healthy([*started, self._peer.service], VLLM_START_S)  # the peer: once, for the first stack
         wait_healthy([gateway], 60)
         for tenant in ("acme", "globex"):
             reply = httpx.post(f"{self.gateway_url}/admin/keys", json={"tenant": tenant, "create_tenant": True},
@@ -162,7 +176,7 @@ class VllmStack:
         config = {"listen": listen(), "instance_id": name, "scheduler_address": self.services["scheduler"].grpc,
                   "kvstore_address": self.services["kvstore"].grpc,
                   "engine": {"backend": "vllm", "model": MODEL, "block_size": BLOCK, "threads": 1,
-                             "drain_grace_s": 20, "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1}}}
+                             "drain_grace_s": DRAIN_GRACE_S, "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1}}}
         engine = start_service(self.run_dir, name, role, config, python=self.python)
         self.services[name] = engine
         return engine
@@ -171,7 +185,7 @@ class VllmStack:
         return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=300, max_retries=0)
 
     def peer(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.peer_url}/v1", api_key="unused", timeout=300, max_retries=0)
+        return self._peer.client()
 
     def instances(self) -> dict[str, scheduler_pb2.InstanceStatus]:
         with grpc.insecure_channel(self.services["scheduler"].grpc) as channel:

@@ -119,12 +119,14 @@ def _run_test_pod(url: str, *args: str, key: str = "") -> subprocess.CompletedPr
 KEYED = ["--set", "helmTest.apiKeySecret=crescent-test-key"]
 
 
+@pytest.mark.slow
 def test_helm_test_pod_passes_against_a_serving_gateway(gateway: str) -> None:
     result = _run_test_pod(gateway, *KEYED, key="crs-test")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "lists smollm2-135m-instruct" in result.stdout and "has an answer" in result.stdout
 
 
+@pytest.mark.slow
 def test_helm_test_pod_fails_when_the_model_is_missing_or_silent(gateway: str) -> None:
     _Gateway.models = ["another-model"]
     result = _run_test_pod(gateway, *KEYED, key="crs-test")
@@ -134,6 +136,7 @@ def test_helm_test_pod_fails_when_the_model_is_missing_or_silent(gateway: str) -
     assert result.returncode == 1 and "FAIL the chat completion has an answer" in result.stdout
 
 
+@pytest.mark.slow
 def test_helm_test_pod_without_a_key_checks_that_auth_refuses(gateway: str) -> None:
     result = _run_test_pod(gateway)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -118,6 +118,7 @@ def test_dashboards_cover_what_operators_look_for() -> None:
 
 
 @pytest.mark.parametrize("generator", ["helm/dashboards/generate.py", "helm/schema/generate.py"])
+@pytest.mark.slow
 def test_committed_files_equal_the_generators_output(generator: str) -> None:
     if generator.startswith("helm/dashboards"):
         pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk is not installed (run scripts/install_tools.sh)")
@@ -125,6 +126,7 @@ def test_committed_files_equal_the_generators_output(generator: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_generator_check_notices_a_stale_dashboard(tmp_path: Path) -> None:
     pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk is not installed (run scripts/install_tools.sh)")
     for path in DASHBOARDS:

@@ -25,7 +25,7 @@ from tests.helm.tools import NAMESPACE, REPO, by_kind, helm_template, render, tl
 from tests.ports import free_port
 from tests.scheduler.support import SchedulerProcess, instance
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 KMOCK_CLUSTER = REPO / "tests" / "helm" / "kmock_cluster.py"
 CA_SECRET = "crescent-internal-ca"

@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "scripts" / "gpu_model_checks.py"
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU mode")]
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU mode")
 
 
 def load_script():
