@@ -40,3 +40,12 @@ def alloc(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -
     """Uninitialised output buffer. Every wrapper allocates through this one function so tests
     can swap in NaN-filled buffers and catch elements a kernel forgot to write."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def row_tile_offsets(group_offsets: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """Where each expert's row tiles start in a grouped matmul's grid (``[E + 1]``, int32), from
+    the experts' row ranges ``group_offsets``; built on the device, so no host read sizes the grid."""
+    sizes = group_offsets[1:] - group_offsets[:-1]
+    offsets = torch.zeros(group_offsets.shape[0], dtype=torch.int32, device=group_offsets.device)
+    offsets[1:] = ((sizes + block_rows - 1) // block_rows).cumsum(0)
+    return offsets

@@ -66,9 +66,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     if m == 0:
         return out
     bm, bn, bk = 16, min(64, max(16, triton.next_power_of_2(n))), 32
-    sizes = group_offsets[1:] - group_offsets[:-1]
-    tile_offsets = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
-    tile_offsets[1:] = ((sizes + bm - 1) // bm).cumsum(0)
+    tile_offsets = _triton.row_tile_offsets(group_offsets, bm)
     grid = (triton.cdiv(m, bm) + e, triton.cdiv(n, bn))
     grouped_matmul_kernel[grid](
         x.contiguous(), w.contiguous(), out, group_offsets, tile_offsets, e, n, kd,

@@ -82,9 +82,7 @@ def grouped_mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Te
     if m == 0:
         return out
     bm, bn = 16, 32
-    sizes = group_offsets[1:] - group_offsets[:-1]
-    tile_offsets = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
-    tile_offsets[1:] = ((sizes + bm - 1) // bm).cumsum(0)
+    tile_offsets = _triton.row_tile_offsets(group_offsets, bm)
     grouped_mxfp4_kernel[(triton.cdiv(m, bm) + e, triton.cdiv(n, bn))](
         x.contiguous(), blocks.contiguous(), scales.contiguous(), out, group_offsets, tile_offsets, e, n, x.shape[1],
         BE=max(2, triton.next_power_of_2(e)), BM=bm, BN=bn,
