@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 
 from crescent.services.contract.block_keys import prefix_block_keys
 from crescent.services.common.certs import make_pki
+from crescent.services.common.ports import unused_port
 from crescent.services.common.tls import PeerTls, TlsSettings, load_tls
 from crescent.services.kvwire import side_channel
 from crescent.services.kvwire.kv_block import KvBlock
@@ -63,9 +63,7 @@ MIB = 1 << 20
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return unused_port()
 
 
 def wait_http(url: str, timeout_s: float = 30.0) -> None:

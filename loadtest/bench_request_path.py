@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+
+from crescent.services.common.ports import unused_port
 
 PARAGRAPH = (
     "The history of cartography spans thousands of years, from clay tablets in Mesopotamia to satellite "
@@ -111,9 +112,7 @@ def measure(url: str, model: str, prompt_tokens: int, cold_runs: int, warm_runs:
 
 
 def start_stack(run_dir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     proc = subprocess.Popen([sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port),
                              "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not (run_dir / "services.json").exists():

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,11 +29,11 @@ from pathlib import Path
 
 import httpx
 
+from crescent.services.common.ports import unused_port
+
 
 def start_stack(run_dir: Path, admin_key: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     env = {**os.environ, "CRESCENT_GATEWAY__AUTH__ENABLED": "true", "CRESCENT_GATEWAY__AUTH__ADMIN_KEY": admin_key,
            "CRESCENT_GATEWAY__AUTH__DATABASE_URL": f"sqlite:///{run_dir}/gateway.sqlite3"}
     proc = subprocess.Popen([sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port),

@@ -51,7 +51,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,6 +68,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from crescent.services.common.ports import unused_port  # noqa: E402
 from loadtest.replay.cli import rate_capacity  # noqa: E402
 from loadtest.replay.prompts import WORDS  # noqa: E402
 from loadtest.replay.run import ReplayConfig, replay  # noqa: E402
@@ -121,9 +121,7 @@ def now_utc() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return unused_port()
 
 
 # ---------------------------------------------------------------- processes

@@ -58,11 +58,9 @@ def pick_model(requested: str) -> str:
 
 
 def free_port() -> int:
-    import socket
+    from crescent.services.common.ports import unused_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return unused_port()
 
 
 def metric(services: list[dict], name: str, sample: str, labels: dict[str, str]) -> float:

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ import httpx
 import yaml
 
 from crescent.services.common.certs import LOCAL_HOSTS, make_pki
+from crescent.services.common.ports import unused_port
 from crescent.services.common.tls import PeerTls, TlsSettings, is_loopback, load_tls
 from crescent.services.contract.roles import settings_class
 from crescent.services.cpu_share import available_cores, share_cores
@@ -148,13 +148,7 @@ class PlatformPlan:
         used: set[int] = {self.port}
 
         def port() -> int:
-            while True:
-                with socket.socket() as s:
-                    s.bind((host, 0))
-                    p = s.getsockname()[1]
-                if p not in used:
-                    used.add(p)
-                    return p
+            return unused_port(host, used)
 
         def listen() -> tuple[dict[str, Any], str, str]:
             # /health and /metrics stay on loopback whatever --host says: only this machine's

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import socket
+from crescent.services.common.ports import unused_port
+
+_HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, never handed out before in this run, outside the range
+    the kernel gives outgoing connections (so no client socket can take it before the server
+    binds)."""
+    return unused_port("127.0.0.1", _HANDED_OUT)

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import yaml
 
 from tests.helm.test_observability import DASHBOARDS, dashboard_queries
 from tests.helm.tools import NAMESPACE, RELEASE, rules_file, tool
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 SERVICES = ("gateway", "scheduler", "prefill", "decode", "kvstore")
@@ -66,12 +66,6 @@ def _platform_available() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -89,7 +83,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[
     if reason:
         pytest.skip(reason)
     run_dir = tmp_path_factory.mktemp("crescent-up")
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "crescent.services.cli", "up", "--port", str(port), "--run-dir", str(run_dir),
            "--kv-capacity-tokens", "4096", "--kvstore-gb", "0.25"]
     log = open(run_dir / "up.log", "wb")
@@ -136,7 +130,7 @@ def prometheus(stack: tuple[str, list[dict]], tmp_path_factory: pytest.TempPathF
         ],
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = open(work / "prometheus.log", "wb")
     proc = subprocess.Popen(
         [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
