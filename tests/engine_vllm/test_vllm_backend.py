@@ -4,7 +4,8 @@ all separate processes on loopback; beside them the session's standalone vLLM se
 weights (tests/engine_vllm/conftest.py).
 
 vLLM starts in minutes on this machine, so the module starts its processes once and the tests
-run in order on them (the last ones stop and replace the vLLM instance).
+run in order on them (the last two stop aggregated-0, start two fresh instances together, and
+kill one of those under load).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.model.model_source import resolve_model
 from tests.engine_vllm.vllm_stack import (
-    BLOCK, MODEL, VLLM_START_S, ConcurrentStreams, VllmStack, assert_greedy_equals_the_peer, assert_reaped, cached, completion,
-    prompt_ids, vllm_interpreter, wait_healthy,
+    BLOCK, MODEL, ConcurrentStreams, VllmStack, assert_greedy_equals_the_peer, assert_reaped, cached, completion, prompt_ids,
+    vllm_interpreter,
 )
 
 # A test's time includes the module's vLLM starts (2-4 min each on a cold compile cache, more on busy cores).
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
               pytest.mark.skipif(vllm_interpreter() is None, reason="make install-vllm first")]
 
 MIGRATE_TOKENS = 160  # long enough on this CPU that a kill lands mid-stream
+FRESH = ("aggregated-1", "aggregated-2")  # started once aggregated-0 has drained and stopped
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +157,11 @@ def test_a_fresh_instance_loads_the_prefix_from_the_kvstore_and_only_for_its_ten
         usage = chunk.usage or usage
     assert usage is not None and usage.completion_tokens == MIGRATE_TOKENS, "the drained stream ran to its end"
 
-    fresh = stack.start_engine("aggregated-1", "aggregated")
-    wait_healthy([fresh], VLLM_START_S)
+    # Two fresh instances, started together: either one serves the prompt again, and the next
+    # test kills one of them under load (one start instead of two, one after the other).
+    stack.add_engines(FRESH)
     again = completion(stack.client("acme"), prompt)
-    assert cached(again) >= 10 * BLOCK, "the blocks came from the kvstore: this vLLM process never saw the prompt"
+    assert cached(again) >= 10 * BLOCK, "the blocks came from the kvstore: no vLLM process left saw the prompt"
     assert again.choices[0].text == first.choices[0].text
     other = completion(stack.client("globex"), prompt)
     assert cached(other) == 0, "another tenant never loads acme's blocks"
@@ -166,8 +169,7 @@ def test_a_fresh_instance_loads_the_prefix_from_the_kvstore_and_only_for_its_ten
 
 
 def test_kill_9_of_a_vllm_instance_migrates_its_streams(stack: VllmStack) -> None:
-    second = stack.start_engine("aggregated-2", "aggregated")
-    wait_healthy([second], VLLM_START_S)
+    stack.add_engines(FRESH)  # the previous test's two (started here when this test runs alone)
     prompts = [prompt_ids(60, f"k{i}") for i in range(3)]
     ignore_eos = {"extra_body": {"ignore_eos": True}}
     reference = [completion(stack.client(), p, max_tokens=MIGRATE_TOKENS, **ignore_eos).choices[0].text
@@ -175,7 +177,7 @@ def test_kill_9_of_a_vllm_instance_migrates_its_streams(stack: VllmStack) -> Non
     streams = ConcurrentStreams(stack.client, prompts, MIGRATE_TOKENS)
     streams.start(timeout_s=120)
     load = {name: status.load.running_requests for name, status in stack.instances().items()}
-    victim = max(("aggregated-1", "aggregated-2"), key=lambda name: load.get(name, 0))
+    victim = max(FRESH, key=lambda name: load.get(name, 0))
     orphans = stack.kill_9(victim)
     streams.check(reference)
     assert_reaped(orphans)

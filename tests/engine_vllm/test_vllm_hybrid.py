@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_vllm.vllm_stack import Service, listen, start_service, vllm_interpreter, wait_healthy
+from tests.engine_vllm.vllm_stack import (
+    CONTROL_PLANE_START_S, Service, listen, start_service, vllm_interpreter, wait_healthy,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
               pytest.mark.skipif(vllm_interpreter() is None, reason="make install-vllm first")]
@@ -70,7 +72,7 @@ def kvstore(run_dir: Path):  # noqa: ANN201
         "listen": listen(), "node_id": "kvstore-0", "scheduler_address": scheduler.grpc,
         "tiers": {"host": {"capacity_bytes": 500_000_000}}})
     try:
-        wait_healthy([scheduler, store], 120)
+        wait_healthy([scheduler, store], CONTROL_PLANE_START_S)
         yield store
     finally:
         for service in (store, scheduler):

@@ -30,12 +30,19 @@ from crescent.services.engine_vllm.reaper import descendants, process_stat
 from crescent.services.model.model_source import DEFAULT_MODEL
 from tests.ports import free_port
 
-VLLM_START_S = 900  # vLLM's CPU start (load, profile, compile) takes 100-300 s on 2 busy cores
+VLLM_START_S = 900  # a vLLM start is mostly imports now (eager): 1-2 min here, but 13 min at load 50-150 with memory short
 # A SIGTERM'd instance finishes its streams within this: 160 tokens took 20+ s on 2 cores shared
 # with other test runs (2026-12-05, load ~20), and a stream cut at the grace is not a drain.
 DRAIN_GRACE_S = 90
 # The gateway loads the model's tokenizer before it answers: 120 s was not enough at load ~20.
 CONTROL_PLANE_START_S = 300
+# Every vLLM here (the peer and the instances, ``engine.vllm.enforce_eager``) runs eagerly: with
+# an explicit KV size vLLM's CPU build then neither compiles (inductor) nor warms up. That was
+# most of a start: vLLM's "init engine" took 269-377 s compiled and 1-3 s eager on this shared
+# machine (docs/test-durations.md). The peer and the instances run the same kernels, so greedy
+# outputs still compare token for token; what the tests check (connector, handoffs, migration,
+# drain) runs the same either way. Production keeps vLLM's default (compiled).
+VLLM_EAGER = True
 
 
 def vllm_interpreter() -> str | None:
@@ -98,7 +105,8 @@ class PeerVllm:
         proc = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
              served_name, "--dtype", "float32", "--block-size", str(block_size), "--max-model-len", "8192",
-             "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--no-enable-prefix-caching"],
+             "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
+             *(["--enforce-eager"] if VLLM_EAGER else [])],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.url = f"http://127.0.0.1:{port}"
         self.service = Service("peer-vllm", proc, log, health=f"{self.url}/health")
@@ -176,10 +184,16 @@ class VllmStack:
         config = {"listen": listen(), "instance_id": name, "scheduler_address": self.services["scheduler"].grpc,
                   "kvstore_address": self.services["kvstore"].grpc,
                   "engine": {"backend": "vllm", "model": MODEL, "block_size": BLOCK, "threads": 1,
-                             "drain_grace_s": DRAIN_GRACE_S, "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1}}}
+                             "drain_grace_s": DRAIN_GRACE_S,
+                             "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1, "enforce_eager": VLLM_EAGER}}}
         engine = start_service(self.run_dir, name, role, config, python=self.python)
         self.services[name] = engine
         return engine
+
+    def add_engines(self, names: tuple[str, ...], role: str = "aggregated") -> None:
+        """Start those of ``names`` not started yet, all at once, and wait until each is healthy."""
+        started = [self.start_engine(name, role) for name in names if name not in self.services]
+        wait_healthy(started, VLLM_START_S)
 
     def client(self, tenant: str = "acme") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=300, max_retries=0)
