@@ -27,6 +27,13 @@ block without a state.
 A layer-wise handoff (``layer_layout``, ``copy_layer``) moves these payloads an MLA layer at a
 time: layer m's latents of a block's tokens, placed into the token-major rows above, and the
 last block's live state (``copy_live_state``) apart once the last KDA layer made it final.
+
+On a GPU those copies run on the copying thread while the compute thread queues later layers, so
+they go through ``device_staging.py`` as the Llama pool's do: the model calls ``layer_written(i)``
+before its hook (a fence per model layer on the compute stream), ``copy_layer`` waits for its MLA
+layer's fence on a copy stream, and a state (``stage_live_state``, ``stage_snapshot``) is cloned on
+the device at the hook and copied to the host later, after a fence of its own: the compute thread
+never waits. On the CPU every fence is complete and the copies are the plain ones they were.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from crescent.services.engine.device_staging import DeviceStaging, Staged, streams_for
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.memory import cache_torch_dtype, tail_torch_dtype
 from crescent.services.engine.kimi_k3.ops import to_device
@@ -103,6 +111,8 @@ class K3Cache:
         self._handles = itertools.count()
         self.step: list[ChunkStates] = []  # the current forward's plan (``plan_forward``)
         self.mla_step: MlaStep | None = None  # the current forward's MLA metadata (``plan_forward``)
+        # fences per model layer (KDA layers' too: the states' copies wait for the last one's)
+        self.staging = DeviceStaging(cfg.num_layers, streams_for(torch.device(device)))
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -203,26 +213,42 @@ class K3Cache:
                            state_bytes=self._state_elements * self.dtype.itemsize,
                            states_after=kda[-1] if kda else None)
 
+    def layer_written(self, layer: int) -> None:
+        """Model layer ``layer``'s writes of this forward (latents, or states and snapshots) are
+        queued: a fence for the copies its hook starts (compute thread; never waits)."""
+        self.staging.record(layer)
+
     def copy_layer(self, page: int, layer: int, num_tokens: int, out: memoryview) -> None:
         """Copy MLA layer ``layer``'s latents of the page's first ``num_tokens`` tokens into ``out``
-        (``num_tokens`` rows of ``Dc + Dr``). Another thread may compute later layers meanwhile:
-        a finished layer's latents of a held page are not written again."""
+        (``num_tokens`` rows of ``Dc + Dr``), once that layer's kernels are done (its fence). Another
+        thread may compute later layers meanwhile: a finished layer's latents of a held page are
+        not written again."""
         dst = torch.frombuffer(out, dtype=self.dtype).view(num_tokens, self._latent_dim)
-        dst.copy_(self.latent[layer, page, :num_tokens])
+        self.staging.copy_out(self.cfg.mla_layers[layer], self.latent[layer, page, :num_tokens], dst)
+
+    def stage_live_state(self, handle: int) -> Staged:
+        """The live state ``handle`` as a payload carries it (its fp32 bytes), cloned on the device
+        now (the hook of the last KDA layer, compute thread): ``copy_into`` a host buffer later."""
+        return self.staging.stage(self._live[handle].read(0))
+
+    def stage_snapshot(self, page: int) -> Staged:
+        """``page``'s snapshot as its payload carries it, like ``stage_live_state``."""
+        slot = self.snapshots.slot(page)
+        assert slot is not None, f"page {page} has no state snapshot"
+        return self.staging.stage(self.snapshots.states.read(slot))
 
     def copy_live_state(self, handle: int, out: memoryview) -> None:
-        """Copy the live state ``handle`` as a payload carries it (its fp32 bytes) into ``out``."""
-        torch.frombuffer(out, dtype=torch.float32).copy_(self._live[handle].read(0))
+        """Copy the live state ``handle`` as a payload carries it (its fp32 bytes) into ``out`` now
+        (on a GPU the caller waits for the device: the exporters stage it instead)."""
+        self.stage_live_state(handle).copy_into(out)
 
     def has_snapshot(self, page: int) -> bool:
         """Whether ``page`` keeps a state snapshot (its payload carries it: ``read_block``)."""
         return self.snapshots.slot(page) is not None
 
     def copy_snapshot(self, page: int, out: memoryview) -> None:
-        """Copy ``page``'s snapshot as its payload carries it (fp32 bytes, ``read_block``) into ``out``."""
-        slot = self.snapshots.slot(page)
-        assert slot is not None, f"page {page} has no state snapshot"
-        torch.frombuffer(out, dtype=torch.float32).copy_(self.snapshots.states.read(slot))
+        """Copy ``page``'s snapshot as its payload carries it (fp32 bytes, ``read_block``) into ``out`` now."""
+        self.stage_snapshot(page).copy_into(out)
 
     # ---- sequence states -----------------------------------------------------------------------
 
