@@ -25,8 +25,9 @@ A region travels as bytes (``DeviceRegion.to_bytes``: JSON, never pickle: a peer
 run code). ``RegionOpener`` is the seam a CPU test replaces with a shared-memory stand-in.
 
 Not built yet: the kvstore client's mover and the node's RPC that carry a region from an engine
-process to a node (the client's ``MOVERS`` have no ``cuda_ipc``); what is here is the node's side
-(open, copy, fall back) and the engine's export. Unverified on a GPU here (none was lent): the
+process to a node (the client's ``MOVERS`` have no ``cuda_ipc``), and ``TieredStore`` placing such
+a block (room, eviction, index events: ``SameGpuPath`` writes the GPU tier directly); what is
+here is the tier's side (open, copy, fall back) and the engine's export. Unverified on a GPU here (none was lent): the
 real ``CudaIpc`` opener ran nowhere; ``tests/kvstore/test_cuda_ipc.py`` runs it when CUDA is
 available (``scripts/gpu_check.sh``).
 """
@@ -134,7 +135,8 @@ class CudaIpc:
         if self.gpu_uuid(device) != region.gpu_uuid:
             raise IpcRefused(f"region on GPU {region.gpu_uuid}, this tier on {self.gpu_uuid(device)}")
         if region.offset + region.nbytes > region.storage_bytes:
-            raise IpcRefused(f"region [{region.offset}, +{region.nbytes}) past its storage of {region.storage_bytes} bytes")
+            raise IpcRefused(f"region [{region.offset}, +{region.nbytes}) past its storage of "
+                             f"{region.storage_bytes} bytes")
         try:
             # the index is ours for that UUID (vLLM's IPC weight transfer does the same)
             return rebuild_cuda_tensor(torch.Tensor, (region.nbytes,), (1,), region.offset, torch.storage.TypedStorage,
@@ -156,7 +158,8 @@ class SameGpuPath:
     def device_ok(self, peer: str) -> bool:
         return CUDA_IPC in self.ladder.open(peer)
 
-    async def put(self, peer: str, header, region: DeviceRegion | None, host_payload) -> tuple[bool, str]:  # noqa: ANN001
+    async def put(self, peer: str, header, region: DeviceRegion | None,  # noqa: ANN001 - a KvBlock
+                  host_payload) -> tuple[bool, str]:  # noqa: ANN001
         """Store a block, its bytes from ``region`` on the device, or else from ``host_payload()``
         (a callable: the host bytes are made only when needed). (stored, how: the mover's name)."""
         if region is not None and self.device_ok(peer):

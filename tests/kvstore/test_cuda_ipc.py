@@ -54,8 +54,8 @@ class Engine:
 
     def __init__(self, kind: str, seed: int) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kvstore.ipc_engine_child", kind, str(4 * FLOATS), str(seed)],
-                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        args = [sys.executable, "-m", "tests.kvstore.ipc_engine_child", kind, str(4 * FLOATS), str(seed)]
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def line(self) -> str:
         assert self.proc.stdout is not None and self.proc.stdin is not None
@@ -92,6 +92,7 @@ async def round_trip(kind: str, node: GpuTier) -> None:
         engine.close()
 
 
+@pytest.mark.slow  # starts the engine's process
 async def test_an_engine_process_puts_and_reads_a_block_device_to_device_stand_in() -> None:
     opener = ShmOpener()
     try:
@@ -102,6 +103,7 @@ async def test_an_engine_process_puts_and_reads_a_block_device_to_device_stand_i
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs it)")
 async def test_an_engine_process_puts_and_reads_a_block_device_to_device_cuda() -> None:
     await round_trip("cuda", GpuTier(GpuTierSettings(enabled=True, capacity_bytes=1 << 20)))
@@ -128,7 +130,7 @@ def local_region(opener: ShmOpener, block: KvBlock, gpu: str = FAKE_GPU) -> Devi
 
 
 @pytest.mark.parametrize("why", ["another gpu", "ipc refused", "wrong size"])
-async def test_a_block_the_device_path_cannot_take_arrives_through_host_bytes_and_the_peer_is_not_asked_again(why) -> None:
+async def test_a_block_the_device_path_cannot_take_comes_through_host_bytes_and_the_peer_is_not_asked_again(why):
     opener = ShmOpener()
     try:
         node = tier(Refusing() if why == "ipc refused" else opener)

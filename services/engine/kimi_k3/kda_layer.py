@@ -113,7 +113,8 @@ class KdaLayer:
         tails = pool.tail[j]
         y, tail = conv_step(mixed[rows], self.w.conv, tails[slots])
         q, k, v = self._split(y)
-        out[rows] = self.ops.kda_step_pooled(q, k, v, g[rows], beta[rows], pool.state[j], slots, self.scale).to(out.dtype)
+        o = self.ops.kda_step_pooled(q, k, v, g[rows], beta[rows], pool.state[j], slots, self.scale)
+        out[rows] = o.to(out.dtype)
         bounds = [i for i, (_, end, _) in enumerate(singles) if end % cache.page_size == 0]
         if bounds:  # rounded at block boundaries only, as a prefill's segments are
             at = to_device(bounds, out.device)
