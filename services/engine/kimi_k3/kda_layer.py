@@ -115,7 +115,7 @@ class KdaLayer:
         q, k, v = self._split(y)
         o = self.ops.kda_step_pooled(q, k, v, g[rows], beta[rows], pool.state[j], slots, self.scale)
         out[rows] = o.to(out.dtype)
-        bounds = [i for i, (_, end, _) in enumerate(singles) if end % cache.page_size == 0]
+        bounds = [i for i, (_, end, _) in enumerate(singles) if end % cache.block_size == 0]
         if bounds:  # rounded at block boundaries only, as a prefill's segments are
             at = to_device(bounds, out.device)
             tail[at] = cache.round_tail(tail[at])
@@ -128,7 +128,7 @@ class KdaLayer:
                  cache: K3Cache) -> None:
         """Tokens ``first .. end`` of one sequence, cut at block boundaries: each segment continues
         the state the previous one left, and a boundary the plan names keeps a snapshot of it."""
-        ps, j = cache.page_size, self.slot
+        ps, j = cache.block_size, self.slot
         state, tail = plan.live.state[0, j], plan.live.tail[0, j].float()
         a = first
         while a < end:
