@@ -91,7 +91,7 @@ class LayerwiseHandoff:
         self.num_layers = layout.num_layers
         self.num_blocks = export.num_blocks
         self._last_hook = len(layout.wire_layers) - 1
-        self._tokens = [block_tokens(i, self.prompt_tokens, engine.page_size) for i in range(self.num_blocks)]
+        self._tokens = [block_tokens(i, self.prompt_tokens, engine.block_size) for i in range(self.num_blocks)]
         self._layer_bytes = [layout.layer_bytes(t) for t in self._tokens]
         self._movers, self.peer = movers, peer
         total = buffers_nbytes(layout, self._layer_bytes)
@@ -139,9 +139,10 @@ class LayerwiseHandoff:
         if wire is not None:
             self._loop.call_soon_threadsafe(self._ready, wire, end)
         if layout.state_bytes and layer == layout.states_after and end == self.prompt_tokens:
-            # the prompt's last KDA layer ran: its live state is final; into the last block's head
-            self._engine.cache.copy_live_state(self._seq.state, self._buffers[-1][: self._heads[-1]])
-            self._loop.call_soon_threadsafe(self._ready, STATE, end)
+            # the prompt's last KDA layer ran: its live state is final; cloned on the device now,
+            # into the last block's head on the loop's thread (on a GPU, once the clone is done)
+            staged = self._engine.cache.stage_live_state(self._seq.state)
+            self._loop.call_soon_threadsafe(self._state_copied, staged, end)
 
     # ---- the stream --------------------------------------------------------------------------
 
@@ -267,6 +268,10 @@ class LayerwiseHandoff:
         blocks the layer before has gone for (a block's layers go in order)."""
         return min(self._avail[layer], self._next_block[layer - 1]) if layer else self._avail[0]
 
+    def _state_copied(self, staged, end: int) -> None:  # noqa: ANN001 - device_staging.Staged
+        staged.copy_into(self._buffers[-1][: self._heads[-1]])
+        self._ready(STATE, end)
+
     def _ready(self, layer: int, end: int) -> None:
         self._take(layer, end)
         self._changed.set()
@@ -275,7 +280,7 @@ class LayerwiseHandoff:
         if layer == STATE:
             self._state_ready = True
             return
-        stop = self.num_blocks if end >= self.prompt_tokens else end // self._engine.page_size
+        stop = self.num_blocks if end >= self.prompt_tokens else end // self._engine.block_size
         self._avail[layer] = max(self._avail[layer], stop)
 
     def _slice(self, layer: int, a: int, b: int, shm: bool) -> tuple[HandoffWirePart, int]:

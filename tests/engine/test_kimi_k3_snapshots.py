@@ -36,7 +36,7 @@ def _weights() -> dict[str, torch.Tensor]:
 def make_engine(every: int = 1, slots: int = 32, cfg=TEST_CFG, pages: int = 64, chunk: int = 2048) -> Engine:
     torch.set_num_threads(1)
     model = K3Model(cfg, _weights(), snapshots=SnapshotPolicy(every_blocks=every, slots=slots))
-    return Engine(model, model_id="k3-test", kv_capacity_tokens=pages * PAGE, page_size=PAGE,
+    return Engine(model, model_id="k3-test", kv_capacity_tokens=pages * PAGE, block_size=PAGE,
                   prefill_chunk_tokens=chunk)
 
 
@@ -260,11 +260,11 @@ def doc_formula() -> str:
     return found.group(1).strip()
 
 
-def doc_cache_bytes(cfg, pages: int, page_size: int, sequences: int, snapshots: int) -> int:
+def doc_cache_bytes(cfg, pages: int, block_size: int, sequences: int, snapshots: int) -> int:
     """Evaluate the docs' formula with the config's shape (names as the docs define them)."""
     latent_bytes = 2 if cfg.cache_dtype == "bfloat16" else 4
     names = {
-        "pages": pages, "page_size": page_size, "sequences": sequences, "snapshots": snapshots,
+        "pages": pages, "block_size": block_size, "sequences": sequences, "snapshots": snapshots,
         "mla_layers": len(cfg.mla_layers), "kda_layers": len(cfg.kda_layers),
         "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "kda_v_heads": cfg.kda_num_v_heads, "K": cfg.kda_head_dim, "V": cfg.kda_v_head_dim,
@@ -278,8 +278,9 @@ def test_allocated_bytes_equal_the_documented_formula(cfg):
     engine = make_engine(slots=5, cfg=cfg, pages=12)
     seqs = [engine.add_sequence(f"s{i}", prompt(20, seed=i)) for i in range(2)]
     cache = engine.cache
-    tensors = [cache.latent, cache.snapshots.states.state, cache.snapshots.states.tail]
-    tensors += [t for s in seqs for t in (cache.live(s.state).state, cache.live(s.state).tail)]
+    assert cache.live_pool.rows == len(seqs)  # the live states' pool: one row per running sequence at the peak
+    tensors = [cache.latent, cache.snapshots.states.state, cache.snapshots.states.tail,
+               cache.live_pool.state, cache.live_pool.tail]
     allocated = sum(t.untyped_storage().nbytes() for t in tensors)
     assert allocated == cache.nbytes() == doc_cache_bytes(cfg, 12, PAGE, 2, 5)
     assert allocated == k3_footprint(cfg).cache_bytes(12 * PAGE, 2, 5)

@@ -80,8 +80,8 @@ class K3Model:
 
     # ---- what the engine asks of a model with its own cache layout ---------------------------
 
-    def make_cache(self, num_pages: int, page_size: int) -> K3Cache:
-        return K3Cache(self.config, num_pages, page_size, self.device, self.snapshot_policy)
+    def make_cache(self, num_pages: int, block_size: int) -> K3Cache:
+        return K3Cache(self.config, num_pages, block_size, self.device, self.snapshot_policy)
 
     def footprint(self) -> CacheFootprint:
         return k3_footprint(self.config)
@@ -123,6 +123,7 @@ class K3Model:
             return self.ffn[layer].forward(x)
         out = self.attn[layer].forward(x, batch, cache)
         if self._on_layer is not None:
+            cache.layer_written(layer)  # a fence on the compute stream: the hook's copies wait for it
             self._on_layer(layer)
         return out
 
