@@ -36,6 +36,9 @@ VLLM_START_S = 900  # a vLLM start is mostly imports now (eager): 1-2 min here, 
 DRAIN_GRACE_S = 90
 # The gateway loads the model's tokenizer before it answers: 120 s was not enough at load ~20.
 CONTROL_PLANE_START_S = 300
+# One request's wait: the peer's 160-token greedy reference timed out at 300 s while the machine
+# thrashed (load ~100, no memory free, 2026-12-05); the test's own timeout still bounds it.
+REQUEST_TIMEOUT_S = 600
 # Every vLLM here (the peer and the instances, ``engine.vllm.enforce_eager``) runs eagerly: with
 # an explicit KV size vLLM's CPU build then neither compiles (inductor) nor warms up. That was
 # most of a start: vLLM's "init engine" took 269-377 s compiled and 1-3 s eager on this shared
@@ -112,7 +115,7 @@ class PeerVllm:
         self.service = Service("peer-vllm", proc, log, health=f"{self.url}/health")
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=300, max_retries=0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
     def stop(self) -> None:
         self.service.stop(timeout_s=30)
@@ -196,7 +199,7 @@ class VllmStack:
         wait_healthy(started, VLLM_START_S)
 
     def client(self, tenant: str = "acme") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=300, max_retries=0)
+        return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
     def peer(self) -> openai.OpenAI:
         return self._peer.client()
