@@ -27,13 +27,21 @@ import httpx
 import uvicorn
 
 from crescent.services.gateway.config import load_gateway_settings
-from crescent.services.gateway.server import check_exposure, gateway_app, served_model, uvicorn_config
+from crescent.services.gateway.server import ModelLoader, check_exposure, gateway_app, served_model, uvicorn_config
 
 from . import fake_backend
 from .fake_tokenizer import fake_served_model
+from .fake_tool_model import fake_tool_served_model
 from .support import BLOCK_SIZE, FAKE_TOKENIZER_ENTRY, PRODUCTION_ENTRY, FakeBackend, Gateway
 
 T = TypeVar("T")
+
+# Each process entry of the tests, as the model loader it passes to ``server.main`` (None: the model's own).
+LOADERS: dict[tuple[str, ...], ModelLoader | None] = {
+    FAKE_TOKENIZER_ENTRY: fake_served_model,
+    ("-m", "tests.gateway.fake_tool_model"): fake_tool_served_model,
+    PRODUCTION_ENTRY: None,
+}
 
 
 class _Loop:
@@ -93,16 +101,17 @@ class InProcessGateway(Gateway):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.config_path = self.argv[-1]
-        self._entry = kwargs.get("entry", FAKE_TOKENIZER_ENTRY)
-        if self._entry not in (FAKE_TOKENIZER_ENTRY, PRODUCTION_ENTRY):
-            raise ValueError(f"no in-process form of the entry {self._entry!r}")
+        entry = kwargs.get("entry", FAKE_TOKENIZER_ENTRY)
+        if entry not in LOADERS:
+            raise ValueError(f"no in-process form of the entry {entry!r}")
+        self._loader = LOADERS[entry]
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Future[None] | None = None
 
     def spawn(self) -> None:
         settings = load_gateway_settings(self.config_path)
         check_exposure(settings)
-        model = served_model(settings, fake_served_model if self._entry == FAKE_TOKENIZER_ENTRY else None)
+        model = served_model(settings, self._loader)
         self._task = _Loop.shared().spawn(self._serve(settings, model))
 
     async def _serve(self, settings: Any, model: Any) -> None:
