@@ -18,6 +18,7 @@ Tests of those keep the real processes of ``support.py``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -35,6 +36,7 @@ from .fake_tool_model import fake_tool_served_model
 from .support import BLOCK_SIZE, FAKE_TOKENIZER_ENTRY, PRODUCTION_ENTRY, FakeBackend, Gateway
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Each process entry of the tests, as the model loader it passes to ``server.main`` (None: the model's own).
 LOADERS: dict[tuple[str, ...], ModelLoader | None] = {
@@ -45,7 +47,7 @@ LOADERS: dict[tuple[str, ...], ModelLoader | None] = {
 
 
 class _Loop:
-    """One event loop on a daemon thread for every in-process server (grpc.aio wants one loop)."""
+    """One event loop on a daemon thread for every in-process server (grpc.aio objects stay on their loop)."""
 
     _shared: _Loop | None = None
     _lock = threading.Lock()
@@ -152,5 +154,6 @@ class InProcessGateway(Gateway):
         try:
             task.result(timeout=15)
         except Exception:  # noqa: BLE001 - the caller's check fails on the code, as with a process
+            log.exception("the in-process gateway did not stop cleanly")  # shown in the failed test's report
             return 1
         return 0
