@@ -1,7 +1,7 @@
-"""The usage ledger on the gateway (served in-process, ``in_process.py``): 1,000 concurrent
-requests of every kind add up to what their clients were told, on SQLite and on a real PostgreSQL
-server; ``GET /v1/usage`` and ``/admin/usage`` (ranges, grouping, CSV, tenant isolation, bad
-input); ``crescent usage``."""
+"""The usage ledger: 1,000 concurrent requests of every kind add up to what their clients were
+told, on SQLite and on a real PostgreSQL server (gateway and backend processes); ``GET /v1/usage``
+and ``/admin/usage`` (ranges, grouping, CSV, tenant isolation, bad input) on the gateway served
+in-process (``in_process.py``); ``crescent usage``."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ MODEL = "fake-model"
 K3 = ModelPrices()
 
 
-def _gateway(backend: FakeBackend, directory: Path, database_url: str) -> Gateway:
-    gw = InProcessGateway(directory, backend.address,
-                          auth={"enabled": True, "admin_key": ADMIN_KEY, "database_url": database_url})
+def _gateway(backend: FakeBackend, directory: Path, database_url: str,
+             kind: type[Gateway] = InProcessGateway) -> Gateway:
+    gw = kind(directory, backend.address, auth={"enabled": True, "admin_key": ADMIN_KEY, "database_url": database_url})
     gw.start_gateway()
     return gw
 
@@ -51,10 +51,29 @@ def sqlite_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactor
     assert gw.stop() == 0
 
 
+# The 1,000-request load runs on processes, as deployed: served from the test process, the clients,
+# the gateway and the fake engines share one interpreter lock, and most placements missed their
+# 5 s deadline on the shared 2-core machine (a finding of the test process, not of the gateway).
 @pytest.fixture(scope="module")
-def postgres_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def load_backend() -> Iterator[FakeBackend]:
+    fake = FakeBackend()
+    fake.start_backend()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture(scope="module")
+def sqlite_load_gateway(load_backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    directory = tmp_path_factory.mktemp("ledger-load")
+    gw = _gateway(load_backend, directory, f"sqlite:///{directory}/gateway.sqlite3", kind=Gateway)
+    yield gw
+    assert gw.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def postgres_load_gateway(load_backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     with postgres_server() as url:
-        gw = _gateway(backend, tmp_path_factory.mktemp("ledger-pg"), url)
+        gw = _gateway(load_backend, tmp_path_factory.mktemp("ledger-pg"), url, kind=Gateway)
         yield gw
         assert gw.stop() == 0
 
@@ -85,11 +104,11 @@ def sums(outcomes: list[Outcome]) -> tuple[int, int, int, int]:
             sum(o.cached for o in outcomes), sum(o.completion for o in outcomes))
 
 
-@pytest.mark.slow  # 1,000 requests, and a PostgreSQL server: not an inner-loop test
+@pytest.mark.slow  # 1,000 requests on gateway, backend and PostgreSQL processes
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_sums_over_1000_concurrent_requests_equal_what_clients_were_told(database: str,
                                                                        request: pytest.FixtureRequest) -> None:
-    gw: Gateway = request.getfixturevalue(f"{database}_gateway")
+    gw: Gateway = request.getfixturevalue(f"{database}_load_gateway")
     tenant = f"load-{database}"
     (key_a, id_a, tenant_a), (key_b, id_b, _) = new_key(gw, tenant), new_key(gw, tenant)
     key_other, _, _ = new_key(gw, f"{tenant}-other")
