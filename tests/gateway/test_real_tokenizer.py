@@ -18,6 +18,11 @@ from .in_process import InProcessGateway
 from .support import BLOCK_SIZE, PRODUCTION_ENTRY, FakeBackend, Gateway, served_salt
 
 
+# In-process (no process to start), but loading SmolLM2's tokenizer here and in the gateway took
+# 50 s of the inner loop on the shared 2-core machine: `slow` is for tests over a few seconds.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def real(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Tokenizer]]:
     """The gateway as production starts it, and the same tokenizer here (loaded while it starts)."""
