@@ -38,13 +38,13 @@ MIB = 1 << 20
 def llama_engine(chunk: int = 8) -> Engine:
     """The tiny llama model, 64 pages of 4 tokens."""
     torch.set_num_threads(1)
-    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * LLAMA_PAGE, page_size=LLAMA_PAGE,
+    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * LLAMA_PAGE, block_size=LLAMA_PAGE,
                   prefill_chunk_tokens=chunk)
 
 
 def prompt_bytes(engine: Engine, seq, prompt: int) -> list[bytes]:  # noqa: ANN001
     """The prompt's blocks as ``engine``'s cache holds them for ``seq``."""
-    page = engine.page_size
+    page = engine.block_size
     return [as_bytes(engine.block_payload(seq, i, block_tokens(i, prompt, page))) for i in range(-(-prompt // page))]
 
 
@@ -104,7 +104,7 @@ class Streamed:
 def stream_layerwise(engine: Engine, tokens: list[int], seq_id: str = "s") -> Streamed:
     """Prefill ``tokens`` on a thread while a ``LayerwiseHandoff`` streams it through the wire
     codec; then what decode read, the cache's blocks and the export's. The sequence is released."""
-    page = engine.page_size
+    page = engine.block_size
 
     async def main() -> Streamed:
         seq = engine.add_sequence(seq_id, tokens)
@@ -135,7 +135,7 @@ def assemble(engine: Engine, parts: list, prompt_tokens: int) -> list[memoryview
     """Decode's assembly of a layer-wise stream (header, slices and state, tail) into blocks."""
     header, *middle, tail = parts
     assert header.header.num_layers == engine.cache.layer_layout().num_layers and tail.tail.first_token_id == 7
-    layers = LayerAssembler(engine.cache.layer_layout(), prompt_tokens, engine.page_size)
+    layers = LayerAssembler(engine.cache.layer_layout(), prompt_tokens, engine.block_size)
     for part in middle:
         assert not part.error
         layers.feed(part.layer) if part.layer is not None else layers.feed_state(part.state)
@@ -144,7 +144,7 @@ def assemble(engine: Engine, parts: list, prompt_tokens: int) -> list[memoryview
 
 def handed_payloads(engine: Engine, received: list, prompt_tokens: int) -> list[torch.Tensor]:
     """Assembled blocks as decode's cache payloads (a stateful family's last with its state)."""
-    cache, page = engine.cache, engine.page_size
+    cache, page = engine.cache, engine.block_size
     stateful = cache.layer_layout().state_bytes > 0
 
     def shape(i: int) -> tuple[int, ...]:
@@ -181,7 +181,7 @@ def state_part(nbytes: int) -> HandoffWirePart:
 def feed_all(engine: Engine, prompt_tokens: int, order: list[tuple[int, int]], states: int = 0,
              state_bytes: int | None = None) -> LayerAssembler:
     """Feed zero slices in ``order`` ((layer, block) pairs), then ``states`` states, through the codec."""
-    layout, page = engine.cache.layer_layout(), engine.page_size
+    layout, page = engine.cache.layer_layout(), engine.block_size
     layers = LayerAssembler(layout, prompt_tokens, page)
     for layer, b in order:
         tokens = max(block_tokens(b, prompt_tokens, page), 1)  # a block past the prompt: one token
@@ -197,7 +197,7 @@ def broken_stream(engine: Engine, request_id: str, tokens: list[int], order: lis
                   states: int, tail: bool = True) -> Iterator[HandoffWirePart]:
     """A layer-wise Handoff stream of ``tokens`` with zero KV: header, slices in ``order``,
     ``states`` states, the tail (unless not ``tail``)."""
-    layout, page = engine.cache.layer_layout(), engine.page_size
+    layout, page = engine.cache.layer_layout(), engine.block_size
     yield HandoffWirePart(header=decode_pb2.HandoffHeader(
         request_id=request_id, model_id=engine.model_id, prompt_token_ids=tokens, num_layers=layout.num_layers,
         sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True), kv_dtype="float32",

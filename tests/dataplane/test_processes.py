@@ -61,7 +61,7 @@ def refuses_broken_streams(address: str, engine: Engine, tokens: list[int], case
 
 def every_slice(engine: Engine, tokens: list[int]) -> list[tuple[int, int]]:
     """Every (layer, block) of a layer-wise stream of ``tokens``, layer by layer."""
-    blocks = -(-len(tokens) // engine.page_size)
+    blocks = -(-len(tokens) // engine.block_size)
     return [(layer, b) for layer in range(engine.cache.layer_layout().num_layers) for b in range(blocks)]
 
 
@@ -141,7 +141,7 @@ def k3_prompt(n: int, seed: int) -> list[int]:
 def test_a_k3_prompt_handed_off_layerwise_decodes_as_one_process(tmp_path) -> None:
     torch.set_num_threads(1)
     reference = Engine(load_k3_model(resolve_model(K3_MODEL)), model_id=K3_MODEL, kv_capacity_tokens=4096,
-                       page_size=K3_PAGE)
+                       block_size=K3_PAGE)
     scheduler = SchedulerStandIn()
     dirs = [tmp_path / name for name in ("decode", "on", "off")]
     for d in dirs:
