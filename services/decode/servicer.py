@@ -24,8 +24,8 @@ from crescent.protos import decode_pb2, decode_pb2_grpc
 from crescent.services.common.logs import request_id_var
 from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.handoff_side import HandoffSideChannel
-from crescent.services.decode.pipeline import (TOMBSTONE_TTL_S, DecodePipeline, Refusal, Refused,  # noqa: F401
-                                               Tombstones, never_fits_message)
+from crescent.services.decode.pipeline import DecodePipeline, Refusal, Refused
+from crescent.services.decode.pipeline import never_fits_message  # noqa: F401 - the aggregated and vLLM roles' import
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, DecodeRequest
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.engine import Sequence
