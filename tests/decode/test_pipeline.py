@@ -171,7 +171,7 @@ def test_a_handed_off_prompt_streams_the_tokens_one_process_generates(layerwise)
             first = await prefill_one(s.prefill, "r1", tokens, 10)
             promised = s.batcher.free_kv_tokens
             rest, reason = await read_stream(s.decode, "r1")
-            await asyncio.sleep(0.05)  # the release runs on the engine thread
+            await s.batcher.worker.run(lambda: None)  # the release, submitted before, has run
             return (first, rest, reason, promised, s.batcher.holds("r1"), (free, pages),
                     (s.batcher.free_kv_tokens, free_pages(s.batcher)))
 
@@ -258,7 +258,7 @@ def test_a_reader_that_leaves_early_or_an_abort_ends_the_request_and_frees_its_k
                 await anext(updates)
                 assert s.decode.abort("aborted", "stop string")
                 ending = [u async for u in updates][-1]
-            await asyncio.sleep(0.05)  # the releases run on the engine thread
+            await s.batcher.worker.run(lambda: None)  # the releases, submitted before, have run
             return (unknown.value, second.value, left_held, ending, s.batcher.holds("aborted"),
                     (s.batcher.free_kv_tokens, free_pages(s.batcher)), free)
 
