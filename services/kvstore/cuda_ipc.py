@@ -38,11 +38,12 @@ import base64
 import json
 import logging
 from dataclasses import asdict, dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from crescent.services.kvwire.movers import MoverLadder
+
+if TYPE_CHECKING:  # torch is imported where a region is made or opened: the kvstore client and
+    import torch   # node import this module without needing it
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +112,12 @@ class CudaIpc:
     """CUDA IPC through torch's own reductions (the handles torch.multiprocessing sends)."""
 
     def gpu_uuid(self, device: torch.device) -> str:
+        import torch
+
         return str(torch.cuda.get_device_properties(device).uuid)
 
     def export(self, tensor: torch.Tensor) -> DeviceRegion:
+        import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
         if tensor.device.type != "cuda" or not tensor.is_contiguous():
@@ -130,6 +134,7 @@ class CudaIpc:
                             None if event_handle is None else bytes(event_handle), bool(event_sync))
 
     def open(self, region: DeviceRegion, device: torch.device) -> torch.Tensor:
+        import torch
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         if self.gpu_uuid(device) != region.gpu_uuid:
