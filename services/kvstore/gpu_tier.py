@@ -55,7 +55,15 @@ class GpuTier(StorageTier):
     def write_from(self, header: KvBlock, region: Any) -> bool:
         """Store ``header``'s block, its payload copied device to device from ``region`` (an
         engine's ``cuda_ipc.DeviceRegion`` on this GPU). False: the tier is full. Raises
-        ``IpcRefused`` (another GPU, IPC unavailable): the caller moves host bytes instead.
+        ``IpcRefused`` and ``BlockIntegrityError`` as ``copy_from``."""
+        copied = self.copy_from(header, region)
+        return copied is not None and self.adopt(*copied)
+
+    def copy_from(self, header: KvBlock, region: Any) -> tuple[KvBlock, Any] | None:
+        """``header``'s block copied device to device from ``region`` into a tensor of this GPU,
+        not yet stored (``adopt`` stores it: the store makes room only for a copy that is good).
+        None: out of device memory. Raises ``IpcRefused`` (another GPU, IPC unavailable, a
+        region of the wrong size): the caller moves host bytes instead.
         The CRC is computed on the tier's copy after the copy (one device-to-host read of the
         block on the node: there is no CRC kernel on the device): a header checksum of 0 takes
         it (an engine would need host bytes to compute one), any other must match it or
@@ -70,7 +78,7 @@ class GpuTier(StorageTier):
         try:
             tensor = self._torch.empty(region.nbytes, dtype=self._torch.uint8, device=self.device)
         except RuntimeError:  # out of device memory: this tier is full
-            return False
+            return None
         tensor.copy_(opened)
         self._sync()
         del opened  # the engine's storage is its own again
@@ -78,9 +86,12 @@ class GpuTier(StorageTier):
         if header.checksum and crc != header.checksum:
             raise BlockIntegrityError(f"block {header.key.hex()}: checksum {crc:#010x} after the device copy, "
                                       f"header says {header.checksum:#010x}")
-        header = dataclasses.replace(header, checksum=crc, payload=b"", payload_crc=None)
+        return dataclasses.replace(header, checksum=crc, payload=b"", payload_crc=None), tensor
+
+    def adopt(self, header: KvBlock, tensor: Any) -> bool:
+        """Store a block ``copy_from`` made (its header, checksummed, and its device tensor)."""
         self._blocks[header.key] = (header, tensor)
-        self._indexed(header.key, BlockInfo(region.nbytes, header.parent_key, header.model_id, header.num_tokens))
+        self._indexed(header.key, BlockInfo(tensor.numel(), header.parent_key, header.model_id, header.num_tokens))
         return True
 
     def read_into(self, key: BlockKey, room: Any) -> KvBlock | None:

@@ -415,16 +415,17 @@ class TieredStore:
             self.policies[0].touch(key)
             return True
         before = self.location(key)
-        if not await self._make_room(0, region.nbytes):
-            log.info("the GPU tier has no room for block %s (%d bytes)", key.hex(), region.nbytes)
-            return False
-        try:
-            if not tier.write_from(header, region):
-                return False
+        try:  # copied and checked first: a bad block must not cost another one its place
+            copied = tier.copy_from(header, region)
         except BlockIntegrityError as exc:
             log.warning("rejecting put: %s", exc)
             self.metrics.checksum_failures.labels("put").inc()
             return False
+        if copied is None or not await self._make_room(0, region.nbytes) or key in tier:
+            if copied is None or key not in tier:
+                log.info("the GPU tier has no room for block %s (%d bytes)", key.hex(), region.nbytes)
+            return key in tier  # (a concurrent writer may have stored it meanwhile)
+        tier.adopt(*copied)
         self.policies[0].insert(key)
         if self.write_through and len(self.tiers) > 1:
             block = await tier.read(key)  # the lower tiers take host bytes
