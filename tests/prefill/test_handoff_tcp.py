@@ -35,8 +35,7 @@ from crescent.services.prefill.prompt_export import PromptExport
 from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub
 from tests.prefill.test_handoff_shm import hand_off_each
 from tests.security.support import Pki, make_test_pki
-from tests.prefill.test_layerwise import make_engine
-from tests.prefill.test_layerwise_k3 import InlineWorker
+from tests.dataplane.families import InlineWorker, llama_engine as make_engine
 
 HANDOFFS, BYTES = "crescent_handoff_total", "crescent_handoff_bytes_total"
 PEER = "127.0.0.1:1"  # decode's gRPC address as prefill knows it (the side channel's is its own)
