@@ -67,7 +67,7 @@ class StackPool:
             self._stack = None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # the last stack stops with this folder's last test, not the session's
 def stack_pool(tmp_path_factory: pytest.TempPathFactory):
     pool = StackPool(tmp_path_factory)
     yield pool
