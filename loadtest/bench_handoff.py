@@ -140,7 +140,7 @@ def prefill_seconds(tokens: int) -> float | None:
     except Exception:  # noqa: BLE001 - no model here: the share is left out
         return None
     engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=loaded.model_id,
-                    kv_capacity_tokens=tokens + PAGE, page_size=PAGE)
+                    kv_capacity_tokens=tokens + PAGE, block_size=PAGE)
     seq = engine.add_sequence("bench", [(7 * i) % 1000 + 10 for i in range(tokens)], use_cache=False)
     start = time.perf_counter()
     engine.prefill(seq)

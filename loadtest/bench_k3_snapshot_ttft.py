@@ -63,7 +63,7 @@ def run(engine: Engine, prompt: list[int], name: str) -> tuple[float, int]:
 
 def bench(every: int, slots: int, args: argparse.Namespace, weights: dict) -> dict:
     model = K3Model(NANO, weights, snapshots=SnapshotPolicy(every_blocks=every, slots=slots))
-    engine = Engine(model, model_id="nano", kv_capacity_tokens=1 << 17, page_size=BLOCK,
+    engine = Engine(model, model_id="nano", kv_capacity_tokens=1 << 17, block_size=BLOCK,
                     prefill_chunk_tokens=args.doc_tokens + 512, min_cached_prompt_tokens=0)
     docs = [tokens(args.doc_tokens, seed=d) for d in range(args.docs)]
     question = args.question_tokens
@@ -103,7 +103,7 @@ def main() -> None:
     weights = seeded_weights(NANO, 0)
     rows = []
     with torch.inference_mode():
-        run(Engine(K3Model(NANO, weights), model_id="warm", kv_capacity_tokens=4096, page_size=BLOCK),
+        run(Engine(K3Model(NANO, weights), model_id="warm", kv_capacity_tokens=4096, block_size=BLOCK),
             tokens(512, seed=99), "warm")
         for every, slots in POLICIES:
             rows.append(bench(every, slots, args, weights))

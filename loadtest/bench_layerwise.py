@@ -111,7 +111,7 @@ def overhead(tokens: int, rounds: int) -> None:
     torch.set_num_threads(1)
     loaded = load_model(resolve_model(DEFAULT_MODEL), progress=False)
     engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=loaded.model_id,
-                    kv_capacity_tokens=tokens + BLOCK, page_size=BLOCK)
+                    kv_capacity_tokens=tokens + BLOCK, block_size=BLOCK)
 
     async def once(streamed: bool, seed: int) -> float:
         seq = engine.add_sequence(f"s{seed}", prompt(tokens, seed), use_cache=False)

@@ -81,7 +81,7 @@ def load_once(path: str, mode: str) -> dict:
     experts = [w for f in model.ffn if isinstance(f, LatentMoe) for w in f.experts]
     params = sum(math.prod(w.shape) for w in experts)
     expert_bytes = tensor_bytes(experts)
-    engine = Engine(model, model_id="bench", kv_capacity_tokens=256, page_size=64)
+    engine = Engine(model, model_id="bench", kv_capacity_tokens=256, block_size=64)
     seq = engine.add_sequence("a", list(range(1, 129)))
     start = time.perf_counter()
     logits = engine.prefill(seq)

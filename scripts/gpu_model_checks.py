@@ -88,7 +88,7 @@ def _smollm2(device: str, dtype):
                    for name, shape in cfg.weight_shapes().items()}
         what = "SmolLM2's shape, seeded weights (no GGUF here)"
     model = LlamaModel(cfg, weights, **kw)
-    return (lambda: Engine(model, model_id="smollm2-check", kv_capacity_tokens=4096, page_size=64)), what
+    return (lambda: Engine(model, model_id="smollm2-check", kv_capacity_tokens=4096, block_size=64)), what
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -177,7 +177,7 @@ def _k3_engine(cfg, weights, device: str, dtype, backend):
     from crescent.services.engine.kimi_k3.model import K3Model
 
     return Engine(K3Model(cfg, weights, backend=backend, device=device, dtype=dtype), model_id="k3-check",
-                  kv_capacity_tokens=64 * 16, page_size=16)
+                  kv_capacity_tokens=64 * 16, block_size=16)
 
 
 def _k3_rows(engine, prompts: list[list[int]], fed: list[int]) -> list:

@@ -57,12 +57,12 @@ class ProfilePlan:
     # aggregated engine's mixed steps, each timed decode_steps times (after a warm-up), median kept
     mixed: tuple[tuple[int, int, int, int], ...] = ()
 
-    def kv_tokens_needed(self, page_size: int) -> int:
+    def kv_tokens_needed(self, block_size: int) -> int:
         prefill = max(p + c for p, c in self.prefill)        # the prefix run and the timed run
         decode = max(b * (c + self.decode_steps + 2) for b, c in self.decode)
         mixed = max((u + c + 1 + b * (ctx + self.decode_steps + 2) for u, c, b, ctx in self.mixed), default=0)
         batch = max([b for b, _ in self.decode] + [b for *_, b, _ in self.mixed])
-        return max(prefill, decode, mixed) + 2 * page_size * (batch + 1)
+        return max(prefill, decode, mixed) + 2 * block_size * (batch + 1)
 
     def points_for(self, modes: Sequence[str], threads: ProfileThreads | None = None) -> int:
         """Measurements in all for these modes (what a progress bar counts)."""
@@ -138,9 +138,9 @@ class Profiler:
 
     def prefill(self, prompt_tokens: int, cached_tokens: int) -> PrefillSample:
         """Time the prefill of ``prompt_tokens`` of which the first ``cached_tokens`` are cached."""
-        page = self.engine.page_size
-        if cached_tokens % page or cached_tokens >= prompt_tokens:
-            raise ValueError(f"cached tokens ({cached_tokens}) must be a multiple of {page} below the prompt length")
+        block_size = self.engine.block_size
+        if cached_tokens % block_size or cached_tokens >= prompt_tokens:
+            raise ValueError(f"cached tokens ({cached_tokens}) must be a multiple of {block_size} below the prompt length")
         tokens = self._tokens(prompt_tokens)
         if cached_tokens:
             prefix = self.engine.add_sequence(self._name(), tokens[:cached_tokens], use_cache=False)
@@ -178,11 +178,11 @@ class Profiler:
 
     def _decoding(self, batch_size: int, context_tokens: int) -> list:
         """``batch_size`` sequences with zero-filled KV for ``context_tokens``, each one token to decode."""
-        engine, page = self.engine, self.engine.page_size
+        engine, block_size = self.engine, self.engine.block_size
         seqs = []
         try:
             for _ in range(batch_size):
-                sizes = [min(page, context_tokens - i) for i in range(0, context_tokens, page)]
+                sizes = [min(block_size, context_tokens - i) for i in range(0, context_tokens, block_size)]
                 payloads = [torch.zeros(engine.cache.payload_shape(n), dtype=engine.cache.wire_dtype) for n in sizes]
                 seqs.append(engine.adopt_sequence(self._name(), self._tokens(context_tokens + 1), context_tokens, payloads))
         except BaseException:
@@ -256,7 +256,7 @@ def run_profile(engine: Engine, plan: ProfilePlan, on_point: Callable[[str], Non
     finally:
         torch.set_num_threads(before)
     cache = engine.cache
-    kv_bytes_per_token = cache.nbytes() // (cache.pages.num_pages * engine.page_size)
+    kv_bytes_per_token = cache.nbytes() // (cache.pages.num_pages * engine.block_size)
     if pools is None:  # aggregated only: a step of one prompt chunk, or of decode rows, alone
         assert mixed_model is not None
         return ProfileResult((), (), mixed_model.prefill_model(), mixed_model.decode_model(), kv_bytes_per_token,

@@ -113,14 +113,14 @@ def paged_attention(
     """Causal attention of one sequence's new queries over its paged KV.
 
     q: (new_tokens, heads, head_dim), the last ``new_tokens`` positions of the context.
-    k_pages, v_pages: (pages, page_size, kv_heads, head_dim) each, contiguous, the sequence's pages
+    k_pages, v_pages: (pages, block_size, kv_heads, head_dim) each, contiguous, the sequence's pages
     in order (gathered apart: one copy each, and the tokens are then a view).
     Returns (new_tokens, heads, head_dim).
     """
     new_tokens, heads, head_dim = q.shape
-    pages, page_size, kv_heads, _ = k_pages.shape
-    k = k_pages.view(pages * page_size, kv_heads, head_dim)[:context_len]
-    v = v_pages.view(pages * page_size, kv_heads, head_dim)[:context_len]
+    pages, block_size, kv_heads, _ = k_pages.shape
+    k = k_pages.view(pages * block_size, kv_heads, head_dim)[:context_len]
+    v = v_pages.view(pages * block_size, kv_heads, head_dim)[:context_len]
     q_t, k_t, v_t = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     mask = None
     causal = False

@@ -33,12 +33,12 @@ inline float fast_exp(float x) {
 // One sequence's query heads that share KV head ``k_base``/``v_base`` (already offset to it).
 template <int D>
 void one_task(const float* __restrict q, const float* __restrict k_base, const float* __restrict v_base,
-              const int64_t* __restrict table, int64_t L, int64_t page_size, int64_t kps, int64_t kts,
+              const int64_t* __restrict table, int64_t L, int64_t block_size, int64_t kps, int64_t kts,
               int64_t vps, int64_t vts, int64_t group, float scale, float* __restrict scores,
               float* __restrict out, int64_t q_head_stride) {
   // q: the group's query heads (q + g * q_head_stride); scores: (group, L) scratch.
   for (int64_t t = 0; t < L; ++t) {
-    const float* __restrict kt = k_base + table[t / page_size] * kps + (t % page_size) * kts;
+    const float* __restrict kt = k_base + table[t / block_size] * kps + (t % block_size) * kts;
     for (int64_t g = 0; g < group; ++g) {
       const float* __restrict qg = q + g * q_head_stride;
       float s = 0.f;
@@ -63,7 +63,7 @@ void one_task(const float* __restrict q, const float* __restrict k_base, const f
   for (int64_t g = 0; g < group; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
   for (int64_t t = 0; t < L; ++t) {
-    const float* __restrict vt = v_base + table[t / page_size] * vps + (t % page_size) * vts;
+    const float* __restrict vt = v_base + table[t / block_size] * vps + (t % block_size) * vts;
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * L + t];
 #pragma omp simd
@@ -76,7 +76,7 @@ void one_task(const float* __restrict q, const float* __restrict k_base, const f
 
 }  // namespace
 
-// q: (B, H, 64) float32 contiguous; k_pool, v_pool: (pages, page_size, KV, 64) float32 with the last
+// q: (B, H, 64) float32 contiguous; k_pool, v_pool: (pages, block_size, KV, 64) float32 with the last
 // dim contiguous (a layer's slice of the pool); page_tables: (B, max_pages) int64; context_lens: (B,)
 // int64, each >= 1 and covered by its table. Returns (B, H, 64).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
@@ -84,14 +84,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat, "q: (B, H, D) float32 contiguous");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.scalar_type() == torch::kFloat &&
               v_pool.scalar_type() == torch::kFloat && k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
-              "k_pool, v_pool: (pages, page_size, KV, D) float32, last dim contiguous");
+              "k_pool, v_pool: (pages, block_size, KV, D) float32, last dim contiguous");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool differ in shape");
   TORCH_CHECK(page_tables.dim() == 2 && page_tables.size(0) == q.size(0) && page_tables.is_contiguous() &&
               page_tables.scalar_type() == torch::kLong, "page_tables: (B, max_pages) int64 contiguous");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0) && context_lens.is_contiguous() &&
               context_lens.scalar_type() == torch::kLong, "context_lens: (B,) int64 contiguous");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t page_size = k_pool.size(1), KV = k_pool.size(2), group = H / KV;
+  const int64_t block_size = k_pool.size(1), KV = k_pool.size(2), group = H / KV;
   TORCH_CHECK(D == 64 && k_pool.size(3) == 64 && H % KV == 0, "paged_decode_attention: head_dim 64, H a multiple of KV");
   TORCH_CHECK(group <= 16, "paged_decode_attention: at most 16 query heads per KV head");
   const int64_t max_pages = page_tables.size(1);
@@ -104,8 +104,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   float* op = out.data_ptr<float>();
   const int64_t num_pages = k_pool.size(0);
   for (int64_t b = 0; b < B; ++b) {  // a bad table would read outside the pool: refuse it
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_pages * page_size, "context length ", lp[b], " not covered by its page table");
-    for (int64_t p = 0; p < (lp[b] + page_size - 1) / page_size; ++p)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_pages * block_size, "context length ", lp[b], " not covered by its page table");
+    for (int64_t p = 0; p < (lp[b] + block_size - 1) / block_size; ++p)
       TORCH_CHECK(tp[b * max_pages + p] >= 0 && tp[b * max_pages + p] < num_pages, "page ", tp[b * max_pages + p],
                   " outside the pool of ", num_pages);
   }
@@ -116,7 +116,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, kh = task % KV, L = lp[b];
       scores.resize(static_cast<size_t>(group * L));
-      one_task<64>(qp + (b * H + kh * group) * D, kp + kh * khs, vp + kh * vhs, tp + b * max_pages, L, page_size,
+      one_task<64>(qp + (b * H + kh * group) * D, kp + kh * khs, vp + kh * vhs, tp + b * max_pages, L, block_size,
                    kps, kts, vps, vts, group, static_cast<float>(scale), scores.data(),
                    op + (b * H + kh * group) * D, D);
     }

@@ -2,7 +2,7 @@
 
     q_lat        [Tq, H, Dc]   absorbed queries, W_uk_h q_nope_h (see :func:`absorb_query`)
     q_rope       [Tq, H, Dr]   RoPE part of the queries
-    cache        [P, S, Dc+Dr] paged latent cache: c_kv then k_rope per slot, S = page size
+    cache        [P, S, Dc+Dr] paged latent cache: c_kv then k_rope per slot, S = block size
     block_table  [N, max_pages] int32/int64 page ids of each sequence, in order
     seq_lens     [N]           tokens in the cache per sequence, *including* this step's queries
     cu_q         [N + 1]       cumulative query counts; sequence i's queries are its last tokens
@@ -61,14 +61,14 @@ def mla_paged_attention(
     if cache.dtype != torch.float8_e4m3fn:  # an fp8 latent cache is read as it is (its scale is the caller's)
         check_float("cache", cache)
     if q_lat.dim() != 3 or q_rope.dim() != 3 or cache.dim() != 3:
-        raise ValueError("q_lat, q_rope must be [Tq, H, D] and cache [pages, page_size, Dc + Dr]")
+        raise ValueError("q_lat, q_rope must be [Tq, H, D] and cache [pages, block_size, Dc + Dr]")
     tq, h, dc = q_lat.shape
     dr = q_rope.shape[2]
     if q_rope.shape[:2] != (tq, h) or cache.shape[2] != dc + dr:
         raise ValueError(f"q_rope must be [{tq}, {h}, Dr] and cache's last dim Dc + Dr = {dc + dr}")
     check_pow2("Dc", dc, 16, 1024)
     check_pow2("Dr", dr, 16, 256)
-    check_pow2("page size", cache.shape[1], 16, 1024)
+    check_pow2("block size", cache.shape[1], 16, 1024)
     n = seq_lens.shape[0]
     if block_table.dim() != 2 or block_table.shape[0] != n or cu_q.shape != (n + 1,):
         raise ValueError(f"block_table must be [{n}, max_pages] and cu_q [{n + 1}] for {n} sequences")

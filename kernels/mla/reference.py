@@ -11,7 +11,7 @@ Absorbed form (what the kernel computes, no per-head K/V ever materialised):
     o_lat_h = sum_t p_t c_kv_t,  o_h = o_lat_h W_uv_h.
 The layer output is gated: o_h * sigmoid(gate_h(x)) before the output projection.
 
-Cache layout: ``[num_pages, page_size, Dc + Dr]`` (c_kv then k_rope per slot); a block table
+Cache layout: ``[num_pages, block_size, Dc + Dr]`` (c_kv then k_rope per slot); a block table
 ``[N, max_pages]`` lists each sequence's pages in order.
 """
 
@@ -40,10 +40,10 @@ def write_latent_cache(
     cache: torch.Tensor, block_table: torch.Tensor, seq: int, start: int, c_kv: torch.Tensor, k_rope: torch.Tensor
 ) -> None:
     """Store tokens start.. of sequence ``seq`` (c_kv ``[T, Dc]``, k_rope ``[T, Dr]``) in place."""
-    page_size, dc = cache.shape[1], c_kv.shape[-1]
+    block_size, dc = cache.shape[1], c_kv.shape[-1]
     pos = torch.arange(start, start + c_kv.shape[0], device=cache.device)
-    pages = block_table[seq, pos // page_size].long()
-    slots = pos % page_size
+    pages = block_table[seq, pos // block_size].long()
+    slots = pos % block_size
     cache[pages, slots, :dc] = c_kv.to(cache.dtype)
     cache[pages, slots, dc:] = k_rope.to(cache.dtype)
 

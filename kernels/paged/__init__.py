@@ -3,7 +3,7 @@
     q             [N, H, D] (decode: one query per sequence) or [T, H, D] (prefill)
     k_pool/v_pool [P, S, KV, D]  one layer's keys / values, e.g. ``cache.pool[:, layer, 0]`` and
                   ``[:, layer, 1]`` of the engine's (pages, layers, 2, S, KV, D) pool: strided
-                  views are fine (any strides), S = page size (a multiple of 16; 64 by default)
+                  views are fine (any strides), S = block size (a multiple of 16; 64 by default)
     block_tables  [N, max_pages] int32/int64: sequence i's pages in order (entries past its
                   length are never read)
     seq_lens      [N] int32/int64: tokens of sequence i in the pool, *including* this step's
@@ -39,7 +39,7 @@ from crescent.kernels.paged.reference import paged_attention_reference
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "paged_attention_reference"]
 
 QUERY_BLOCK = 32    # prefill queries per program
-MAX_TILE = 64       # keys per step (the largest power of two dividing the page size, capped here)
+MAX_TILE = 64       # keys per step (the largest power of two dividing the block size, capped here)
 DECODE_SPLIT = 512  # decode keys per program once a table can reach past this (a multiple of the tile)
 
 
@@ -123,15 +123,15 @@ def _check(q, k_pool, v_pool, block_tables, seq_lens) -> tuple[int, int, int]:
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         check_float(name, t)
     if q.dim() != 3 or k_pool.dim() != 4:
-        raise ValueError("q must be [tokens, H, D] and k_pool, v_pool [pages, page_size, KV, D]")
+        raise ValueError("q must be [tokens, H, D] and k_pool, v_pool [pages, block_size, KV, D]")
     if v_pool.shape != k_pool.shape or v_pool.stride() != k_pool.stride() or v_pool.dtype != k_pool.dtype:
         raise ValueError("k_pool and v_pool must have one shape, dtype and strides (two views of one pool)")
     _, h, d = q.shape
-    _, page_size, kv, pool_d = k_pool.shape
+    _, block_size, kv, pool_d = k_pool.shape
     if pool_d != d or kv == 0 or h % kv:
         raise ValueError(f"q [*, {h}, {d}] does not fit pools of {kv} KV heads of dim {pool_d} (H % KV == 0)")
-    if d > 256 or page_size % 16:
-        raise ValueError(f"head dim {d} must be <= 256 and page size {page_size} a multiple of 16")
+    if d > 256 or block_size % 16:
+        raise ValueError(f"head dim {d} must be <= 256 and block size {block_size} a multiple of 16")
     n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if n < 0 or block_tables.dim() != 2 or block_tables.shape[0] != n:
         raise ValueError(f"seq_lens must be [N] and block_tables [N, max_pages], got {tuple(seq_lens.shape)} "
@@ -147,10 +147,10 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _tile(page_size: int, d: int) -> int:
-    """Keys per step: the largest power of two dividing the page size, at most MAX_TILE, halved
+def _tile(block_size: int, d: int) -> int:
+    """Keys per step: the largest power of two dividing the block size, at most MAX_TILE, halved
     for head dims over 128 so a step's fp32 K and V tiles stay within 64 KiB."""
-    return min(MAX_TILE, page_size & -page_size, max(16, 8192 // _bd(d)))
+    return min(MAX_TILE, block_size & -block_size, max(16, 8192 // _bd(d)))
 
 
 def _bd(d: int) -> int:

@@ -1,7 +1,7 @@
 """Triton attention over the paged KV pool: decode (one query per sequence, whole or in pieces
 merged in order) and varlen prefill.
 
-Keys are visited in tiles of TILE tokens (a power of two dividing the page size, so a tile never
+Keys are visited in tiles of TILE tokens (a power of two dividing the block size, so a tile never
 straddles two pages), from position 0 upwards, with an online softmax in fp32. A query's result
 therefore depends on its own sequence only, never on the batch: the order is fixed by positions.
 In prefill a query whose tile of queries reaches further than itself walks extra key tiles that

@@ -60,8 +60,8 @@ class MixedBatcher(Batcher):
     def __init__(self, engine: Engine, worker: EngineWorker, max_batch_size: int, unclaimed_timeout_s: float,
                  chunk_tokens: int) -> None:
         super().__init__(engine, worker, max_batch_size, unclaimed_timeout_s)
-        page = engine.page_size
-        self.chunk_tokens = max(page, chunk_tokens - chunk_tokens % page)  # chunks end on block boundaries
+        block_size = engine.block_size
+        self.chunk_tokens = max(block_size, chunk_tokens - chunk_tokens % block_size)  # chunks end on block boundaries
         self.prompts: deque[PromptJob] = deque()          # being computed, oldest first
         self._reserving: deque[tuple[str, asyncio.Future[None]]] = deque()  # prompts waiting for KV room
         self._reserved: set[str] = set()                  # prompts holding a reservation, not handed over
@@ -201,15 +201,15 @@ class MixedBatcher(Batcher):
     def _plan_chunks(self) -> list[tuple[PromptJob, int]]:
         """(prompt, compute up to) pairs for the next step: up to ``chunk_tokens`` tokens, oldest
         prompts first; a chunk that does not end its prompt ends on a block boundary."""
-        budget, page, chunks = self.chunk_tokens, self.engine.page_size, []
+        budget, block_size, chunks = self.chunk_tokens, self.engine.block_size, []
         for job in self.prompts:
             seq = job.seq
-            if job.done.done() or budget < page:
+            if job.done.done() or budget < block_size:
                 continue
             end = prefill_step_end(seq, budget)
             tail_start = seq.num_tokens - seq.decode_tail
             if end < tail_start:
-                end -= end % page
+                end -= end % block_size
                 if end <= seq.num_computed:
                     break
             elif end - seq.num_computed > budget and chunks:

@@ -20,20 +20,20 @@ from crescent.services.contract.choices import choice_own_pages, choices_kv_page
 @dataclass(slots=True)
 class KvLedger:
     num_pages: int
-    page_size: int
+    block_size: int
     waiting: dict[str, int] = field(default_factory=dict)    # request id → pages it will need
     admitted: dict[str, int] = field(default_factory=dict)   # request id → pages reserved for it
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return -(-tokens // self.block_size)
 
     def own_pages(self, prompt_tokens: int, reserve_tokens: int) -> int:
         """Pages one of several choices holds alone: all it may need but the prompt's full pages."""
-        return choice_own_pages(prompt_tokens, reserve_tokens, self.page_size)
+        return choice_own_pages(prompt_tokens, reserve_tokens, self.block_size)
 
     def pages_for_choices(self, prompt_tokens: int, reserve_tokens: int, choices: int) -> int:
         """Pages ``choices`` sequences of one prompt may ever hold, each up to ``reserve_tokens``."""
-        return choices_kv_pages(prompt_tokens, reserve_tokens, choices, self.page_size)
+        return choices_kv_pages(prompt_tokens, reserve_tokens, choices, self.block_size)
 
     @property
     def admitted_pages(self) -> int:
@@ -46,7 +46,7 @@ class KvLedger:
     @property
     def free_tokens(self) -> int:
         """Token slots promised to no request held here."""
-        return max(self.num_pages - self.promised_pages, 0) * self.page_size
+        return max(self.num_pages - self.promised_pages, 0) * self.block_size
 
     def wait(self, request_id: str, pages: int) -> None:
         assert request_id not in self.waiting and request_id not in self.admitted, request_id

@@ -120,7 +120,7 @@ class Batcher:
         self.worker = worker
         self.max_batch_size = max_batch_size
         self.unclaimed_timeout_s = unclaimed_timeout_s
-        self.ledger = KvLedger(engine.cache.pages.num_pages, engine.page_size)
+        self.ledger = KvLedger(engine.cache.pages.num_pages, engine.block_size)
         self.requests: dict[str, DecodeRequest] = {}    # everything held, in arrival order
         self.waiting: deque[DecodeRequest] = deque()     # accepted, not admitted yet (FIFO)
         self.running: list[DecodeRequest] = []           # admitted (KV in the cache), in admission order
@@ -417,7 +417,7 @@ class Batcher:
 
     def _update_gauges(self) -> None:
         pages = self.engine.cache.pages
-        self.metrics.kv_used_tokens.labels("decode").set((pages.num_pages - pages.free_pages) * self.engine.page_size)
+        self.metrics.kv_used_tokens.labels("decode").set((pages.num_pages - pages.free_pages) * self.engine.block_size)
         running = len(self.open_sequences())
         in_step = min(running, self.max_batch_size)
         self.metrics.running.labels("decode").set(in_step)

@@ -158,7 +158,7 @@ class HandoffIntake:
             raise BlockFormatError(f"KV layout {header.kv_dtype} {tuple(header.kv_block_shape)} in "
                                    f"{header.num_layers} layers != {cache.block_shape} in "
                                    f"{layout.num_layers}")
-        return LayerAssembler(layout, len(header.prompt_token_ids), self.engine.page_size)
+        return LayerAssembler(layout, len(header.prompt_token_ids), self.engine.block_size)
 
     async def _mapped_assembler(self, header: decode_pb2.HandoffHeader,
                                 layers: LayerAssembler) -> MappedLayerAssembler:
@@ -171,7 +171,7 @@ class HandoffIntake:
                                               layers.nbytes)
         except ShmUnusable as exc:
             raise HandoffRefused(f"{REFUSAL} {exc}") from exc
-        return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, segment)
+        return MappedLayerAssembler(layers.layout, layers.prompt_tokens, layers.block_size, segment)
 
     def _landed_assembler(self, header: decode_pb2.HandoffHeader,
                           layers: LayerAssembler) -> tuple[LandedLayerAssembler, HandoffLanding]:
@@ -184,7 +184,7 @@ class HandoffIntake:
             landing.close()
             raise BlockFormatError(f"a side channel handoff of {len(landing.buf)} bytes; "
                                    f"the prompt's KV takes {layers.nbytes}")
-        assembler = LandedLayerAssembler(layers.layout, layers.prompt_tokens, layers.page_size, landing)
+        assembler = LandedLayerAssembler(layers.layout, layers.prompt_tokens, layers.block_size, landing)
         return assembler, landing
 
     def problem(self, header: decode_pb2.HandoffHeader, payloads: list[torch.Tensor]) -> str | None:
@@ -212,7 +212,7 @@ class HandoffIntake:
         if not all(0 <= i < len(firsts) for i in header.finished_choices) or open_choices(header) < 1:
             return (f"finished_choices {list(header.finished_choices)} do not leave a choice of "
                     f"{len(firsts)} to decode")
-        if len(payloads) != header.num_blocks or len(payloads) != -(-prompt_len // engine.page_size):
+        if len(payloads) != header.num_blocks or len(payloads) != -(-prompt_len // engine.block_size):
             return f"{len(payloads)} KV blocks for a prompt of {prompt_len} tokens"
         try:
             covered = sum(cache.payload_tokens(p.shape) for p in payloads)
@@ -228,11 +228,11 @@ class HandoffIntake:
     def _layer_payloads(self, header: decode_pb2.HandoffHeader,
                         buffers: list[memoryview]) -> list[torch.Tensor]:
         """The assembled blocks as the cache's payloads; with states (kimi_k3), the last one carries one."""
-        cache, prompt, page = self.engine.cache, len(header.prompt_token_ids), self.engine.page_size
+        cache, prompt, block_size = self.engine.cache, len(header.prompt_token_ids), self.engine.block_size
         stateful = cache.layer_layout().state_bytes > 0
 
         def shape(i: int) -> tuple[int, ...]:
-            tokens = block_tokens(i, prompt, page)
+            tokens = block_tokens(i, prompt, block_size)
             if stateful:
                 return cache.payload_shape(tokens, with_state=i == len(buffers) - 1)
             return cache.payload_shape(tokens)

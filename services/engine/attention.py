@@ -59,7 +59,7 @@ class AttentionPath(Protocol):
     def prepare(self, chunks: Sequence[Chunk], page_tables: list[torch.Tensor]) -> AttentionBatch: ...
 
     def __call__(self, batch: AttentionBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """``q`` (rows, heads, head_dim); ``k_pool``/``v_pool`` (pages, page_size, kv_heads, head_dim)
+        """``q`` (rows, heads, head_dim); ``k_pool``/``v_pool`` (pages, block_size, kv_heads, head_dim)
         views of one layer of the pool (strided pages). Returns (rows, heads, head_dim) in q's dtype."""
         ...
 

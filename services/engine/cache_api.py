@@ -26,7 +26,7 @@ from crescent.services.kvwire.layer_wire import LayerLayout
 @runtime_checkable
 class KvCache(Protocol):
     pages: PageManager
-    page_size: int
+    block_size: int
 
     @property
     def block_shape(self) -> tuple[int, ...]: ...

@@ -85,7 +85,7 @@ class Engine:
         *,
         model_id: str,
         kv_capacity_tokens: int,
-        page_size: int,
+        block_size: int,
         prefill_chunk_tokens: int = 2048,
         min_cached_prompt_tokens: int = 0,
         kv_cache_dtype: torch.dtype | None = None,
@@ -95,21 +95,21 @@ class Engine:
         short, guessable prompt was sent before never shows in ``cached_tokens`` or timing; it may
         still reuse blocks a longer prompt left. Kimi's API rule is 256 (EngineSettings' default).
         ``kv_cache_dtype``: the Llama pool's dtype (None: the model's); the pool lives on the model's device."""
-        if kv_capacity_tokens < page_size:
-            raise ValueError(f"kv_capacity_tokens ({kv_capacity_tokens}) must hold at least one page ({page_size})")
+        if kv_capacity_tokens < block_size:
+            raise ValueError(f"kv_capacity_tokens ({kv_capacity_tokens}) must hold at least one page ({block_size})")
         cfg = model.config
         self.model = model
         self.config: LlamaConfig = cfg
         self.model_id = model_id
-        self.page_size = page_size
+        self.block_size = block_size
         self.min_cached_prompt_tokens = min_cached_prompt_tokens
-        self.prefill_chunk_tokens = max(page_size, prefill_chunk_tokens - prefill_chunk_tokens % page_size)
-        num_pages = kv_capacity_tokens // page_size
+        self.prefill_chunk_tokens = max(block_size, prefill_chunk_tokens - prefill_chunk_tokens % block_size)
+        num_pages = kv_capacity_tokens // block_size
         make_cache = getattr(model, "make_cache", None)  # models with their own page layout (kimi_k3)
         if make_cache is not None:
-            self.cache = make_cache(num_pages, page_size)
+            self.cache = make_cache(num_pages, block_size)
         else:
-            self.cache = PagedKvCache(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim,
+            self.cache = PagedKvCache(num_pages, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
                                       dtype=kv_cache_dtype or getattr(model, "dtype", torch.float32),
                                       device=getattr(model, "device", "cpu"))
         # A cache with recurrent states (kimi_k3) gives each sequence one live state, and a prefix
@@ -119,7 +119,7 @@ class Engine:
     # ---- sequences -------------------------------------------------------------------------
 
     def block_keys(self, token_ids: Seq[int], salt: bytes = b"") -> list[BlockKey]:
-        return prefix_block_keys(token_ids, self.page_size, self.model_id, salt)
+        return prefix_block_keys(token_ids, self.block_size, self.model_id, salt)
 
     def add_sequence(self, seq_id: str, token_ids: Seq[int], *, salt: bytes = b"", use_cache: bool = True,
                      decode_tail: int = 0) -> Sequence:
@@ -144,8 +144,8 @@ class Engine:
         if self._stateful:
             seq.state = self.cache.open_state()
         if use_cache:
-            usable = keys[: (len(token_ids) - 1) // self.page_size]
-            blocks = [token_ids[i * self.page_size : (i + 1) * self.page_size] for i in range(len(usable))]
+            usable = keys[: (len(token_ids) - 1) // self.block_size]
+            blocks = [token_ids[i * self.block_size : (i + 1) * self.block_size] for i in range(len(usable))]
             seq.pages = self.cache.pages.match_prefix(usable, blocks)
             if self._stateful:  # resume from the last snapshot in the match; the rest is recomputed
                 keep = self.cache.resumable(seq.pages)
@@ -153,19 +153,19 @@ class Engine:
                 seq.pages = seq.pages[:keep]
                 if keep:
                     self.cache.resume_state(seq.state, seq.pages[-1])
-            seq.num_computed = seq.num_cached = seq.num_registered = len(seq.pages) * self.page_size
+            seq.num_computed = seq.num_cached = seq.num_registered = len(seq.pages) * self.block_size
         return seq
 
     def missing_prefix_keys(self, seq: Sequence) -> list[BlockKey]:
         """Keys of the usable prefix blocks after the ones already attached, for a kvstore lookup."""
-        usable = (seq.num_tokens - 1) // self.page_size
-        return seq.block_keys[seq.num_computed // self.page_size : usable]
+        usable = (seq.num_tokens - 1) // self.block_size
+        return seq.block_keys[seq.num_computed // self.block_size : usable]
 
     def attach_blocks(self, seq: Sequence, payloads: Seq[torch.Tensor]) -> int:
         """Append fetched prefix blocks (each of ``block_shape``) after the attached ones; returns tokens added."""
-        assert seq.num_computed % self.page_size == 0, "blocks attach only at a block boundary"
-        first = seq.num_computed // self.page_size
-        usable = (seq.num_tokens - 1) // self.page_size
+        assert seq.num_computed % self.block_size == 0, "blocks attach only at a block boundary"
+        first = seq.num_computed // self.block_size
+        usable = (seq.num_tokens - 1) // self.block_size
         payloads = list(payloads)[: usable - first]
         if self._stateful:  # up to the last block that carries a state: the sequence resumes there
             carrying = [i for i, p in enumerate(payloads) if self.cache.payload_has_state(p.shape)]
@@ -181,7 +181,7 @@ class Engine:
             else:
                 self.cache.write_block(page, payload)
         seq.pages.extend(pages)
-        added = len(payloads) * self.page_size
+        added = len(payloads) * self.block_size
         seq.num_computed += added
         seq.num_cached += added
         self._register_full_blocks(seq)
@@ -189,7 +189,7 @@ class Engine:
 
     def pages_for(self, num_tokens: int) -> int:
         """KV pages that hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.page_size)
+        return -(-num_tokens // self.block_size)
 
     def adopt_sequence(self, seq_id: str, token_ids: Seq[int], num_kv_tokens: int, payloads: Seq[torch.Tensor],
                        *, reserve_tokens: int = 0) -> Sequence:
@@ -231,7 +231,7 @@ class Engine:
         prompt = seq.num_computed
         # Before ``seq`` decodes: its prompt computed, with or without its own first token appended.
         assert prompt in (seq.num_tokens - 1, seq.num_tokens), f"{seq.seq_id}: fork before decoding"
-        full = prompt // self.page_size
+        full = prompt // self.block_size
         own = max(self.pages_for(reserve_tokens) - full, self.pages_for(prompt) - full)
         self.cache.pages.reserve(own)
         child = Sequence(seq_id, [*seq.token_ids[:prompt], first_token], [], reserved_pages=own)
@@ -240,11 +240,11 @@ class Engine:
             if self._stateful:
                 child.state = self.cache.open_state()
                 self.cache.copy_state(seq.state, child.state)
-            if prompt % self.page_size:
+            if prompt % self.block_size:
                 (page,) = self.cache.pages.allocate(1, reserved=True)
                 child.reserved_pages -= 1
                 child.pages.append(page)
-                self.cache.write_block(page, self.cache.read_block(seq.pages[full], prompt % self.page_size))
+                self.cache.write_block(page, self.cache.read_block(seq.pages[full], prompt % self.block_size))
         except BaseException:
             self.release(child)
             raise
@@ -329,7 +329,7 @@ class Engine:
                 chunk = SeqChunk(tuple(seq.pages), end, end - seq.num_computed, state, seq.cacheable_prompt)
                 chunks.append((chunk, seq.token_ids[seq.num_computed : end]))
             last_rows.append(len(chunks) - 1)
-        batch = ForwardBatch.build(chunks, self.page_size)
+        batch = ForwardBatch.build(chunks, self.block_size)
         with torch.inference_mode():
             if logits_for is None:
                 logits_for = list(range(len(work))) if want_logits else []
@@ -341,12 +341,12 @@ class Engine:
     def _register_full_blocks(self, seq: Sequence) -> None:
         if not seq.keeps_blocks:
             return
-        full = min(len(seq.block_keys), seq.num_computed // self.page_size)
-        for i in range(seq.num_registered // self.page_size, full):
+        full = min(len(seq.block_keys), seq.num_computed // self.block_size)
+        for i in range(seq.num_registered // self.block_size, full):
             parent = seq.block_keys[i - 1] if i else None
-            tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             self.cache.pages.register(seq.pages[i], seq.block_keys[i], parent, tokens)
-        seq.num_registered = max(seq.num_registered, full * self.page_size)
+        seq.num_registered = max(seq.num_registered, full * self.block_size)
 
     # ---- KV export -------------------------------------------------------------------------
 
@@ -354,7 +354,7 @@ class Engine:
         """Block ``index`` of the sequence, of ``cache.payload_shape(num_tokens)`` (Llama: a view when full).
         A recurrent-state model's last computed block carries the sequence's live state (what a
         handoff continues from); its other blocks carry their snapshots where they have one."""
-        if self._stateful and index == (seq.num_computed - 1) // self.page_size:
+        if self._stateful and index == (seq.num_computed - 1) // self.block_size:
             return self.cache.read_block(seq.pages[index], num_tokens, state=seq.state)
         return self.cache.read_block(seq.pages[index], num_tokens)
 

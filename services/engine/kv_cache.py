@@ -1,7 +1,7 @@
 """The engine's paged KV cache: one pool tensor and the manager of its pages.
 
-Pool layout: (pages, layers, 2, page_size, kv_heads, head_dim). A page holds one KV block
-(``page_size`` tokens, all layers), so a block is exported to the kvstore or handed to decode as
+Pool layout: (pages, layers, 2, block_size, kv_heads, head_dim). A page holds one KV block
+(``block_size`` tokens, all layers), so a block is exported to the kvstore or handed to decode as
 one contiguous slice, with no gather.
 
 ``PageManager`` owns reference counts and the prefix map. A page whose block is full and keyed
@@ -198,16 +198,16 @@ class PagedKvCache:
     The engine reaches pages only through ``pages`` and the block methods below (``block_shape``,
     ``wire_dtype``, ``payload_shape``, ``payload_tokens``, ``read_block``, ``write_block``, ``nbytes``), so a model
     with another page layout (the hybrid ``kimi_k3`` family) supplies its own cache class with
-    the same methods through ``model.make_cache(num_pages, page_size)``.
+    the same methods through ``model.make_cache(num_pages, block_size)``.
     """
 
     def __init__(
-        self, num_pages: int, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
+        self, num_pages: int, num_layers: int, block_size: int, kv_heads: int, head_dim: int,
         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     ) -> None:
         """The pool is allocated on ``device`` (device memory on a GPU) in ``dtype``, the cache dtype."""
-        self.page_size = page_size
-        self.pool = torch.zeros((num_pages, num_layers, 2, page_size, kv_heads, head_dim), dtype=dtype, device=device)
+        self.block_size = block_size
+        self.pool = torch.zeros((num_pages, num_layers, 2, block_size, kv_heads, head_dim), dtype=dtype, device=device)
         self.pages = PageManager(num_pages)
         self.staging = DeviceStaging(num_layers, streams_for(self.pool.device))  # layer copies after their kernels
 
@@ -222,12 +222,12 @@ class PagedKvCache:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one page's payload: (layers, 2, page_size, kv_heads, head_dim)."""
+        """Shape of one page's payload: (layers, 2, block_size, kv_heads, head_dim)."""
         return tuple(self.pool.shape[1:])
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pages.num_pages * self.page_size
+        return self.pages.num_pages * self.block_size
 
     def page_bytes(self) -> int:
         return self.pool[0].numel() * self.pool.element_size()
@@ -243,14 +243,14 @@ class PagedKvCache:
     def payload_tokens(self, shape: Sequence[int]) -> int:
         """Tokens a payload of ``shape`` holds; ValueError when the shape is not one of ours."""
         shape = tuple(shape)
-        if len(shape) != 5 or not 0 < shape[2] <= self.page_size or self.payload_shape(shape[2]) != shape:
+        if len(shape) != 5 or not 0 < shape[2] <= self.block_size or self.payload_shape(shape[2]) != shape:
             raise ValueError(f"KV payload shape {shape} does not fit pages of shape {self.block_shape}")
         return shape[2]
 
     def read_block(self, page: int, num_tokens: int | None = None) -> torch.Tensor:
         """The page's first ``num_tokens`` tokens (all of them by default; then a view), on the
         pool's device: a reader that needs host bytes copies it (``prompt_export.owned_bytes``)."""
-        if num_tokens is None or num_tokens == self.page_size:
+        if num_tokens is None or num_tokens == self.block_size:
             return self.pool[page]
         return self.pool[page][:, :, :num_tokens].contiguous()
 

@@ -44,7 +44,7 @@ class ForwardBatch:
     chunks: tuple[SeqChunk, ...]
 
     @staticmethod
-    def build(chunks: list[tuple[SeqChunk, list[int]]], page_size: int) -> ForwardBatch:
+    def build(chunks: list[tuple[SeqChunk, list[int]]], block_size: int) -> ForwardBatch:
         """From (chunk, its new token ids) pairs."""
         positions = []
         for chunk, new_ids in chunks:
@@ -52,14 +52,14 @@ class ForwardBatch:
             positions.extend(range(chunk.context_len - chunk.num_new, chunk.context_len))
         pos = torch.tensor(positions, dtype=torch.int64)
         pages = torch.tensor(
-            [c.pages[p // page_size] for c, _ in chunks for p in range(c.context_len - c.num_new, c.context_len)],
+            [c.pages[p // block_size] for c, _ in chunks for p in range(c.context_len - c.num_new, c.context_len)],
             dtype=torch.int64,
         )
         return ForwardBatch(
             token_ids=torch.tensor([t for _, ids in chunks for t in ids], dtype=torch.int64),
             positions=pos,
             slot_pages=pages,
-            slot_offsets=pos % page_size,
+            slot_offsets=pos % block_size,
             chunks=tuple(c for c, _ in chunks),
         )
 
@@ -159,9 +159,9 @@ class LlamaModel:
         slot_pages = batch.slot_pages.to(device, non_blocking=True)
         slot_offsets = batch.slot_offsets.to(device, non_blocking=True)
         cos, sin = self.cos[positions], self.sin[positions]
-        page_size = cache.page_size
+        block_size = cache.block_size
         page_tables = [
-            torch.tensor(c.pages[: -(-c.context_len // page_size)], dtype=torch.int64).to(device, non_blocking=True)
+            torch.tensor(c.pages[: -(-c.context_len // block_size)], dtype=torch.int64).to(device, non_blocking=True)
             for c in batch.chunks
         ]
         attention = self.attention_path(cache)

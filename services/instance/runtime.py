@@ -75,7 +75,7 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         model,
         model_id=model_id,
         kv_capacity_tokens=settings.kv_capacity_tokens,
-        page_size=settings.block_size,
+        block_size=settings.block_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
         min_cached_prompt_tokens=settings.min_cached_prompt_tokens,
         kv_cache_dtype=cache_dtype,

@@ -50,7 +50,7 @@ _EVENT_KINDS = {PageEventKind.STORED: common_pb2.BLOCK_EVENT_STORED, PageEventKi
 
 def _event(engine: Engine, kind: int, key: bytes, parent: bytes | None) -> common_pb2.BlockEvent:
     return common_pb2.BlockEvent(kind=kind, key=key, parent_key=parent or b"", tier=common_pb2.KV_TIER_ENGINE,
-                                 num_tokens=engine.page_size)
+                                 num_tokens=engine.block_size)
 
 
 def block_events(engine: Engine) -> list[common_pb2.BlockEvent]:
@@ -98,14 +98,14 @@ class NativeBackend:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.model_id = engine.model_id
-        self.block_size = engine.page_size
+        self.block_size = engine.block_size
         self.kv_capacity_tokens = engine.cache.capacity_tokens
         self.kv_format = kv_format(engine)
         self.kv_dtype = kv_dtype(engine.cache)
         self.context_window = engine.config.max_position_embeddings  # hf_config.context_window of its config
 
     def unpromised_tokens(self) -> int:
-        return self.engine.cache.pages.unpromised_pages * self.engine.page_size
+        return self.engine.cache.pages.unpromised_pages * self.engine.block_size
 
     def block_events(self) -> list[common_pb2.BlockEvent]:
         return block_events(self.engine)

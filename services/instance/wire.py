@@ -71,7 +71,7 @@ def block_matches(block: KvBlock, key: BlockKey | None, tokens: Sequence[int], c
     if block.key != key or list(block.token_ids) != list(tokens) or block.dtype != kv_dtype(cache):
         return False
     try:
-        return cache.payload_tokens(tuple(block.shape)) == cache.page_size
+        return cache.payload_tokens(tuple(block.shape)) == cache.block_size
     except ValueError:
         return False
 

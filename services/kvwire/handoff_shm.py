@@ -157,10 +157,10 @@ class MappedLayerAssembler(LayerAssembler):
 
     where = "shared memory"  # for errors: where the bytes are
 
-    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, mapped: HandoffSegment | memoryview) -> None:
+    def __init__(self, layout: LayerLayout, prompt_tokens: int, block_size: int, mapped: HandoffSegment | memoryview) -> None:
         """``mapped``: the segment, or a buffer the bytes land in otherwise (the TCP side channel's,
         ``handoff_tcp.py``), laid out as a segment is."""
-        super().__init__(layout, prompt_tokens, page_size, into=mapped.buf if isinstance(mapped, HandoffSegment) else mapped)
+        super().__init__(layout, prompt_tokens, block_size, into=mapped.buf if isinstance(mapped, HandoffSegment) else mapped)
         self.segment = mapped if isinstance(mapped, HandoffSegment) else None
 
     def feed(self, chunk: WireChunk) -> None:
@@ -180,7 +180,7 @@ class MappedLayerAssembler(LayerAssembler):
         """The CRC32 of the slice ``meta`` names, over its bytes where they lie."""
         crc = 0
         for block in range(meta.first_block, meta.first_block + meta.num_blocks):
-            tokens = block_tokens(block, self.prompt_tokens, self.page_size)
+            tokens = block_tokens(block, self.prompt_tokens, self.block_size)
             crc = crc32(layer_piece(self.layout, self._buffers[block][self._heads[block] :], tokens, meta.layer), crc)
         return crc
 

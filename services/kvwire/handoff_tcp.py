@@ -180,8 +180,8 @@ class LandedLayerAssembler(MappedLayerAssembler):
 
     where = "the side channel's buffer"
 
-    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, landing: HandoffLanding) -> None:
-        super().__init__(layout, prompt_tokens, page_size, landing.buf)
+    def __init__(self, layout: LayerLayout, prompt_tokens: int, block_size: int, landing: HandoffLanding) -> None:
+        super().__init__(layout, prompt_tokens, block_size, landing.buf)
         self.landing = landing
 
     def _slice_crc(self, meta: decode_pb2.LayerSliceMeta) -> int:  # noqa: ARG002 - the group is the slice

@@ -107,9 +107,9 @@ def layer_piece(layout: LayerLayout, latents: memoryview, tokens: int, layer: in
     return memoryview(np.ascontiguousarray(rows.reshape(tokens, layout.num_layers, layout.token_layer_bytes)[:, layer])).cast("B")
 
 
-def block_tokens(index: int, prompt_tokens: int, page_size: int) -> int:
+def block_tokens(index: int, prompt_tokens: int, block_size: int) -> int:
     """Tokens of block ``index`` of a prompt (the last one may be partial)."""
-    return min(page_size, prompt_tokens - index * page_size)
+    return min(block_size, prompt_tokens - index * block_size)
 
 
 def slice_groups(first: int, end: int, bytes_of: list[int], max_bytes: int = DEFAULT_MAX_CHUNK_BYTES
@@ -138,17 +138,17 @@ class LayerAssembler:
     """Whole block payloads of one prompt, from its layer slices in any interleaving that keeps
     each block's layers in order (and, with ``layout.state_bytes``, the last block's state)."""
 
-    def __init__(self, layout: LayerLayout, prompt_tokens: int, page_size: int, into: memoryview | None = None) -> None:
+    def __init__(self, layout: LayerLayout, prompt_tokens: int, block_size: int, into: memoryview | None = None) -> None:
         """``layout``: where each layer's bytes go in a payload (the receiving cache's ``layer_layout``);
         ``into``: the payload buffers lie there (``block_buffers``), a shared memory handoff's."""
         num_layers, token_layer_bytes = layout.num_layers, layout.token_layer_bytes
-        if num_layers <= 0 or prompt_tokens <= 0 or page_size <= 0 or token_layer_bytes <= 0:
+        if num_layers <= 0 or prompt_tokens <= 0 or block_size <= 0 or token_layer_bytes <= 0:
             raise BlockFormatError(f"layer-wise handoff of {num_layers} layers, {prompt_tokens} tokens, "
-                                   f"{page_size}-token blocks, {token_layer_bytes} bytes per token and layer")
+                                   f"{block_size}-token blocks, {token_layer_bytes} bytes per token and layer")
         self.layout = layout
-        self.num_layers, self.prompt_tokens, self.page_size = num_layers, prompt_tokens, page_size
-        self.num_blocks = -(-prompt_tokens // page_size)
-        self._layer_bytes = [layout.layer_bytes(block_tokens(i, prompt_tokens, page_size))
+        self.num_layers, self.prompt_tokens, self.block_size = num_layers, prompt_tokens, block_size
+        self.num_blocks = -(-prompt_tokens // block_size)
+        self._layer_bytes = [layout.layer_bytes(block_tokens(i, prompt_tokens, block_size))
                              for i in range(self.num_blocks)]
         self._heads, self._buffers = block_buffers(layout, self._layer_bytes, into)
         self.nbytes = buffers_nbytes(layout, self._layer_bytes)  # of all the buffers: a segment's size
@@ -181,7 +181,7 @@ class LayerAssembler:
         offset = 0
         for block in range(meta.first_block, meta.first_block + meta.num_blocks):
             size = self._layer_bytes[block]
-            tokens = block_tokens(block, self.prompt_tokens, self.page_size)
+            tokens = block_tokens(block, self.prompt_tokens, self.block_size)
             self.layout.place(self._buffers[block][self._heads[block] :], tokens, meta.layer, data[offset : offset + size])
             offset += size
         self._took(meta)
@@ -201,9 +201,9 @@ class LayerAssembler:
         if count <= 0 or first < 0 or first + count > self.num_blocks:
             raise BlockFormatError(f"blocks [{first}, {first + count}) of a {self.num_blocks}-block prompt")
         last = first + count - 1
-        if meta.last_block_tokens != block_tokens(last, self.prompt_tokens, self.page_size):
+        if meta.last_block_tokens != block_tokens(last, self.prompt_tokens, self.block_size):
             raise BlockFormatError(f"block {last} of {meta.last_block_tokens} tokens; the prompt's has "
-                                   f"{block_tokens(last, self.prompt_tokens, self.page_size)}")
+                                   f"{block_tokens(last, self.prompt_tokens, self.block_size)}")
         expected = sum(self._layer_bytes[first : first + count])
         if nbytes != expected or meta.nbytes != expected:
             raise BlockFormatError(f"layer {layer} of blocks [{first}, {last + 1}): {nbytes} bytes "

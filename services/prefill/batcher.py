@@ -48,7 +48,7 @@ class QueuedPrompt:
 
 
 def plan_step(prompts: Iterable[Sequence], chunk_tokens: int, max_batch_tokens: int, free_pages: int,
-              page_size: int) -> list[tuple[Sequence, int]]:
+              block_size: int) -> list[tuple[Sequence, int]]:
     """(sequence, compute up to this token) pairs for one forward.
 
     Each prompt's next chunk is the one ``Engine.prefill`` would run: up to ``chunk_tokens``
@@ -62,7 +62,7 @@ def plan_step(prompts: Iterable[Sequence], chunk_tokens: int, max_batch_tokens: 
     for seq in prompts:
         end = prefill_step_end(seq, chunk_tokens)
         size = end - seq.num_computed
-        needed = max(0, -(-end // page_size) - len(seq.pages))
+        needed = max(0, -(-end // block_size) - len(seq.pages))
         if not step and needed > free_pages:
             return [(seq, end)]  # it fails for want of pages; nothing else shares its step
         if step and (tokens + size > max_batch_tokens or pages + needed > free_pages):
@@ -134,7 +134,7 @@ class PrefillBatcher:
     async def _step(self) -> None:
         pages = self.engine.cache.pages
         step = plan_step((job.seq for job in self._queue), self.engine.prefill_chunk_tokens, self.max_batch_tokens,
-                         pages.unpromised_pages, self.engine.page_size)
+                         pages.unpromised_pages, self.engine.block_size)
         jobs = [next(job for job in self._queue if job.seq is seq) for seq, _ in step]
         hooked = [(job.on_layer, end) for job, (_, end) in zip(jobs, step) if job.on_layer is not None]
 

@@ -91,7 +91,7 @@ class LayerwiseHandoff:
         self.num_layers = layout.num_layers
         self.num_blocks = export.num_blocks
         self._last_hook = len(layout.wire_layers) - 1
-        self._tokens = [block_tokens(i, self.prompt_tokens, engine.page_size) for i in range(self.num_blocks)]
+        self._tokens = [block_tokens(i, self.prompt_tokens, engine.block_size) for i in range(self.num_blocks)]
         self._layer_bytes = [layout.layer_bytes(t) for t in self._tokens]
         self._movers, self.peer = movers, peer
         total = buffers_nbytes(layout, self._layer_bytes)
@@ -275,7 +275,7 @@ class LayerwiseHandoff:
         if layer == STATE:
             self._state_ready = True
             return
-        stop = self.num_blocks if end >= self.prompt_tokens else end // self._engine.page_size
+        stop = self.num_blocks if end >= self.prompt_tokens else end // self._engine.block_size
         self._avail[layer] = max(self._avail[layer], stop)
 
     def _slice(self, layer: int, a: int, b: int, shm: bool) -> tuple[HandoffWirePart, int]:

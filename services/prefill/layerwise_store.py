@@ -114,20 +114,20 @@ class LayerwiseStoreExport:
         self._cache = cache
         self.layout = layout = cache.layer_layout()
         self.num_layers = layout.num_layers
-        self._page = page = engine.page_size
+        self._block_size = block_size = engine.block_size
         self._prompt_tokens = seq.num_tokens
-        self.first = already_cached // page
+        self.first = already_cached // block_size
         self.end = len(seq.block_keys) if seq.keeps_blocks else self.first  # blocks [first, end) are new
         self._stateful = isinstance(cache, StatefulKvCache)
         self._states = bool(layout.state_bytes) and layout.states_after is not None
         # Engine.block_payload: a full last block carries the live state
-        full_last = self._states and self._prompt_tokens % page == 0
-        self._live_block = self._prompt_tokens // page - 1 if full_last else None
+        full_last = self._states and self._prompt_tokens % block_size == 0
+        self._live_block = self._prompt_tokens // block_size - 1 if full_last else None
         # layer-major without states: a layer is one range of the payload, its CRC taken as it lands
         self._ranges = not layout.token_major and not layout.state_bytes
         self._last_hook = len(layout.wire_layers) - 1
         self._dtype = kv_dtype(cache)
-        self._layer_size = layout.layer_bytes(page)
+        self._layer_size = layout.layer_bytes(block_size)
         # the engine thread's
         self._planned_to = self.first  # blocks below were classified
         self._waiting: set[int] = set()  # blocks with a snapshot the pool may still evict
@@ -202,7 +202,7 @@ class LayerwiseStoreExport:
 
     def _plan(self, end: int) -> _Plan:
         """Which blocks this forward completes, and which carry a state (see the module's doc)."""
-        stop, last = min(self.end, end // self._page), end == self._prompt_tokens
+        stop, last = min(self.end, end // self._block_size), end == self._prompt_tokens
         if not self._states:  # every block completed is final now
             streamed = dict.fromkeys(range(self._planned_to, stop), False)
             self._planned_to = max(self._planned_to, stop)
@@ -319,14 +319,14 @@ class LayerwiseStoreExport:
             self._staged[i] = empty_buffer(self._meta(i).nbytes)
 
     def _meta(self, i: int, checksum: int = 0) -> common_pb2.BlockMeta:
-        page, keys, carries = self._page, self._seq.block_keys, self._carries.get(i, False)
+        block_size, keys, carries = self._block_size, self._seq.block_keys, self._carries.get(i, False)
         nbytes = self._layer_size * self.num_layers + (self.layout.state_bytes if carries else 0)
         cache = self._cache
-        shape = cache.payload_shape(page, with_state=carries) if self._stateful else cache.payload_shape(page)
+        shape = cache.payload_shape(block_size, with_state=carries) if self._stateful else cache.payload_shape(block_size)
         return common_pb2.BlockMeta(
             key=keys[i], parent_key=keys[i - 1] if i else b"", model_id=self._engine.model_id,
             format_version=KV_FORMAT_VERSION, dtype=self._dtype, shape=shape,
-            token_ids=self._seq.token_ids[i * page : (i + 1) * page], nbytes=nbytes, checksum=checksum,
+            token_ids=self._seq.token_ids[i * block_size : (i + 1) * block_size], nbytes=nbytes, checksum=checksum,
             found=True,
         )
 
@@ -349,7 +349,7 @@ class LayerwiseStoreExport:
         which never touch this page's finished ones). The one place this export reads the cache."""
         if self._source is not None:
             return self._source.layer_view(block, layer)
-        self._engine.cache.copy_layer(self._seq.pages[block], layer, self._page, out)
+        self._engine.cache.copy_layer(self._seq.pages[block], layer, self._block_size, out)
         self.bytes_from_cache += len(out)
         return out
 
@@ -370,7 +370,7 @@ class LayerwiseStoreExport:
             assert self._scratch is not None
             head = self.layout.state_bytes if self._carries[i] else 0
             piece = self.read_layer(i, layer, self._scratch)
-            self.layout.place(view[head:], self._page, layer, piece)
+            self.layout.place(view[head:], self._block_size, layer, piece)
         self._layers[i] = layer + 1
         if i in self._room:  # in the node's room already (a staged block counts when put)
             self._count(self._layer_size)

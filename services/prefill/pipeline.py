@@ -189,7 +189,7 @@ class PrefillPipeline:
             request_id=request.request_id, model_id=engine.model_id, prompt_token_ids=request.token_ids,
             first_token_id=firsts[0], sampling=request.sampling, kv_dtype=kv_dtype(engine.cache),
             kv_block_shape=list(engine.cache.block_shape),
-            num_blocks=-(-len(request.token_ids) // engine.page_size),
+            num_blocks=-(-len(request.token_ids) // engine.block_size),
             first_token_ids=firsts if len(firsts) > 1 else [], finished_choices=finished,
         )
 
@@ -313,7 +313,7 @@ class PromptRun:
 
     async def _attach_from_kvstore(self, seq: Sequence) -> int:
         p = self.p
-        engine, page = p.engine, p.engine.page_size
+        engine, block_size = p.engine, p.engine.block_size
         if p.kvstore is None:
             return 0
         keys = engine.missing_prefix_keys(seq)
@@ -321,10 +321,10 @@ class PromptRun:
             return 0
         start = time.perf_counter()
         blocks = await p.kvstore.get_prefix(keys, engine.model_id, lease_ms=p.lease_ms)
-        first_block = seq.num_computed // page
+        first_block = seq.num_computed // block_size
         usable = []
         for i, block in enumerate(blocks):
-            expected = seq.token_ids[(first_block + i) * page : (first_block + i + 1) * page]
+            expected = seq.token_ids[(first_block + i) * block_size : (first_block + i + 1) * block_size]
             if not block_matches(block, keys[i], expected, engine.cache):
                 log.warning("kvstore block %s does not match the prompt; recomputing from there",
                             block.key.hex())
@@ -360,12 +360,12 @@ class PromptRun:
         engine = self.p.engine
         if self.p.kvstore is None or not seq.keeps_blocks:
             return []
-        page = engine.page_size
-        indices = range(already_cached // page, len(seq.block_keys)) if only is None else only
+        block_size = engine.block_size
+        indices = range(already_cached // block_size, len(seq.block_keys)) if only is None else only
         payloads = await export.payloads(indices)
         return [
             KvBlock.build(seq.block_keys[i], seq.block_keys[i - 1] if i else None, engine.model_id,
-                          kv_dtype(engine.cache), export.shape(i), seq.token_ids[i * page : (i + 1) * page],
+                          kv_dtype(engine.cache), export.shape(i), seq.token_ids[i * block_size : (i + 1) * block_size],
                           payload)
             for i, payload in zip(indices, payloads)
         ]

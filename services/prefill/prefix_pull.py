@@ -96,16 +96,16 @@ async def serve_prefix(engine: Engine, worker: EngineWorker, metrics: EngineMetr
                        request: prefill_pb2.FetchPrefixRequest) -> AsyncIterator[chunk_wire.WireChunk]:
     """The chunks of the longest cached run of ``request.block_keys``, a few blocks per engine call
     (encoded by ``chunk_wire``: the servicer is registered with it, see ``add_prefill_to_server``)."""
-    page = engine.page_size
+    block_size = engine.block_size
     keys = [BlockKey(bytes(k)) for k in request.block_keys]
     tokens = list(request.token_ids)
-    if len(tokens) != len(keys) * page:
-        raise ValueError(f"{len(keys)} block keys need {len(keys) * page} token ids, got {len(tokens)}")
+    if len(tokens) != len(keys) * block_size:
+        raise ValueError(f"{len(keys)} block keys need {len(keys) * block_size} token ids, got {len(tokens)}")
     start = time.perf_counter()
     sent = nbytes = 0
     while sent < len(keys):
         batch = keys[sent : sent + READ_BATCH_BLOCKS]
-        token_blocks = [tokens[(sent + i) * page : (sent + i + 1) * page] for i in range(len(batch))]
+        token_blocks = [tokens[(sent + i) * block_size : (sent + i + 1) * block_size] for i in range(len(batch))]
         blocks = await worker.run(_read_cached_blocks, engine, batch, token_blocks, keys[sent - 1] if sent else None)
         for block in blocks:
             for chunk in chunk_wire.chunks_of_block(block):
@@ -152,9 +152,9 @@ class PrefixPuller:
         Returns 0 (and the request computes those tokens) when the source is not a prefill
         instance — e.g. a kvstore node, which the kvstore path reads — or cannot deliver.
         """
-        page = self.engine.page_size
-        first = seq.num_computed // page
-        end = min(source_blocks, (seq.num_tokens - 1) // page, len(seq.block_keys))
+        block_size = self.engine.block_size
+        first = seq.num_computed // block_size
+        end = min(source_blocks, (seq.num_tokens - 1) // block_size, len(seq.block_keys))
         if end <= first:
             return 0
         address = address or await self.directory.address(source_id) or ""
@@ -179,14 +179,14 @@ class PrefixPuller:
         if added:
             self.metrics.transfer_bytes.labels("prefill", "from_peer").inc(nbytes)
             self.metrics.transfer_seconds.labels("prefill", "from_peer").observe(time.perf_counter() - start)
-        log.info("pulled %d of %d prefix blocks from %s", added // page, len(keys), source_id)
+        log.info("pulled %d of %d prefix blocks from %s", added // block_size, len(keys), source_id)
         return added
 
     async def _fetch(self, address: str, keys: list[BlockKey], seq: Sequence, first: int) -> tuple[list[torch.Tensor], int]:
-        page = self.engine.page_size
+        block_size = self.engine.block_size
         request = prefill_pb2.FetchPrefixRequest(
             model_id=self.engine.model_id, block_keys=keys,
-            token_ids=seq.token_ids[first * page : (first + len(keys)) * page],
+            token_ids=seq.token_ids[first * block_size : (first + len(keys)) * block_size],
         )
         assembler = BlockAssembler()
         payloads: list[torch.Tensor] = []
@@ -201,7 +201,7 @@ class PrefixPuller:
                     continue
                 i = first + len(payloads)
                 if not self._usable(block, keys[len(payloads)] if len(payloads) < len(keys) else None,
-                                    seq.token_ids[i * page : (i + 1) * page]):
+                                    seq.token_ids[i * block_size : (i + 1) * block_size]):
                     break
                 payloads.append(block_tensor(block, tuple(block.shape)))
                 nbytes += block.nbytes

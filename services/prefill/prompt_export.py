@@ -49,11 +49,11 @@ class PromptExport:
 
     @property
     def num_blocks(self) -> int:
-        return -(-self.prompt_tokens // self._engine.page_size)
+        return -(-self.prompt_tokens // self._engine.block_size)
 
     def tokens_in(self, index: int) -> int:
         """Tokens of block ``index`` (the last one may be partial)."""
-        return min(self._engine.page_size, self.prompt_tokens - index * self._engine.page_size)
+        return min(self._engine.block_size, self.prompt_tokens - index * self._engine.block_size)
 
     def shape(self, index: int) -> tuple[int, ...]:
         """The tensor shape of block ``index``'s payload (copied already)."""

@@ -215,7 +215,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if request.model_id and request.model_id != self.engine.model_id:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"this instance serves {self.engine.model_id!r}, not {request.model_id!r}")
-        needed = len(request.block_keys) * self.engine.page_size
+        needed = len(request.block_keys) * self.engine.block_size
         if len(request.token_ids) != needed:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(request.block_keys)} block keys need {needed} token ids")

@@ -154,7 +154,7 @@ class PromptKv:
         loaded = load_model(resolve_model(DEFAULT_MODEL), progress=False)
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=loaded.model_id,
-                             kv_capacity_tokens=4096, page_size=BLOCK)
+                             kv_capacity_tokens=4096, block_size=BLOCK)
         self._lock = threading.Lock()
 
     def prompt(self, text: str) -> list[int]:

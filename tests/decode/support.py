@@ -26,7 +26,7 @@ METRICS = engine_metrics("prefill")
 
 def tiny_engine(capacity_tokens: int) -> Engine:
     torch.set_num_threads(1)
-    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=capacity_tokens, page_size=PAGE)
+    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=capacity_tokens, block_size=PAGE)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -137,7 +137,7 @@ def test_a_migrated_seeded_request_continues_the_original_tokens() -> None:
 
 
 def test_ledger_promises_waiting_requests_too_and_admits_in_order() -> None:
-    ledger = KvLedger(num_pages=10, page_size=PAGE)
+    ledger = KvLedger(num_pages=10, block_size=PAGE)
     ledger.wait("a", ledger.pages_for(6 * PAGE))
     ledger.wait("b", ledger.pages_for(4 * PAGE + 1))  # 5 pages
     assert ledger.free_tokens == 0

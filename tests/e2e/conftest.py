@@ -46,5 +46,5 @@ def reference():
     torch.set_num_threads(2)
     loaded = load_model(resolve_model(DEFAULT_MODEL), progress=False)
     engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=loaded.model_id,
-                    kv_capacity_tokens=16384, page_size=64)
+                    kv_capacity_tokens=16384, block_size=64)
     return engine, loaded.tokenizer

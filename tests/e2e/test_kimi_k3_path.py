@@ -65,7 +65,7 @@ def k3_reference(cache_dtype: str):
     torch.set_num_threads(2)
     source = resolve_model(MODEL)
     engine = Engine(load_k3_model(source, cache_dtype=cache_dtype), model_id=MODEL, kv_capacity_tokens=4096,
-                    page_size=BLOCK)
+                    block_size=BLOCK)
     return engine, tokenizer_for(source)
 
 

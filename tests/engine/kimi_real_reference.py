@@ -6,7 +6,7 @@ It computes in float64, so it gives the exact logits of the fp32 weights: an fp3
 math differs from them by its own rounding (up to ~8e-5 relative on the tiny K3 checkpoint).
 
 A serving engine that *stores* some values in a narrower dtype reads them back rounded. With
-``storage=Storage(torch.bfloat16, page_size)`` the reference rounds exactly what such a cache
+``storage=Storage(torch.bfloat16, block_size)`` the reference rounds exactly what such a cache
 stores and re-reads, where it re-reads it:
 
 - every MLA layer's cached latent — the normed ``c_kv`` and the (NoPE) decoupled key — for every
@@ -29,10 +29,10 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class Storage:
     """What a cache stores in a narrower dtype: MLA latents and conv tails in ``dtype``, the
-    tail stored at every ``page_size``-token block boundary."""
+    tail stored at every ``block_size``-token block boundary."""
 
     dtype: torch.dtype
-    page_size: int
+    block_size: int
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype).to(x.dtype)
@@ -73,7 +73,7 @@ def _short_conv(x: torch.Tensor, weight: torch.Tensor, storage: Storage | None) 
         for tap in range(width):
             j = i - (width - 1) + tap
             if j >= 0:
-                earlier_block = j // storage.page_size < i // storage.page_size
+                earlier_block = j // storage.block_size < i // storage.block_size
                 y[i] += weight[:, 0, tap] * (rounded[j] if earlier_block else x[j])
     return F.silu(y)
 

@@ -46,7 +46,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def engine_on(device: str, dtype: torch.dtype, cfg=TINY, weights=None, cache_dtype=None) -> Engine:
     torch.set_num_threads(1)
     model = LlamaModel(cfg, tiny_weights(cfg) if weights is None else weights, device=device, dtype=dtype)
-    return Engine(model, model_id="tiny", kv_capacity_tokens=32 * PAGE, page_size=PAGE, kv_cache_dtype=cache_dtype)
+    return Engine(model, model_id="tiny", kv_capacity_tokens=32 * PAGE, block_size=PAGE, kv_cache_dtype=cache_dtype)
 
 
 # ---- the settings ----------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ MIXED = [SeqChunk((7, 2), 20, 20), SeqChunk((5,), 9, 1), SeqChunk((11, 0, 3), 40
 
 def _pool_and_queries(chunks, dtype=torch.float32):  # noqa: ANN001, ANN202
     torch.manual_seed(0)
-    pool = torch.randn(12, 3, 2, PAGE, 2, 64).to(dtype)  # (pages, layers, 2, page_size, kv heads, head dim)
+    pool = torch.randn(12, 3, 2, PAGE, 2, 64).to(dtype)  # (pages, layers, 2, block_size, kv heads, head dim)
     tables = [torch.tensor(c.pages[: -(-c.context_len // PAGE)]) for c in chunks]
     q = torch.randn(sum(c.num_new for c in chunks), 4, 64).to(dtype)
     return pool[:, 1, 0], pool[:, 1, 1], tables, q  # one layer: strided pages

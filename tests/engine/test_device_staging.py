@@ -76,7 +76,7 @@ class FakeDevice:
 
 def test_a_layer_is_copied_only_after_its_fence_and_the_forward_never_waits() -> None:
     torch.set_num_threads(1)
-    engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, page_size=PAGE,
+    engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, block_size=PAGE,
                     prefill_chunk_tokens=PAGE)  # one forward per block: 4 forwards of 2 layers
     device = FakeDevice()
     cache = engine.cache

@@ -18,7 +18,7 @@ PAGE = 16
 
 def make_engine(capacity_tokens: int = 64 * PAGE, chunk: int = 2048) -> Engine:
     torch.set_num_threads(1)
-    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=capacity_tokens, page_size=PAGE, prefill_chunk_tokens=chunk)
+    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=capacity_tokens, block_size=PAGE, prefill_chunk_tokens=chunk)
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -180,7 +180,7 @@ def test_a_moved_requests_recompute_gives_decodes_logits_bit_for_bit(cfg) -> Non
     model = LlamaModel(cfg, tiny_weights(cfg, seed=3))
 
     def engine(chunk: int) -> Engine:
-        return Engine(model, model_id="m", kv_capacity_tokens=64 * PAGE, page_size=PAGE, prefill_chunk_tokens=chunk)
+        return Engine(model, model_id="m", kv_capacity_tokens=64 * PAGE, block_size=PAGE, prefill_chunk_tokens=chunk)
 
     tokens = torch.randint(2, cfg.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     first = engine(2048)

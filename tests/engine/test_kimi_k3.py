@@ -32,7 +32,7 @@ DENSE_SNAPSHOTS = SnapshotPolicy(every_blocks=1, slots=32)
 def make_engine(capacity_tokens: int = 64 * PAGE, chunk: int = 2048) -> Engine:
     torch.set_num_threads(1)
     return Engine(K3Model(TEST_CFG, _weights(), snapshots=DENSE_SNAPSHOTS), model_id="k3-test",
-                  kv_capacity_tokens=capacity_tokens, page_size=PAGE, prefill_chunk_tokens=chunk)
+                  kv_capacity_tokens=capacity_tokens, block_size=PAGE, prefill_chunk_tokens=chunk)
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:

@@ -41,7 +41,7 @@ def _engine(backend: OpsBackend, *, packed: bool = False, dtype: torch.dtype = t
             cache_dtype: str = "float32") -> Engine:
     torch.set_num_threads(1)
     model = K3Model(_cfg(cache_dtype), _weights(packed), backend=backend, dtype=dtype)
-    return Engine(model, model_id="k3-device", kv_capacity_tokens=64 * PAGE, page_size=PAGE)
+    return Engine(model, model_id="k3-device", kv_capacity_tokens=64 * PAGE, block_size=PAGE)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -109,7 +109,7 @@ def test_bf16_compute_tracks_fp32() -> None:
 
     def engine(dtype: torch.dtype) -> Engine:
         model = K3Model(cfg, weights, backend=OpsBackend.REFERENCE, dtype=dtype)
-        return Engine(model, model_id="k3-dense", kv_capacity_tokens=64 * PAGE, page_size=PAGE)
+        return Engine(model, model_id="k3-dense", kv_capacity_tokens=64 * PAGE, block_size=PAGE)
 
     prompts = [_prompt(19, 4), _prompt(9, 5)]
     _, want = _run(engine(torch.float32), prompts, steps=3)

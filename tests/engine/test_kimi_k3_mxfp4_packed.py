@@ -72,7 +72,7 @@ def _experts(model) -> list:
 
 def _logits(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     torch.set_num_threads(1)
-    engine = Engine(model, model_id="k3", kv_capacity_tokens=8 * 16, page_size=16)
+    engine = Engine(model, model_id="k3", kv_capacity_tokens=8 * 16, block_size=16)
     seq = engine.add_sequence("a", tokens)
     prefill = engine.prefill(seq)
     seq.token_ids.append(int(prefill.argmax()))  # one decode step continues it

@@ -38,7 +38,7 @@ def _weights() -> dict[str, torch.Tensor]:
 
 def _logits(model: K3Model, tokens: list[int]) -> torch.Tensor:
     torch.set_num_threads(1)
-    engine = Engine(model, model_id="k3", kv_capacity_tokens=8 * 16, page_size=16)
+    engine = Engine(model, model_id="k3", kv_capacity_tokens=8 * 16, block_size=16)
     return engine.prefill(engine.add_sequence("a", tokens))
 
 
@@ -208,7 +208,7 @@ def test_nano_footprint_counts_latents_per_token_and_one_state():
     fp = k3_footprint(TEST_CFG)
     assert fp.kv_bytes_per_token == 2 * (32 + 16) * 4  # 2 MLA layers, c_kv + k_rope, fp32
     assert fp.state_bytes_per_sequence == 4 * (4 * 16 * 16 + (2 * 32 + 64) * 3) * 4  # 4 KDA layers
-    engine = Engine(K3Model(TEST_CFG, _weights()), model_id="k3", kv_capacity_tokens=10 * 16, page_size=16)
+    engine = Engine(K3Model(TEST_CFG, _weights()), model_id="k3", kv_capacity_tokens=10 * 16, block_size=16)
     assert engine.cache.page_bytes() == 16 * fp.kv_bytes_per_token  # a page holds latents only
     # (the whole cache against docs/k3.md's formula: tests/engine/test_kimi_k3_snapshots.py)
 

@@ -36,7 +36,7 @@ def _weights() -> dict[str, torch.Tensor]:
 def make_engine(every: int = 1, slots: int = 32, cfg=TEST_CFG, pages: int = 64, chunk: int = 2048) -> Engine:
     torch.set_num_threads(1)
     model = K3Model(cfg, _weights(), snapshots=SnapshotPolicy(every_blocks=every, slots=slots))
-    return Engine(model, model_id="k3-test", kv_capacity_tokens=pages * PAGE, page_size=PAGE,
+    return Engine(model, model_id="k3-test", kv_capacity_tokens=pages * PAGE, block_size=PAGE,
                   prefill_chunk_tokens=chunk)
 
 
@@ -260,11 +260,11 @@ def doc_formula() -> str:
     return found.group(1).strip()
 
 
-def doc_cache_bytes(cfg, pages: int, page_size: int, sequences: int, snapshots: int) -> int:
+def doc_cache_bytes(cfg, pages: int, block_size: int, sequences: int, snapshots: int) -> int:
     """Evaluate the docs' formula with the config's shape (names as the docs define them)."""
     latent_bytes = 2 if cfg.cache_dtype == "bfloat16" else 4
     names = {
-        "pages": pages, "page_size": page_size, "sequences": sequences, "snapshots": snapshots,
+        "pages": pages, "block_size": block_size, "sequences": sequences, "snapshots": snapshots,
         "mla_layers": len(cfg.mla_layers), "kda_layers": len(cfg.kda_layers),
         "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "kda_v_heads": cfg.kda_num_v_heads, "K": cfg.kda_head_dim, "V": cfg.kda_v_head_dim,

@@ -79,7 +79,7 @@ def _expected(path: Path, kind: str, cache: str, tokens: list[int]) -> tuple[tor
 
 def _engine(model: K3Model) -> Engine:
     torch.set_num_threads(1)
-    return Engine(model, model_id="kimi-real", kv_capacity_tokens=16 * PAGE, page_size=PAGE)
+    return Engine(model, model_id="kimi-real", kv_capacity_tokens=16 * PAGE, block_size=PAGE)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

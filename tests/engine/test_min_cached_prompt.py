@@ -16,7 +16,7 @@ LIMIT = 64
 
 def make_engine(limit: int = LIMIT) -> Engine:
     torch.set_num_threads(1)
-    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * PAGE, page_size=PAGE,
+    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * PAGE, block_size=PAGE,
                   min_cached_prompt_tokens=limit)
 
 

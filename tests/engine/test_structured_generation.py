@@ -86,7 +86,7 @@ def smollm() -> tuple[Engine, Any, ConstraintCompiler]:
     torch.set_num_threads(2)
     loaded = load_model(resolve_model(DEFAULT_MODEL), progress=False)
     engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=loaded.model_id,
-                    kv_capacity_tokens=2048, page_size=64)
+                    kv_capacity_tokens=2048, block_size=64)
     compiler = ConstraintCompiler.for_model(DEFAULT_MODEL, loaded.config.vocab_size, loaded.config.eos_token_ids)
     return engine, loaded.tokenizer, compiler
 
@@ -101,7 +101,7 @@ def kimi_nano() -> tuple[Engine, Any, ConstraintCompiler]:
 
     source = resolve_model("kimi-k3-nano")
     model = load_k3_model(source)
-    engine = Engine(model, model_id=source.model_id, kv_capacity_tokens=1024, page_size=64)
+    engine = Engine(model, model_id=source.model_id, kv_capacity_tokens=1024, block_size=64)
     compiler = ConstraintCompiler.for_model("kimi-k3-nano", model.config.vocab_size, model.config.eos_token_ids)
     return engine, tokenizer_for(source), compiler
 

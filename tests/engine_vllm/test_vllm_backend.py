@@ -101,7 +101,7 @@ async def test_stored_blocks_are_the_native_engines_kv(stack: VllmStack) -> None
     torch.set_num_threads(1)
     loaded = load_model(resolve_model(MODEL), progress=False)
     engine = Engine(LlamaModel(loaded.config, loaded.weights), model_id=MODEL, kv_capacity_tokens=1024,
-                    page_size=BLOCK, min_cached_prompt_tokens=0)
+                    block_size=BLOCK, min_cached_prompt_tokens=0)
     seq = engine.add_sequence("native", prompt[:2 * BLOCK])
     engine.prefill(seq)
     native = engine.block_payload(seq, 0)

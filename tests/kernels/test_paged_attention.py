@@ -1,10 +1,10 @@
 """Triton paged attention (decode and varlen prefill) over the engine's KV pool layout.
 
-The pool here is the engine's own shape, (pages, layers, 2, page_size, KV, D), NaN-filled except
+The pool here is the engine's own shape, (pages, layers, 2, block_size, KV, D), NaN-filled except
 for the slots sequences own, with pages handed out in shuffled order; the kernels read one
 layer's strided K and V views of it, as the engine passes them. Checked: the float64 oracle
 against the engine's CPU path (gather + SDPA); both kernels against the oracle for ragged
-lengths, partial and exactly full last pages, GQA ratios 1, 3 (SmolLM2) and 4, page sizes 16 and
+lengths, partial and exactly full last pages, GQA ratios 1, 3 (SmolLM2) and 4, block sizes 16 and
 64, head dims 64 and 48 (padded in registers), fp32 (rel-RMS 1e-5) and bf16 pools (1e-2); decode
 against the engine's C++ decode op; a row's bits alone vs in a batch, and a prompt in one chunk vs
 two; bad input refused before launch.

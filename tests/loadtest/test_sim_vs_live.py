@@ -133,7 +133,7 @@ def test_chunk_planners_match_the_live_engines(seed: int) -> None:
         queue.append(_Job(req(i, 0.0, prompt, cached=computed), block))
     chunk = rng.choice([128, 256, 512])
     live_batcher = SimpleNamespace(
-        chunk_tokens=chunk, engine=SimpleNamespace(page_size=block),
+        chunk_tokens=chunk, engine=SimpleNamespace(block_size=block),
         prompts=[SimpleNamespace(seq=_fake_seq(j.req.prompt_tokens, j.computed), done=SimpleNamespace(done=lambda: False))
                  for j in queue])
     live = MixedBatcher._plan_chunks(live_batcher)
@@ -141,7 +141,7 @@ def test_chunk_planners_match_the_live_engines(seed: int) -> None:
     assert [(live_batcher.prompts.index(job), end) for job, end in live] == [(queue.index(j), end) for j, end in ours]
     seqs = [_fake_seq(j.req.prompt_tokens, j.computed) for j in queue]
     max_tokens = rng.choice([0, 512, 2048])
-    live_step = plan_step(seqs, chunk, max_tokens, free_pages=10**6, page_size=block)
+    live_step = plan_step(seqs, chunk, max_tokens, free_pages=10**6, block_size=block)
     ours_step = prefill_chunks(queue, chunk, max_tokens)
     assert [(seqs.index(s), end) for s, end in live_step] == [(queue.index(j), end) for j, end in ours_step]
 

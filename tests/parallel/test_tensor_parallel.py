@@ -48,7 +48,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TensorParallelLl
 
 
 def engines(model: TensorParallelLlama) -> tuple[Engine, Engine]:
-    settings = dict(model_id="tiny", kv_capacity_tokens=64 * PAGE, page_size=PAGE, min_cached_prompt_tokens=0)
+    settings = dict(model_id="tiny", kv_capacity_tokens=64 * PAGE, block_size=PAGE, min_cached_prompt_tokens=0)
     return Engine(model, **settings), Engine(tiny_model(), **settings)
 
 

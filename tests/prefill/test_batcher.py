@@ -50,13 +50,13 @@ def seq(num_tokens: int, computed: int = 0) -> Sequence:
 def test_a_step_takes_each_prompt_s_next_chunk_oldest_first_within_the_budget() -> None:
     a, b, c, d = seq(100), seq(50, computed=32), seq(20), seq(10)
     # a: its first chunk (32); b: 32..50 (18); c: 20 would pass 64; d: 10 fits in what is left.
-    step = plan_step([a, b, c, d], CHUNK, max_batch_tokens=64, free_pages=100, page_size=PAGE)
+    step = plan_step([a, b, c, d], CHUNK, max_batch_tokens=64, free_pages=100, block_size=PAGE)
     assert [(s.seq_id, end) for s, end in step] == [(a.seq_id, 32), (b.seq_id, 50), (d.seq_id, 10)]
 
 
 def test_the_oldest_prompt_always_runs_even_past_the_budget() -> None:
     a, b = seq(100), seq(5)
-    step = plan_step([a, b], CHUNK, max_batch_tokens=8, free_pages=100, page_size=PAGE)
+    step = plan_step([a, b], CHUNK, max_batch_tokens=8, free_pages=100, block_size=PAGE)
     assert [(s.seq_id, end) for s, end in step] == [(a.seq_id, 32)]
 
 
@@ -65,7 +65,7 @@ def test_a_moved_requests_decode_tail_is_never_cut_into_and_goes_in_one_step() -
     moved.decode_tail = 45  # the last 45 tokens were decode's: a row each, all in one step
     ends = []
     while moved.num_computed < moved.num_tokens:
-        ((_, end),) = plan_step([moved], CHUNK, max_batch_tokens=1000, free_pages=100, page_size=PAGE)
+        ((_, end),) = plan_step([moved], CHUNK, max_batch_tokens=1000, free_pages=100, block_size=PAGE)
         ends.append(end)
         moved.num_computed, moved.pages = end, list(range(-(-end // PAGE)))
     assert ends == [32, 55, 100]
@@ -73,9 +73,9 @@ def test_a_moved_requests_decode_tail_is_never_cut_into_and_goes_in_one_step() -
 
 def test_chunks_whose_pages_are_not_there_wait_and_an_oldest_that_cannot_fit_runs_alone() -> None:
     a, b, c = seq(40), seq(40), seq(60, computed=50)  # c's chunk 50..60 stays in its last page
-    step = plan_step([a, b, c], CHUNK, max_batch_tokens=1000, free_pages=2, page_size=PAGE)
+    step = plan_step([a, b, c], CHUNK, max_batch_tokens=1000, free_pages=2, block_size=PAGE)
     assert [s.seq_id for s, _ in step] == [a.seq_id, c.seq_id]  # a takes both free pages
-    step = plan_step([a, c], CHUNK, max_batch_tokens=1000, free_pages=1, page_size=PAGE)
+    step = plan_step([a, c], CHUNK, max_batch_tokens=1000, free_pages=1, block_size=PAGE)
     assert [s.seq_id for s, _ in step] == [a.seq_id]  # it fails alone (CacheFullError), not with c
 
 
@@ -183,7 +183,7 @@ def test_a_prompt_whose_caller_left_gets_no_further_chunk_and_the_others_complet
 
 def test_a_budget_of_zero_computes_one_prompt_at_a_time_in_arrival_order() -> None:
     a, b = seq(100), seq(5)
-    assert [s.seq_id for s, _ in plan_step([a, b], CHUNK, max_batch_tokens=0, free_pages=100, page_size=PAGE)] == [a.seq_id]
+    assert [s.seq_id for s, _ in plan_step([a, b], CHUNK, max_batch_tokens=0, free_pages=100, block_size=PAGE)] == [a.seq_id]
     base, prompts = workload(test_engine)
     expected = one_at_a_time(test_engine, base, prompts)
     before = prefill_steps()

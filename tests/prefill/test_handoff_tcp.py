@@ -72,10 +72,10 @@ def hand_off(engine, tokens: list[int], tcp: bool, break_after: int | None = Non
             async for part in parts:
                 part = decode_part(encode_part(part))
                 if part.header is not None:
-                    layers = LayerAssembler(layout, len(tokens), engine.page_size)
+                    layers = LayerAssembler(layout, len(tokens), engine.block_size)
                     if part.header.tcp_token:
                         landing = side.take(part.header.tcp_token, seq_id)
-                        layers = LandedLayerAssembler(layout, len(tokens), engine.page_size, landing)
+                        layers = LandedLayerAssembler(layout, len(tokens), engine.block_size, landing)
                     continue
                 if part.tail is not None:
                     break

@@ -69,8 +69,8 @@ def test_a_malformed_handoff_part_is_an_error_not_an_exception() -> None:
 
 def test_a_pulled_prefix_is_the_peer_s_blocks_byte_for_byte() -> None:
     torch.set_num_threads(1)
-    source = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, page_size=PAGE)
-    puller_engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, page_size=PAGE)
+    source = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, block_size=PAGE)
+    puller_engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, block_size=PAGE)
     tokens = [(7 * i + 3) % 90 for i in range(5 * PAGE + 3)]
     held = source.add_sequence("src", tokens)
     source.prefill(held)  # the peer's cache now holds the prompt's 5 full blocks

@@ -53,7 +53,7 @@ def through(prefill: DecodeProcess, decode: DecodeProcess, request_id: str, toke
 
 def test_a_k3_prompt_handed_off_layerwise_decodes_as_one_process(tmp_path) -> None:
     torch.set_num_threads(1)
-    reference = Engine(load_k3_model(resolve_model(MODEL)), model_id=MODEL, kv_capacity_tokens=4096, page_size=PAGE)
+    reference = Engine(load_k3_model(resolve_model(MODEL)), model_id=MODEL, kv_capacity_tokens=4096, block_size=PAGE)
     scheduler = SchedulerStandIn()
     dirs = [tmp_path / name for name in ("decode", "on", "off")]
     for d in dirs:

@@ -37,7 +37,7 @@ MIB = 1 << 20
 
 def make_engine(chunk: int = 8) -> Engine:
     torch.set_num_threads(1)
-    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * PAGE, page_size=PAGE,
+    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * PAGE, block_size=PAGE,
                   prefill_chunk_tokens=chunk)
 
 

@@ -34,7 +34,7 @@ DECODE = "decode.test:1"
 
 def make_engine() -> Engine:
     torch.set_num_threads(1)
-    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * PAGE, page_size=PAGE,
+    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=64 * PAGE, block_size=PAGE,
                   prefill_chunk_tokens=8)
 
 

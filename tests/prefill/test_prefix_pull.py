@@ -31,7 +31,7 @@ class FixedDirectory(PeerDirectory):
 
 def test_a_peer_that_is_gone_costs_a_recompute_not_an_error() -> None:
     torch.set_num_threads(1)
-    engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, page_size=PAGE)
+    engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, block_size=PAGE)
     worker = EngineWorker("test")
     serving = threading.Thread(target=worker.serve_forever)
     serving.start()
@@ -100,7 +100,7 @@ class NoLookups(FixedDirectory):
 
 def test_the_placement_s_prefix_source_address_is_dialled_without_a_lookup() -> None:
     torch.set_num_threads(1)
-    engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, page_size=PAGE)
+    engine = Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=16 * PAGE, block_size=PAGE)
     worker = EngineWorker("test")
     serving = threading.Thread(target=worker.serve_forever)
     serving.start()

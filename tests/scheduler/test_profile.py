@@ -30,7 +30,7 @@ MIXED_PLAN = ProfilePlan(prefill=PLAN.prefill, decode=PLAN.decode, decode_steps=
 @pytest.fixture
 def engine() -> Engine:
     torch.set_num_threads(1)
-    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=MIXED_PLAN.kv_tokens_needed(PAGE), page_size=PAGE)
+    return Engine(tiny_model(), model_id="tiny", kv_capacity_tokens=MIXED_PLAN.kv_tokens_needed(PAGE), block_size=PAGE)
 
 
 def test_prefill_points_really_reuse_the_cached_prefix(engine: Engine) -> None:

@@ -2,7 +2,7 @@
 sequence, and a bounded pool of state snapshots for the prefix cache.
 
 - ``latent[m, page, slot]``: layer m's (m-th MLA layer) c_kv and k_rope of one token, in the
-  config's ``cache_dtype`` (fp8 e4m3 with a scale: ``to_latent``). Each layer's pages form one contiguous ``[pages, page_size, Dc + Dr]``
+  config's ``cache_dtype`` (fp8 e4m3 with a scale: ``to_latent``). Each layer's pages form one contiguous ``[pages, block_size, Dc + Dr]``
   tensor, the layout the Triton MLA kernel reads. Pages hold nothing else.
 - Live states (``open_state``): each running sequence owns one ``KdaStates`` row — the KDA state
   after its last computed token, all fp32 (its conv tail too: see ``round_tail``). The engine opens it with the sequence, fills it from a snapshot
@@ -59,9 +59,9 @@ class MlaStep:
     cu_q: torch.Tensor         # [N + 1] cumulative new tokens
 
     @staticmethod
-    def build(batch: ForwardBatch, page_size: int, device: torch.device | str) -> MlaStep:
+    def build(batch: ForwardBatch, block_size: int, device: torch.device | str) -> MlaStep:
         chunks = batch.chunks
-        width = max(-(-c.context_len // page_size) for c in chunks)
+        width = max(-(-c.context_len // block_size) for c in chunks)
         table = [list(c.pages[:width]) + [0] * (width - min(width, len(c.pages))) for c in chunks]
         cu_q = [0]
         for c in chunks:
@@ -82,9 +82,9 @@ class ChunkStates:
 
 
 class K3Cache:
-    def __init__(self, cfg: K3Config, num_pages: int, page_size: int, device: torch.device | str = "cpu",
+    def __init__(self, cfg: K3Config, num_pages: int, block_size: int, device: torch.device | str = "cpu",
                  policy: SnapshotPolicy = SnapshotPolicy()) -> None:
-        self.cfg, self.page_size, self.policy, self.device = cfg, page_size, policy, device
+        self.cfg, self.block_size, self.policy, self.device = cfg, block_size, policy, device
         self.dtype = cache_torch_dtype(cfg)
         self.tail_dtype = tail_torch_dtype(cfg)
         # fp8 latents are stored divided by a per-cache scale and read back times it (vLLM's MLA
@@ -96,7 +96,7 @@ class K3Cache:
         self._token_floats = len(cfg.mla_layers) * cfg.mla_latent_dim
         # a state's fp32 floats, counted in elements of the cache dtype (its bytes, reinterpreted)
         self._state_elements = KdaStates.wire_floats(cfg) * 4 // self.dtype.itemsize
-        self.latent = torch.zeros((len(cfg.mla_layers), num_pages, page_size, cfg.mla_latent_dim), dtype=self.dtype,
+        self.latent = torch.zeros((len(cfg.mla_layers), num_pages, block_size, cfg.mla_latent_dim), dtype=self.dtype,
                                   device=device)
         self.snapshots = SnapshotPool(cfg, policy.slots, self.tail_dtype, device)
         self._live: dict[int, KdaStates] = {}
@@ -113,11 +113,11 @@ class K3Cache:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return self.payload_shape(self.page_size, with_state=False)
+        return self.payload_shape(self.block_size, with_state=False)
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pages.num_pages * self.page_size
+        return self.pages.num_pages * self.block_size
 
     @property
     def running_states(self) -> int:
@@ -145,9 +145,9 @@ class K3Cache:
             tokens = (shape[0] - self._state_elements) // max(self._token_floats, 1)
         else:
             tokens = -1
-        if not 0 < tokens <= self.page_size or self.payload_shape(tokens, with_state=len(shape) == 1) != shape:
+        if not 0 < tokens <= self.block_size or self.payload_shape(tokens, with_state=len(shape) == 1) != shape:
             raise ValueError(f"K3 block payload shape {shape} fits neither {self.block_shape} (latents) nor "
-                             f"{self.payload_shape(self.page_size)} (latents and a state) or a prefix of them")
+                             f"{self.payload_shape(self.block_size)} (latents and a state) or a prefix of them")
         return tokens
 
     @staticmethod
@@ -159,13 +159,13 @@ class K3Cache:
     def read_block(self, page: int, num_tokens: int | None = None, *, state: int | None = None) -> torch.Tensor:
         """The page's first ``num_tokens`` latents, with the live state ``state`` if given, else with
         the page's snapshot if it has one."""
-        n = self.page_size if num_tokens is None else num_tokens
+        n = self.block_size if num_tokens is None else num_tokens
         latents = torch.empty((n, self.latent.shape[0], self._latent_dim), dtype=self.dtype, device=self.device)
         latents.copy_(self.latent[:, page, :n].transpose(0, 1))  # a copy of its own: the page is reused later
         if state is not None:
             carried = self._live[state].read(0)
         else:
-            slot = self.snapshots.slot(page) if n == self.page_size else None
+            slot = self.snapshots.slot(page) if n == self.block_size else None
             if slot is None:
                 return latents.view(n, -1)
             carried = self.snapshots.states.read(slot)
@@ -182,7 +182,7 @@ class K3Cache:
             carried, flat = flat[: self._state_elements].view(torch.float32), flat[self._state_elements :]
             if state is not None:
                 self._live[state].write(0, carried)
-            slot = self.snapshots.take(page) if snapshot and tokens == self.page_size else None
+            slot = self.snapshots.take(page) if snapshot and tokens == self.block_size else None
             if slot is not None:
                 self.snapshots.states.write(slot, carried)
         elif state is not None:
@@ -264,7 +264,7 @@ class K3Cache:
     def plan_forward(self, batch: ForwardBatch) -> list[ChunkStates]:
         """Per chunk: its live state and the snapshot slots its block boundaries fill (the
         policy's, for blocks of the sequence's cacheable prompt). Kept in ``step`` for the layers."""
-        ps, plan = self.page_size, []
+        ps, plan = self.block_size, []
         writer: dict[int, tuple[ChunkStates, int]] = {}  # slot -> who fills it in this forward
         for chunk in batch.chunks:
             if chunk.state < 0:

@@ -115,7 +115,7 @@ class KdaLayer:
         o, state = self.ops.kda_step(q, k, v, g[rows], beta[rows], state, self.scale)
         out[rows] = o.to(out.dtype)
         for i, (_, end, plan) in enumerate(singles):
-            if end % cache.page_size == 0:
+            if end % cache.block_size == 0:
                 tail[i] = cache.round_tail(tail[i])
             self._keep(plan, end, state[i], tail[i], cache)
 
@@ -123,7 +123,7 @@ class KdaLayer:
                  cache: K3Cache) -> None:
         """Tokens ``first .. end`` of one sequence, cut at block boundaries: each segment continues
         the state the previous one left, and a boundary the plan names keeps a snapshot of it."""
-        ps, j = cache.page_size, self.slot
+        ps, j = cache.block_size, self.slot
         state, tail = plan.live.state[0, j], plan.live.tail[0, j].float()
         a = first
         while a < end:

@@ -8,7 +8,7 @@ block boundaries), plus the prefix cache's state snapshots, a bounded pool of
 ``snapshot_slots`` taken sparsely at block boundaries (fp32 states, tails in the cache dtype, bf16 under fp8;
 ``K3Cache``). So the whole cache is
 
-    cache_bytes = pages x page_size x kv_bytes_per_token
+    cache_bytes = pages x block_size x kv_bytes_per_token
                 + running sequences x state_bytes_per_sequence
                 + snapshot_slots x snapshot_bytes_per_block
 

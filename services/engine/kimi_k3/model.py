@@ -80,8 +80,8 @@ class K3Model:
 
     # ---- what the engine asks of a model with its own cache layout ---------------------------
 
-    def make_cache(self, num_pages: int, page_size: int) -> K3Cache:
-        return K3Cache(self.config, num_pages, page_size, self.device, self.snapshot_policy)
+    def make_cache(self, num_pages: int, block_size: int) -> K3Cache:
+        return K3Cache(self.config, num_pages, block_size, self.device, self.snapshot_policy)
 
     def footprint(self) -> CacheFootprint:
         return k3_footprint(self.config)

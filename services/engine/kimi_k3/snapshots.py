@@ -37,14 +37,14 @@ class SnapshotPolicy:
         if self.every_blocks < 0 or self.slots < 0:
             raise ValueError(f"snapshot policy needs every_blocks >= 0 and slots >= 0, got {self}")
 
-    def wants(self, block: int, prompt_tokens: int, page_size: int) -> bool:
+    def wants(self, block: int, prompt_tokens: int, block_size: int) -> bool:
         """Whether the state at the end of block ``block`` of a prompt of ``prompt_tokens`` is kept."""
-        full = prompt_tokens // page_size
+        full = prompt_tokens // block_size
         if not self.slots or block >= full:
             return False
         if self.every_blocks and (block + 1) % self.every_blocks == 0:
             return True
-        return block in (full - 1, (prompt_tokens - 1) // page_size - 1)
+        return block in (full - 1, (prompt_tokens - 1) // block_size - 1)
 
 
 class KdaStates:

@@ -40,7 +40,7 @@ class Command(enum.IntEnum):
     READ = 2        # (page, tokens): gather each rank's KV heads of a page to the leader
     WRITE = 3       # (page, tokens): scatter a payload's KV heads to the ranks
     SHUTDOWN = 4    # workers exit 0
-    CACHE = 5       # (pages, page_size): allocate the KV cache's shards
+    CACHE = 5       # (pages, block_size): allocate the KV cache's shards
 
 
 class GroupBrokenError(RuntimeError):

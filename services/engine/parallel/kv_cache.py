@@ -32,9 +32,9 @@ class ShardedKvCache:
         self.local = local
         self.group = group
         self.pages = local.pages
-        self.page_size = local.page_size
-        layers, two, page_size, _, head_dim = local.block_shape
-        self._block_shape = (layers, two, page_size, total_kv_heads, head_dim)
+        self.block_size = local.block_size
+        layers, two, block_size, _, head_dim = local.block_shape
+        self._block_shape = (layers, two, block_size, total_kv_heads, head_dim)
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -42,7 +42,7 @@ class ShardedKvCache:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one page's payload, all KV heads: (layers, 2, page_size, kv_heads, head_dim)."""
+        """Shape of one page's payload, all KV heads: (layers, 2, block_size, kv_heads, head_dim)."""
         return self._block_shape
 
     @property
@@ -62,7 +62,7 @@ class ShardedKvCache:
 
     def payload_tokens(self, shape: Sequence[int]) -> int:
         shape = tuple(shape)
-        if len(shape) != 5 or not 0 < shape[2] <= self.page_size or self.payload_shape(shape[2]) != shape:
+        if len(shape) != 5 or not 0 < shape[2] <= self.block_size or self.payload_shape(shape[2]) != shape:
             raise ValueError(f"KV payload shape {shape} does not fit pages of shape {self._block_shape}")
         return shape[2]
 
@@ -81,7 +81,7 @@ class ShardedKvCache:
 
     def read_block(self, page: int, num_tokens: int | None = None) -> torch.Tensor:
         """The page's first ``num_tokens`` tokens (all by default), every rank's heads: a new tensor."""
-        tokens = self.page_size if num_tokens is None else num_tokens
+        tokens = self.block_size if num_tokens is None else num_tokens
         with self.group.command(Command.READ, page, tokens):
             parts = self.group.gather(self.local.read_block(page, tokens).contiguous())
         assert parts is not None

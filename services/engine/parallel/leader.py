@@ -35,11 +35,11 @@ class TensorParallelLlama:
         self.config = shard.config
         self.group_size = group.size
 
-    def make_cache(self, num_pages: int, page_size: int) -> ShardedKvCache:
+    def make_cache(self, num_pages: int, block_size: int) -> ShardedKvCache:
         """Every rank allocates its KV heads of ``num_pages`` pages (the leader's numbers, so they agree)."""
         cfg = self.config
-        with self.group.command(Command.CACHE, num_pages, page_size):
-            local = PagedKvCache(num_pages, cfg.num_layers, page_size, self.shard.kv_heads, cfg.head_dim)
+        with self.group.command(Command.CACHE, num_pages, block_size):
+            local = PagedKvCache(num_pages, cfg.num_layers, block_size, self.shard.kv_heads, cfg.head_dim)
         return ShardedKvCache(local, self.group, cfg.num_kv_heads)
 
     def forward(self, batch: ForwardBatch, cache: ShardedKvCache, logits_for: list[int],
