@@ -3,7 +3,9 @@
 #   preflight     nvidia-smi, torch/CUDA/Triton versions, the device's peak bf16 TFLOP/s and HBM GB/s
 #   env           a Python that imports torch (CUDA), Triton and Crescent; installs carried wheels
 #   kernel_tests  pytest tests/kernels on CUDA (every kernel against its reference, plus the GPU-only
-#                 test_gpu.py: K3 shapes, bf16, fla-core's chunk_kda; skips count as failures)
+#                 test_gpu.py: K3 shapes, bf16, fla-core's chunk_kda; skips count as failures), and the
+#                 kvstore's GPU tier with CUDA IPC between two processes (tests/kvstore/test_cuda_ipc.py,
+#                 test_gpu_tier.py: a few seconds)
 #   models        scripts/gpu_model_checks.py: SmolLM2 single process vs prefill -> handoff -> decode
 #                 token for token; batch 1 vs batch 8 bitwise; the tiny K3 through the Triton kernels vs
 #                 the CPU reference (and host syncs in a decode forward); the layer-wise handoff between
@@ -156,9 +158,11 @@ EOF
 }
 
 stage_kernel_tests() {
-    local log="$OUT/kernel_tests.out" tests=(tests/kernels)
-    # the CPU runs the GPU-only file (it skips) and the grouped MXFP4 kernel: the rest is `make test`'s
-    [ $DRY_RUN -eq 1 ] && tests=(tests/kernels/test_gpu.py tests/kernels/test_mxfp4_grouped.py)
+    local log="$OUT/kernel_tests.out" device_tests=(tests/kvstore/test_cuda_ipc.py tests/kvstore/test_gpu_tier.py)
+    local tests=(tests/kernels "${device_tests[@]}")
+    # the CPU runs the GPU-only files (they skip; CUDA IPC's shared-memory stand-in runs) and the
+    # grouped MXFP4 kernel: the rest is `make test`'s
+    [ $DRY_RUN -eq 1 ] && tests=(tests/kernels/test_gpu.py tests/kernels/test_mxfp4_grouped.py "${device_tests[@]}")
     timeout "$STAGE_LIMIT" "$PY" -m pytest "${tests[@]}" -q -rs -p no:cacheprovider \
         --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}

@@ -9,7 +9,9 @@
   so prefill can hand off and export a layer at a time (not the tensor-parallel cache, whose
   layers are spread over the group).
 - ``StatefulKvCache``: it keeps recurrent states beside the pages (one live state per running
-  sequence, snapshots at chosen blocks); a block's payload may carry one.
+  sequence, snapshots at chosen blocks); a block's payload may carry one. An exporter
+  ``stage``s a state on the engine thread (a device-side clone, no wait) and copies it to the
+  host on its own thread (``device_staging.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from crescent.services.engine.device_staging import Staged
 from crescent.services.engine.kv_cache import PageManager
 from crescent.services.kvwire.layer_wire import LayerLayout
 
@@ -65,6 +68,10 @@ class StatefulKvCache(KvCache, Protocol):
     def close_state(self, handle: int) -> None: ...
 
     def copy_snapshot(self, page: int, out: memoryview) -> None: ...
+
+    def stage_live_state(self, handle: int) -> Staged: ...
+
+    def stage_snapshot(self, page: int) -> Staged: ...
 
     @staticmethod
     def payload_has_state(shape: Sequence[int]) -> bool: ...

@@ -12,6 +12,11 @@ on the event loop's thread) could read a layer half written. So:
   fence on a separate copy stream (``wait_event``: the GPU waits, not the compute thread), copies
   into pinned host staging, waits for that copy alone, and hands the bytes over.
 
+A copy the compute thread must take at a point of the forward but cannot wait for (a KDA state,
+final after the last KDA layer and changed again by the next forward) is ``stage``d: a device-side
+copy queued on the compute stream, a fence after it, and ``Staged.copy_into`` on the copying
+thread later, ordered after that fence like a layer's copy.
+
 A newer fence of the same layer (the next prefill chunk's) also covers an older one: stream
 order. On the CPU the fence is trivially complete and the copy is the plain ``copy_`` it always
 was (the same bytes, no extra work). ``Streams`` is the seam a test swaps for a fake device whose
@@ -131,3 +136,23 @@ class DeviceStaging:
         """``src`` (a view of layer ``layer`` of the pool, final since its hook fired) into host
         ``out``, once the layer's kernels are done."""
         self.streams.copy(self._fences[layer], src, out)
+
+    def stage(self, copy: torch.Tensor) -> Staged:
+        """``copy``, a tensor of its own the compute thread has just queued (a clone of a state that
+        the next forward overwrites), held with a fence after it: its host copy is taken later,
+        on the copying thread, and the compute thread never waits (compute thread)."""
+        return Staged(self.streams, self.streams.record(), copy)
+
+
+class Staged:
+    """A device-side copy and the fence after which it is complete."""
+
+    __slots__ = ("streams", "fence", "tensor")
+
+    def __init__(self, streams: Streams, fence: Fence, tensor: torch.Tensor) -> None:
+        self.streams, self.fence, self.tensor = streams, fence, tensor
+
+    def copy_into(self, out: memoryview) -> None:
+        """Its bytes into host ``out`` (exactly its size), once its fence fired (copying thread)."""
+        dst = torch.frombuffer(out, dtype=self.tensor.dtype).view(self.tensor.shape)
+        self.streams.copy(self.fence, self.tensor, dst)

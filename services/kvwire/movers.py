@@ -1,14 +1,16 @@
 """One family of byte movers: the ways this process moves KV bytes to a peer, fastest first,
 each one refused per peer (for good, or for a backoff), gRPC always last and always there.
 
-Two users ask it the same three questions — which ways are open to this peer now (``open``),
+Three users ask it the same three questions — which ways are open to this peer now (``open``),
 the peer or this host cannot do one (``refuse``), bytes went one way (``moved``):
 
 - the kvstore client, one ladder per node, its movers objects (``kvstore/movers/``: shm, tcp,
   nixl, grpc);
 - the layer-wise handoff to decode, one ladder per prefill process over every decode peer
   (``prefill/handoff_mover.py``: shm, tcp, grpc), with a backoff on tcp so a blip does not send
-  a peer's handoffs over gRPC for good.
+  a peer's handoffs over gRPC for good;
+- the kvstore node's same-GPU path (``kvstore/cuda_ipc.py``: cuda_ipc, refused per engine peer
+  when its GPU differs or IPC fails; host bytes, the ladder's last rung, otherwise).
 
 What a mover does with bytes stays with the mover; what a refusal looks like on the wire is
 ``said_no`` (a status that says "never from here"), plus the handoff's own refusal notes.

@@ -139,9 +139,10 @@ class LayerwiseHandoff:
         if wire is not None:
             self._loop.call_soon_threadsafe(self._ready, wire, end)
         if layout.state_bytes and layer == layout.states_after and end == self.prompt_tokens:
-            # the prompt's last KDA layer ran: its live state is final; into the last block's head
-            self._engine.cache.copy_live_state(self._seq.state, self._buffers[-1][: self._heads[-1]])
-            self._loop.call_soon_threadsafe(self._ready, STATE, end)
+            # the prompt's last KDA layer ran: its live state is final; cloned on the device now,
+            # into the last block's head on the loop's thread (on a GPU, once the clone is done)
+            staged = self._engine.cache.stage_live_state(self._seq.state)
+            self._loop.call_soon_threadsafe(self._state_copied, staged, end)
 
     # ---- the stream --------------------------------------------------------------------------
 
@@ -266,6 +267,10 @@ class LayerwiseHandoff:
         """The blocks whose layer ``layer`` may go now: those in the cache, but none past the
         blocks the layer before has gone for (a block's layers go in order)."""
         return min(self._avail[layer], self._next_block[layer - 1]) if layer else self._avail[0]
+
+    def _state_copied(self, staged, end: int) -> None:  # noqa: ANN001 - device_staging.Staged
+        staged.copy_into(self._buffers[-1][: self._heads[-1]])
+        self._ready(STATE, end)
 
     def _ready(self, layer: int, end: int) -> None:
         self._take(layer, end)

@@ -53,6 +53,7 @@ from typing import Protocol
 
 from crescent.protos import common_pb2
 from crescent.services.engine.cache_api import StatefulKvCache
+from crescent.services.engine.device_staging import Staged
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.instance.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
@@ -198,7 +199,7 @@ class LayerwiseStoreExport:
         if wire is not None:
             post(self._ready.put_nowait, ("layer", wire, last))
         if last and self._states and layer == layout.states_after:
-            post(self._ready.put_nowait, ("states", self._copy_states(), True))
+            post(self._ready.put_nowait, ("states", self._stage_states(), True))
 
     def _plan(self, end: int) -> _Plan:
         """Which blocks this forward completes, and which carry a state (see the module's doc)."""
@@ -226,18 +227,16 @@ class LayerwiseStoreExport:
             self._with_state = [i for i, carries in streamed.items() if carries] + kept
         return _Plan(streamed, evicted, kept, stop)
 
-    def _copy_states(self) -> dict[int, memoryview]:
-        """The states of the blocks that carry one, final now (the last KDA layer of the last forward)."""
+    def _stage_states(self) -> dict[int, Staged]:
+        """The states of the blocks that carry one, final now (the last KDA layer of the last
+        forward): cloned on the device (engine thread, no wait), copied out by ``_write_states``."""
         cache, pages, out = self._cache, self._seq.pages, {}
         for i in self._with_state:
-            buffer = empty_buffer(self.layout.state_bytes)
             if i == self._live_block:
-                cache.copy_live_state(self._seq.state, buffer)
+                out[i] = cache.stage_live_state(self._seq.state)
             elif cache.has_snapshot(pages[i]):
-                cache.copy_snapshot(pages[i], buffer)
-            else:
-                continue  # gone after all: put whole (without it), never with a state not its own
-            out[i] = buffer
+                out[i] = cache.stage_snapshot(pages[i])
+            # else: gone after all: put whole (without it), never with a state not its own
         return out
 
     # ---- the event loop's side -------------------------------------------------------------------
@@ -375,7 +374,7 @@ class LayerwiseStoreExport:
         if i in self._room:  # in the node's room already (a staged block counts when put)
             self._count(self._layer_size)
 
-    def _write_states(self, states: dict[int, memoryview]) -> None:
+    def _write_states(self, states: dict[int, Staged]) -> None:
         for i in (i for i, carries in self._carries.items() if carries):
             view = self._view(i)
             if view is None:
@@ -386,8 +385,8 @@ class LayerwiseStoreExport:
                 else:
                     self._room[i].writing.discard(i)
                 continue
-            view[: self.layout.state_bytes] = states[i]
-            self.bytes_from_cache += len(states[i])
+            states[i].copy_into(view[: self.layout.state_bytes])  # after its fence (device_staging.py)
+            self.bytes_from_cache += self.layout.state_bytes
             self._state_in.add(i)
             if i in self._room:
                 self._count(self.layout.state_bytes)

@@ -189,6 +189,9 @@ class ShapeOnlyKernels(K3Ops):
     def kda_step(self, q, k, v, g, beta, states, scale):  # noqa: ANN001
         return torch.empty_like(v), torch.empty_like(states, dtype=torch.float32)
 
+    def kda_step_pooled(self, q, k, v, g, beta, pool, rows, scale):  # noqa: ANN001
+        return torch.empty_like(v)
+
     def mla_attention(self, q_lat, q_rope, cache, block_table, seq_lens, cu_q, scale):  # noqa: ANN001
         return torch.empty_like(q_lat)
 

@@ -278,8 +278,9 @@ def test_allocated_bytes_equal_the_documented_formula(cfg):
     engine = make_engine(slots=5, cfg=cfg, pages=12)
     seqs = [engine.add_sequence(f"s{i}", prompt(20, seed=i)) for i in range(2)]
     cache = engine.cache
-    tensors = [cache.latent, cache.snapshots.states.state, cache.snapshots.states.tail]
-    tensors += [t for s in seqs for t in (cache.live(s.state).state, cache.live(s.state).tail)]
+    assert cache.live_pool.rows == len(seqs)  # the live states' pool: one row per running sequence at the peak
+    tensors = [cache.latent, cache.snapshots.states.state, cache.snapshots.states.tail,
+               cache.live_pool.state, cache.live_pool.tail]
     allocated = sum(t.untyped_storage().nbytes() for t in tensors)
     assert allocated == cache.nbytes() == doc_cache_bytes(cfg, 12, PAGE, 2, 5)
     assert allocated == k3_footprint(cfg).cache_bytes(12 * PAGE, 2, 5)

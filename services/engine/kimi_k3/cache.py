@@ -4,8 +4,9 @@ sequence, and a bounded pool of state snapshots for the prefix cache.
 - ``latent[m, page, slot]``: layer m's (m-th MLA layer) c_kv and k_rope of one token, in the
   config's ``cache_dtype`` (fp8 e4m3 with a scale: ``to_latent``). Each layer's pages form one contiguous ``[pages, block_size, Dc + Dr]``
   tensor, the layout the Triton MLA kernel reads. Pages hold nothing else.
-- Live states (``open_state``): each running sequence owns one ``KdaStates`` row — the KDA state
-  after its last computed token, all fp32 (its conv tail too: see ``round_tail``). The engine opens it with the sequence, fills it from a snapshot
+- Live states (``open_state``): each running sequence owns one row of ``live_pool`` — the KDA
+  state after its last computed token, all fp32 (its conv tail too: see ``round_tail``); a
+  batched decode step updates the rows in place (``LiveStatePool``). The engine opens it with the sequence, fills it from a snapshot
   (``resume_state``) or a received block (``write_block(..., state=)``), and closes it on release.
 - Snapshots (``snapshots.SnapshotPool``): copies of a sequence's state at the end of chosen full
   pages (``SnapshotPolicy``), LRU-evicted from a fixed number of slots; fp32 states, conv tails
@@ -27,6 +28,13 @@ block without a state.
 A layer-wise handoff (``layer_layout``, ``copy_layer``) moves these payloads an MLA layer at a
 time: layer m's latents of a block's tokens, placed into the token-major rows above, and the
 last block's live state (``copy_live_state``) apart once the last KDA layer made it final.
+
+On a GPU those copies run on the copying thread while the compute thread queues later layers, so
+they go through ``device_staging.py`` as the Llama pool's do: the model calls ``layer_written(i)``
+before its hook (a fence per model layer on the compute stream), ``copy_layer`` waits for its MLA
+layer's fence on a copy stream, and a state (``stage_live_state``, ``stage_snapshot``) is cloned on
+the device at the hook and copied to the host later, after a fence of its own: the compute thread
+never waits. On the CPU every fence is complete and the copies are the plain ones they were.
 """
 
 from __future__ import annotations
@@ -37,10 +45,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from crescent.services.engine.device_staging import DeviceStaging, Staged, streams_for
 from crescent.services.engine.kimi_k3.config import K3Config
 from crescent.services.engine.kimi_k3.memory import cache_torch_dtype, tail_torch_dtype
 from crescent.services.engine.kimi_k3.ops import to_device
-from crescent.services.engine.kimi_k3.snapshots import KdaStates, SnapshotPolicy, SnapshotPool
+from crescent.services.engine.kimi_k3.snapshots import KdaStates, LiveStatePool, SnapshotPolicy, SnapshotPool
 from crescent.services.engine.kv_cache import PageManager
 from crescent.services.engine.llama import ForwardBatch
 from crescent.services.kvwire.layer_wire import LayerLayout
@@ -74,10 +83,12 @@ class MlaStep:
 
 @dataclass(slots=True)
 class ChunkStates:
-    """What one chunk of a forward does with states: it continues ``live`` (row 0) and leaves
-    snapshots at these block boundaries (token position -> snapshot slot)."""
+    """What one chunk of a forward does with states: it continues ``live`` (row 0; row ``row`` of
+    the cache's ``live_pool``) and leaves snapshots at these block boundaries (token position ->
+    snapshot slot)."""
 
     live: KdaStates
+    row: int = -1
     snapshots: dict[int, int] = field(default_factory=dict)
 
 
@@ -99,10 +110,16 @@ class K3Cache:
         self.latent = torch.zeros((len(cfg.mla_layers), num_pages, block_size, cfg.mla_latent_dim), dtype=self.dtype,
                                   device=device)
         self.snapshots = SnapshotPool(cfg, policy.slots, self.tail_dtype, device)
-        self._live: dict[int, KdaStates] = {}
+        # fp32 tails: a running sequence's tail is rounded to the cache dtype only at block
+        # boundaries (``round_tail``), never at the end of a forward, so how a prompt is cut into
+        # forwards (chunked prefill, batching, decode steps, a handoff) changes no value
+        self.live_pool = LiveStatePool(cfg, device)
+        self._rows: dict[int, int] = {}  # live state handle -> its pool row
         self._handles = itertools.count()
         self.step: list[ChunkStates] = []  # the current forward's plan (``plan_forward``)
         self.mla_step: MlaStep | None = None  # the current forward's MLA metadata (``plan_forward``)
+        # fences per model layer (KDA layers' too: the states' copies wait for the last one's)
+        self.staging = DeviceStaging(cfg.num_layers, streams_for(torch.device(device)))
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -121,16 +138,16 @@ class K3Cache:
 
     @property
     def running_states(self) -> int:
-        return len(self._live)
+        return len(self._rows)
 
     def page_bytes(self) -> int:
         """Cache bytes of one page (latents only: states are per sequence and per snapshot)."""
         return self.latent[:, 0].numel() * self.latent.element_size()
 
     def nbytes(self) -> int:
-        """Bytes allocated now: pages, the snapshot pool and the open live states."""
-        return (self.latent.untyped_storage().nbytes() + self.snapshots.states.nbytes()
-                + sum(s.nbytes() for s in self._live.values()))
+        """Bytes allocated now: pages, the snapshot pool and the live states' pool (one state per
+        sequence at the peak of running sequences)."""
+        return self.latent.untyped_storage().nbytes() + self.snapshots.states.nbytes() + self.live_pool.nbytes()
 
     def payload_shape(self, num_tokens: int, *, with_state: bool = True) -> tuple[int, ...]:
         if with_state:
@@ -163,7 +180,7 @@ class K3Cache:
         latents = torch.empty((n, self.latent.shape[0], self._latent_dim), dtype=self.dtype, device=self.device)
         latents.copy_(self.latent[:, page, :n].transpose(0, 1))  # a copy of its own: the page is reused later
         if state is not None:
-            carried = self._live[state].read(0)
+            carried = self.live(state).read(0)
         else:
             slot = self.snapshots.slot(page) if n == self.block_size else None
             if slot is None:
@@ -181,7 +198,7 @@ class K3Cache:
         if self.payload_has_state(payload.shape):
             carried, flat = flat[: self._state_elements].view(torch.float32), flat[self._state_elements :]
             if state is not None:
-                self._live[state].write(0, carried)
+                self.live(state).write(0, carried)
             slot = self.snapshots.take(page) if snapshot and tokens == self.block_size else None
             if slot is not None:
                 self.snapshots.states.write(slot, carried)
@@ -203,46 +220,60 @@ class K3Cache:
                            state_bytes=self._state_elements * self.dtype.itemsize,
                            states_after=kda[-1] if kda else None)
 
+    def layer_written(self, layer: int) -> None:
+        """Model layer ``layer``'s writes of this forward (latents, or states and snapshots) are
+        queued: a fence for the copies its hook starts (compute thread; never waits)."""
+        self.staging.record(layer)
+
     def copy_layer(self, page: int, layer: int, num_tokens: int, out: memoryview) -> None:
         """Copy MLA layer ``layer``'s latents of the page's first ``num_tokens`` tokens into ``out``
-        (``num_tokens`` rows of ``Dc + Dr``). Another thread may compute later layers meanwhile:
-        a finished layer's latents of a held page are not written again."""
+        (``num_tokens`` rows of ``Dc + Dr``), once that layer's kernels are done (its fence). Another
+        thread may compute later layers meanwhile: a finished layer's latents of a held page are
+        not written again."""
         dst = torch.frombuffer(out, dtype=self.dtype).view(num_tokens, self._latent_dim)
-        dst.copy_(self.latent[layer, page, :num_tokens])
+        self.staging.copy_out(self.cfg.mla_layers[layer], self.latent[layer, page, :num_tokens], dst)
+
+    def stage_live_state(self, handle: int) -> Staged:
+        """The live state ``handle`` as a payload carries it (its fp32 bytes), cloned on the device
+        now (the hook of the last KDA layer, compute thread): ``copy_into`` a host buffer later."""
+        return self.staging.stage(self.live(handle).read(0))
+
+    def stage_snapshot(self, page: int) -> Staged:
+        """``page``'s snapshot as its payload carries it, like ``stage_live_state``."""
+        slot = self.snapshots.slot(page)
+        assert slot is not None, f"page {page} has no state snapshot"
+        return self.staging.stage(self.snapshots.states.read(slot))
 
     def copy_live_state(self, handle: int, out: memoryview) -> None:
-        """Copy the live state ``handle`` as a payload carries it (its fp32 bytes) into ``out``."""
-        torch.frombuffer(out, dtype=torch.float32).copy_(self._live[handle].read(0))
+        """Copy the live state ``handle`` as a payload carries it (its fp32 bytes) into ``out`` now
+        (on a GPU the caller waits for the device: the exporters stage it instead)."""
+        self.stage_live_state(handle).copy_into(out)
 
     def has_snapshot(self, page: int) -> bool:
         """Whether ``page`` keeps a state snapshot (its payload carries it: ``read_block``)."""
         return self.snapshots.slot(page) is not None
 
     def copy_snapshot(self, page: int, out: memoryview) -> None:
-        """Copy ``page``'s snapshot as its payload carries it (fp32 bytes, ``read_block``) into ``out``."""
-        slot = self.snapshots.slot(page)
-        assert slot is not None, f"page {page} has no state snapshot"
-        torch.frombuffer(out, dtype=torch.float32).copy_(self.snapshots.states.read(slot))
+        """Copy ``page``'s snapshot as its payload carries it (fp32 bytes, ``read_block``) into ``out`` now."""
+        self.stage_snapshot(page).copy_into(out)
 
     # ---- sequence states -----------------------------------------------------------------------
 
     def open_state(self) -> int:
         """A new sequence's live state (zeros: before its first token); returns its handle."""
         handle = next(self._handles)
-        # fp32 tails: a running sequence's tail is rounded to the cache dtype only at block
-        # boundaries (``round_tail``), never at the end of a forward, so how a prompt is cut into
-        # forwards (chunked prefill, batching, decode steps, a handoff) changes no value
-        self._live[handle] = KdaStates(self.cfg, 1, torch.float32, self.device)
+        self._rows[handle] = self.live_pool.take()
         return handle
 
     def close_state(self, handle: int) -> None:
-        del self._live[handle]
+        self.live_pool.give(self._rows.pop(handle))
 
     def copy_state(self, src: int, dst: int) -> None:
-        self._live[dst].copy(0, self._live[src], 0)
+        self.live(dst).copy(0, self.live(src), 0)
 
     def live(self, handle: int) -> KdaStates:
-        return self._live[handle]
+        """The live state ``handle`` (row 0 of it), a view of its pool row until a state is next opened."""
+        return self.live_pool.row(self._rows[handle])
 
     def resumable(self, pages: Sequence[int]) -> int:
         """How many of these matched prefix pages a sequence can resume after: up to the last one
@@ -257,7 +288,7 @@ class K3Cache:
         slot = self.snapshots.slot(page)
         assert slot is not None, f"page {page} has no state snapshot"
         self.snapshots.touch(page)
-        self._live[handle].copy(0, self.snapshots.states, slot)
+        self.live(handle).copy(0, self.snapshots.states, slot)
 
     # ---- a forward pass ------------------------------------------------------------------------
 
@@ -269,7 +300,7 @@ class K3Cache:
         for chunk in batch.chunks:
             if chunk.state < 0:
                 raise ValueError("a kimi_k3 forward needs every sequence's live state (SeqChunk.state)")
-            states = ChunkStates(self._live[chunk.state])
+            states = ChunkStates(self.live(chunk.state), self._rows[chunk.state])
             first = chunk.context_len - chunk.num_new
             for end in range((first // ps + 1) * ps, chunk.context_len + 1, ps):
                 if self.policy.wants(end // ps - 1, chunk.prompt_tokens, ps):

@@ -105,19 +105,24 @@ class KdaLayer:
         return q, k, v
 
     def _decode(self, singles, mixed, g, beta, out, cache: K3Cache) -> None:
-        """One token for each of several sequences, batched: from and back to their live states."""
-        j = self.slot
+        """One token for each of several sequences, batched, on their rows of the cache's live
+        state pool: the recurrent states are updated where they lie (``kda_step_pooled``)."""
+        j, pool = self.slot, cache.live_pool
         rows = to_device([r for r, _, _ in singles], out.device)
-        state = torch.stack([plan.live.state[0, j] for _, _, plan in singles])
-        tail = torch.stack([plan.live.tail[0, j] for _, _, plan in singles]).float()
-        y, tail = conv_step(mixed[rows], self.w.conv, tail)
+        slots = to_device([plan.row for _, _, plan in singles], out.device)
+        tails = pool.tail[j]
+        y, tail = conv_step(mixed[rows], self.w.conv, tails[slots])
         q, k, v = self._split(y)
-        o, state = self.ops.kda_step(q, k, v, g[rows], beta[rows], state, self.scale)
+        o = self.ops.kda_step_pooled(q, k, v, g[rows], beta[rows], pool.state[j], slots, self.scale)
         out[rows] = o.to(out.dtype)
+        bounds = [i for i, (_, end, _) in enumerate(singles) if end % cache.block_size == 0]
+        if bounds:  # rounded at block boundaries only, as a prefill's segments are
+            at = to_device(bounds, out.device)
+            tail[at] = cache.round_tail(tail[at])
+        tails[slots] = tail
         for i, (_, end, plan) in enumerate(singles):
-            if end % cache.block_size == 0:
-                tail[i] = cache.round_tail(tail[i])
-            self._keep(plan, end, state[i], tail[i], cache)
+            if end in plan.snapshots:
+                self._snapshot(plan.snapshots[end], pool.state[j, plan.row], tail[i], cache)
 
     def _prefill(self, plan: ChunkStates, first: int, end: int, rows: slice, mixed, g, beta, out,
                  cache: K3Cache) -> None:

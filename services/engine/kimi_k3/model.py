@@ -123,6 +123,7 @@ class K3Model:
             return self.ffn[layer].forward(x)
         out = self.attn[layer].forward(x, batch, cache)
         if self._on_layer is not None:
+            cache.layer_written(layer)  # a fence on the compute stream: the hook's copies wait for it
             self._on_layer(layer)
         return out
 

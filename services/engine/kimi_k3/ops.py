@@ -108,6 +108,17 @@ class K3Ops:
         o, s = chunk_kda_reference(q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=state[None])
         return o[0], s[0]
 
+    def kda_step_pooled(self, q, k, v, g, beta, pool: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+        """One decode token for each of N sequences whose states are rows ``rows`` (distinct) of
+        ``pool`` ``[P,HV,K,V]`` fp32, updated in place; returns o ``[N,HV,V]``. The Triton kernel
+        reads and writes the rows where they are; the reference gathers and scatters them."""
+        if self.backend is OpsBackend.TRITON:
+            from crescent.kernels.kda import kda_decode
+
+            return kda_decode(q, k, v, g, beta, pool, scale=scale, state_indices=rows)
+        o, pool[rows] = kda_step_reference(q, k, v, g, beta, pool[rows], scale)
+        return o
+
     def kda_step(self, q, k, v, g, beta, states: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode token for each of N sequences; states ``[N,HV,K,V]`` (not modified)."""
         if self.backend is OpsBackend.TRITON:

@@ -63,6 +63,13 @@ class KdaStates:
         return n_kda * (cfg.kda_num_v_heads * cfg.kda_head_dim * cfg.kda_v_head_dim
                         + cfg.kda_conv_dim * (cfg.kda_conv_width - 1))
 
+    @classmethod
+    def over(cls, state: torch.Tensor, tail: torch.Tensor) -> KdaStates:
+        """States that are views of other tensors (a ``LiveStatePool`` row): writes go through."""
+        states = cls.__new__(cls)
+        states.state, states.tail = state, tail
+        return states
+
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in (self.state, self.tail))
 
@@ -128,3 +135,55 @@ class SnapshotPool:
         if slot is not None:
             del self._lru[page]
             self._free.append(slot)
+
+
+class LiveStatePool:
+    """The live states of the running sequences, one row each, in one tensor per KDA layer:
+    ``state[j]`` ``[rows, HV, K, V]`` fp32 — the pool ``kda_decode``'s ``state_indices`` updates in
+    place, so a batched decode step gathers and scatters no recurrent state — and ``tail[j]``
+    ``[rows, conv_dim, W - 1]`` fp32. A row is zeroed when taken and reused once given back.
+
+    The pool grows to the peak of running sequences, one row at a time (so its bytes are one
+    live state per sequence at that peak, as before it was pooled), copying the rows it holds;
+    it never shrinks. ``row(r)`` is a ``KdaStates`` view of row r (row 0 of it), valid until the
+    pool next grows (between forwards: the cache takes rows when the engine opens a state)."""
+
+    def __init__(self, cfg: K3Config, device: torch.device | str) -> None:
+        n_kda = len(cfg.kda_layers)
+        self._shape = ((n_kda, 0, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim),
+                       (n_kda, 0, cfg.kda_conv_dim, cfg.kda_conv_width - 1))
+        self.device = device
+        self.state = torch.zeros(self._shape[0], dtype=torch.float32, device=device)
+        self.tail = torch.zeros(self._shape[1], dtype=torch.float32, device=device)
+        self._free: list[int] = []
+
+    @property
+    def rows(self) -> int:
+        return self.state.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in (self.state, self.tail))
+
+    def take(self) -> int:
+        if not self._free:
+            self._grow(self.rows + 1)
+        r = self._free.pop()
+        self.state[:, r].zero_()
+        self.tail[:, r].zero_()
+        return r
+
+    def give(self, r: int) -> None:
+        self._free.append(r)
+
+    def row(self, r: int) -> KdaStates:
+        return KdaStates.over(self.state[:, r : r + 1].transpose(0, 1), self.tail[:, r : r + 1].transpose(0, 1))
+
+    def _grow(self, rows: int) -> None:
+        old = self.rows
+        grown = []
+        for tensor, shape in zip((self.state, self.tail), self._shape):
+            new = torch.empty((shape[0], rows, *shape[2:]), dtype=torch.float32, device=self.device)
+            new[:, :old].copy_(tensor)
+            grown.append(new)
+        self.state, self.tail = grown
+        self._free.extend(range(rows - 1, old - 1, -1))
