@@ -70,14 +70,16 @@ class TierStat(_message.Message):
     def __init__(self, tier: _Optional[_Union[_common_pb2.KvTier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("node_id", "tiers", "leased_blocks")
+    __slots__ = ("node_id", "tiers", "leased_blocks", "gpu_uuid")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     leased_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., leased_blocks: _Optional[int] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, node_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., leased_blocks: _Optional[int] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("keys", "target")
@@ -240,3 +242,31 @@ class ShmCommitReply(_message.Message):
     rejected: int
     next: ShmReserveReply
     def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ..., next: _Optional[_Union[ShmReserveReply, _Mapping]] = ...) -> None: ...
+
+class RegionBlock(_message.Message):
+    __slots__ = ("meta", "region")
+    META_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    meta: _common_pb2.BlockMeta
+    region: bytes
+    def __init__(self, meta: _Optional[_Union[_common_pb2.BlockMeta, _Mapping]] = ..., region: _Optional[bytes] = ...) -> None: ...
+
+class RegionPutRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[RegionBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[RegionBlock, _Mapping]]] = ...) -> None: ...
+
+class RegionGetRequest(_message.Message):
+    __slots__ = ("request", "rooms")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_FIELD_NUMBER: _ClassVar[int]
+    request: GetRequest
+    rooms: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request: _Optional[_Union[GetRequest, _Mapping]] = ..., rooms: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RegionGetReply(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[RegionBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[RegionBlock, _Mapping]]] = ...) -> None: ...

@@ -90,6 +90,16 @@ class KvStoreStub:
                 request_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.SerializeToString,
                 response_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitReply.FromString,
                 _registered_method=True)
+        self.PutRegion = channel.unary_unary(
+                '/crescent.v1.KvStore/PutRegion',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.RegionPutRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
+                _registered_method=True)
+        self.GetRegion = channel.unary_unary(
+                '/crescent.v1.KvStore/GetRegion',
+                request_serializer=crescent_dot_protos_dot_kvstore__pb2.RegionGetRequest.SerializeToString,
+                response_deserializer=crescent_dot_protos_dot_kvstore__pb2.RegionGetReply.FromString,
+                _registered_method=True)
 
 
 class KvStoreServicer:
@@ -161,6 +171,18 @@ class KvStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +240,16 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.CommitShm,
                     request_deserializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.FromString,
                     response_serializer=crescent_dot_protos_dot_kvstore__pb2.ShmCommitReply.SerializeToString,
+            ),
+            'PutRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutRegion,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.RegionPutRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.PutReply.SerializeToString,
+            ),
+            'GetRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRegion,
+                    request_deserializer=crescent_dot_protos_dot_kvstore__pb2.RegionGetRequest.FromString,
+                    response_serializer=crescent_dot_protos_dot_kvstore__pb2.RegionGetReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -517,6 +549,60 @@ class KvStore:
             '/crescent.v1.KvStore/CommitShm',
             crescent_dot_protos_dot_kvstore__pb2.ShmCommitRequest.SerializeToString,
             crescent_dot_protos_dot_kvstore__pb2.ShmCommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/PutRegion',
+            crescent_dot_protos_dot_kvstore__pb2.RegionPutRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/crescent.v1.KvStore/GetRegion',
+            crescent_dot_protos_dot_kvstore__pb2.RegionGetRequest.SerializeToString,
+            crescent_dot_protos_dot_kvstore__pb2.RegionGetReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,8 @@
 #   kernel_tests  pytest tests/kernels on CUDA (every kernel against its reference, plus the GPU-only
 #                 test_gpu.py: K3 shapes, bf16, fla-core's chunk_kda; skips count as failures), and the
 #                 kvstore's GPU tier with CUDA IPC between two processes (tests/kvstore/test_cuda_ipc.py,
-#                 test_gpu_tier.py: a few seconds)
+#                 test_gpu_tier.py, and test_cuda_ipc_node.py's …_cuda: a client putting and getting
+#                 device blocks through a real node's PutRegion/GetRegion; a few seconds each)
 #   models        scripts/gpu_model_checks.py: SmolLM2 single process vs prefill -> handoff -> decode
 #                 token for token; batch 1 vs batch 8 bitwise; the tiny K3 through the Triton kernels vs
 #                 the CPU reference (and host syncs in a decode forward); the layer-wise handoff between
@@ -158,7 +159,8 @@ EOF
 }
 
 stage_kernel_tests() {
-    local log="$OUT/kernel_tests.out" device_tests=(tests/kvstore/test_cuda_ipc.py tests/kvstore/test_gpu_tier.py)
+    local log="$OUT/kernel_tests.out" device_tests=(tests/kvstore/test_cuda_ipc.py tests/kvstore/test_gpu_tier.py
+        tests/kvstore/test_cuda_ipc_node.py::test_device_blocks_go_device_to_device_through_a_real_node_cuda)
     local tests=(tests/kernels "${device_tests[@]}")
     # the CPU runs the GPU-only files (they skip; CUDA IPC's shared-memory stand-in runs) and the
     # grouped MXFP4 kernel: the rest is `make test`'s

@@ -91,6 +91,9 @@ KVSTORE_RULES = {
     # channel, NIXL); a kvstore node replicating to a peer moves blocks like an engine.
     "ReserveShm": rule(*ENGINES, KVSTORE),
     "CommitShm": rule(*ENGINES, KVSTORE),
+    # Same-GPU moves through CUDA IPC regions: only an engine shares the node's GPU.
+    "PutRegion": rule(*ENGINES),
+    "GetRegion": rule(*ENGINES),
     # Blocks hold every tenant's prompt tokens: engines, peer nodes and operators only.
     "Get": rule(*ENGINES, KVSTORE, ADMIN),
     "GetShm": rule(*ENGINES, KVSTORE),  # peers' lookups over the side channel

@@ -13,10 +13,11 @@ signal ends the grace at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import FrameType
 
@@ -36,6 +37,7 @@ from crescent.services.gateway.limits.limiter import RateLimiter
 from crescent.services.gateway.prompt import ServedModel
 from crescent.services.tenancy.limits import LimitBook
 from crescent.services.tenancy.usage import UsageStore
+from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,10 @@ async def _drain_then_stop(drain: Drain, server: uvicorn.Server, grace_s: float)
     server.should_exit = True
 
 
-async def serve(settings: GatewaySettings, model: ServedModel) -> None:
-    """Serve until SIGINT or SIGTERM, then drain (see the module docstring)."""
+@contextlib.asynccontextmanager
+async def gateway_app(settings: GatewaySettings, model: ServedModel) -> AsyncIterator[tuple[FastAPI, Drain]]:
+    """The app with what it owns (backend, auth, ledger, limiter), closed on exit. ``serve`` runs it
+    under uvicorn; the gateway tests run it in-process too (tests/gateway/in_process.py)."""
     backend = GrpcBackend(
         settings.scheduler_address,
         request_timeout_s=settings.request_timeout_s,
@@ -103,45 +107,57 @@ async def serve(settings: GatewaySettings, model: ServedModel) -> None:
                                cache_s=settings.auth.key_cache_s,
                                spent=ledger.store.spent_nusd if ledger.store is not None else None)
     limiter.start()
-    app = build_app(settings, backend, model, drain, auth, ledger, limiter)
-    loop = asyncio.get_running_loop()
-    stopping: list[asyncio.Task[None]] = []
-
-    def on_signal() -> None:
-        if stopping:
-            log.info("second signal: ending the drain grace now")
-            drain.end_grace()
-            return
-        stopping.append(loop.create_task(_drain_then_stop(drain, server, settings.drain_grace_s)))
-
-    def on_signal_threadsafe(sig: int = 0, frame: FrameType | None = None) -> None:
-        loop.call_soon_threadsafe(on_signal)  # signal handlers run between bytecodes: hand over to the loop
-
-    server = _DrainingServer(
-        uvicorn.Config(
-            app, host=settings.listen.host, port=settings.listen.port, log_config=None, access_log=False,
-            lifespan="off", timeout_graceful_shutdown=_UVICORN_GRACE_S,
-            http=HeaderDeadlineProtocol.with_deadline(settings.listen.header_timeout_s),
-            proxy_headers=True, forwarded_allow_ips=settings.listen.forwarded_allow_ips,
-        ),
-        on_signal=on_signal_threadsafe,
-    )
-    # Plain signal.signal handlers, not loop.add_signal_handler: uvicorn swaps in its own
-    # (signal.signal) while serving and restores these after, and a loop handler would see
-    # every signal a second time through the loop's wakeup fd (a second signal ends the grace).
-    previous = {sig: signal.signal(sig, on_signal_threadsafe) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        await server.serve()
+        yield build_app(settings, backend, model, drain, auth, ledger, limiter), drain
     finally:
-        for task in stopping:
-            task.cancel()
-        await asyncio.gather(*stopping, return_exceptions=True)
         await backend.close()
         await limiter.close()
         await ledger.close()  # every request has ended: commit the last rows
         auth.close()
+
+
+def uvicorn_config(settings: GatewaySettings, app: FastAPI) -> uvicorn.Config:
+    """How the gateway's uvicorn listens (header deadline, proxy headers); no lifespan: ``gateway_app`` owns it."""
+    return uvicorn.Config(
+        app, host=settings.listen.host, port=settings.listen.port, log_config=None, access_log=False,
+        lifespan="off", timeout_graceful_shutdown=_UVICORN_GRACE_S,
+        http=HeaderDeadlineProtocol.with_deadline(settings.listen.header_timeout_s),
+        proxy_headers=True, forwarded_allow_ips=settings.listen.forwarded_allow_ips,
+    )
+
+
+async def serve(settings: GatewaySettings, model: ServedModel) -> None:
+    """Serve until SIGINT or SIGTERM, then drain (see the module docstring)."""
+    previous: dict[int, object] = {}
+    try:
+        async with gateway_app(settings, model) as (app, drain):
+            loop = asyncio.get_running_loop()
+            stopping: list[asyncio.Task[None]] = []
+
+            def on_signal() -> None:
+                if stopping:
+                    log.info("second signal: ending the drain grace now")
+                    drain.end_grace()
+                    return
+                stopping.append(loop.create_task(_drain_then_stop(drain, server, settings.drain_grace_s)))
+
+            def on_signal_threadsafe(sig: int = 0, frame: FrameType | None = None) -> None:
+                loop.call_soon_threadsafe(on_signal)  # signal handlers run between bytecodes: hand over to the loop
+
+            server = _DrainingServer(uvicorn_config(settings, app), on_signal=on_signal_threadsafe)
+            # Plain signal.signal handlers, not loop.add_signal_handler: uvicorn swaps in its own
+            # (signal.signal) while serving and restores these after, and a loop handler would see
+            # every signal a second time through the loop's wakeup fd (a second signal ends the grace).
+            previous = {sig: signal.signal(sig, on_signal_threadsafe) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                await server.serve()
+            finally:
+                for task in stopping:
+                    task.cancel()
+                await asyncio.gather(*stopping, return_exceptions=True)
+    finally:  # after gateway_app has closed what it owns, as before the split
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler)  # type: ignore[arg-type]
         log.info("gateway stopped")
 
 
@@ -166,13 +182,19 @@ def check_exposure(settings: GatewaySettings) -> None:
         "auth.allow_unauthenticated_network: true on a network you trust.")
 
 
+def served_model(settings: GatewaySettings, model_loader: ModelLoader | None = None) -> ServedModel:
+    """The tokenizer and card served: ``model_loader``'s (default: the model's own), the settings' card if given."""
+    model = (model_loader or _default_loader)(settings)
+    if settings.model_policy is not None:  # the settings' card replaces the model family's
+        model = dataclasses.replace(model, policy=settings.model_policy)
+    return model
+
+
 def main(config_path: Path | None = None, *, model_loader: ModelLoader | None = None) -> None:
     settings = load_gateway_settings(config_path)
     configure_logging("gateway", settings.log_level)
     check_exposure(settings)
-    model = (model_loader or _default_loader)(settings)
-    if settings.model_policy is not None:  # the settings' card replaces the model family's
-        model = dataclasses.replace(model, policy=settings.model_policy)
+    model = served_model(settings, model_loader)
     log.info(
         "gateway serving %s on http://%s:%d, scheduler at %s",
         settings.served_model_name or model.model_id, settings.listen.host, settings.listen.port,

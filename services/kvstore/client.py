@@ -14,6 +14,11 @@ payloads travel the first way in ``movers`` that works with this node:
 - ``grpc``: inside the gRPC streams (``chunk_wire``: protobuf's bytes without its copies);
   always last, works from anywhere.
 
+Blocks an engine holds on a GPU (``put_device``/``get_device``) go first through ``cuda_ipc``
+(``movers/cuda_ipc.py``): CUDA IPC regions, device to device into the node's GPU tier, when the
+node's ``Stat`` names the same GPU (its UUID); otherwise, or once the node refused, through
+host bytes and the movers above.
+
 A prompt's new blocks can also be written a layer at a time while prefill computes them
 (``reserve_layers``, mover ``shm-layers``: same host only, through the shared-memory mover's
 pool mapping; ``movers/shm_layers.py``); elsewhere prefill puts them whole, a chunk at a time.
@@ -41,7 +46,9 @@ from crescent.protos import common_pb2, kvstore_pb2
 from crescent.services.common.grpc_service import open_channel
 from crescent.services.common.metrics import kv_mover_metrics
 from crescent.services.common.tls import PeerTls
+from crescent.services.kvstore.cuda_ipc import CUDA_IPC, RegionOpener
 from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult
+from crescent.services.kvstore.movers.cuda_ipc import CudaIpcMover
 from crescent.services.kvstore.movers.grpc_stream import GrpcStreamMover
 from crescent.services.kvstore.movers.nixl import NixlMover
 from crescent.services.kvstore.movers.shared_memory import SharedMemoryMover
@@ -55,7 +62,7 @@ __all__ = ["KvStoreClient", "PutResult", "MOVERS", "wait_ready"]
 
 log = logging.getLogger(__name__)
 
-MOVERS = ("shm", "tcp", "nixl", "grpc")  # every mover, fastest first where each works
+MOVERS = (CUDA_IPC, "shm", "tcp", "nixl", "grpc")  # every mover, fastest first where each works
 # Metadata of a Remove call that reports blocks a reader found corrupt (no proto change needed).
 REASON_METADATA = "crescent-reason"
 REASON_CORRUPT = "corrupt"
@@ -76,12 +83,17 @@ class KvStoreClient:
         movers: Sequence[str] | None = None,
         copy_threads: int | None = None,
         tls: PeerTls | None = None,
+        device_opener: RegionOpener | None = None,
     ) -> None:
         """``movers``: the ways to try, in order (names from ``MOVERS``; "grpc" is always added
         last); by default ``shm`` (when ``shared_memory``), ``tcp``, ``grpc``.
         ``copy_threads``: threads that copy shared-memory payloads (default: up to 2);
-        ``tls``: this process's key pair (None: plaintext)."""
+        ``tls``: this process's key pair (None: plaintext); ``device_opener``: how this process
+        shares device memory (``cuda_ipc.CudaIpc``, a test's stand-in): given, ``cuda_ipc`` comes
+        first by default (named in ``movers`` without it, ``CudaIpc`` is used)."""
         names = list(movers) if movers is not None else list(default_movers(shared_memory))
+        if movers is None and device_opener is not None:
+            names.insert(0, CUDA_IPC)
         unknown = [n for n in names if n not in MOVERS]
         if unknown:
             raise ValueError(f"unknown kvstore mover(s) {', '.join(unknown)}; valid: {', '.join(MOVERS)}")
@@ -99,6 +111,7 @@ class KvStoreClient:
             "tcp": lambda: TcpSideChannelMover(self._link, grpc_mover, tls),
             "nixl": lambda: NixlMover(self._link, grpc_mover),
             "grpc": lambda: grpc_mover,
+            CUDA_IPC: lambda: CudaIpcMover(self._link, device_opener),
         }
         self.movers: list[Mover] = [build[name]() for name in names]
         self._by_name = {m.name: m for m in self.movers}
@@ -221,6 +234,52 @@ class KvStoreClient:
         log.info("kvstore %s dropped %d of %d blocks reported corrupt", self.address, reply.removed,
                  len(keys))
 
+    # -- device blocks (same GPU: cuda_ipc) ---------------------------------------------------
+
+    @property
+    def _device_mover(self) -> CudaIpcMover | None:
+        mover = self._by_name.get(CUDA_IPC)
+        return mover if isinstance(mover, CudaIpcMover) and mover.usable else None
+
+    async def put_device(self, headers: Sequence[KvBlock], tensors: Sequence) -> PutResult:  # noqa: ANN001
+        """Store blocks whose payloads are ``tensors`` (contiguous, on a GPU; ``headers``' payloads
+        are ignored, a checksum of 0 is computed by the node): device to device when the node's GPU
+        tier is on the same GPU, else their bytes copied to the host and put like ``put``'s."""
+        if not headers:
+            return PutResult(0, 0)
+        mover = self._device_mover
+        if mover is not None:
+            result = await mover.put_device(headers, tensors)
+            if result is not None:
+                self._moved(mover, "put", sum(t.numel() * t.element_size() for t in tensors))
+                return result
+        return await self.put([_on_host(h, t) for h, t in zip(headers, tensors)])
+
+    async def get_device(self, keys: Sequence[BlockKey], rooms: Sequence, model_id: str | None = None,  # noqa: ANN001
+                         lease_ms: int = 0, *, stop_at_first_miss: bool = False) -> dict[BlockKey, KvBlock]:
+        """Whichever of ``keys`` the node holds, each payload written into its room (``rooms``: one
+        device tensor per key, of the block's size): device to device when the node's GPU tier is
+        on the same GPU, else fetched as host bytes (verified) and copied in. The headers (their
+        payloads may be empty)."""
+        if not keys:
+            return {}
+        mover = self._device_mover
+        if mover is not None:
+            request = kvstore_pb2.GetRequest(keys=keys, model_id=model_id or "", lease_ms=lease_ms,
+                                             stop_at_first_miss=stop_at_first_miss, local_only=True)
+            got = await mover.get_device(request, rooms)
+            if got is not None:
+                self._moved(mover, "get", sum(r.numel() * r.element_size() for k, r in zip(keys, rooms) if k in got))
+                return got
+        found = await self._get(keys, model_id, lease_ms, stop_at_first_miss=stop_at_first_miss)
+        import torch
+
+        for key, room in zip(keys, rooms):
+            block = found.get(key)
+            if block is not None and block.nbytes:
+                room.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(block.payload), dtype=torch.uint8))
+        return found
+
     # -- small calls ----------------------------------------------------------------------------
 
     async def exists(self, keys: Sequence[BlockKey], model_id: str = "") -> list[bool]:
@@ -272,6 +331,16 @@ class KvStoreClient:
         for mover in self.movers:
             await mover.close()
         await self._link.channel.close()
+
+
+def _on_host(header: KvBlock, tensor) -> KvBlock:  # noqa: ANN001
+    """``header``'s block with the bytes of ``tensor`` copied to the host, checksummed."""
+    payload = tensor.detach().reshape(-1).cpu().contiguous().view(-1)
+    import torch
+
+    data = payload.view(torch.uint8).numpy().tobytes()
+    return KvBlock.build(header.key, header.parent_key, header.model_id, header.dtype, header.shape,
+                         header.token_ids, data)
 
 
 class _NodeMoverMetrics:

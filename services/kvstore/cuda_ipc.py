@@ -24,12 +24,14 @@ exported as room (``GpuTier.read_into``).
 A region travels as bytes (``DeviceRegion.to_bytes``: JSON, never pickle: a peer's bytes must not
 run code). ``RegionOpener`` is the seam a CPU test replaces with a shared-memory stand-in.
 
-Not built yet: the kvstore client's mover and the node's RPC that carry a region from an engine
-process to a node (the client's ``MOVERS`` have no ``cuda_ipc``), and ``TieredStore`` placing such
-a block (room, eviction, index events: ``SameGpuPath`` writes the GPU tier directly); what is
-here is the tier's side (open, copy, fall back) and the engine's export. Unverified on a GPU here (none was lent): the
-real ``CudaIpc`` opener ran nowhere; ``tests/kvstore/test_cuda_ipc.py`` runs it when CUDA is
-available (``scripts/gpu_check.sh``).
+Wired: an engine's ``KvStoreClient.put_device``/``get_device`` send regions to the node's
+``PutRegion``/``GetRegion`` (the client's mover ``cuda_ipc``, ``movers/cuda_ipc.py``) and
+``TieredStore.put_from_region``/``get_into`` place them like any put (room, eviction, events,
+CRC on the node's copy). ``SameGpuPath`` below is the tier-level helper those RPCs do not need
+(the client's ladder refuses per node). Not built: the engine exporting its own pool pages.
+Unverified on a GPU here (none was lent): the real ``CudaIpc`` opener ran nowhere;
+``tests/kvstore/test_cuda_ipc.py`` and ``test_cuda_ipc_node.py`` run it when CUDA is available
+(``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ import base64
 import json
 import logging
 from dataclasses import asdict, dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from crescent.services.kvwire.movers import MoverLadder
+
+if TYPE_CHECKING:  # torch is imported where a region is made or opened: the kvstore client and
+    import torch   # node import this module without needing it
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +114,12 @@ class CudaIpc:
     """CUDA IPC through torch's own reductions (the handles torch.multiprocessing sends)."""
 
     def gpu_uuid(self, device: torch.device) -> str:
+        import torch
+
         return str(torch.cuda.get_device_properties(device).uuid)
 
     def export(self, tensor: torch.Tensor) -> DeviceRegion:
+        import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
         if tensor.device.type != "cuda" or not tensor.is_contiguous():
@@ -130,6 +136,7 @@ class CudaIpc:
                             None if event_handle is None else bytes(event_handle), bool(event_sync))
 
     def open(self, region: DeviceRegion, device: torch.device) -> torch.Tensor:
+        import torch
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         if self.gpu_uuid(device) != region.gpu_uuid:

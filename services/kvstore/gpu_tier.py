@@ -6,11 +6,12 @@ to device through a CUDA IPC region (``write_from``/``read_into``; ``cuda_ipc.py
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from crescent.protos import common_pb2
 from crescent.services.contract.block_keys import BlockKey
-from crescent.services.kvwire.kv_block import KvBlock, expected_nbytes
+from crescent.services.kvwire.kv_block import BlockIntegrityError, KvBlock, expected_nbytes, payload_checksum
 from crescent.services.kvstore.config import GpuTierSettings
 from crescent.services.kvstore.tier import BlockInfo, StorageTier
 
@@ -54,9 +55,20 @@ class GpuTier(StorageTier):
     def write_from(self, header: KvBlock, region: Any) -> bool:
         """Store ``header``'s block, its payload copied device to device from ``region`` (an
         engine's ``cuda_ipc.DeviceRegion`` on this GPU). False: the tier is full. Raises
-        ``IpcRefused`` (another GPU, IPC unavailable): the caller moves host bytes instead.
-        Not checksummed here (that would need the bytes on the host): a read that leaves the
-        device through ``read`` is verified by the store, as every tier's is."""
+        ``IpcRefused`` and ``BlockIntegrityError`` as ``copy_from``."""
+        copied = self.copy_from(header, region)
+        return copied is not None and self.adopt(*copied)
+
+    def copy_from(self, header: KvBlock, region: Any) -> tuple[KvBlock, Any] | None:
+        """``header``'s block copied device to device from ``region`` into a tensor of this GPU,
+        not yet stored (``adopt`` stores it: the store makes room only for a copy that is good).
+        None: out of device memory. Raises ``IpcRefused`` (another GPU, IPC unavailable, a
+        region of the wrong size): the caller moves host bytes instead.
+        The CRC is computed on the tier's copy after the copy (one device-to-host read of the
+        block on the node: there is no CRC kernel on the device): a header checksum of 0 takes
+        it (an engine would need host bytes to compute one), any other must match it or
+        ``BlockIntegrityError`` is raised and nothing is stored. Either way the copy that later
+        leaves the device through ``read`` carries a CRC every reader checks."""
         from crescent.services.kvstore.cuda_ipc import IpcRefused
 
         want = expected_nbytes(header.dtype, header.shape)
@@ -66,12 +78,20 @@ class GpuTier(StorageTier):
         try:
             tensor = self._torch.empty(region.nbytes, dtype=self._torch.uint8, device=self.device)
         except RuntimeError:  # out of device memory: this tier is full
-            return False
+            return None
         tensor.copy_(opened)
         self._sync()
         del opened  # the engine's storage is its own again
+        crc = payload_checksum(tensor.cpu().numpy().tobytes())
+        if header.checksum and crc != header.checksum:
+            raise BlockIntegrityError(f"block {header.key.hex()}: checksum {crc:#010x} after the device copy, "
+                                      f"header says {header.checksum:#010x}")
+        return dataclasses.replace(header, checksum=crc, payload=b"", payload_crc=None), tensor
+
+    def adopt(self, header: KvBlock, tensor: Any) -> bool:
+        """Store a block ``copy_from`` made (its header, checksummed, and its device tensor)."""
         self._blocks[header.key] = (header, tensor)
-        self._indexed(header.key, BlockInfo(region.nbytes, header.parent_key, header.model_id, header.num_tokens))
+        self._indexed(header.key, BlockInfo(tensor.numel(), header.parent_key, header.model_id, header.num_tokens))
         return True
 
     def read_into(self, key: BlockKey, room: Any) -> KvBlock | None:
@@ -91,6 +111,22 @@ class GpuTier(StorageTier):
         self._sync()  # the engine reads the room once we answer
         del opened
         return header
+
+    def fill_room(self, room: Any, payload: bytes | memoryview) -> None:
+        """Copy host bytes (a block from a slower tier) into an engine's ``room`` on this GPU:
+        one host-to-device copy, straight into the engine's memory. Raises ``IpcRefused``."""
+        from crescent.services.kvstore.cuda_ipc import IpcRefused
+
+        if room.nbytes != len(payload):
+            raise IpcRefused(f"room of {room.nbytes} bytes for a block of {len(payload)}")
+        opened = self.opener.open(room, self.device)
+        if room.nbytes:
+            opened.copy_(self._torch.frombuffer(bytearray(payload), dtype=self._torch.uint8))
+        self._sync()
+        del opened
+
+    def gpu_uuid(self) -> str:
+        return self.opener.gpu_uuid(self.device)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

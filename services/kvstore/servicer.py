@@ -420,6 +420,67 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
         reply.reservation = self.reservations.add([(None, r) for r in held])
         return reply
 
+    # -- same-GPU moves: CUDA IPC regions (cuda_ipc.py) ----------------------------------
+
+    async def _region(self, raw: bytes, context: grpc.aio.ServicerContext):  # noqa: ANN202 - a DeviceRegion
+        from crescent.services.kvstore.cuda_ipc import DeviceRegion, IpcRefused
+
+        try:
+            return DeviceRegion.from_bytes(raw)
+        except IpcRefused as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _device_refused(self, context: grpc.aio.ServicerContext, why: str) -> None:
+        """FAILED_PRECONDITION: the client refuses its mover cuda_ipc for this node, moves host bytes."""
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+
+    async def PutRegion(self, request: kvstore_pb2.RegionPutRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
+        from crescent.services.kvstore.cuda_ipc import IpcRefused
+
+        if self.store.device_tier() is None:
+            await self._device_refused(context, "this node has no GPU tier in front")
+        stored = rejected = 0
+        for item in request.blocks:
+            if item.meta.nbytes > self.settings.max_block_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a block of {item.meta.nbytes} bytes is over max_block_bytes")
+            region = await self._region(item.region, context)
+            header = KvBlock.from_meta(item.meta, b"")
+            try:
+                ok = await self.store.put_from_region(header, region)
+            except IpcRefused as exc:  # the blocks before this one are stored; a host put of them is a touch
+                await self._device_refused(context, str(exc))
+            self._bytes_in.inc(region.nbytes if ok else 0)
+            stored, rejected = stored + ok, rejected + (not ok)
+        return kvstore_pb2.PutReply(stored=stored, rejected=rejected)
+
+    async def GetRegion(self, request: kvstore_pb2.RegionGetRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.RegionGetReply:
+        from crescent.services.kvstore.cuda_ipc import IpcRefused
+
+        if self.store.device_tier() is None:
+            await self._device_refused(context, "this node has no GPU tier in front")
+        get = request.request
+        if len(request.rooms) != len(get.keys):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.rooms)} rooms for {len(get.keys)} keys")
+        lease_ms = self._lease_ms(get.lease_ms)
+        reply = kvstore_pb2.RegionGetReply()
+        for raw_key, raw_room in zip(get.keys, request.rooms):
+            key = BlockKey(bytes(raw_key))
+            room = await self._region(raw_room, context)
+            try:
+                header = await self.store.get_into(key, get.model_id or None, room, lease_ms)
+            except IpcRefused as exc:
+                await self._device_refused(context, str(exc))
+            if header is None:
+                reply.blocks.add(meta=common_pb2.BlockMeta(key=key, found=False))
+                if get.stop_at_first_miss:
+                    break
+                continue
+            meta = meta_of(header)
+            meta.nbytes = room.nbytes
+            reply.blocks.add(meta=meta)
+            self._bytes_out.inc(room.nbytes)
+        return reply
+
     async def Replicate(self, request: kvstore_pb2.ReplicateRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ReplicateReply:
         if not request.target:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target is required (a peer node id or host:port)")
@@ -459,6 +520,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
 
     async def Stat(self, request: kvstore_pb2.StatRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.StatReply:
         reply = kvstore_pb2.StatReply(node_id=self.settings.node_id, leased_blocks=self.store.leased_count())
+        if (device := self.store.device_tier()) is not None:
+            reply.gpu_uuid = device.gpu_uuid()
         for usage in self.store.usage():
             reply.tiers.add(
                 tier=usage.kind, blocks=usage.blocks, bytes=usage.bytes,

@@ -391,6 +391,79 @@ class TieredStore:
         self._announce(block.key, before, BlockInfo.of(block))
         return True
 
+    # -- same-GPU moves (CUDA IPC regions; cuda_ipc.py) ------------------------------------
+
+    def device_tier(self):  # noqa: ANN201 - a GpuTier, or None
+        """The GPU tier when it is the first tier: the only one regions are copied into."""
+        tier = self.tiers[0]
+        return tier if tier.kind == common_pb2.KV_TIER_GPU and hasattr(tier, "write_from") else None
+
+    async def put_from_region(self, header: KvBlock, region) -> bool:  # noqa: ANN001 - a DeviceRegion
+        """Store ``header``'s block, its payload copied device to device from an engine's region
+        into the GPU tier: placed like ``put``'s blocks (room made by eviction there, recency,
+        write-through, index events), checksummed on the copy (``GpuTier.write_from``). False:
+        no room, or the bytes do not match the header's checksum. Raises ``IpcRefused`` when the
+        copy cannot be made here (no GPU tier, another GPU, IPC refused): the caller moves host
+        bytes instead."""
+        from crescent.services.kvstore.cuda_ipc import IpcRefused
+
+        tier = self.device_tier()
+        if tier is None:
+            raise IpcRefused("this node has no GPU tier in front")
+        key = header.key
+        if key in tier:  # held already: nothing to copy
+            self.policies[0].touch(key)
+            return True
+        before = self.location(key)
+        try:  # copied and checked first: a bad block must not cost another one its place
+            copied = tier.copy_from(header, region)
+        except BlockIntegrityError as exc:
+            log.warning("rejecting put: %s", exc)
+            self.metrics.checksum_failures.labels("put").inc()
+            return False
+        if copied is None or not await self._make_room(0, region.nbytes) or key in tier:
+            if copied is None or key not in tier:
+                log.info("the GPU tier has no room for block %s (%d bytes)", key.hex(), region.nbytes)
+            return key in tier  # (a concurrent writer may have stored it meanwhile)
+        tier.adopt(*copied)
+        self.policies[0].insert(key)
+        if self.write_through and len(self.tiers) > 1:
+            block = await tier.read(key)  # the lower tiers take host bytes
+            if block is not None:
+                await self._copy_down(block, 0)
+        self._announce(key, before, tier.info(key))
+        return True
+
+    async def get_into(self, key: BlockKey, model_id: str | None, room, lease_ms: int = 0) -> KvBlock | None:  # noqa: ANN001
+        """``key``'s block with its payload written into an engine's ``room`` on the GPU: device
+        to device from the GPU tier, or from a slower tier's host bytes (verified, promoted as
+        ``get`` does). Its header (empty payload when it came from the GPU tier), or None on a
+        miss or another model's block. Raises ``IpcRefused`` as ``put_from_region``."""
+        from crescent.services.kvstore.cuda_ipc import IpcRefused
+
+        tier = self.device_tier()
+        if tier is None:
+            raise IpcRefused("this node has no GPU tier in front")
+        info = tier.info(key)
+        if info is not None:
+            if model_id and info.model_id != model_id:
+                log.warning("block %s belongs to model %r, not %r", key.hex(), info.model_id, model_id)
+                self.metrics.misses.inc()
+                return None
+            self.pin(key)  # not evicted while its bytes are copied out
+            try:
+                header = tier.read_into(key, room)
+            finally:
+                self.unpin(key)
+            if header is not None:
+                self.note_hit(0, key, lease_ms)
+                return header
+        block = await self.get(key, model_id, lease_ms)
+        if block is None:
+            return None
+        tier.fill_room(room, block.payload)
+        return block
+
     def touch(self, key: BlockKey) -> None:
         """A writer offered a block the fastest tier holds: it is recently used again."""
         self.policies[0].touch(key)

@@ -4,8 +4,8 @@ each one refused per peer (for good, or for a backoff), gRPC always last and alw
 Three users ask it the same three questions — which ways are open to this peer now (``open``),
 the peer or this host cannot do one (``refuse``), bytes went one way (``moved``):
 
-- the kvstore client, one ladder per node, its movers objects (``kvstore/movers/``: shm, tcp,
-  nixl, grpc);
+- the kvstore client, one ladder per node, its movers objects (``kvstore/movers/``: cuda_ipc
+  for device blocks on the node's GPU, shm, tcp, nixl, grpc);
 - the layer-wise handoff to decode, one ladder per prefill process over every decode peer
   (``prefill/handoff_mover.py``: shm, tcp, grpc), with a backoff on tcp so a blip does not send
   a peer's handoffs over gRPC for good;

@@ -40,6 +40,7 @@ import logging
 import re
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -407,7 +408,8 @@ def control_app(state: State) -> FastAPI:
     return app
 
 
-async def run(port: int, control_port: int, block_size: int) -> None:
+async def start(port: int, control_port: int, block_size: int) -> Callable[[], Awaitable[None]]:
+    """Serve the fakes and the control API on the running loop; returns what stops them."""
     state = State(address=f"127.0.0.1:{port}", block_size=block_size)
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(FakeScheduler(state), server)
@@ -418,12 +420,22 @@ async def run(port: int, control_port: int, block_size: int) -> None:
     await server.start()
     control = AdminServer(control_app(state), "127.0.0.1", control_port)
     await control.start()
+
+    async def stop() -> None:
+        await server.stop(0.5)
+        await control.stop()
+
+    return stop
+
+
+async def run(port: int, control_port: int, block_size: int) -> None:
+    """The process: ``start``, then serve until SIGINT or SIGTERM."""
+    stop_serving = await start(port, control_port, block_size)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(0.5)
-    await control.stop()
+    await stop_serving()
 
 
 def main() -> None:

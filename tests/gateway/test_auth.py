@@ -1,6 +1,6 @@
-"""API keys on a real gateway process: refusals with OpenAI's error shape, the admin API, revocation
-and expiry, per-tenant cache salts (against the fake engines, which report cached tokens from
-salted block keys as a real prefix cache does)."""
+"""API keys on the gateway (served in-process, ``in_process.py``): refusals with OpenAI's error shape,
+the admin API, revocation and expiry, per-tenant cache salts (against the fake engines, which
+report cached tokens from salted block keys as a real prefix cache does)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ import httpx
 import openai
 import pytest
 
+from .in_process import InProcessGateway
 from .support import FakeBackend, Gateway, served_salt
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 KEY_CACHE_S = 1.0
@@ -29,10 +28,11 @@ KEY_CACHE_S = 1.0
 
 @pytest.fixture(scope="module")
 def secured(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path_factory.mktemp("auth"), backend.address,
-                 # Its tests refuse dozens of keys from one address on purpose; the throttle has its own
-                 # (tests/security/test_gateway_hardening.py).
-                 auth={"enabled": True, "admin_key": ADMIN_KEY, "key_cache_s": KEY_CACHE_S, "failed_auth_burst": 0})
+    gw = InProcessGateway(tmp_path_factory.mktemp("auth"), backend.address,
+                          # Its tests refuse dozens of keys from one address on purpose; the throttle has its own
+                          # (tests/security/test_gateway_hardening.py).
+                          auth={"enabled": True, "admin_key": ADMIN_KEY, "key_cache_s": KEY_CACHE_S,
+                                "failed_auth_burst": 0})
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0
@@ -170,6 +170,7 @@ def test_revoked_key_is_refused_at_once_here(secured: Gateway) -> None:
     assert admin(secured, "POST", "/keys/key_nope/revoke").status_code == 404
 
 
+@pytest.mark.slow  # runs `crescent keys revoke`, a process
 def test_revoked_in_the_database_is_refused_within_the_key_cache_time(secured: Gateway) -> None:
     """Revoked by `crescent keys revoke` (another gateway, an operator): refused within key_cache_s."""
     key = new_key(secured, "acme")

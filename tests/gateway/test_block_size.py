@@ -11,14 +11,13 @@ import pytest
 from crescent.services.contract.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID
+from .in_process import InProcessBackend, InProcessGateway
 from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 
 @pytest.fixture
 def own_backend() -> Iterator[FakeBackend]:
-    fake = FakeBackend()
+    fake = InProcessBackend()
     fake.start_backend()
     yield fake
     fake.stop()
@@ -30,7 +29,7 @@ def ask(gw: Gateway, content: str) -> httpx.Response:
 
 
 def test_a_wrong_block_size_setting_is_overridden(own_backend: FakeBackend, tmp_path: Path) -> None:
-    gw = Gateway(tmp_path, own_backend.address, block_size=BLOCK_SIZE * 4)  # disagrees with the engines
+    gw = InProcessGateway(tmp_path, own_backend.address, block_size=BLOCK_SIZE * 4)  # disagrees with the engines
     gw.start_gateway()
     try:
         assert ask(gw, "a prompt of several blocks").status_code == 200
@@ -41,7 +40,7 @@ def test_a_wrong_block_size_setting_is_overridden(own_backend: FakeBackend, tmp_
 
 
 def test_the_gateway_follows_a_new_block_size(own_backend: FakeBackend, tmp_path: Path) -> None:
-    gw = Gateway(tmp_path, own_backend.address)
+    gw = InProcessGateway(tmp_path, own_backend.address)
     gw.start_gateway()
     try:
         assert ask(gw, "before the redeploy").status_code == 200

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 from crescent.services.gateway.backend import BackendEvent, FirstToken, GenerationRequest, RequestId, Sampling
 from crescent.services.gateway.choices import choice_seed, fan_out
 from crescent.services.gateway.attempts.grpc_backend import GrpcBackend
@@ -67,7 +66,6 @@ def grpc_backend(backend: FakeBackend) -> GrpcBackend:
     return GrpcBackend(backend.address, request_timeout_s=10, place_timeout_s=2, health_timeout_s=2)
 
 
-@pytest.mark.slow
 def test_each_choice_gets_its_own_events_in_order(backend: FakeBackend) -> None:
     seed = a_seed(lambda counts: len(set(counts)) == 3)
     request = generation("#delay=0.01 #draw " + " ".join(WORDS), seed, max_tokens=50)
@@ -98,7 +96,6 @@ def test_each_choice_gets_its_own_events_in_order(backend: FakeBackend) -> None:
     assert (place["request_id"], place["n"]) == (request.request_id, 3)
 
 
-@pytest.mark.slow
 def test_choices_closed_unread_let_the_placement_go(backend: FakeBackend) -> None:
     request = generation("#loop #delay=0.05 never read", 1, max_tokens=1000)
 
@@ -122,7 +119,6 @@ def test_choices_closed_unread_let_the_placement_go(backend: FakeBackend) -> Non
     assert request.request_id not in backend.get("/jobs")
 
 
-@pytest.mark.slow
 def test_a_choice_that_stops_early_is_aborted_alone(client: openai.OpenAI, backend: FakeBackend) -> None:
     seed = a_seed(lambda counts: counts[1] >= 3 and counts[0] < 3 and counts[2] < 3)
     reply = client.chat.completions.create(
@@ -140,7 +136,6 @@ def test_a_choice_that_stops_early_is_aborted_alone(client: openai.OpenAI, backe
     assert "aborted choice 1" in [e["event"] for e in of(backend, "/decode-events", reply.id)]
 
 
-@pytest.mark.slow
 def test_a_failed_group_migrates_each_choice_alone(client: openai.OpenAI, backend: FakeBackend) -> None:
     seed = a_seed(lambda counts: len(set(counts)) == 3)
     # Every decode stream breaks after two events: the group, then each choice's own placements.
@@ -173,7 +168,6 @@ def test_a_failed_group_migrates_each_choice_alone(client: openai.OpenAI, backen
             assert places[f"{rid}-c{i}-m{k}"]["n"] == 0
 
 
-@pytest.mark.slow
 def test_choices_finished_at_their_first_tokens_open_no_decode_stream(
         client: openai.OpenAI, backend: FakeBackend) -> None:
     reply = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hello"}],
@@ -185,7 +179,6 @@ def test_choices_finished_at_their_first_tokens_open_no_decode_stream(
     assert [o["released"] for o in of(backend, "/outcomes", reply.id)] == [True]
 
 
-@pytest.mark.slow
 def test_a_refused_group_is_every_choice_s_answer(gateway: Gateway, backend: FakeBackend) -> None:
     backend.post("/reject", {"reason": "ttft_slo", "message": "predicted TTFT 40 s > 30 s", "retry_after_s": 3})
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "refused"}], "n": 3}

@@ -17,9 +17,8 @@ import openai
 import pytest
 
 from .fake_tokenizer import IM_END, MODEL_ID, VOCAB_SIZE, FakeTokenizer
+from .in_process import InProcessGateway
 from .support import FakeBackend, Gateway, served_salt
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 TOKENIZER = FakeTokenizer()
 CONTEXT_WINDOW = 256  # the fake model's
@@ -299,7 +298,7 @@ def test_a_client_that_goes_away_cancels_every_choice(gateway: Gateway, backend:
 @pytest.fixture(scope="module")
 def impatient_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway that gives up after two placements in a row failed."""
-    gw = Gateway(tmp_path_factory.mktemp("impatient"), backend.address, migration_retries=2)
+    gw = InProcessGateway(tmp_path_factory.mktemp("impatient"), backend.address, migration_retries=2)
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0

@@ -8,12 +8,9 @@ import time
 from typing import Any
 
 import httpx
-import pytest
 
 from .fake_tokenizer import MODEL_ID
 from .support import FakeBackend, Gateway
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 ENDLESS = {"model": MODEL_ID, "messages": [{"role": "user", "content": "#loop #delay=0.05 never ending story "}]}
 

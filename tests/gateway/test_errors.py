@@ -12,6 +12,7 @@ from crescent.services.common.settings import SettingsError
 from crescent.services.gateway.config import load_gateway_settings
 
 from .fake_tokenizer import MODEL_ID
+from .in_process import InProcessGateway
 from .support import FakeBackend, Gateway, free_port
 
 GOOD = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
@@ -92,7 +93,6 @@ def assert_error(reply: httpx.Response, status: int, code: str | None, param: st
 
 @pytest.mark.parametrize(("payload", "status", "code", "param"), [c[1:] for c in BAD_REQUESTS],
                          ids=[c[0] for c in BAD_REQUESTS])
-@pytest.mark.slow
 def test_bad_request(gateway: Gateway, payload: Any, status: int, code: str | None, param: str | None) -> None:
     url = f"{gateway.url}/v1/chat/completions"
     if isinstance(payload, bytes):
@@ -103,20 +103,17 @@ def test_bad_request(gateway: Gateway, payload: Any, status: int, code: str | No
     assert_still_serving(gateway.url)
 
 
-@pytest.mark.slow
 def test_context_error_names_the_limit(gateway: Gateway) -> None:
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=body(max_tokens=250), timeout=10)
     assert "256" in assert_error(reply, 400, "context_length_exceeded", "max_tokens")["message"]
 
 
-@pytest.mark.slow
 def test_unknown_route_is_a_json_404(gateway: Gateway) -> None:
     reply = httpx.get(f"{gateway.url}/v1/nothing-here", timeout=5)
     assert reply.status_code == 404 and reply.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.slow
 def test_scheduler_rejection_is_429_with_retry_after(gateway: Gateway, backend: FakeBackend, stream: bool) -> None:
     backend.post("/reject", {"reason": "ttft_slo", "message": "predicted TTFT 40 s > 30 s", "retry_after_s": 7.2})
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=body(stream=stream), timeout=10)
@@ -127,7 +124,6 @@ def test_scheduler_rejection_is_429_with_retry_after(gateway: Gateway, backend: 
     assert_still_serving(gateway.url)
 
 
-@pytest.mark.slow
 def test_a_request_larger_than_any_decode_cache_is_400_not_429(gateway: Gateway, backend: FakeBackend) -> None:
     # Retrying cannot help: the client has to ask for fewer tokens.
     backend.post("/reject", {"reason": "exceeds_kv_capacity", "retry_after_s": 0,
@@ -138,7 +134,6 @@ def test_a_request_larger_than_any_decode_cache_is_400_not_429(gateway: Gateway,
     assert_still_serving(gateway.url)
 
 
-@pytest.mark.slow
 def test_no_instance_rejection_is_503(gateway: Gateway, backend: FakeBackend) -> None:
     backend.post("/reject", {"reason": "no_decode_instance", "message": "no decode instance", "retry_after_s": 0})
     reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=GOOD, timeout=10)
@@ -150,13 +145,12 @@ def test_no_instance_rejection_is_503(gateway: Gateway, backend: FakeBackend) ->
 @pytest.fixture(scope="module")
 def orphan_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway whose scheduler address has nothing listening."""
-    gw = Gateway(tmp_path_factory.mktemp("orphan"), f"127.0.0.1:{free_port()}", place_timeout_s=2)
+    gw = InProcessGateway(tmp_path_factory.mktemp("orphan"), f"127.0.0.1:{free_port()}", place_timeout_s=2)
     gw.start_gateway(healthy=False)
     yield gw
     assert gw.stop() == 0
 
 
-@pytest.mark.slow
 def test_unreachable_scheduler(orphan_gateway: Gateway) -> None:
     # The gateway stays in its Service (200) and answers each request 503 + Retry-After itself.
     health = httpx.get(f"{orphan_gateway.url}/health", timeout=5)

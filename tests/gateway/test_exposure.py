@@ -1,6 +1,7 @@
 """Safe by default on a network: a keyless gateway bound where other hosts reach it refuses to
 start unless told so in so many words, and a gateway on loopback answers only loopback Host
-names, so a web page cannot drive it through DNS rebinding (real gateway processes)."""
+names, so a web page cannot drive it through DNS rebinding. The refusal is a real process's exit
+(what an operator sees); the serving gateways are in-process (``in_process.py``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import httpx
 import pytest
 import yaml
 
+from .in_process import InProcessGateway
 from .support import REPO_ROOT, FakeBackend, Gateway
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 
 def configured(gw: Gateway, **changes: Any) -> Gateway:
@@ -33,6 +33,7 @@ def chat_status(gw: Gateway, host: str | None = None) -> int:
         "model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code
 
 
+@pytest.mark.slow  # the exit code and message of the process that refuses
 def test_a_keyless_gateway_on_a_network_address_refuses_to_start(backend: FakeBackend, tmp_path: Path) -> None:
     gw = configured(Gateway(tmp_path, backend.address), listen={"host": "0.0.0.0"})
     result = subprocess.run(gw.argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
@@ -42,7 +43,7 @@ def test_a_keyless_gateway_on_a_network_address_refuses_to_start(backend: FakeBa
 
 
 def test_said_in_so_many_words_it_serves_keyless_on_the_network(backend: FakeBackend, tmp_path: Path) -> None:
-    gw = configured(Gateway(tmp_path, backend.address), listen={"host": "0.0.0.0"},
+    gw = configured(InProcessGateway(tmp_path, backend.address), listen={"host": "0.0.0.0"},
                     auth={"allow_unauthenticated_network": True})
     gw.start_gateway()
     try:
@@ -53,7 +54,7 @@ def test_said_in_so_many_words_it_serves_keyless_on_the_network(backend: FakeBac
 
 
 def test_a_loopback_gateway_answers_only_loopback_host_names(backend: FakeBackend, tmp_path: Path) -> None:
-    gw = Gateway(tmp_path, backend.address)
+    gw = InProcessGateway(tmp_path, backend.address)
     gw.start_gateway()
     try:
         assert chat_status(gw) == 200
@@ -66,7 +67,8 @@ def test_a_loopback_gateway_answers_only_loopback_host_names(backend: FakeBacken
 
 
 def test_an_allow_list_is_the_hosts_answered(backend: FakeBackend, tmp_path: Path) -> None:
-    gw = configured(Gateway(tmp_path, backend.address), listen={"allowed_hosts": ["api.example.com", "*.corp.example"]})
+    gw = configured(InProcessGateway(tmp_path, backend.address),
+                    listen={"allowed_hosts": ["api.example.com", "*.corp.example"]})
     gw.start_gateway(healthy=False)
     try:
         assert chat_status(gw, "api.example.com") == 200

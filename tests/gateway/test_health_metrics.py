@@ -7,11 +7,8 @@ import re
 
 import httpx
 import openai
-import pytest
 
 from .support import FakeBackend, Gateway
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 from .fake_tokenizer import IM_START, MODEL_ID
+from .in_process import InProcessGateway
 from .support import FakeBackend, Gateway
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 GOOD = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
 BODY_TIMEOUT_S = 1.0
@@ -34,8 +33,8 @@ def chat(url: str, body: Any, **kwargs: Any) -> httpx.Response:
 @pytest.fixture(scope="module")
 def strict(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway with a small body limit, a short body timeout, CORS on and no migration retries."""
-    gw = Gateway(tmp_path_factory.mktemp("strict"), backend.address, body_timeout_s=BODY_TIMEOUT_S,
-                 max_body_bytes=MAX_BODY_BYTES, cors_allow_origins=["https://app.example"], migration_retries=0)
+    gw = InProcessGateway(tmp_path_factory.mktemp("strict"), backend.address, body_timeout_s=BODY_TIMEOUT_S,
+                         max_body_bytes=MAX_BODY_BYTES, cors_allow_origins=["https://app.example"], migration_retries=0)
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0

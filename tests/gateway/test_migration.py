@@ -19,10 +19,9 @@ import pytest
 from crescent.services.contract.block_keys import prefix_block_keys
 
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
+from .in_process import InProcessGateway
 from .support import BLOCK_SIZE, FakeBackend, Gateway, served_salt
 from .test_health_metrics import metric
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 TOKENIZER = FakeTokenizer()
 
@@ -122,7 +121,7 @@ def test_prefill_failure_after_the_first_token_continues_from_it(
 @pytest.fixture(scope="module")
 def impatient_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway that gives up after two placements in a row failed."""
-    gw = Gateway(tmp_path_factory.mktemp("impatient"), backend.address, migration_retries=2)
+    gw = InProcessGateway(tmp_path_factory.mktemp("impatient"), backend.address, migration_retries=2)
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0

@@ -18,6 +18,7 @@ from crescent.services.gateway.errors import InvalidRequestError
 from crescent.services.gateway.model_policy import K3_POLICY, NO_POLICY, ModelPolicy, SamplingPolicy, policy_for
 
 from .fake_tokenizer import MODEL_ID
+from .in_process import InProcessGateway
 from .support import PRODUCTION_ENTRY, FakeBackend, Gateway
 
 KIMI_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "kimi-tokenizer"
@@ -93,7 +94,8 @@ def test_a_card_whose_lock_contradicts_its_default_does_not_load() -> None:
 def kimi(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     if not (KIMI_DIR / "tiktoken.model").is_file():
         pytest.skip(f"no Kimi vocabulary at {KIMI_DIR}")
-    gw = Gateway(tmp_path_factory.mktemp("kimi-card"), backend.address, entry=PRODUCTION_ENTRY, model="kimi-k3-nano")
+    gw = InProcessGateway(tmp_path_factory.mktemp("kimi-card"), backend.address, entry=PRODUCTION_ENTRY,
+                          model="kimi-k3-nano")
     gw.start_gateway(timeout_s=60)
     yield gw
     assert gw.stop() == 0
@@ -101,7 +103,7 @@ def kimi(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture(scope="module")
 def carded(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path_factory.mktemp("carded"), backend.address, model_policy=CARD)
+    gw = InProcessGateway(tmp_path_factory.mktemp("carded"), backend.address, model_policy=CARD)
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0
@@ -111,7 +113,6 @@ def post(gw: Gateway, model: str, **fields: Any) -> httpx.Response:
     return httpx.post(f"{gw.url}/v1/chat/completions", json={"model": model, "messages": USER, **fields}, timeout=20)
 
 
-@pytest.mark.slow
 def test_kimi_thinking_switch_and_effort_reach_the_prompt_and_the_sampling(kimi: Gateway,
                                                                           backend: FakeBackend) -> None:
     from crescent.services.model.kimi_tokenizer import tokenizer_for
@@ -134,7 +135,6 @@ def test_kimi_thinking_switch_and_effort_reach_the_prompt_and_the_sampling(kimi:
     assert (refused["param"], refused["code"]) == ("top_p", "locked_parameter")
 
 
-@pytest.mark.slow
 def test_the_card_is_on_the_model_endpoint(kimi: Gateway, carded: Gateway) -> None:
     card = httpx.get(f"{kimi.url}/v1/models/kimi-k3-nano", timeout=5).json()["policy"]
     assert card["reasoning_efforts"] == ["max", "low", "high"] and card["thinking"] == ["enabled", "disabled"]
@@ -144,7 +144,6 @@ def test_the_card_is_on_the_model_endpoint(kimi: Gateway, carded: Gateway) -> No
     assert listed["sampling"] == {"defaults": {"max_tokens": 7.0}, "locked": {"temperature": 0.3}}
 
 
-@pytest.mark.slow
 def test_a_card_from_the_settings_file_applies(carded: Gateway, backend: FakeBackend) -> None:
     assert post(carded, MODEL_ID, reasoning_effort="high").status_code == 200
     sent = backend.get("/prefills")[-1]
@@ -155,7 +154,6 @@ def test_a_card_from_the_settings_file_applies(carded: Gateway, backend: FakeBac
     assert error["param"] == "reasoning_effort" and "medium, high" in error["message"]
 
 
-@pytest.mark.slow
 def test_a_model_without_reasoning_controls_refuses_them_by_name(gateway: Gateway) -> None:
     error = post(gateway, MODEL_ID, reasoning_effort="high").json()["error"]
     assert error["param"] == "reasoning_effort" and "no reasoning effort control" in error["message"]
@@ -163,7 +161,6 @@ def test_a_model_without_reasoning_controls_refuses_them_by_name(gateway: Gatewa
     assert error["param"] == "thinking.type"
 
 
-@pytest.mark.slow
 def test_chat_template_kwargs_reach_the_template_but_not_the_gateways_names(gateway: Gateway) -> None:
     assert post(gateway, MODEL_ID, chat_template_kwargs={"custom_flag": True}).status_code == 200
     for name in ("messages", "add_generation_prompt", "thinking"):

@@ -22,9 +22,8 @@ from crescent.services.gateway.choices import MAX_CHOICES, choice_seed
 from crescent.services.gateway.model_policy import K3_POLICY
 
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
+from .in_process import InProcessGateway
 from .support import BLOCK_SIZE, FakeBackend, Gateway
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 TOKENIZER = FakeTokenizer()
 WORDS = ["alpha", "beta", "gamma", "delta"]
@@ -228,7 +227,8 @@ def test_too_many_choices_over_prompts_are_refused(gateway: Gateway) -> None:
 @pytest.fixture(scope="module")
 def kimi_card(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway whose model card is Kimi K3's, which fixes n at 1."""
-    gw = Gateway(tmp_path_factory.mktemp("kimi-card-n"), backend.address, model_policy=K3_POLICY.model_dump())
+    gw = InProcessGateway(tmp_path_factory.mktemp("kimi-card-n"), backend.address,
+                          model_policy=K3_POLICY.model_dump())
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0
@@ -245,7 +245,7 @@ def test_a_card_that_locks_n_refuses_it_by_name(kimi_card: Gateway) -> None:
 @pytest.fixture(scope="module")
 def no_retries(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway that does not place a failed request again."""
-    gw = Gateway(tmp_path_factory.mktemp("no-retries"), backend.address, migration_retries=0)
+    gw = InProcessGateway(tmp_path_factory.mktemp("no-retries"), backend.address, migration_retries=0)
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0

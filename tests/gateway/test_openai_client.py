@@ -11,8 +11,6 @@ from crescent.services.contract.block_keys import prefix_block_keys
 from .fake_tokenizer import MODEL_ID, FakeTokenizer
 from .support import BLOCK_SIZE, FakeBackend, served_salt
 
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
-
 TOKENIZER = FakeTokenizer()
 
 

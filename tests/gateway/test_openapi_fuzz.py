@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, status_c
 
 from .support import Gateway  # noqa: E402
 
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+pytestmark = pytest.mark.slow  # minutes of generated requests (on the in-process gateway): not an inner-loop test
 
 EXAMPLES = 50  # per operation and mode: bounded, a few seconds each
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance]

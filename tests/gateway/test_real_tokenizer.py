@@ -14,9 +14,13 @@ from crescent.services.contract.block_keys import prefix_block_keys
 from crescent.services.model.model_source import DEFAULT_MODEL, ModelSpecError, resolve_model
 from crescent.services.model.tokenizer import Tokenizer
 
+from .in_process import InProcessGateway
 from .support import BLOCK_SIZE, PRODUCTION_ENTRY, FakeBackend, Gateway, served_salt
 
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+
+# In-process (no process to start), but loading SmolLM2's tokenizer here and in the gateway took
+# 50 s of the inner loop on the shared 2-core machine: `slow` is for tests over a few seconds.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def real(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iter
         source = resolve_model(DEFAULT_MODEL)
     except ModelSpecError as exc:
         pytest.skip(f"the default model is not installed: {exc}")
-    gw = Gateway(tmp_path_factory.mktemp("real"), backend.address, entry=PRODUCTION_ENTRY)
+    gw = InProcessGateway(tmp_path_factory.mktemp("real"), backend.address, entry=PRODUCTION_ENTRY)
     gw.spawn()
     try:
         tokenizer = Tokenizer.for_model(source)

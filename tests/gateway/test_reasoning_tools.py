@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from .fake_tool_model import TOOL_MODEL_ID, FakeToolTokenizer
+from .in_process import InProcessGateway
 from .support import PRODUCTION_ENTRY, FakeBackend, Gateway
 
 TOOLS = [{"type": "function", "function": {
@@ -39,11 +40,11 @@ TWO_CALLS = THINK + SECTION_BEGIN + call("functions.get_weather:0", {"city": "Pa
 
 @pytest.fixture(scope="module")
 def tool_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path_factory.mktemp("tool-gateway"), backend.address,
-                 entry=("-m", "tests.gateway.fake_tool_model"))
+    gw = InProcessGateway(tmp_path_factory.mktemp("tool-gateway"), backend.address,
+                         entry=("-m", "tests.gateway.fake_tool_model"))
     gw.start_gateway()
     yield gw
-    assert gw.stop() == 0, "the gateway did not stop cleanly on SIGTERM"
+    assert gw.stop() == 0, "the gateway did not stop cleanly"
 
 
 @pytest.fixture
@@ -56,7 +57,6 @@ def user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
-@pytest.mark.slow
 def test_reasoning_is_separated_from_the_answer(tool_client: openai.OpenAI) -> None:
     reply = tool_client.chat.completions.create(model=TOOL_MODEL_ID, messages=user(THINK + "It is sunny."))
     message = reply.choices[0].message
@@ -66,7 +66,6 @@ def test_reasoning_is_separated_from_the_answer(tool_client: openai.OpenAI) -> N
     assert reply.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.slow
 def test_reasoning_streams_as_reasoning_content(tool_client: openai.OpenAI) -> None:
     stream = tool_client.chat.completions.create(
         model=TOOL_MODEL_ID, messages=user("#batch=3 " + THINK + "It is sunny."), stream=True)
@@ -81,7 +80,6 @@ def test_reasoning_streams_as_reasoning_content(tool_client: openai.OpenAI) -> N
     assert kinds == sorted(kinds, reverse=True), "all reasoning comes before the answer"
 
 
-@pytest.mark.slow
 def test_tool_calls_non_streaming(tool_client: openai.OpenAI) -> None:
     reply = tool_client.chat.completions.create(model=TOOL_MODEL_ID, messages=user(TWO_CALLS), tools=TOOLS)
     choice = reply.choices[0]
@@ -95,7 +93,6 @@ def test_tool_calls_non_streaming(tool_client: openai.OpenAI) -> None:
     assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
 
 
-@pytest.mark.slow
 def test_tool_calls_streaming(tool_client: openai.OpenAI) -> None:
     script = "Checking. " + SECTION_BEGIN + call("functions.get_weather:0", {"city": "Paris"}) + \
         call("functions.get_weather:1", {"city": "Oslo"}) + SECTION_END
@@ -120,7 +117,6 @@ def test_tool_calls_streaming(tool_client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
 
 
-@pytest.mark.slow
 def test_tools_are_rendered_into_the_prompt_and_history_round_trips(tool_client: openai.OpenAI) -> None:
     tokenizer = FakeToolTokenizer()
     first = tool_client.chat.completions.create(model=TOOL_MODEL_ID, messages=user(TWO_CALLS), tools=TOOLS)
@@ -139,7 +135,6 @@ def test_tools_are_rendered_into_the_prompt_and_history_round_trips(tool_client:
     assert second.usage.prompt_tokens == len(tokenizer.encode(tokenizer.apply_chat_template(expected, tools=TOOLS)))
 
 
-@pytest.mark.slow
 def test_tool_markup_stays_text_when_the_request_offers_no_tools(tool_client: openai.OpenAI) -> None:
     for extra in ({}, {"tools": TOOLS, "tool_choice": "none"}):
         reply = tool_client.chat.completions.create(model=TOOL_MODEL_ID, messages=user(TWO_CALLS), **extra)
@@ -148,7 +143,6 @@ def test_tool_markup_stays_text_when_the_request_offers_no_tools(tool_client: op
         assert reply.choices[0].message.content == TWO_CALLS[len(THINK):]
 
 
-@pytest.mark.slow
 def test_a_tool_call_cut_by_max_tokens_finishes_with_length(tool_client: openai.OpenAI) -> None:
     text = SECTION_BEGIN + call("functions.get_weather:0", {"city": "Paris"}) + SECTION_END
     reply = tool_client.chat.completions.create(model=TOOL_MODEL_ID, messages=user(text), tools=TOOLS, max_tokens=30)
@@ -161,7 +155,6 @@ def refused(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return reply.json()["error"]
 
 
-@pytest.mark.slow
 def test_forcing_a_tool_call_is_written_in_kimi_markup(tool_client: openai.OpenAI, backend: FakeBackend) -> None:
     tool_client.chat.completions.create(model=TOOL_MODEL_ID, messages=user("hi"), tools=TOOLS, tool_choice="required")
     grammar = backend.get("/prefills")[-1]["constraint"]["grammar"]
@@ -169,7 +162,6 @@ def test_forcing_a_tool_call_is_written_in_kimi_markup(tool_client: openai.OpenA
     assert '"functions.get_weather:" /[0-9]{1,3}/ <|tool_call_argument_begin|>' in grammar
 
 
-@pytest.mark.slow
 def test_forcing_needs_an_offered_tool(tool_gateway: Gateway) -> None:
     error = refused(tool_gateway.url, {"model": TOOL_MODEL_ID, "messages": user("hi"), "tool_choice": "required"})
     assert error["param"] == "tool_choice"
@@ -178,7 +170,6 @@ def test_forcing_needs_an_offered_tool(tool_gateway: Gateway) -> None:
     assert error["param"] == "tools[0].function.name"
 
 
-@pytest.mark.slow
 def test_models_without_tool_support_refuse_tools(gateway: Gateway, model: str) -> None:
     error = refused(gateway.url, {"model": model, "messages": user("hi"), "tools": TOOLS})
     assert (error["param"], error["code"]) == ("tools", "unsupported_parameter")
@@ -214,13 +205,13 @@ def test_a_kimi_token_stream_parses_into_reasoning_and_tool_calls() -> None:
 
 
 @pytest.mark.skipif(not (KIMI_DIR / "tiktoken.model").is_file(), reason=f"no Kimi vocabulary at {KIMI_DIR}")
-@pytest.mark.slow
 def test_the_gateway_serves_kimi_k3_nano_with_the_k3_chat_format(
         backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> None:
     from crescent.services.model.kimi_tokenizer import tokenizer_for
     from crescent.services.model.model_source import resolve_model
 
-    gw = Gateway(tmp_path_factory.mktemp("kimi"), backend.address, entry=PRODUCTION_ENTRY, model="kimi-k3-nano")
+    gw = InProcessGateway(tmp_path_factory.mktemp("kimi"), backend.address, entry=PRODUCTION_ENTRY,
+                          model="kimi-k3-nano")
     gw.start_gateway()
     try:
         with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=10) as client:

@@ -22,9 +22,8 @@ import openai
 import pytest
 
 from .fake_tool_model import TOOL_MODEL_ID, FakeToolTokenizer
+from .in_process import InProcessGateway
 from .support import BLOCK_SIZE, FakeBackend, Gateway
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
 TOKENIZER = FakeToolTokenizer()
@@ -47,11 +46,11 @@ def completion_tokens_of(reply: str) -> int:
 
 @pytest.fixture(scope="module")
 def gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path_factory.mktemp("reasoning-usage"), backend.address,
-                 entry=("-m", "tests.gateway.fake_tool_model"), auth={"admin_key": ADMIN_KEY})
+    gw = InProcessGateway(tmp_path_factory.mktemp("reasoning-usage"), backend.address,
+                         entry=("-m", "tests.gateway.fake_tool_model"), auth={"admin_key": ADMIN_KEY})
     gw.start_gateway()
     yield gw
-    assert gw.stop() == 0, "the gateway did not stop cleanly on SIGTERM"
+    assert gw.stop() == 0, "the gateway did not stop cleanly"
 
 
 def ledger_row(gw: Gateway, request_id: str) -> dict[str, int]:

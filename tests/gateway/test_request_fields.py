@@ -16,8 +16,6 @@ import pytest
 from .fake_tokenizer import MODEL_ID
 from .support import FakeBackend, Gateway
 
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
-
 USER = [{"role": "user", "content": "hi there"}]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 NULLABLE = ["n", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "temperature",

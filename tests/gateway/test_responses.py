@@ -20,10 +20,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from .fake_tokenizer import FakeTokenizer
+from .in_process import InProcessGateway
 from .support import FakeBackend, Gateway
 from .test_disconnect import abort_for, wait_for_event
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 TOKENIZER = FakeTokenizer()
 STREAM_EVENT: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -148,7 +147,7 @@ def test_the_stream_helper_gives_the_final_response(client: openai.OpenAI, model
 @pytest.fixture(scope="module")
 def impatient_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """A gateway that gives up after two placements in a row failed."""
-    gw = Gateway(tmp_path_factory.mktemp("impatient"), backend.address, migration_retries=2)
+    gw = InProcessGateway(tmp_path_factory.mktemp("impatient"), backend.address, migration_retries=2)
     gw.start_gateway()
     yield gw
     assert gw.stop() == 0

@@ -18,11 +18,10 @@ import openai
 import pytest
 
 from .fake_tool_model import TOOL_MODEL_ID, FakeToolTokenizer
+from .in_process import InProcessGateway
 from .support import FakeBackend, Gateway
 from .test_reasoning_tools import REASONING, SECTION_BEGIN, SECTION_END, THINK, TWO_CALLS, call
 from .test_responses import STREAM_EVENT, strictly
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
 
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "Current weather of a city",
                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -33,11 +32,11 @@ TOKENIZER = FakeToolTokenizer()
 
 @pytest.fixture(scope="module")
 def tool_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path_factory.mktemp("responses-tools"), backend.address,
-                 entry=("-m", "tests.gateway.fake_tool_model"))
+    gw = InProcessGateway(tmp_path_factory.mktemp("responses-tools"), backend.address,
+                         entry=("-m", "tests.gateway.fake_tool_model"))
     gw.start_gateway()
     yield gw
-    assert gw.stop() == 0, "the gateway did not stop cleanly on SIGTERM"
+    assert gw.stop() == 0, "the gateway did not stop cleanly"
 
 
 @pytest.fixture

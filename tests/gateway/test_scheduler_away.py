@@ -12,23 +12,22 @@ import httpx
 import pytest
 
 from .fake_tokenizer import MODEL_ID
-from .support import FakeBackend, Gateway
-
-pytestmark = pytest.mark.slow  # its tests start processes: `make test-fast` leaves them out (tests/process_guard.py)
+from .in_process import InProcessBackend, InProcessGateway
+from .support import FakeBackend
 
 HELLO = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hello"}]}
 
 
 @pytest.fixture
 def own_backend() -> Iterator[FakeBackend]:
-    fake = FakeBackend()
+    fake = InProcessBackend()
     fake.start_backend()
     yield fake
     fake.stop()
 
 
 def test_scheduler_restart_keeps_the_gateway_in_service(own_backend: FakeBackend, tmp_path: Path) -> None:
-    gw = Gateway(tmp_path, own_backend.address, place_timeout_s=1)
+    gw = InProcessGateway(tmp_path, own_backend.address, place_timeout_s=1)
     gw.start_gateway()
     try:
         assert httpx.post(f"{gw.url}/v1/chat/completions", json=HELLO, timeout=10).status_code == 200

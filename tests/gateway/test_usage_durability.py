@@ -36,14 +36,24 @@ REQUESTS = 1000
 KILL_AFTER = 300  # rows committed before the kill
 
 
+@pytest.fixture(scope="module")
+def load_backend() -> Iterator[FakeBackend]:
+    """A backend process of its own, not the session's in-process one: under 1,000 concurrent
+    requests the clients here and fakes in this process would share one interpreter lock."""
+    fake = FakeBackend()
+    fake.start_backend()
+    yield fake
+    fake.stop()
+
+
 @pytest.fixture(params=["commit-wait", "journal"])
-def gateway_to_kill(request: pytest.FixtureRequest, backend: FakeBackend,
+def gateway_to_kill(request: pytest.FixtureRequest, load_backend: FakeBackend,
                     tmp_path: Path) -> Iterator[tuple[Gateway, Path]]:
     """A gateway whose responses wait for their row's commit, or (``ledger.journal_dir``) for its
     write to the local journal that the restarted gateway replays."""
     database = tmp_path / "gateway.sqlite3"
     ledger = {"journal_dir": str(tmp_path / "journal")} if request.param == "journal" else {}
-    gw = Gateway(tmp_path, backend.address, auth={"database_url": f"sqlite:///{database}"},  # auth off: "default"
+    gw = Gateway(tmp_path, load_backend.address, auth={"database_url": f"sqlite:///{database}"},  # auth off: "default"
                  ledger=ledger)
     gw.start_gateway()
     yield gw, database

@@ -1,6 +1,7 @@
-"""The usage ledger on a real gateway process: 1,000 concurrent requests of every kind add up to
-what their clients were told, on SQLite and on a real PostgreSQL server; ``GET /v1/usage`` and
-``/admin/usage`` (ranges, grouping, CSV, tenant isolation, bad input); ``crescent usage``."""
+"""The usage ledger: 1,000 concurrent requests of every kind add up to what their clients were
+told, on SQLite and on a real PostgreSQL server (gateway and backend processes); ``GET /v1/usage``
+and ``/admin/usage`` (ranges, grouping, CSV, tenant isolation, bad input) on the gateway served
+in-process (``in_process.py``); ``crescent usage``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 from crescent.services.tenancy.pricing import ModelPrices
 from tests.tenancy.postgres import postgres_server
 
+from .in_process import InProcessGateway
 from .support import REPO_ROOT, FakeBackend, Gateway
 from .usage_load import Outcome, send_all
 
@@ -30,9 +32,9 @@ MODEL = "fake-model"
 K3 = ModelPrices()
 
 
-def _gateway(backend: FakeBackend, directory: Path, database_url: str) -> Gateway:
-    gw = Gateway(directory, backend.address,
-                 auth={"enabled": True, "admin_key": ADMIN_KEY, "database_url": database_url})
+def _gateway(backend: FakeBackend, directory: Path, database_url: str,
+             kind: type[Gateway] = InProcessGateway) -> Gateway:
+    gw = kind(directory, backend.address, auth={"enabled": True, "admin_key": ADMIN_KEY, "database_url": database_url})
     gw.start_gateway()
     return gw
 
@@ -49,10 +51,29 @@ def sqlite_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactor
     assert gw.stop() == 0
 
 
+# The 1,000-request load runs on processes, as deployed: served from the test process, the clients,
+# the gateway and the fake engines share one interpreter lock, and most placements missed their
+# 5 s deadline on the shared 2-core machine (a finding of the test process, not of the gateway).
 @pytest.fixture(scope="module")
-def postgres_gateway(backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def load_backend() -> Iterator[FakeBackend]:
+    fake = FakeBackend()
+    fake.start_backend()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture(scope="module")
+def sqlite_load_gateway(load_backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    directory = tmp_path_factory.mktemp("ledger-load")
+    gw = _gateway(load_backend, directory, f"sqlite:///{directory}/gateway.sqlite3", kind=Gateway)
+    yield gw
+    assert gw.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def postgres_load_gateway(load_backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     with postgres_server() as url:
-        gw = _gateway(backend, tmp_path_factory.mktemp("ledger-pg"), url)
+        gw = _gateway(load_backend, tmp_path_factory.mktemp("ledger-pg"), url, kind=Gateway)
         yield gw
         assert gw.stop() == 0
 
@@ -83,11 +104,11 @@ def sums(outcomes: list[Outcome]) -> tuple[int, int, int, int]:
             sum(o.cached for o in outcomes), sum(o.completion for o in outcomes))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 1,000 requests on gateway, backend and PostgreSQL processes
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_sums_over_1000_concurrent_requests_equal_what_clients_were_told(database: str,
                                                                        request: pytest.FixtureRequest) -> None:
-    gw: Gateway = request.getfixturevalue(f"{database}_gateway")
+    gw: Gateway = request.getfixturevalue(f"{database}_load_gateway")
     tenant = f"load-{database}"
     (key_a, id_a, tenant_a), (key_b, id_b, _) = new_key(gw, tenant), new_key(gw, tenant)
     key_other, _, _ = new_key(gw, f"{tenant}-other")
@@ -139,7 +160,6 @@ def two_tenants(sqlite_gateway: Gateway) -> dict[str, Any]:
     return {"a1": a1, "a2": a2, "b1": b1, "a": a, "b": b, "a1_id": a1_id, "a2_id": a2_id}
 
 
-@pytest.mark.slow
 def test_a_tenant_sees_only_its_own_usage(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     t = two_tenants
     assert usage(sqlite_gateway, t["a1"]).json()["total"]["requests"] == 5
@@ -157,7 +177,6 @@ def test_a_tenant_sees_only_its_own_usage(sqlite_gateway: Gateway, two_tenants: 
     assert admin(sqlite_gateway, "GET", "/usage", tenant="nobody").status_code == 404
 
 
-@pytest.mark.slow
 def test_grouping_by_key_model_and_day(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     t = two_tenants
     today = datetime.now(UTC).date().isoformat()
@@ -171,7 +190,6 @@ def test_grouping_by_key_model_and_day(sqlite_gateway: Gateway, two_tenants: dic
     assert [(r["model"], r["requests"]) for r in grouped_csv] == [(MODEL, "5")]
 
 
-@pytest.mark.slow
 def test_time_ranges(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     t = two_tenants
     now = datetime.now(UTC)
@@ -182,7 +200,6 @@ def test_time_ranges(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> No
     assert usage(sqlite_gateway, t["a1"], start="2020-01-01", end=tomorrow).json()["total"]["requests"] == 5
 
 
-@pytest.mark.slow
 def test_csv_by_accept_header_and_as_an_attachment(sqlite_gateway: Gateway, two_tenants: dict[str, Any]) -> None:
     reply = httpx.get(f"{sqlite_gateway.url}/v1/usage", timeout=30,
                       headers={"Authorization": f"Bearer {two_tenants['a2']}", "Accept": "text/csv"})
@@ -202,7 +219,6 @@ def test_csv_by_accept_header_and_as_an_attachment(sqlite_gateway: Gateway, two_
     ({"format": "xml"}, "format", "json or csv"),
     ({"groupby": "key"}, "groupby", "unknown parameter"),
 ])
-@pytest.mark.slow
 def test_bad_parameters_are_a_400_naming_them(sqlite_gateway: Gateway, two_tenants: dict[str, Any],
                                               params: dict[str, str], param: str, needle: str) -> None:
     reply = usage(sqlite_gateway, two_tenants["a1"], **params)
@@ -211,7 +227,7 @@ def test_bad_parameters_are_a_400_naming_them(sqlite_gateway: Gateway, two_tenan
     assert error["param"] == param and needle in error["message"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # runs `crescent usage`, a process
 def test_crescent_usage_reads_the_database(sqlite_url: str, two_tenants: dict[str, Any]) -> None:
     def cli(*args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "crescent.services.cli", "usage", "--database-url", sqlite_url,

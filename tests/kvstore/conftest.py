@@ -62,7 +62,9 @@ class Node:
         return self.proc.returncode
 
 
-def start_node(config: dict[str, Any], workdir: Path, name: str) -> Node:
+def start_node(config: dict[str, Any], workdir: Path, name: str,
+               module: str = "crescent.services.kvstore.server") -> Node:
+    """``module``: what to run with ``-m`` (``tests.kvstore.ipc_node``: the stand-in GPU tier)."""
     port, admin = free_port(), free_port()
     config = {**config, "listen": {"host": "127.0.0.1", "port": port, "admin_port": admin}}
     config.setdefault("node_id", name)
@@ -75,12 +77,13 @@ def start_node(config: dict[str, Any], workdir: Path, name: str) -> Node:
     env = {**os.environ, "CRESCENT_LOG_LEVEL": "INFO"}
     env = {k: v for k, v in env.items() if not k.startswith("CRESCENT_KVSTORE")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "crescent.services.kvstore.server", "--config", str(path)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
+        [sys.executable, "-m", module, "--config", str(path)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2],
     )
     node = Node(f"127.0.0.1:{port}", f"http://127.0.0.1:{admin}", proc, path, log)
     try:
-        wait_http(f"{node.admin}/health", proc=proc)
+        # torch (the stand-in's GPU tier) takes a while to import on a busy machine
+        wait_http(f"{node.admin}/health", timeout_s=20.0 if module.startswith("crescent.") else 60.0, proc=proc)
     except Exception:
         node.stop()
         raise RuntimeError(f"kvstore {name} did not start:\n{log.read_text()[-3000:]}") from None
@@ -92,8 +95,8 @@ def kvstore_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     """Factory: ``kvstore_node(config_dict, name=...)`` starts a node; all stop at the end."""
     nodes: list[Node] = []
 
-    def start(config: dict[str, Any] | None = None, name: str = "node-a") -> Node:
-        node = start_node(config or {}, tmp_path, name)
+    def start(config: dict[str, Any] | None = None, name: str = "node-a", module: str | None = None) -> Node:
+        node = start_node(config or {}, tmp_path, name, *([module] if module else []))
         nodes.append(node)
         return node
 

@@ -12,6 +12,7 @@ part of ``scripts/gpu_check.sh``'s test stage.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -183,3 +184,41 @@ def test_a_region_travels_as_json_bytes_and_garbage_is_refused() -> None:
     for junk in (b"\x80\x04pickle", b"{}", b'{"gpu_uuid": 1}'):
         with pytest.raises(IpcRefused):
             DeviceRegion.from_bytes(junk)
+
+
+async def test_the_store_places_a_device_moved_block_like_any_put() -> None:
+    """Room by eviction (the oldest block demoted to the host tier), events for the index, the
+    node's CRC on its copy, and a block whose bytes are not its header's refused."""
+    from crescent.protos import common_pb2
+    from crescent.services.common.metrics import kvstore_metrics
+    from crescent.services.kvstore.config import HostTierSettings
+    from crescent.services.kvstore.store import TieredStore
+    from crescent.services.kvstore.tier import HostTier
+
+    opener = ShmOpener()
+    try:
+        gpu = GpuTier(GpuTierSettings(enabled=True, capacity_bytes=3 * 4 * FLOATS, high_watermark=1.0, low_watermark=1.0),
+                      device="cpu", opener=opener)
+        host = HostTier(HostTierSettings(capacity_bytes=8 * 4 * FLOATS, page_bytes=4 * FLOATS))
+        store = TieredStore([gpu, host], kvstore_metrics())
+        events = []
+        store.subscribe(events.append)
+        chain = make_chain(5, FLOATS)
+        *fits, bad = chain
+        for i, block in enumerate(fits):  # the engine sent no checksum for the odd ones
+            assert await store.put_from_region(header_of(block) if i % 2 == 0 else
+                                               dataclasses.replace(header_of(block), checksum=0),
+                                               local_region(opener, block))
+        assert not await store.put_from_region(dataclasses.replace(header_of(bad), checksum=bad.checksum ^ 1),
+                                               local_region(opener, bad))
+        assert store.location(fits[0].key) == 1 and all(store.location(b.key) == 0 for b in fits[1:])
+        assert store.location(bad.key) is None
+        stored = [(e.key, e.tier) for e in events if e.kind == common_pb2.BLOCK_EVENT_STORED]
+        assert stored == [(b.key, common_pb2.KV_TIER_GPU) for b in fits]
+        assert [(e.key, e.tier) for e in events if e.kind == common_pb2.BLOCK_EVENT_TIER_CHANGED] == \
+            [(fits[0].key, common_pb2.KV_TIER_HOST)]
+        for block in fits:  # verified host reads: the node's CRC is the bytes'
+            got = await store.get(block.key, block.model_id, verify=True)
+            assert got is not None and bytes(got.payload) == bytes(block.payload)
+    finally:
+        opener.close(unlink=True)

@@ -287,7 +287,7 @@ async def test_peer_nodes_fetch_from_each_other_over_the_side_channel(kvstore_no
 
 
 def test_an_unknown_mover_is_named_with_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="unknown kvstore mover.*rdma.*valid: shm, tcp, nixl, grpc"):
+    with pytest.raises(ValueError, match="unknown kvstore mover.*rdma.*valid: cuda_ipc, shm, tcp, nixl, grpc"):
         KvStoreClient("127.0.0.1:1", movers=["rdma"])
 
 

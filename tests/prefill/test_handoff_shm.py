@@ -29,7 +29,7 @@ from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.prompt_export import PromptExport
 from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
-from tests.prefill.test_layerwise import PAGE, make_engine, prompt_bytes
+from tests.dataplane.families import LLAMA_PAGE as PAGE, llama_engine as make_engine, prompt_bytes
 
 pytestmark = pytest.mark.skipif(not available(), reason="no writable /dev/shm")
 

@@ -35,8 +35,7 @@ from crescent.services.prefill.prompt_export import PromptExport
 from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub
 from tests.prefill.test_handoff_shm import hand_off_each
 from tests.security.support import Pki, make_test_pki
-from tests.prefill.test_layerwise import make_engine
-from tests.prefill.test_layerwise_k3 import InlineWorker
+from tests.dataplane.families import InlineWorker, llama_engine as make_engine
 
 HANDOFFS, BYTES = "crescent_handoff_total", "crescent_handoff_bytes_total"
 PEER = "127.0.0.1:1"  # decode's gRPC address as prefill knows it (the side channel's is its own)
@@ -212,9 +211,11 @@ def test_a_prompt_handed_over_tcp_between_processes_decodes_as_one_process(tmp_p
         assert prefill.metric(HANDOFFS, peer=decode.address, mover="tcp") == 1
         assert prefill.metric(BYTES, peer=decode.address, mover="tcp") == lengths["tcp"] * per_token
         assert prefill.metric(HANDOFFS, peer=decode.address, mover="grpc") == 0
-        # the decode without a side channel: OpenHandoff refused once, then gRPC with it from the start
+        # the decode without a side channel: OpenHandoff refused, then gRPC. A second refusal only
+        # if the next handoff came after the 5 s backoff (a loaded CI machine); the backoff itself
+        # is timed with a fake clock in tests/security/test_side_channel_starvation.py.
         assert prefill.metric(HANDOFFS, peer=plain.address, mover="grpc") == 2
-        assert prefill.metric("crescent_handoff_tcp_refused_total", peer=plain.address) == 1
+        assert 1 <= prefill.metric("crescent_handoff_tcp_refused_total", peer=plain.address) <= 2
         assert prefill.metric(HANDOFFS, peer=plain.address, mover="tcp") == 0
         refused_broken_side_channel(decode.address, prompts, sent["again"])
     finally:

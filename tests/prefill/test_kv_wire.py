@@ -1,35 +1,28 @@
 """Every stream that carries KV blocks goes through one codec (``kvwire.chunk_wire``).
 
-What a user would notice: a prompt handed from a real prefill process to a real decode process
-decodes the same tokens as one process; a peer's prefix pulled over FetchPrefix lands in this
+What a user would notice: a peer's prefix pulled over FetchPrefix lands in this
 engine's cache byte for byte as the peer holds it; the codec's bytes are protobuf's own, so
-generated clients interoperate; and a cold prompt's KV is copied out of prefill's cache once,
-for both the kvstore and the handoff.
+generated clients interoperate. (A prompt handed between real prefill and decode processes, and
+its KV copied out of prefill's cache once: ``tests/dataplane/test_processes.py``.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
-import time
 
 import grpc
-import pytest
 import torch
 
-from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from crescent.protos import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from crescent.services.common.metrics import engine_metrics
 from crescent.services.engine.engine import Engine
 from crescent.services.instance.runtime import EngineWorker
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part
-from crescent.services.kvwire.layer_wire import layer_slice
 from crescent.services.prefill.prefix_pull import PrefixPuller
 from crescent.services.prefill.servicer import PrefillServicer, add_prefill_to_server
-from tests.decode.process import BLOCK, TEXTS, DecodeProcess, PromptKv, SchedulerStandIn, decode_stub, stream_all
 from tests.engine.tiny_model import tiny_model
-from tests.kvstore.conftest import start_node
 from tests.prefill.test_prefix_pull import FixedDirectory
 
 PAGE = 16
@@ -116,90 +109,3 @@ def test_a_pulled_prefix_is_the_peer_s_blocks_byte_for_byte() -> None:
     assert generated == ours and len(generated) == 5
     assert [torch.frombuffer(bytearray(b), dtype=torch.float32).view(source.cache.block_shape).equal(p)
             for b, p in zip(ours, source_pages)] == [True] * 5
-
-
-# ---- the handoff between real processes, and one copy of a cold prompt's KV ----------------------
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
-def test_a_cold_prompt_is_copied_once_and_decode_continues_it_exactly(tmp_path, layerwise) -> None:
-    prompts = PromptKv()
-    scheduler = SchedulerStandIn()
-    kvstore = start_node({"shared_memory": True}, tmp_path, "kv")
-    decode = DecodeProcess(tmp_path, scheduler.address, 8 * BLOCK)
-    prefill = DecodeProcess(tmp_path, scheduler.address, 8 * BLOCK, role="prefill",
-                            extra={"kvstore_address": kvstore.address, "layerwise_handoff": layerwise})
-    try:
-        decode.start()
-        prefill.start()
-        tokens = prompts.prompt(TEXTS[3] * 16)[: 4 * BLOCK + 21]  # 4 full blocks (past min_cached_prompt_tokens) and a partial one
-        assert len(tokens) == 4 * BLOCK + 21
-        expected = prompts.reference(tokens, 12)
-        events = []
-        with grpc.insecure_channel(prefill.address) as channel:
-            for event in prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
-                    request_id="cold", token_ids=tokens, decode_address=decode.address,
-                    sampling=common_pb2.SamplingParams(max_tokens=12, ignore_eos=True)), timeout=120):
-                events.append(event)
-        assert [e.WhichOneof("event") for e in events] == ["first_token", "handed_off"]
-        channel, stub = decode_stub(decode.address)
-        with channel:
-            rest, reason = stream_all(stub, "cold")
-        assert [events[0].first_token.token_id, *rest] == expected and reason == "length"
-
-        per_token = 4 * math.prod(prompts.engine.cache.payload_shape(1))  # float32 KV of one token
-        deadline = time.monotonic() + 30
-        while prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="to_kvstore") == 0:
-            assert time.monotonic() < deadline, "the new blocks should reach the kvstore"
-            time.sleep(0.1)
-        copied = prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="copied_out")
-        assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_out") == len(tokens) * per_token
-        assert prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="to_kvstore") == 4 * BLOCK * per_token
-        if layerwise:  # each block copied out of the cache once, for decode and the kvstore's pool both
-            assert copied == len(tokens) * per_token
-        else:  # once for decode after the prompt, and the new full blocks once more, straight into the
-            assert copied == (len(tokens) + 4 * BLOCK) * per_token  # pool during the prompt
-        assert prefill.metric("crescent_kv_mover_bytes_total", mover="shm-layers", direction="put") == 4 * BLOCK * per_token
-        assert kvstore.metric("crescent_kvstore_blocks", tier="host") == 4
-        hidden = prefill.metric("crescent_engine_kv_transfer_bytes_total", direction="handoff_hidden")
-        assert (0 <= hidden <= len(tokens) * per_token) if layerwise else hidden == 0
-        if layerwise:
-            refused_broken_layerwise_handoffs(decode.address, prompts, tokens)
-    finally:
-        prefill.stop()
-        decode.stop()
-        kvstore.stop()
-        scheduler.stop()
-
-
-def refused_broken_layerwise_handoffs(address: str, prompts: PromptKv, tokens: list[int]) -> None:
-    """A real decode process refuses a layer-wise stream with a layer missing, repeated or
-    without its tail (INVALID_ARGUMENT) and takes no request from it."""
-    engine = prompts.engine
-    per_token, layers = engine.cache.token_layer_bytes(), engine.config.num_layers
-    blocks = -(-len(tokens) // BLOCK)
-
-    def parts(request_id: str, order: list[tuple[int, int]], tail: bool = True):
-        yield HandoffWirePart(header=decode_pb2.HandoffHeader(
-            request_id=request_id, model_id=engine.model_id, prompt_token_ids=tokens, num_layers=layers,
-            sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True), kv_dtype="float32",
-            kv_block_shape=list(engine.cache.block_shape), num_blocks=blocks))
-        for layer, block in order:
-            size = min(BLOCK, len(tokens) - block * BLOCK)
-            yield HandoffWirePart(layer=layer_slice(layer, block, [memoryview(bytes(size * per_token))], size))
-        if tail:
-            yield HandoffWirePart(tail=decode_pb2.HandoffTail(first_token_id=1))
-
-    every = [(layer, b) for layer in range(layers) for b in range(blocks)]
-    with grpc.insecure_channel(address) as channel:
-        call = channel.stream_unary("/crescent.v1.Decode/Handoff", request_serializer=encode_part,
-                                    response_deserializer=decode_pb2.HandoffReply.FromString)
-        for name, order, tail, says in [("missing", every[:-1], True, "never arrived"),
-                                        ("twice", [*every[:2], every[0]], True, "arrived again"),
-                                        ("no-tail", every, False, "without its tail")]:
-            with pytest.raises(grpc.RpcError) as caught:
-                call(parts(name, order, tail), timeout=30)
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in caught.value.details()
-            with pytest.raises(grpc.RpcError) as gone:  # nothing was accepted
-                list(decode_pb2_grpc.DecodeStub(channel).StreamTokens(decode_pb2.StreamRequest(request_id=name), timeout=10))
-            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
