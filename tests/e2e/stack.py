@@ -55,6 +55,38 @@ class Stack:
         return total
 
 
+    def wait_metric(self, name: str, metric: str, labels: dict[str, str] | None = None, *,
+                    above: float = 0.0, timeout_s: float = 60) -> float:
+        """Poll until the sample is above ``above`` (what a background step, such as the kvstore's
+        demotion to a lower tier, shows when it is done); its value, or AssertionError."""
+        deadline = time.monotonic() + timeout_s
+        while (value := self.metric(name, metric, labels)) <= above:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}'s {metric}{labels or ''} still {value} after {timeout_s:.0f} s")
+            time.sleep(0.1)
+        return value
+
+    def wait_heartbeats(self, instances: tuple[str, ...], timeout_s: float = 60) -> None:
+        """Until each of ``instances`` has sent the scheduler a heartbeat (its load report) since
+        this call: what the scheduler knows of them then includes everything done before it."""
+        from crescent.protos import scheduler_pb2, scheduler_pb2_grpc
+        from tests.admin_channel import admin_channel
+
+        since = time.monotonic()
+        deadline = since + timeout_s
+        with admin_channel(self.run_dir, self.service("scheduler")["grpc"]) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while True:
+                asked = time.monotonic()
+                ages = {s.info.instance_id: s.last_heartbeat_age_s
+                        for s in stub.ListInstances(scheduler_pb2.ListInstancesRequest(), timeout=5).instances}
+                if all(name in ages and ages[name] < asked - since for name in instances):
+                    return
+                if asked > deadline:
+                    raise AssertionError(f"no heartbeat from all of {instances} in {timeout_s:.0f} s: ages {ages}")
+                time.sleep(0.1)
+
+
 # These tests check the cache's mechanics with short prompts, so they keep every prompt's blocks;
 # test_tenant_isolation runs with the served default (Kimi's rule: only prompts over 256 tokens).
 CACHE_SHORT_PROMPTS = {"CRESCENT_PREFILL__ENGINE__MIN_CACHED_PROMPT_TOKENS": "0",

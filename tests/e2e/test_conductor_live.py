@@ -77,7 +77,7 @@ def test_hot_prefix_placed_on_the_other_prefill_is_pulled_and_kept(conductor_sta
     ask(stack, first, 1)
     wait_for(lambda: instances(stack)["prefill-0"].indexed_blocks >= expected, 10, "prefill-0's blocks in the index")
     assert instances(stack)["prefill-1"].indexed_blocks == 0
-    time.sleep(1.5)  # a heartbeat: the scheduler stops counting that request as prefill-0's pending work
+    stack.wait_heartbeats(("prefill-0",))  # then the scheduler stops counting that request as its pending work
 
     # Keep prefill-0 busy with an unrelated long prompt; its heartbeat reports the tokens waiting.
     busy_thread = threading.Thread(target=ask, args=(stack, busy, 1))

@@ -16,7 +16,6 @@ thinking on.
 from __future__ import annotations
 
 import json
-import time
 from typing import Literal
 
 import openai
@@ -126,7 +125,7 @@ def test_prefix_evicted_from_prefill_comes_back_from_the_kvstore(k3_stack, k3_re
             if len(prompt_ids(k3_reference, flood)) > 0.6 * KV_TOKENS:
                 break
         ask(k3_stack, flood, 2)
-        time.sleep(1.5)  # a load heartbeat (1 s) clears the scheduler's reservation for the last one
+        k3_stack.wait_heartbeats(("prefill-0", "decode-0"))  # a load report clears the scheduler's reservation for it
     messages = [{"role": "system", "content": context}, {"role": "user", "content": "Where does it sail?"}]
     reply = ask(k3_stack, messages, 12)
     _, out = reference_reply(k3_reference, messages, 12)

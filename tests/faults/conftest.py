@@ -1,8 +1,9 @@
 """Fixtures of the fault suite: ``crescent up`` stacks, healthy before every test.
 
-Consecutive modules that want the same platform share one stack (starting one costs tens of
-seconds of CPU); a module sets ``STACK_PLAN`` (a ``StackPlan``) to want another, and only one
-stack runs at a time. Tests that
+Modules that want the same platform share one stack (starting one costs tens of seconds of
+CPU); a module sets ``STACK_PLAN`` (a ``StackPlan``) to want another, and only one stack runs at
+a time. So that each plan starts once, the suite's modules run grouped by plan (in file order
+within a group, the groups in the order their first module comes). Tests that
 break a service leave it to the launcher to bring it back; the next test starts only once every
 service answers /health, the gateway sees every engine and a request succeeds, so a service that
 never comes back fails the next test's set-up, loudly, naming it.
@@ -11,6 +12,7 @@ never comes back fails the next test's set-up, loudly, naming it.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,25 @@ from tests.faults.stack import FaultStack, StackPlan
 
 
 log = logging.getLogger(__name__)
+FAULTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """This folder's tests grouped by their module's ``STACK_PLAN`` (stable: file order within a
+    plan), back into the places they had among the session's items."""
+    slots = [i for i, item in enumerate(items) if FAULTS in Path(str(item.path)).resolve().parents]
+    plans: list[StackPlan] = []  # in the order they first come
+    for i in slots:
+        plan = _plan(items[i])
+        if plan not in plans:
+            plans.append(plan)
+    grouped = sorted((items[i] for i in slots), key=lambda item: plans.index(_plan(item)))
+    for i, item in zip(slots, grouped):
+        items[i] = item
+
+
+def _plan(item: pytest.Item) -> StackPlan:
+    return getattr(getattr(item, "module", None), "STACK_PLAN", StackPlan())
 
 
 class StackPool:
@@ -46,7 +67,7 @@ class StackPool:
             self._stack = None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # the last stack stops with this folder's last test, not the session's
 def stack_pool(tmp_path_factory: pytest.TempPathFactory):
     pool = StackPool(tmp_path_factory)
     yield pool

@@ -92,6 +92,7 @@ class StreamResult:
     error_event: bool = False          # data: {"error": ...} arrived after the 200
     transport_error: str | None = None  # the connection broke or never opened
     ended: float | None = None
+    completion_id: str | None = None   # the chunks' id: the gateway logs each re-placement under it
 
     @property
     def text(self) -> str:
@@ -195,6 +196,7 @@ class LoadClient:
             async with stream:
                 async for chunk in stream:
                     now = time.monotonic()
+                    result.completion_id = result.completion_id or chunk.id
                     if chunk.usage is not None:
                         result.completion_tokens = chunk.usage.completion_tokens
                         result.prompt_tokens = chunk.usage.prompt_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import time
 import uuid
@@ -51,6 +52,9 @@ class FaultOutcome:
     migrations: float = 0.0
     waiting_at_signal: int = 0                   # streams without a first token when signalled
     held_at_signal: int | None = None            # requests the target held (running + queued) when signalled
+    # Re-placements of each stream (its completion id), from the gateway's log: unlike
+    # ``migrations`` (the gateway's counter), they leave out the recovery's health probes.
+    replaced: dict[str, int] = field(default_factory=dict)
 
     def mismatched(self) -> list[str]:
         """Completed streams whose text differs from the uninterrupted reference run."""
@@ -66,7 +70,8 @@ class FaultOutcome:
         completed = sum(r.completed for r in self.streams)
         refused = sum(p.status == 503 for p in self.probes)
         return (f"{self.fault} on {self.target}: {completed}/{len(self.streams)} streams completed, "
-                f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations"
+                f"{len(self.mismatched())} differ from the reference, {self.migrations:.0f} migrations "
+                f"({sum(self.replaced.values())} of them the streams', {len(self.replaced)} streams re-placed)"
                 f"{'' if self.held_at_signal is None else f' ({self.held_at_signal} requests held by the target)'}, "
                 f"error events {sum(r.error_event for r in self.streams)}, probes {len(self.probes)} "
                 f"({refused} x 503), worst stall {self.worst_stall_s():.2f} s, recovery {self.recovery_s} s, "
@@ -134,6 +139,20 @@ def migrations_since(stack: FaultStack, before: float) -> float:
     return after - before if after >= before else after
 
 
+# The line the gateway logs for each re-placement (services/gateway/attempts/migration.py).
+REPLACED = re.compile(r"placing (chatcmpl-[0-9a-f]+) again \(")
+
+
+def replacements(stack: FaultStack, streams: list[StreamResult]) -> dict[str, int]:
+    """How often the gateway placed each of ``streams`` again (those never re-placed: absent)."""
+    ids = {r.completion_id for r in streams if r.completion_id}
+    counts: dict[str, int] = {}
+    for match in REPLACED.finditer((stack.run_dir / "gateway.log").read_text(errors="replace")):
+        if match.group(1) in ids:
+            counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return counts
+
+
 async def finish_recovery(outcome: FaultOutcome, recovery: asyncio.Task[float]) -> None:
     try:
         outcome.recovery_s = await recovery
@@ -179,6 +198,7 @@ async def streams_under_fault(stack: FaultStack, client: LoadClient, fault: str,
                            held_at_signal=held)
     await finish_recovery(outcome, recovery)
     outcome.migrations = migrations_since(stack, migrations_before)
+    outcome.replaced = replacements(stack, streams)
     log.info(outcome.summary())
     return outcome
 

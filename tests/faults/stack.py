@@ -44,13 +44,16 @@ class StackPlan:
     decode: int = 2
     kv_capacity_tokens: int = 4096
     kvstore_gb: float = 0.3
+    # What a drained service's streams get to finish: the launcher's default, 30 s, did not cover
+    # six 128-token streams on a 2-core machine under load (they were cut at 106 tokens).
+    drain_grace_s: float = 90.0
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
     def args(self) -> list[str]:
         return ["--prefill", str(self.prefill), "--decode", str(self.decode),
                 "--kv-capacity-tokens", str(self.kv_capacity_tokens), "--kvstore-gb", str(self.kvstore_gb),
-                *self.extra_args]
+                "--drain-grace", str(self.drain_grace_s), *self.extra_args]
 
 
 def process_alive(pid: int) -> bool:

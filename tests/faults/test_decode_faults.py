@@ -12,6 +12,10 @@ What a death costs (issue 31, finding 8): each stream the dead decode held is pl
 once. Before, every retry could land on the dead instance until its heartbeat timeout, each
 re-prefilling the prompt and streaming one token before its handoff failed: a kill under 10
 streams cost 15 re-placements for the 5 the dead decode held here, and 41 in the issue's run.
+The re-placements are counted per stream from the gateway's log, not from its counter: the
+counter also counts the recovery's health probes, and one probe placed on the restarted decode
+was re-placed once (its gateway channel was still in reconnect backoff, fixed in
+``gateway/attempts/attempt.py``), which read as 6 re-placements for 5 held streams.
 """
 
 from __future__ import annotations
@@ -62,7 +66,11 @@ async def test_a_killed_decode_costs_each_stream_it_held_one_re_placement(health
     assert outcome.incomplete() == []
     assert outcome.mismatched() == []
     assert [r.completion_tokens for r in outcome.streams] == [MAX_TOKENS] * MANY_STREAMS
-    migrations, held = outcome.migrations, outcome.held_at_signal
+    held, replaced = outcome.held_at_signal, outcome.replaced
     assert held is not None and held >= 1, f"{outcome.target} held no stream: nothing was tested"
-    assert 1 <= migrations <= held, f"{migrations:.0f} re-placements for the {held} streams {outcome.target} held"
+    assert outcome.migrations >= 1, "the gateway counted no re-placement"
+    twice = {stream: n for stream, n in replaced.items() if n > 1}
+    assert twice == {}, f"streams placed again more than once: {twice}"
+    assert 1 <= sum(replaced.values()) <= held, \
+        f"{sum(replaced.values())} re-placements of the streams for the {held} streams {outcome.target} held"
     assert outcome.recovery_error is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -20,7 +21,7 @@ from collections import Counter
 import pytest
 
 from tests.faults.load import StreamingLoad, short_answer_prompts
-from tests.faults.stack import StackPlan
+from tests.faults.stack import FaultStack, StackPlan
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -30,6 +31,16 @@ BATCH = 20
 MAX_TOKENS = 1024          # 290 + 1024 tokens = 21 pages of 64: 6 reservations fit 8,192 tokens at once
 EARLIER = 12               # requests of the same kind served before the batch, 4 at a time
 WORDS = 220                # about 290 prompt tokens
+EXPECTED_OUTPUT = "crescent_scheduler_expected_output_tokens"
+
+
+async def calibrated(stack: FaultStack, timeout_s: float = 60) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not math.isfinite(expected := stack.metric("scheduler", EXPECTED_OUTPUT) or math.inf):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the scheduler's {EXPECTED_OUTPUT} still {expected} after {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+    return expected
 
 
 async def test_a_batch_whose_real_need_fits_is_served_without_decode_kv_full(healthy_stack, client):
@@ -40,7 +51,9 @@ async def test_a_batch_whose_real_need_fits_is_served_without_decode_kv_full(hea
         for prompt in earlier[start:start + 4]:
             load.add(prompt, ignore_eos=False)
         assert [r.status for r in await load.results(120)] == [200] * 4
-    await asyncio.sleep(0.5)  # the gateway reports each finished request to the scheduler in the background
+    # The gateway reports each finished request to the scheduler in the background: wait until
+    # the scheduler has calibrated on them (its expected output length is no longer +Inf).
+    await calibrated(healthy_stack)
 
     began = time.monotonic()
     load = StreamingLoad(client, MAX_TOKENS, salt=salt)

@@ -1,6 +1,6 @@
 """The gateway's own faults, and clients that leave.
 
-SIGTERM drains: in-flight streams complete (the launcher's grace, 30 s, covers them) while
+SIGTERM drains: in-flight streams complete (the suite's grace, ``StackPlan.drain_grace_s``, covers them) while
 /health says 503. SIGKILL breaks the open connections (nothing can carry them), and decode frees
 their KV within 1 s; so it does when clients hang up, mid-stream or before their first token.
 """

@@ -17,7 +17,11 @@ An attempt that failed because an instance could not be reached (UNAVAILABLE: a 
 connection, a broken stream, prefill's handoff to a dead decode) names that instance
 (``AttemptFailed.unreachable``); the next placement reports it, and the scheduler places
 nothing there until it heartbeats again, so a dead instance costs each of its requests one
-re-placement instead of one per retry until the scheduler's heartbeat timeout.
+re-placement instead of one per retry until the scheduler's heartbeat timeout. A restarted
+instance comes back on its address, where the gateway's channel may still wait out its reconnect
+backoff and fail every call at once: before calling an instance the scheduler or prefill just
+vouched for, an attempt gives such a channel a moment to connect (``reconnected``), so the first
+request placed on a restarted instance is not wasted and placed again.
 
 One attempt may serve ``n`` choices of the prompt (``sampling.n``, docs/api.md "n > 1"):
 prefill sends n first tokens, decode's events name their choice, and a choice whose reader
@@ -53,6 +57,9 @@ _CLIENT_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 # How prefill's message starts when its handoff to decode failed (services/prefill/servicer.py):
 # an UNAVAILABLE with it is the decode instance's, not prefill's.
 HANDOFF_FAILED = "handoff to decode "
+# How long a call waits for a channel in reconnect backoff (the gateway's backoff is at most 1 s
+# plus jitter): longer, and the instance is down after all; the call fails and the request moves.
+RECONNECT_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +154,19 @@ def _failure(exc: grpc.aio.AioRpcError, stage: str, *, before_first_token: bool,
                          unreachable=unreachable if code == grpc.StatusCode.UNAVAILABLE else "")
 
 
+async def reconnected(channel: grpc.aio.Channel, timeout_s: float = RECONNECT_WAIT_S) -> None:
+    """Return once ``channel`` is not failing calls at once any more, or after ``timeout_s``. A
+    channel that lost its instance fails calls without trying until its next reconnect attempt,
+    even when a restarted instance already listens on the address (the fault suite saw a health
+    probe placed on a restarted decode fail this way 0.5 s after the decode registered)."""
+    if channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+        return
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout_s)
+    except TimeoutError:
+        pass  # still down: the call fails as UNAVAILABLE and the request is placed again
+
+
 def _unreachable(exc: grpc.aio.AioRpcError, placement: scheduler_pb2.Placement, at_decode: bool) -> str:
     """The instance an UNAVAILABLE came from: decode when its stream broke or prefill's handoff
     to it failed, prefill otherwise."""
@@ -194,15 +214,18 @@ class Attempt:
         started = clock()
         placement = await calls.place(request, self._deadline)
         decode_address = placement.decode.address
-        prefill_call = prefill_pb2_grpc.PrefillStub(calls.channel(placement.prefill.address)).Prefill(
-            _prefill_request(request, placement), timeout=max(self._deadline - clock(), 0.001)
-        )
+        prefill_call: grpc.aio.UnaryStreamCall | None = None
         stream_call = None
         first_tokens = 0
         handed_off = done = False
         stage = f"prefill at {placement.prefill.address}"
         why = "failed"
         try:
+            prefill_channel = calls.channel(placement.prefill.address)
+            await reconnected(prefill_channel)
+            prefill_call = prefill_pb2_grpc.PrefillStub(prefill_channel).Prefill(
+                _prefill_request(request, placement), timeout=max(self._deadline - clock(), 0.001)
+            )
             for index in range(n):
                 first = await prefill_call.read()
                 if first is grpc.aio.EOF or first.WhichOneof("event") != "first_token":
@@ -236,7 +259,9 @@ class Attempt:
             for index in sorted(self._dropped - self._finished):  # readers that stopped before decode had it
                 calls.abort_in_decode(decode_address, request.attempt_id, "cancelled", index=index)
             stage = f"decode at {decode_address}"
-            stream_call = decode_pb2_grpc.DecodeStub(calls.channel(decode_address)).StreamTokens(
+            decode_channel = calls.channel(decode_address)
+            await reconnected(decode_channel)  # prefill just handed off: decode is up, maybe restarted
+            stream_call = decode_pb2_grpc.DecodeStub(decode_channel).StreamTokens(
                 decode_pb2.StreamRequest(request_id=request.attempt_id), timeout=max(self._deadline - clock(), 0.001)
             )
             async for event in stream_call:
@@ -271,7 +296,9 @@ class Attempt:
         finally:
             # No awaits here: this runs inside a cancelled task when the client went away.
             self._over = True
-            if done and stream_call is None:
+            if prefill_call is None:
+                pass  # cancelled before it was called
+            elif done and stream_call is None:
                 calls.let_prefill_finish(prefill_call)  # ended at its first tokens: prefill still stores the prompt
             else:
                 prefill_call.cancel()
