@@ -186,6 +186,7 @@ print(json.dumps({"parsed": {k: str(v) for k, v in vars(ns).items()}, "unknown":
 """
 
 
+@pytest.mark.slow  # starts vLLM's interpreter to run its parser
 def test_vllms_own_parser_reads_the_worker_argv_and_the_leaders_engine_args(tmp_path: Path) -> None:
     python = REPO / ".venv-vllm" / "bin" / "python"
     if not python.exists():
