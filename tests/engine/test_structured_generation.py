@@ -151,6 +151,7 @@ def test_regex_choice_and_grammar(smollm: tuple[Engine, Any, ConstraintCompiler]
     assert stopped and tok.decode(out) in {"The answer is yes.", "The answer is no."}
 
 
+@pytest.mark.slow  # loads SmolLM2 and compiles a grammar: 42 s of setup in make test-fast (docs/test-durations.md)
 def test_a_migrated_request_continues_its_constraint(smollm: tuple[Engine, Any, ConstraintCompiler]) -> None:
     """Decode (or a new placement) replays the tokens generated so far; a wrong replay is refused."""
     _, tok, compiler = smollm

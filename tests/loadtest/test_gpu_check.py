@@ -86,6 +86,7 @@ def run_check(tmp_path: Path, *args: str, **env: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, (out / "summary.txt").read_text()
 
 
+@pytest.mark.slow  # runs every stage of the check script: 13 s in make test-fast
 def test_check_dry_run_passes_its_stages_and_writes_the_figures(tmp_path):
     rc, stdout, summary = run_check(tmp_path, "--dry-run", GPU_CHECK_STAGES="preflight,env,bench")
     assert rc == 0, stdout
