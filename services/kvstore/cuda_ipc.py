@@ -39,7 +39,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from crescent.services.kvwire.movers import MoverLadder
@@ -178,7 +178,7 @@ class SameGpuPath:
                 self.ladder.worked(peer, CUDA_IPC)
                 self.ladder.moved(peer, CUDA_IPC, "put", region.nbytes)
                 return stored, CUDA_IPC
-        block = _with_payload(header, host_payload())
+        block = replace(header, payload=host_payload(), payload_crc=None)
         return await self.tier.write(block), "host"
 
     async def get(self, peer: str, key, room: DeviceRegion | None):  # noqa: ANN001, ANN201
@@ -197,10 +197,3 @@ class SameGpuPath:
                 return header, CUDA_IPC
         block = await self.tier.read(key)
         return (block, "host") if block is not None else (None, "")
-
-
-def _with_payload(header, payload):  # noqa: ANN001, ANN202 - a KvBlock
-    from crescent.services.kvwire.kv_block import KvBlock
-
-    return KvBlock(header.key, header.parent_key, header.model_id, header.dtype, header.shape,
-                   header.token_ids, payload, header.checksum, header.format_version)

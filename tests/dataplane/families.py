@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -236,3 +236,14 @@ def stored_blocks(address: str, want: int) -> list:
         finally:
             await client.close()
     return asyncio.run(main())
+
+
+async def through_the_wire(parts) -> AsyncIterator[HandoffWirePart]:  # noqa: ANN001 - a plain or an async iterable
+    """``parts`` as decode's Handoff reads them (gRPC takes a plain or an async iterator): each
+    encoded and decoded by the wire codec."""
+    if hasattr(parts, "__aiter__"):
+        async for part in parts:
+            yield decode_part(encode_part(part))
+    else:
+        for part in parts:
+            yield decode_part(encode_part(part))

@@ -26,24 +26,15 @@ from crescent.services.engine.engine import Engine
 from crescent.services.instance.runtime import EngineWorker
 from crescent.services.instance.wire import kv_dtype
 from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL
-from crescent.services.kvwire.handoff_wire import HandoffWirePart, decode_part, encode_part, handoff_parts
+from crescent.services.kvwire.handoff_wire import handoff_parts
 from crescent.services.kvwire.layer_wire import block_tokens
 from crescent.services.prefill.batcher import PrefillBatcher
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.pipeline import FirstToken, HandedOff, PrefillPipeline
+from tests.dataplane.families import through_the_wire
 from tests.decode.support import METRICS, PAGE, prompt, running_batcher, tiny_engine
 
 DECODE = "decode.test:1"
-
-
-async def wire(parts) -> AsyncIterator[HandoffWirePart]:  # noqa: ANN001 - a plain or an async iterable
-    """``parts`` as decode's Handoff reads them: each encoded and decoded by the wire codec."""
-    if hasattr(parts, "__aiter__"):
-        async for part in parts:
-            yield decode_part(encode_part(part))
-    else:
-        for part in parts:
-            yield decode_part(encode_part(part))
 
 
 class PipelineSink:
@@ -54,7 +45,7 @@ class PipelineSink:
 
     def handoff(self, address: str):  # noqa: ANN201
         async def call(parts, timeout=None):  # noqa: ANN001
-            await self.decode.handoff(wire(parts))
+            await self.decode.handoff(through_the_wire(parts))
             return decode_pb2.HandoffReply(accepted=True)
         return call
 
@@ -149,7 +140,7 @@ class Counted:
         self.parts, self.read = parts, 0
 
     async def __aiter__(self):  # noqa: ANN204
-        async for part in wire(self.parts):
+        async for part in through_the_wire(self.parts):
             self.read += 1
             yield part
 
@@ -194,7 +185,7 @@ def test_what_the_header_decides_is_refused_before_any_kv_is_read() -> None:
             assert not decode.abort("early", "client left"), "not here yet"
             parts = Counted(whole_parts(engine, "early", tokens, 4))
             out["early"] = (await refused(decode, parts), parts.read)
-            await decode.handoff(wire(whole_parts(engine, "twice", tokens, 4)))
+            await decode.handoff(through_the_wire(whole_parts(engine, "twice", tokens, 4)))
             parts = Counted(whole_parts(engine, "twice", tokens, 4))
             out["twice"] = (await refused(decode, parts), parts.read)
             batcher.draining = True
@@ -226,7 +217,7 @@ def test_a_malformed_or_unusable_handoff_admits_nothing() -> None:
                 "another model": whole_parts(engine, "r", tokens, 4, model_id="another"),
                 "bad first token": whole_parts(engine, "r", tokens, 4, first_token_id=10 ** 6),
             }
-            out = {name: await refused(decode, wire(parts)) for name, parts in cases.items()}
+            out = {name: await refused(decode, through_the_wire(parts)) for name, parts in cases.items()}
             return out, dict(batcher.requests)
 
     out, held = asyncio.run(scenario())

@@ -20,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-import httpx
 import uvicorn
 
 from crescent.services.gateway.config import load_gateway_settings
@@ -33,7 +31,7 @@ from crescent.services.gateway.server import ModelLoader, check_exposure, gatewa
 from . import fake_backend
 from .fake_tokenizer import fake_served_model
 from .fake_tool_model import fake_tool_served_model
-from .support import BLOCK_SIZE, FAKE_TOKENIZER_ENTRY, PRODUCTION_ENTRY, FakeBackend, Gateway
+from .support import BLOCK_SIZE, FAKE_TOKENIZER_ENTRY, PRODUCTION_ENTRY, FakeBackend, Gateway, answers
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -126,20 +124,16 @@ class InProcessGateway(Gateway):
 
     def wait_ready(self, ready_url: str, *, expect_status: int | None = 200, timeout_s: float = 20.0) -> None:
         assert self._task is not None, "spawn first"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._task.done():
-                self._task.result()  # re-raises why it stopped
+        task = self._task
+
+        def still_running() -> None:
+            if task.done():
+                task.result()  # re-raises why it stopped
                 raise RuntimeError("the in-process gateway stopped")
-            try:
-                status = httpx.get(ready_url, timeout=0.5).status_code
-                if expect_status is None or status == expect_status:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
-        self.stop()
-        raise TimeoutError(f"{self.name} did not become ready at {ready_url}")
+
+        if not answers(ready_url, expect_status, timeout_s, still_running, interval_s=0.02):
+            self.stop()
+            raise TimeoutError(f"{self.name} did not become ready at {ready_url}")
 
     def stop(self) -> int | None:
         """Stop serving (uvicorn's shutdown, then ``gateway_app``'s); 0 when it ended without an error."""

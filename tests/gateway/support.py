@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -24,6 +25,23 @@ def served_salt(client_salt: str | None = None, tenant_id: str = "default") -> b
     from crescent.services.tenancy import cache_salt, tenant_salt
 
     return cache_salt(tenant_salt(SALT_SECRET.encode(), tenant_id), client_salt)
+
+
+def answers(ready_url: str, expect_status: int | None, timeout_s: float, still_running: Callable[[], None],
+            *, interval_s: float) -> bool:
+    """Poll ``ready_url`` until it answers (with ``expect_status`` unless None): True, or False
+    after ``timeout_s``. ``still_running`` raises when the server stopped, ending the wait."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        still_running()
+        try:
+            status = httpx.get(ready_url, timeout=0.5).status_code
+            if expect_status is None or status == expect_status:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    return False
 
 
 class Process:
@@ -45,19 +63,15 @@ class Process:
 
     def wait_ready(self, ready_url: str, *, expect_status: int | None = 200, timeout_s: float = 20.0) -> None:
         assert self.proc is not None, "spawn first"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
-            try:
-                status = httpx.get(ready_url, timeout=0.5).status_code
-                if expect_status is None or status == expect_status:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"{self.name} did not become ready at {ready_url}")
+        proc = self.proc
+
+        def still_running() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {proc.returncode}")
+
+        if not answers(ready_url, expect_status, timeout_s, still_running, interval_s=0.05):
+            self.stop()
+            raise TimeoutError(f"{self.name} did not become ready at {ready_url}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

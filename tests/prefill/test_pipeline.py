@@ -21,11 +21,11 @@ from crescent.services.common.metrics import engine_metrics
 from crescent.services.decode.handoff_in import HandoffIntake
 from crescent.services.engine.engine import Engine
 from crescent.services.instance.runtime import EngineWorker
-from crescent.services.kvwire.handoff_wire import decode_part, encode_part
 from crescent.services.kvwire.layer_wire import block_tokens
 from crescent.services.prefill.batcher import PrefillBatcher
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.pipeline import FirstToken, HandedOff, HandoffFailed, PrefillPipeline
+from tests.dataplane.families import through_the_wire
 from tests.engine.tiny_model import tiny_model
 
 PAGE = 4
@@ -53,20 +53,12 @@ class LandingSink:
         self.addresses.append(address)
 
         async def call(parts, timeout=None):  # noqa: ANN001
-            async def wire():  # gRPC takes a plain or an async iterator of parts
-                if hasattr(parts, "__aiter__"):
-                    async for part in parts:
-                        yield decode_part(encode_part(part))
-                else:
-                    for part in parts:
-                        yield decode_part(encode_part(part))
-
             async def on_header(header: decode_pb2.HandoffHeader) -> None:
                 if self.refuse is not None:
                     raise grpc.aio.AioRpcError(self.refuse, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                                "refused")
 
-            self.landed.append(await self.intake.land(wire(), on_header))
+            self.landed.append(await self.intake.land(through_the_wire(parts), on_header))
             self.order.append("handoff")
             return decode_pb2.HandoffReply(accepted=True)
         return call
