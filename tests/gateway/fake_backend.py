@@ -27,7 +27,8 @@ ends one choice alone.
 Prefill reports cached tokens like a real prefix cache: full blocks whose salted chained keys
 it has seen before. The control API (JSON over HTTP) arms scheduler rejections, sets how many
 instances ListInstances reports (and their block size; Place refuses another one with
-FAILED_PRECONDITION, as the real scheduler does), and shows what each service received and observed.
+FAILED_PRECONDITION, as the real scheduler does), how long ReportOutcome takes, and shows what
+each service received and observed.
 
 Run: ``python -m tests.gateway.fake_backend --port P --control-port C --block-size B``.
 """
@@ -157,6 +158,7 @@ class State:
     tombstones: set[str] = field(default_factory=set)
     aborts: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[dict[str, Any]] = field(default_factory=list)
+    outcome_delay_s: float = 0.0  # how long ReportOutcome takes before the scheduler has it (a loaded one)
     prefill_attempts: dict[str, int] = field(default_factory=dict)  # by the request's last user message
     models: set[str] = field(default_factory=lambda: {MODEL_ID})  # served by the instances it lists
 
@@ -211,8 +213,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def ReportOutcome(self, request: scheduler_pb2.RequestOutcome,
                             context: grpc.aio.ServicerContext) -> scheduler_pb2.OutcomeReply:
+        await asyncio.sleep(self.state.outcome_delay_s)
         self.state.outcomes.append({"request_id": request.request_id, "ttft_s": request.ttft_s,
-                                    "released": request.released})
+                                    "released": request.released, "finished": request.finished,
+                                    "t": time.monotonic()})
         return scheduler_pb2.OutcomeReply()
 
 
@@ -379,6 +383,11 @@ def control_app(state: State) -> FastAPI:
     @app.put("/block-size")
     def block_size(body: dict[str, int]) -> dict[str, int]:
         state.block_size = body["block_size"]  # as if the model's instances were redeployed
+        return body
+
+    @app.put("/outcome-delay")
+    def outcome_delay(body: dict[str, float]) -> dict[str, float]:
+        state.outcome_delay_s = body["seconds"]
         return body
 
     @app.get("/places")

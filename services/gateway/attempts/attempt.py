@@ -11,7 +11,10 @@ is told to ``Abort`` it (one best-effort call: decode keeps a tombstone for an i
 hold yet, so a handoff still in flight is refused), and a request that never reached decode is
 reported ``released`` so the scheduler frees what it reserved for it there. A request that
 finished at decode is reported ``finished`` with the tokens it generated: the scheduler
-calibrates when decode KV frees from these (``scheduler/output_lengths.py``).
+calibrates when decode KV frees from these (``scheduler/output_lengths.py``). That report goes
+out before the client gets its last token, and the attempt waits a moment for it
+(``FINISH_REPORT_WAIT_S``): a client that sends its next request as soon as one ends must not
+find decode's KV still reserved for the one that ended (a 429 ``decode_kv_full`` that is not true).
 
 An attempt that failed because an instance could not be reached (UNAVAILABLE: a refused
 connection, a broken stream, prefill's handoff to a dead decode) names that instance
@@ -60,6 +63,9 @@ HANDOFF_FAILED = "handoff to decode "
 # How long a call waits for a channel in reconnect backoff (the gateway's backoff is at most 1 s
 # plus jitter): longer, and the instance is down after all; the call fails and the request moves.
 RECONNECT_WAIT_S = 2.0
+# How long the last token waits for the scheduler to have the finish report (a loopback RPC takes
+# milliseconds); a scheduler slower than this gets the report in the background, as before.
+FINISH_REPORT_WAIT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +109,10 @@ class AttemptCalls(Protocol):
         ...
 
     def report_outcome(self, request: AttemptRequest, *, ttft_s: float = 0.0, cached_tokens: int = 0,
-                       released: bool = False, output_tokens: int = 0) -> None:
-        """``output_tokens`` > 0: the request finished at decode after generating that many."""
+                       released: bool = False, output_tokens: int = 0) -> asyncio.Future[None]:
+        """Send the report in the background; the future is done once the scheduler has it (or
+        the call failed). ``output_tokens`` > 0: the request finished at decode after generating
+        that many."""
         ...
 
     def abort_in_decode(self, address: str, attempt_id: RequestId, reason: str, *,
@@ -240,8 +248,10 @@ class Attempt:
                     self._finished.add(index)
                 if index == n - 1:
                     done = len(self._finished) == n  # then prefill hands nothing off
-                    calls.report_outcome(request, ttft_s=clock() - started, cached_tokens=token.cached_tokens,
-                                         released=done)
+                    report = calls.report_outcome(request, ttft_s=clock() - started,
+                                                  cached_tokens=token.cached_tokens, released=done)
+                    if done:
+                        await _delivered(report)
                 yield index, FirstToken(
                     token_id=token.token_id,
                     prompt_tokens=token.prompt_tokens,
@@ -275,7 +285,7 @@ class Attempt:
                     self._finished.add(index)
                 done = not self._running()
                 if done:
-                    calls.report_outcome(request, output_tokens=max(self._generated.values()))
+                    await _delivered(calls.report_outcome(request, output_tokens=max(self._generated.values())))
                 yield index, MoreTokens(
                     token_ids=tuple(event.token_ids),
                     finish_reason=finish_reason(event.finish_reason) if event.finished else None,
@@ -308,6 +318,12 @@ class Attempt:
                 calls.abort_in_decode(decode_address, request.attempt_id, why)
                 if not handed_off:
                     calls.report_outcome(request, released=True)
+
+
+async def _delivered(report: asyncio.Future[None]) -> None:
+    """Wait up to ``FINISH_REPORT_WAIT_S`` for a finish report to reach the scheduler; the report
+    itself is never cancelled here."""
+    await asyncio.wait((report,), timeout=FINISH_REPORT_WAIT_S)
 
 
 async def run_attempt(calls: AttemptCalls, request: AttemptRequest, deadline: float,

@@ -186,14 +186,15 @@ class GrpcBackend:
         )
 
     def report_outcome(self, request: AttemptRequest, *, ttft_s: float = 0.0, cached_tokens: int = 0,
-                       released: bool = False, output_tokens: int = 0) -> None:
+                       released: bool = False, output_tokens: int = 0) -> asyncio.Future[None]:
         """Tell the scheduler the measured TTFT, and whether the request will not reach decode;
-        ``output_tokens`` > 0: it finished at decode after generating that many."""
+        ``output_tokens`` > 0: it finished at decode after generating that many. The future is
+        done once the scheduler has the report or the call failed."""
         block_size = self._block_sizes.get(request.model_id) or self._configured_block_size or DEFAULT_BLOCK_SIZE
         outcome = scheduler_pb2.RequestOutcome(request_id=request.attempt_id, ttft_s=ttft_s,
                                                cached_blocks=cached_tokens // block_size, released=released,
                                                finished=output_tokens > 0, output_tokens=output_tokens)
-        self._in_background(self._send_outcome(outcome))
+        return self._in_background(self._send_outcome(outcome))
 
     async def _send_outcome(self, outcome: scheduler_pb2.RequestOutcome) -> None:
         try:
@@ -231,10 +232,11 @@ class GrpcBackend:
 
         self._in_background(drain())
 
-    def _in_background(self, work: object) -> None:
+    def _in_background(self, work: object) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(work)  # type: ignore[arg-type]
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # -- the request ------------------------------------------------------------------------------
 
