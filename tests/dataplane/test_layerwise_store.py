@@ -10,342 +10,313 @@ had in time goes whole); a prompt stopped midway leaves nothing in the store and
 room goes back; a layer damaged on its way is refused at commit and never served; blocks the
 node holds are not sent again; a node without a shared pool gets each block whole (over the TCP
 side channel) as soon as it is final; beside a layer-wise handoff, the export reads the
-handoff's copies and copies nothing out of the cache itself. (Real prefill processes, the
-setting on and off: ``test_processes.py``.)
+handoff's copies and copies nothing out of the cache itself but the states. (Real prefill
+processes, the setting on and off: ``test_processes.py``.)
+
+The checks both families share are one test over ``families.FAMILIES`` (one export helper, one
+whole-block reference, one pacing rule: the engine waits for the export's ``events_handled``);
+what only one family has (llama's damaged layer, its room held too long, blocks not sent again;
+kimi_k3's snapshots, cached prefix and lost snapshot) keeps a test of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from crescent.protos import decode_pb2
-from crescent.services.engine.engine import Engine
+from crescent.services.engine.cache_api import StatefulKvCache
+from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.instance.wire import kv_dtype
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
 from crescent.services.prefill.prompt_export import PromptExport, owned_bytes
-from tests.dataplane.families import K3_PAGE, LLAMA_PAGE, MIB, llama_engine, mover_bytes
+from tests.dataplane.families import K3, LLAMA, MIB, Family, mover_bytes
 from tests.engine import test_kimi_k3_snapshots as k3
 
 pytestmark = pytest.mark.slow  # every test starts a kvstore node process: `make test-fast` leaves them out
 
-
-# ---- llama --------------------------------------------------------------------------------------------
-
-def llama_whole_blocks(engine: Engine, seq) -> list[KvBlock]:  # noqa: ANN001
-    """What the whole-block export after the prompt stores (``PrefillServicer._export_new_blocks``)."""
-    keys = seq.block_keys
-    return [KvBlock.build(keys[i], keys[i - 1] if i else None, engine.model_id, kv_dtype(engine.cache),
-                          engine.cache.payload_shape(LLAMA_PAGE), seq.token_ids[i * LLAMA_PAGE : (i + 1) * LLAMA_PAGE],
-                          owned_bytes(engine.block_payload(seq, i, LLAMA_PAGE)))
-            for i in range(len(keys))]
+POOL = {"tiers": {"host": {"capacity_bytes": 16 * MIB}}}
+NO_SHARED_POOL = {**POOL, "shared_memory": False}
 
 
-def export_llama(engine: Engine, address: str, tokens: list[int], *, hook=None, stop_after_writes: bool = False,  # noqa: ANN001
-           wrap=None, paced: bool = False, beside_handoff: bool = False):  # noqa: ANN001
-    """Prefill ``tokens`` on a thread with a ``LayerwiseStoreExport`` fed by its layer hook;
-    (the sequence, the export, the blocks it left to a whole put, a get of its keys, the node's
-    stat, the client). ``hook``: its ``landed``; ``stop_after_writes``: the prompt stops (as a
-    cancelled call does) once a layer has landed, before its last layer; ``wrap``: called with the client first;
-    ``paced``: the engine waits for each layer to land before computing the next (a slow forward);
-    ``beside_handoff``: a layer-wise handoff of the prompt (its stream not started) is the source,
-    as ``layered.source``."""
-    async def main():
+def whole_blocks(engine: Engine, seq: Sequence) -> list[KvBlock]:
+    """What the whole-block export after the prompt stores (``pipeline._export_new_blocks``): each
+    full block's payload as ``Engine.block_payload`` gives it (kimi_k3: with a state or without)."""
+    keys, page = seq.block_keys, engine.block_size
+    out = []
+    for i in range(len(keys)):
+        payload = engine.block_payload(seq, i, page)
+        out.append(KvBlock.build(keys[i], keys[i - 1] if i else None, engine.model_id, kv_dtype(engine.cache),
+                                 tuple(payload.shape), seq.token_ids[i * page : (i + 1) * page], owned_bytes(payload)))
+    return out
+
+
+@dataclass
+class Exported:
+    """A prompt exported layer-wise into a node, and what the node then holds."""
+
+    seq: Sequence
+    layered: LayerwiseStoreExport
+    left: list[int]              # the blocks it left to the whole put after the prompt
+    got: dict[bytes, KvBlock]    # a get of the prompt's keys
+    whole: list[KvBlock]         # the whole-block export's blocks (the reference)
+    stat: Any                    # the node's stat
+    client: KvStoreClient
+    reserves: list[int]          # blocks granted room, per reservation
+
+    def states(self, engine: Engine) -> int:
+        """How many of the whole-block export's blocks carry a state (kimi_k3)."""
+        return sum(carries_state(engine, b) for b in self.whole)
+
+
+def last_kv_layer(engine: Engine) -> int:
+    """The hook index of the model's last layer with per-token KV (llama: its last layer; kimi_k3: its last MLA layer)."""
+    return max(layer for layer, wire in enumerate(engine.cache.layer_layout().wire_layers) if wire is not None)
+
+
+def export(engine: Engine, address: str, tokens: list[int], *, paced: bool = True, beside_handoff: bool = False,
+           stop_at: int | None = None, before_layer: Callable[..., None] | None = None,
+           landed: Callable[[int, int, memoryview], None] | None = None) -> Exported:
+    """Prefill ``tokens`` on a thread with a ``LayerwiseStoreExport`` fed by its layer hook.
+    ``paced``: the engine waits for each hook event to be acted on before computing on (a slow
+    forward); ``beside_handoff``: a layer-wise handoff of the prompt (its stream not started) is
+    the source, as ``layered.source``; ``stop_at``: the prompt stops (as a cancelled call does)
+    at that hook layer of its last forward, before the layer is told; ``before_layer(seq, layer,
+    end)`` runs in the hook first; ``landed``: the export's ``landed`` (a layer-major layer in
+    its room, CRC taken)."""
+    async def main() -> Exported:
         client = KvStoreClient(address, shared_memory=True)
-        if wrap is not None:
-            wrap(client)
-        seq = engine.add_sequence("s", tokens)
-        source = (LayerwiseHandoff(engine, seq, PromptExport(engine, None, seq, len(tokens)), decode_pb2.HandoffHeader())
-                  if beside_handoff else None)
-        layered = LayerwiseStoreExport(engine, seq, seq.num_computed, client, source=source)
-        layered.source = source
-        if hook is not None:
-            layered.landed = hook
-        tasks: list[asyncio.Task] = []
-        layered.start(lambda coro: tasks.append(asyncio.create_task(coro)))
-        loop = asyncio.get_running_loop()
-        stopped = threading.Event()
-
-        def on_layer(layer: int, end: int) -> None:
-            if stop_after_writes and layer == layered.num_layers - 1 and not stopped.is_set():
-                deadline = time.monotonic() + 10
-                while layered.bytes_written == 0 and time.monotonic() < deadline:
-                    time.sleep(0.01)  # the loop copies the first layers meanwhile
-                loop.call_soon_threadsafe(layered.stop)  # before the last layer is told
-                stopped.set()
-            layered.on_layer(layer, end)
-            deadline = time.monotonic() + 10
-            while paced and layered._next_block[layer] < min(end // LLAMA_PAGE, layered.end) and time.monotonic() < deadline:
-                time.sleep(0.005)
-
-        await asyncio.to_thread(engine.prefill, seq, on_layer)
-        left = await layered.finished()
-        await asyncio.gather(*tasks)
-        got = await client.get(seq.block_keys, "tiny")
-        stat = await client.stat()
-        await client.close()
-        return seq, layered, left, got, stat, client
-    return asyncio.run(main())
-
-
-def handoff_holds(layered: LayerwiseStoreExport, whole: list[KvBlock]) -> None:
-    """The export copied nothing out of the cache: the handoff beside it did, into its buffers."""
-    assert layered.bytes_from_cache == 0
-    assert [bytes(layered.source.block_view(i)) for i in range(len(whole))] == [bytes(b.payload) for b in whole]
-
-
-@pytest.mark.parametrize("beside_handoff", [False, True], ids=["alone", "beside-handoff"])
-def test_llama_blocks_stream_per_layer_and_read_back_as_a_whole_block_export_stores_them(kvstore_node, beside_handoff) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = llama_engine(chunk=8)
-    tokens = [(5 * i + 3) % 97 for i in range(23)]  # 5 full blocks in 3 chunks, and a partial one
-    before = mover_bytes(node.address, "shm-layers")
-    seq, layered, left, got, stat, client = export_llama(engine, node.address, tokens, paced=True, beside_handoff=beside_handoff)
-    assert left == [] and layered.stored == 5 and layered.rejected == 0
-    # every layer went in as it was computed: all but the last layer of the last block before the prompt's end
-    assert layered.bytes_written == sum(b.nbytes for b in llama_whole_blocks(engine, seq))
-    assert layered.bytes_early == layered.bytes_written - layered.bytes_written // 5 // engine.config.num_layers
-    for block in llama_whole_blocks(engine, seq):
-        stored = got[block.key]
-        assert bytes(stored.payload) == bytes(block.payload) and stored.to_meta() == block.to_meta()
-    assert stat.tiers[0].reserved_bytes == 0 and stat.tiers[0].blocks == 5
-    assert mover_bytes(node.address, "shm-layers") - before == layered.bytes_written
-    assert not client.errors
-    if beside_handoff:
-        handoff_holds(layered, llama_whole_blocks(engine, seq))
-    else:
-        assert layered.bytes_from_cache == layered.bytes_written
-
-
-def test_a_llama_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = llama_engine(chunk=16)
-    tokens = [(3 * i + 1) % 97 for i in range(16)]  # one chunk: its 4 blocks are whole only at its last layer
-    reserves = []
-
-    def count_reserves(client: KvStoreClient) -> None:
+        reserves: list[int] = []
         reserve = client._stub.ReserveShm
 
-        async def counted(request, **kwargs):  # noqa: ANN001, ANN003
+        async def counted(request, **kwargs):  # noqa: ANN001, ANN003, ANN202
             reply = await reserve(request, **kwargs)
             reserves.append(sum(slot.granted for slot in reply.slots))
             return reply
 
         client._stub.ReserveShm = counted
-
-    _, layered, left, got, stat, _ = export_llama(engine, node.address, tokens, stop_after_writes=True, wrap=count_reserves)
-    assert reserves == [4] and layered.bytes_written > 0  # room was granted and written into
-    assert left == [] and layered.stored == 0 and got == {}
-    host = stat.tiers[0]
-    assert host.blocks == 0 and host.bytes == 0 and host.reserved_bytes == 0
-
-
-def test_a_damaged_llama_layer_is_refused_at_commit_and_never_served(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = llama_engine(chunk=8)
-    tokens = [(7 * i + 2) % 97 for i in range(16)]
-
-    def damage(block: int, layer: int, room: memoryview) -> None:  # after its CRC was taken, as a stray write
-        if block == 1 and layer == 1:
-            room[5] ^= 0xFF
-
-    seq, layered, left, got, stat, _ = export_llama(engine, node.address, tokens, hook=damage)
-    assert layered.stored == 3 and layered.rejected == 1 and left == []
-    assert seq.block_keys[1] not in got and all(seq.block_keys[i] in got for i in (0, 2, 3))
-    assert node.metric("crescent_kvstore_checksum_failures_total", tier="put") == 1  # refused on arrival
-    assert stat.tiers[0].blocks == 3 and stat.tiers[0].reserved_bytes == 0
-
-
-def test_llama_blocks_the_node_holds_are_not_sent_again(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    tokens = [(11 * i + 5) % 97 for i in range(16)]
-    export_llama(llama_engine(), node.address, tokens)
-    _, layered, left, got, stat, _ = export_llama(llama_engine(), node.address, tokens)  # a fresh engine: a cold prompt again
-    assert layered.bytes_written == 0 and left == [] and len(got) == 4 and stat.tiers[0].blocks == 4
-
-
-@pytest.mark.parametrize("beside_handoff", [False, True], ids=["alone", "beside-handoff"])
-def test_a_node_without_a_shared_pool_gets_each_llama_chunk_s_blocks_whole_while_the_next_computes(kvstore_node, beside_handoff) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "shared_memory": False})
-    before = {m: mover_bytes(node.address, m) for m in ("shm-layers", "tcp")}
-    engine = llama_engine(chunk=8)
-    tokens = [(13 * i) % 97 for i in range(23)]  # 5 full blocks in 3 chunks
-    seq, layered, left, got, _, client = export_llama(engine, node.address, tokens, paced=True, beside_handoff=beside_handoff)
-    assert not client.takes_layers  # asked once: whole puts (the TCP side channel here) from then on
-    assert left == [] and layered.stored == 5
-    whole = llama_whole_blocks(engine, seq)
-    assert [bytes(got[b.key].payload) for b in whole] == [bytes(b.payload) for b in whole]
-    assert mover_bytes(node.address, "shm-layers") == before["shm-layers"]
-    assert mover_bytes(node.address, "tcp") - before["tcp"] == layered.bytes_written == sum(b.nbytes for b in whole)
-    # the first two chunks' blocks went while later chunks computed; the last chunk's after
-    assert layered.bytes_early == 4 * whole[0].nbytes
-    if beside_handoff:  # the blocks put were the handoff's buffers themselves
-        handoff_holds(layered, whole)
-
-
-def test_llama_room_held_too_long_is_given_back_and_its_blocks_left_to_the_whole_put(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "layer_reservation_ms": 200})
-
-    def slow(block: int, layer: int, room: memoryview) -> None:  # a chunk's forward outlasting half the room's life
-        if block == 0 and layer == 0:
-            time.sleep(0.15)
-
-    _, layered, left, got, stat, _ = export_llama(llama_engine(chunk=16), node.address, [(17 * i) % 97 for i in range(16)], hook=slow)
-    assert left == [0, 1, 2, 3] and layered.stored == 0 and got == {}
-    assert stat.tiers[0].reserved_bytes == 0 and stat.tiers[0].blocks == 0
-
-
-# ---- kimi_k3 ------------------------------------------------------------------------------------------
-
-def k3_whole_blocks(engine: Engine, seq) -> dict[bytes, KvBlock]:  # noqa: ANN001
-    """What the whole-block export after the prompt stores (``PrefillServicer._export_new_blocks``)."""
-    keys, out = seq.block_keys, {}
-    for i in range(len(keys)):
-        payload = engine.block_payload(seq, i, K3_PAGE)
-        out[keys[i]] = KvBlock.build(keys[i], keys[i - 1] if i else None, engine.model_id, kv_dtype(engine.cache),
-                                     tuple(payload.shape), seq.token_ids[i * K3_PAGE : (i + 1) * K3_PAGE], owned_bytes(payload))
-    return out
-
-
-def export_k3(engine: Engine, address: str, tokens: list[int], *, before_layer=None, stop_at: int | None = None,  # noqa: ANN001
-           paced: bool = True, beside_handoff: bool = False):
-    """Prefill ``tokens`` on a thread with a ``LayerwiseStoreExport`` fed by its layer hook;
-    (the export, the blocks it left to a whole put, a get of the prompt's keys, the whole-block
-    export's blocks, the node's stat). ``before_layer(seq, layer, end)`` runs in the hook first;
-    ``stop_at``: the prompt stops (as a cancelled call does) at that layer of its last forward;
-    ``paced``: the engine waits for each event to be acted on before computing on (a slow forward);
-    ``beside_handoff``: a layer-wise handoff of the prompt (its stream not started) is the source."""
-    async def main():
-        client = KvStoreClient(address, shared_memory=True)
         seq = engine.add_sequence("s", tokens)
         source = (LayerwiseHandoff(engine, seq, PromptExport(engine, None, seq, len(tokens)), decode_pb2.HandoffHeader())
                   if beside_handoff else None)
         layered = LayerwiseStoreExport(engine, seq, seq.num_computed, client, source=source)
+        layered.source = source
+        if landed is not None:
+            layered.landed = landed
         tasks: list[asyncio.Task] = []
         layered.start(lambda coro: tasks.append(asyncio.create_task(coro)))
         loop = asyncio.get_running_loop()
+        layout, posted, stopped = engine.cache.layer_layout(), [0], [False]
 
         def on_layer(layer: int, end: int) -> None:
             if before_layer is not None:
                 before_layer(seq, layer, end)
             if stop_at == layer and end == len(tokens):
                 asyncio.run_coroutine_threadsafe(layered.close(), loop).result()
+                stopped[0] = True
             layered.on_layer(layer, end)
+            # the events ``on_layer`` posts: a forward's plan, a layer with KV, the last forward's states
             posted[0] += (layer == 0) + (layout.wire_layers[layer] is not None) + (
                 end == len(tokens) and layer == layout.states_after)
             deadline = time.monotonic() + 10
-            while paced and layered.events_handled < posted[0] and time.monotonic() < deadline:
+            while paced and not stopped[0] and layered.events_handled < posted[0] and time.monotonic() < deadline:
                 time.sleep(0.002)
 
-        layout, posted = engine.cache.layer_layout(), [0]
         await asyncio.to_thread(engine.prefill, seq, on_layer)
         left = await layered.finished()
         await asyncio.gather(*tasks)
         got = await client.get(seq.block_keys, engine.model_id)
         stat = await client.stat()
-        whole = k3_whole_blocks(engine, seq)
+        whole = whole_blocks(engine, seq)
         await client.close()
         engine.release(seq)
-        return layered, left, got, whole, stat
+        return Exported(seq, layered, left, got, whole, stat, client, reserves)
     return asyncio.run(main())
 
 
 def carries_state(engine: Engine, block: KvBlock) -> bool:
-    return engine.cache.payload_has_state(tuple(block.shape))
+    """Whether ``block``'s payload holds a recurrent state (never, in a cache without states)."""
+    return isinstance(engine.cache, StatefulKvCache) and engine.cache.payload_has_state(tuple(block.shape))
 
 
-@pytest.mark.parametrize(("cfg", "blocks", "extra", "slots", "chunk"), [
-    (k3.TEST_CFG, 13, 5, 3, 4 * K3_PAGE),   # 4 forwards; the pool of 3 evicts most snapshots on the way
-    (k3.TEST_CFG, 12, 0, 3, 4 * K3_PAGE),   # a full last block: it carries the live state
-    (k3.BF16_CFG, 9, 7, 32, 3 * K3_PAGE),   # every block keeps its snapshot (bf16 latents, fp32 states)
-    (k3.TEST_CFG, 6, 3, 32, 2048),       # one forward
-], ids=["evicting", "live-state", "bf16", "one-forward"])
-def test_k3_blocks_read_back_as_the_whole_block_export_stores_them(kvstore_node, cfg, blocks, extra, slots, chunk) -> None:  # noqa: ANN001
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = k3.make_engine(cfg=cfg, slots=slots, chunk=chunk)
-    layered, left, got, whole, stat = export_k3(engine, node.address, k3.prompt(blocks * K3_PAGE + extra, seed=blocks))
-    assert left == [] and layered.stored == blocks and layered.rejected == 0
-    assert {k: (bytes(b.payload), b.to_meta()) for k, b in got.items()} == \
-           {k: (bytes(b.payload), b.to_meta()) for k, b in whole.items()}
-    # a state where the pool still kept a snapshot at the prompt's end (and the live-state block)
-    assert sum(carries_state(engine, b) for b in whole.values()) == min(blocks, slots)
-    assert layered.bytes_written == sum(b.nbytes for b in whole.values())
-    # in the node before the prompt's last layer was computed: all but that (MLA) layer of the
-    # blocks its last forward completes (the others' layers and every state came before)
-    n = blocks * K3_PAGE + extra
-    last_forward_blocks = blocks - (n - 1) // chunk * chunk // K3_PAGE
-    assert layered.bytes_written - layered.bytes_early == last_forward_blocks * engine.cache.layer_layout().layer_bytes(K3_PAGE)
-    assert stat.tiers[0].reserved_bytes == 0 and stat.tiers[0].blocks == blocks
+def payloads_and_metas(blocks: dict[bytes, KvBlock] | list[KvBlock]) -> dict[bytes, tuple[bytes, Any]]:
+    items = blocks.items() if isinstance(blocks, dict) else ((b.key, b) for b in blocks)
+    return {k: (bytes(b.payload), b.to_meta()) for k, b in items}
 
 
-@pytest.mark.parametrize(("blocks", "extra", "slots"), [(13, 5, 3), (12, 0, 3)], ids=["evicting", "live-state"])
-def test_beside_a_handoff_the_k3_latents_are_copied_out_of_the_cache_once(kvstore_node, blocks, extra, slots) -> None:  # noqa: ANN001
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = k3.make_engine(slots=slots, chunk=4 * K3_PAGE)
-    layered, left, got, whole, _ = export_k3(engine, node.address, k3.prompt(blocks * K3_PAGE + extra, seed=blocks), beside_handoff=True)
-    assert left == [] and layered.stored == blocks
-    assert {k: bytes(b.payload) for k, b in got.items()} == {k: bytes(b.payload) for k, b in whole.items()}
-    # only the states came out of the cache here; every latent came from the handoff's copy
-    states = sum(carries_state(engine, b) for b in whole.values())
-    assert layered.bytes_from_cache == states * engine.cache.layer_layout().state_bytes
+def copied_only_the_states(engine: Engine, family: Family, out: Exported) -> None:
+    """Beside a handoff the export copied nothing out of the cache but the states (none for
+    llama): every layer came from the handoff's copy (llama: a block put whole is its buffer)."""
+    assert out.layered.bytes_from_cache == out.states(engine) * engine.cache.layer_layout().state_bytes
+    if not family.stateful:  # layer-major: the handoff's buffer is the very payload
+        source = out.layered.source
+        assert [bytes(source.block_view(i)) for i in range(len(out.whole))] == [bytes(b.payload) for b in out.whole]
 
+
+# ---- both families ------------------------------------------------------------------------------
+
+def k3_engine(cfg=k3.TEST_CFG, **kwargs) -> Engine:  # noqa: ANN001
+    return K3.make_engine(cfg=cfg, **kwargs)
+
+
+# (family, engine factory, full blocks, tokens past them, chunk in pages (None: one forward), snapshot
+# slots, beside a handoff). llama: 5 full blocks and 3 tokens in 3 chunks; kimi_k3: a pool of 3
+# evicting most snapshots on the way, a full last block (its live state), bf16 latents (fp32
+# states), one forward.
+READ_BACK = [
+    pytest.param(LLAMA, LLAMA.make_engine, 5, 3, 2, 0, False, id="llama-alone"),
+    pytest.param(LLAMA, LLAMA.make_engine, 5, 3, 2, 0, True, id="llama-beside-handoff"),
+    pytest.param(K3, k3_engine, 13, 5, 4, 3, False, id="k3-evicting"),
+    pytest.param(K3, k3_engine, 12, 0, 4, 3, False, id="k3-live-state"),
+    pytest.param(K3, lambda **kw: k3_engine(k3.BF16_CFG, **kw), 9, 7, 3, 32, False, id="k3-bf16"),
+    pytest.param(K3, k3_engine, 6, 3, None, 32, False, id="k3-one-forward"),
+    pytest.param(K3, k3_engine, 13, 5, 4, 3, True, id="k3-evicting-beside-handoff"),
+    pytest.param(K3, k3_engine, 12, 0, 4, 3, True, id="k3-live-state-beside-handoff"),
+]
+
+
+@pytest.mark.parametrize(("family", "make", "blocks", "extra", "chunk_pages", "slots", "beside_handoff"), READ_BACK)
+def test_blocks_stream_per_layer_and_read_back_as_the_whole_block_export_stores_them(
+        kvstore_node, family, make, blocks, extra, chunk_pages, slots, beside_handoff) -> None:  # noqa: ANN001
+    node = kvstore_node(POOL)
+    page = family.page
+    chunk = 2048 if chunk_pages is None else chunk_pages * page
+    engine = make(chunk=chunk, **({"slots": slots} if family.stateful else {}))
+    n = blocks * page + extra
+    before = mover_bytes(node.address, "shm-layers")
+    out = export(engine, node.address, family.prompt(n, blocks), beside_handoff=beside_handoff)
+    layered, whole = out.layered, out.whole
+    assert out.left == [] and layered.stored == blocks and layered.rejected == 0
+    assert payloads_and_metas(out.got) == payloads_and_metas(whole)
+    if not family.stateful:  # the llama cache's payload shape, every block
+        assert all(tuple(b.shape) == engine.cache.payload_shape(page) for b in whole)
+    # kimi_k3: a state where the pool still kept a snapshot at the prompt's end (and the live-state block)
+    assert out.states(engine) == (min(blocks, slots) if family.stateful else 0)
+    assert layered.bytes_written == sum(b.nbytes for b in whole)
+    # every layer went in as it was computed: in the node before the prompt's last layer was
+    # computed, all but that layer of the blocks the last forward completes (the others' layers
+    # and every state came before)
+    last_forward_blocks = blocks - (n - 1) // chunk * chunk // page
+    assert layered.bytes_written - layered.bytes_early == last_forward_blocks * engine.cache.layer_layout().layer_bytes(page)
+    assert out.stat.tiers[0].reserved_bytes == 0 and out.stat.tiers[0].blocks == blocks
+    assert mover_bytes(node.address, "shm-layers") - before == layered.bytes_written
+    assert not out.client.errors
+    if beside_handoff:
+        copied_only_the_states(engine, family, out)
+    else:
+        assert layered.bytes_from_cache == layered.bytes_written
+
+
+# (family, full blocks): one forward, whose blocks are whole only at its last layer with KV
+@pytest.mark.parametrize(("family", "blocks"), [(LLAMA, 4), (K3, 5)], ids=str)
+def test_a_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_node, family, blocks) -> None:  # noqa: ANN001
+    node = kvstore_node(POOL)
+    engine = family.make_engine(chunk=2048)
+    out = export(engine, node.address, family.prompt(blocks * family.page, 5), stop_at=last_kv_layer(engine))
+    assert out.reserves == [blocks] and out.layered.bytes_written > 0  # room was granted and written into
+    assert out.layered.stored == 0 and out.left == [] and out.got == {}
+    host = out.stat.tiers[0]
+    assert host.blocks == 0 and host.bytes == 0 and host.reserved_bytes == 0
+
+
+# (family, engine factory, beside a handoff): 5 full blocks in 3 forwards of 2 blocks (kimi_k3: a
+# snapshot only at the prompt's last full block)
+NO_SHARED = [
+    pytest.param(LLAMA, LLAMA.make_engine, 3, False, id="llama-alone"),
+    pytest.param(LLAMA, LLAMA.make_engine, 3, True, id="llama-beside-handoff"),
+    pytest.param(K3, lambda **kw: K3.make_engine(every=0, **kw), 1, False, id="k3-alone"),
+]
+
+
+@pytest.mark.parametrize(("family", "make", "extra", "beside_handoff"), NO_SHARED)
+def test_a_node_without_a_shared_pool_gets_each_block_whole_once_final_while_the_next_forward_computes(
+        kvstore_node, family, make, extra, beside_handoff) -> None:  # noqa: ANN001
+    node = kvstore_node(NO_SHARED_POOL)
+    before = {m: mover_bytes(node.address, m) for m in ("shm-layers", "tcp")}
+    engine = make(chunk=2 * family.page)
+    out = export(engine, node.address, family.prompt(5 * family.page + extra, 6), beside_handoff=beside_handoff)
+    layered, whole = out.layered, out.whole
+    assert not out.client.takes_layers  # asked once: whole puts (the TCP side channel here) from then on
+    assert out.left == [] and layered.stored == 5 and out.stat.tiers[0].reserved_bytes == 0
+    assert {k: bytes(b.payload) for k, b in out.got.items()} == {b.key: bytes(b.payload) for b in whole}
+    assert mover_bytes(node.address, "shm-layers") == before["shm-layers"]
+    assert mover_bytes(node.address, "tcp") - before["tcp"] == layered.bytes_written == sum(b.nbytes for b in whole)
+    # blocks 0-3 (kimi_k3: latents only) went while later forwards computed; block 4 (kimi_k3: with its snapshot) after
+    assert layered.bytes_early == sum(b.nbytes for b in whole[:4])
+    assert carries_state(engine, whole[4]) == family.stateful
+    if beside_handoff:  # the blocks put were the handoff's buffers themselves
+        copied_only_the_states(engine, family, out)
+
+
+# ---- llama only: its layers' CRCs are taken as they land (layer-major, one range of a block each) ------
+
+def test_a_damaged_llama_layer_is_refused_at_commit_and_never_served(kvstore_node) -> None:
+    node = kvstore_node(POOL)
+    engine = LLAMA.make_engine(chunk=8)
+    tokens = [(7 * i + 2) % 97 for i in range(16)]
+
+    def damage(block: int, layer: int, room: memoryview) -> None:  # after its CRC was taken, as a stray write
+        if block == 1 and layer == 1:
+            room[5] ^= 0xFF
+
+    out = export(engine, node.address, tokens, paced=False, landed=damage)
+    keys = out.seq.block_keys
+    assert out.layered.stored == 3 and out.layered.rejected == 1 and out.left == []
+    assert keys[1] not in out.got and all(keys[i] in out.got for i in (0, 2, 3))
+    assert node.metric("crescent_kvstore_checksum_failures_total", tier="put") == 1  # refused on arrival
+    assert out.stat.tiers[0].blocks == 3 and out.stat.tiers[0].reserved_bytes == 0
+
+
+def test_llama_blocks_the_node_holds_are_not_sent_again(kvstore_node) -> None:
+    node = kvstore_node(POOL)
+    tokens = [(11 * i + 5) % 97 for i in range(16)]
+    export(LLAMA.make_engine(), node.address, tokens, paced=False)
+    out = export(LLAMA.make_engine(), node.address, tokens, paced=False)  # a fresh engine: a cold prompt again
+    assert out.layered.bytes_written == 0 and out.left == [] and len(out.got) == 4 and out.stat.tiers[0].blocks == 4
+
+
+def test_llama_room_held_too_long_is_given_back_and_its_blocks_left_to_the_whole_put(kvstore_node) -> None:
+    node = kvstore_node({**POOL, "layer_reservation_ms": 200})
+
+    def slow(block: int, layer: int, room: memoryview) -> None:  # a chunk's forward outlasting half the room's life
+        if block == 0 and layer == 0:
+            time.sleep(0.15)
+
+    out = export(LLAMA.make_engine(chunk=16), node.address, [(17 * i) % 97 for i in range(16)], paced=False, landed=slow)
+    assert out.left == [0, 1, 2, 3] and out.layered.stored == 0 and out.got == {}
+    assert out.stat.tiers[0].reserved_bytes == 0 and out.stat.tiers[0].blocks == 0
+
+
+# ---- kimi_k3 only: snapshots -------------------------------------------------------------------------
 
 def test_a_cached_k3_prefix_is_not_exported_again(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = k3.make_engine(chunk=2 * K3_PAGE)
-    first = k3.prompt(5 * K3_PAGE + 3, seed=2)
-    export_k3(engine, node.address, first)
-    layered, left, got, whole, _ = export_k3(engine, node.address, first[: 4 * K3_PAGE] + k3.prompt(3 * K3_PAGE + 1, seed=3))
-    assert layered.first == 4 and layered.stored == 3 and left == []  # resumed from block 4's snapshot
-    assert all(bytes(got[k].payload) == bytes(b.payload) for k, b in whole.items())
+    node = kvstore_node(POOL)
+    engine = K3.make_engine(chunk=2 * K3.page)
+    first = K3.prompt(5 * K3.page + 3, 2)
+    export(engine, node.address, first)
+    out = export(engine, node.address, first[: 4 * K3.page] + K3.prompt(3 * K3.page + 1, 3))
+    assert out.layered.first == 4 and out.layered.stored == 3 and out.left == []  # resumed from block 4's snapshot
+    assert all(bytes(out.got[b.key].payload) == bytes(b.payload) for b in out.whole)
 
 
 def test_a_block_whose_snapshot_is_gone_before_its_state_is_copied_goes_whole(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = k3.make_engine(chunk=2 * K3_PAGE)
+    node = kvstore_node(POOL)
+    engine = K3.make_engine(chunk=2 * K3.page)
     layout = engine.cache.layer_layout()
-    tokens = k3.prompt(6 * K3_PAGE + 4, seed=4)
+    tokens = K3.prompt(6 * K3.page + 4, 4)
 
     def lose_block_1s_snapshot(seq, layer: int, end: int) -> None:  # noqa: ANN001 - as an eviction would
         if end == len(tokens) and layer == layout.states_after:
             engine.cache.snapshots.drop(seq.pages[1])
 
-    layered, left, got, whole, _ = export_k3(engine, node.address, tokens, before_layer=lose_block_1s_snapshot)
-    assert left == [1] and layered.stored == 5 and seq_key(whole, 1) not in got  # the whole put stores it
-    assert not carries_state(engine, whole[seq_key(whole, 1)])  # ... without the state it lost
-    assert all(bytes(got[k].payload) == bytes(b.payload) for k, b in whole.items() if k in got)
-
-
-def seq_key(whole: dict[bytes, KvBlock], i: int) -> bytes:
-    return list(whole)[i]
-
-
-def test_a_k3_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}})
-    engine = k3.make_engine(chunk=2048)
-    layout = engine.cache.layer_layout()
-    mla = [layer for layer, wire in enumerate(layout.wire_layers) if wire is not None]
-    layered, left, got, _, stat = export_k3(engine, node.address, k3.prompt(5 * K3_PAGE, seed=5), stop_at=mla[-1])
-    assert layered.bytes_written > 0 and layered.stored == 0  # its first MLA layer landed, then it stopped
-    assert left == [] and got == {}
-    assert stat.tiers[0].blocks == 0 and stat.tiers[0].reserved_bytes == 0
-
-
-def test_a_node_without_a_shared_pool_gets_each_k3_block_whole_once_final(kvstore_node) -> None:
-    node = kvstore_node({"tiers": {"host": {"capacity_bytes": 16 * MIB}}, "shared_memory": False})
-    engine = k3.make_engine(every=0, chunk=2 * K3_PAGE)  # a snapshot only at the prompt's last full block
-    before = {m: mover_bytes(node.address, m) for m in ("shm-layers", "tcp")}
-    layered, left, got, whole, stat = export_k3(engine, node.address, k3.prompt(5 * K3_PAGE + 1, seed=6))
-    assert left == [] and layered.stored == 5 and stat.tiers[0].reserved_bytes == 0
-    assert {k: bytes(b.payload) for k, b in got.items()} == {k: bytes(b.payload) for k, b in whole.items()}
-    assert mover_bytes(node.address, "shm-layers") == before["shm-layers"]
-    assert mover_bytes(node.address, "tcp") - before["tcp"] == layered.bytes_written == sum(b.nbytes for b in whole.values())
-    # blocks 0-3 (latents only) went while later forwards computed; block 4, with its snapshot, after
-    assert layered.bytes_early == sum(b.nbytes for b in list(whole.values())[:4])
-    assert carries_state(engine, list(whole.values())[4])
+    out = export(engine, node.address, tokens, before_layer=lose_block_1s_snapshot)
+    assert out.left == [1] and out.layered.stored == 5 and out.whole[1].key not in out.got  # the whole put stores it
+    assert not carries_state(engine, out.whole[1])  # ... without the state it lost
+    assert all(bytes(out.got[b.key].payload) == bytes(b.payload) for b in out.whole if b.key in out.got)
