@@ -30,6 +30,10 @@ instances ListInstances reports (and their block size; Place refuses another one
 FAILED_PRECONDITION, as the real scheduler does), how long ReportOutcome takes, and shows what
 each service received and observed.
 
+The fake reads prompts and writes replies in a ``Vocab``: the fake tokenizer's by default; a
+backend beside it may speak another (``real_echo_backend``: SmolLM2's, ``k3_echo_backend``: Kimi
+K3's), each its own ``State``, so several run in one process (``in_process.py``).
+
 Run: ``python -m tests.gateway.fake_backend --port P --control-port C --block-size B``.
 """
 
@@ -64,12 +68,22 @@ from fastapi import FastAPI
 from .fake_tokenizer import IM_END, IM_START, MODEL_ID, FakeTokenizer
 
 log = logging.getLogger("fake_backend")
-TOKENIZER = FakeTokenizer()
-_LAST_USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 _DIRECTIVE = re.compile(r"#(\w+)(?:=([\d.]+))?\s*")
 
 
-ALTERNATIVE = TOKENIZER.encode("\u03b1")[0]  # alternatives are Greek letters: two UTF-8 bytes each
+@dataclass(frozen=True)
+class Vocab:
+    """How a fake backend reads a prompt and writes its reply."""
+
+    tokenizer: Any            # encode(text) and decode(ids, skip_special_tokens=...), as the gateway's tokenizers
+    chat_start: int           # a prompt holding this token is a chat (else a raw completion prompt)
+    reply_end: int            # ends every reply that does not loop (the model's end of turn)
+    last_user: re.Pattern[str]  # a user turn of the decoded chat prompt: its text, group 1
+
+
+FAKE_VOCAB = Vocab(FakeTokenizer(), IM_START, IM_END, re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S))
+# The fake tokenizer's ids whatever the vocabulary (as when the echo backends swapped a module global)
+ALTERNATIVE = FAKE_VOCAB.tokenizer.encode("\u03b1")[0]  # alternatives are Greek letters: two UTF-8 bytes each
 
 
 def fake_logprob(index: int, token_id: int, top: int) -> common_pb2.TokenLogprob:
@@ -83,7 +97,7 @@ def fake_logprob(index: int, token_id: int, top: int) -> common_pb2.TokenLogprob
 
 @dataclass
 class Script:
-    reply: list[int]           # token ids, ending with IM_END unless looping
+    reply: list[int]           # token ids, ending with the vocabulary's reply_end unless looping
     loop: bool = False
     delay_s: float = 0.0
     batch: int = 1
@@ -101,16 +115,16 @@ class Script:
         return float("inf") if self.loop else len(self.reply)
 
 
-def scripted_message(prompt_ids: list[int]) -> str:
+def scripted_message(prompt_ids: list[int], vocab: Vocab = FAKE_VOCAB) -> str:
     """The text the reply echoes: the last user turn of a chat prompt, else the whole (raw) prompt."""
-    if IM_START not in prompt_ids:
-        return TOKENIZER.decode(prompt_ids)
-    users = _LAST_USER.findall(TOKENIZER.decode(prompt_ids, skip_special_tokens=False))
+    if vocab.chat_start not in prompt_ids:
+        return vocab.tokenizer.decode(prompt_ids)
+    users = vocab.last_user.findall(vocab.tokenizer.decode(prompt_ids, skip_special_tokens=False))
     return users[-1] if users else "ok"
 
 
-def parse_script(prompt_ids: list[int], seed: int | None = None) -> Script:
-    message = scripted_message(prompt_ids)
+def parse_script(prompt_ids: list[int], seed: int | None = None, vocab: Vocab = FAKE_VOCAB) -> Script:
+    message = scripted_message(prompt_ids, vocab)
     options: dict[str, str | None] = {}
     while (m := _DIRECTIVE.match(message)) is not None:
         options[m.group(1)] = m.group(2)
@@ -119,7 +133,7 @@ def parse_script(prompt_ids: list[int], seed: int | None = None) -> Script:
         words = message.split()
         message = " ".join(words[:1 + seed % len(words)])
     loop = "loop" in options
-    reply = TOKENIZER.encode(message or "ok") + ([] if loop else [IM_END])
+    reply = vocab.tokenizer.encode(message or "ok") + ([] if loop else [vocab.reply_end])
     return Script(
         reply=reply, loop=loop,
         delay_s=float(options.get("delay") or 0.0),
@@ -145,6 +159,7 @@ class Job:
 class State:
     address: str
     block_size: int
+    vocab: Vocab = FAKE_VOCAB
     prefill_instances: int = 1
     decode_instances: int = 1
     rejection: dict[str, Any] | None = None
@@ -251,9 +266,10 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         }
         self.state.prefills.append(record)
         seed = s.seed if s.has_seed else None
-        scripts = [parse_script(list(request.token_ids), choice_seed(seed, i)) for i in range(max(s.n, 1))]
+        vocab = self.state.vocab
+        scripts = [parse_script(list(request.token_ids), choice_seed(seed, i), vocab) for i in range(max(s.n, 1))]
         script = scripts[0]  # the directives are the same for every choice
-        message = scripted_message(list(request.token_ids))
+        message = scripted_message(list(request.token_ids), vocab)
         tries = self.state.prefill_attempts[message] = self.state.prefill_attempts.get(message, 0) + 1
         try:
             await asyncio.sleep(script.prefill_delay_s)
@@ -268,8 +284,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             jobs: dict[int, Job] = {}  # the choices decode continues
             for index, choice in enumerate(scripts):
                 first = choice.token(step)
-                finished = first == IM_END or s.max_tokens == 1
-                reason = "stop" if first == IM_END else "length"
+                finished = first == vocab.reply_end or s.max_tokens == 1
+                reason = "stop" if first == vocab.reply_end else "length"
                 if not finished:
                     jobs[index] = Job(choice, next_index=step + 1, remaining=s.max_tokens - 1, top_logprobs=top)
                 yield prefill_pb2.PrefillEvent(first_token=prefill_pb2.FirstToken(
@@ -318,7 +334,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "decode instance lost")
                 for index in sorted(jobs):
                     if index in jobs:  # not aborted while an earlier choice's event was sent
-                        yield self._next_event(index, jobs)
+                        yield self._next_event(index, jobs, self.state.vocab.reply_end)
                 rounds += 1
             self.state.decode_event(rid, "completed")
         except (asyncio.CancelledError, GeneratorExit):
@@ -330,7 +346,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             self.state.streaming.pop(rid, None)
 
     @staticmethod
-    def _next_event(index: int, jobs: dict[int, Job]) -> decode_pb2.TokenEvent:
+    def _next_event(index: int, jobs: dict[int, Job], reply_end: int) -> decode_pb2.TokenEvent:
         """Choice ``index``'s next event; a finished choice leaves ``jobs``."""
         job = jobs[index]
         ids, logprobs, reason = [], [], ""
@@ -341,7 +357,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 logprobs.append(fake_logprob(job.next_index, token, job.top_logprobs))
             job.next_index += 1
             job.remaining -= 1
-            reason = "stop" if token == IM_END else "length" if job.remaining <= 0 else ""
+            reason = "stop" if token == reply_end else "length" if job.remaining <= 0 else ""
         if reason:
             del jobs[index]
         return decode_pb2.TokenEvent(token_ids=ids, finished=bool(reason), finish_reason=reason, index=index,
@@ -417,9 +433,10 @@ def control_app(state: State) -> FastAPI:
     return app
 
 
-async def start(port: int, control_port: int, block_size: int) -> Callable[[], Awaitable[None]]:
+async def start(port: int, control_port: int, block_size: int,
+                vocab: Vocab = FAKE_VOCAB) -> Callable[[], Awaitable[None]]:
     """Serve the fakes and the control API on the running loop; returns what stops them."""
-    state = State(address=f"127.0.0.1:{port}", block_size=block_size)
+    state = State(address=f"127.0.0.1:{port}", block_size=block_size, vocab=vocab)
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(FakeScheduler(state), server)
     prefill_pb2_grpc.add_PrefillServicer_to_server(FakePrefill(state), server)
@@ -437,9 +454,9 @@ async def start(port: int, control_port: int, block_size: int) -> Callable[[], A
     return stop
 
 
-async def run(port: int, control_port: int, block_size: int) -> None:
+async def run(port: int, control_port: int, block_size: int, vocab: Vocab) -> None:
     """The process: ``start``, then serve until SIGINT or SIGTERM."""
-    stop_serving = await start(port, control_port, block_size)
+    stop_serving = await start(port, control_port, block_size, vocab)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -447,14 +464,15 @@ async def run(port: int, control_port: int, block_size: int) -> None:
     await stop_serving()
 
 
-def main() -> None:
+def main(vocab: Callable[[], Vocab] = lambda: FAKE_VOCAB) -> None:
+    """The process's entry; ``vocab`` is called once the arguments are read (a real tokenizer loads then)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--control-port", type=int, required=True)
     parser.add_argument("--block-size", type=int, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(run(args.port, args.control_port, args.block_size))
+    asyncio.run(run(args.port, args.control_port, args.block_size, vocab()))
 
 
 if __name__ == "__main__":

@@ -70,15 +70,18 @@ class _Loop:
 
 
 class InProcessBackend(FakeBackend):
-    """``fake_backend``'s services on the shared loop: same ports, control API and calls as ``FakeBackend``."""
+    """``fake_backend``'s services on the shared loop: same ports, control API and calls as
+    ``FakeBackend``. ``vocab``: the vocabulary it reads prompts and writes replies in (the fake
+    tokenizer's by default; ``real_echo_backend.vocab()``, ``k3_echo_backend.vocab()``), its own
+    beside any other backend's."""
 
-    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, block_size: int = BLOCK_SIZE, vocab: fake_backend.Vocab = fake_backend.FAKE_VOCAB) -> None:
         super().__init__()
-        self.block_size = block_size
+        self.block_size, self.vocab = block_size, vocab
         self._stop: Callable[[], Awaitable[None]] | None = None
 
     def start_backend(self) -> None:
-        self._stop = _Loop.shared().run(fake_backend.start(self.port, self.control_port, self.block_size))
+        self._stop = _Loop.shared().run(fake_backend.start(self.port, self.control_port, self.block_size, self.vocab))
 
     def alive(self) -> bool:
         return self._stop is not None

@@ -1,9 +1,10 @@
 """Kimi K3's API contract, driven with the ``openai`` SDK the way a K3 client drives it (non-standard
-fields in ``extra_body``), against a real gateway process serving kimi-k3-nano.
+fields in ``extra_body``), against the real gateway (the production model loader) serving kimi-k3-nano.
 
-The backend is the fake one with K3's tokenizer (``k3_echo_backend``): a test scripts the model's
-reply, in K3's own markup, as the last user message, and checks what the client gets back and
-what prefill received (prompt token ids, sampling, constraint).
+The backend is the fake one with K3's tokenizer (``k3_echo_backend.vocab``): a test scripts the
+model's reply, in K3's own markup, as the last user message, and checks what the client gets back
+and what prefill received (prompt token ids, sampling, constraint). Both are served from the test
+process (``in_process.py``): no process starts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from crescent.services.model.kimi_tokenizer import KimiTokenizer, tokenizer_for
 from crescent.services.model.model_source import resolve_model
 from tests.model.kimi_vocab import SHARED, needs_vocabulary, write_k3_checkpoint
 
-from .support import PRODUCTION_ENTRY, FakeBackend, Gateway
+from . import k3_echo_backend
+from .in_process import InProcessBackend, InProcessGateway
+from .support import PRODUCTION_ENTRY, FakeBackend
 
 pytestmark = needs_vocabulary
 MODEL = "kimi-k3-nano"
@@ -39,30 +42,24 @@ THINK_THEN_CALL = ("The user wants weather.<|close|>think<|sep|><|open|>response
                    + CALL_PARIS + "<|close|>message<|sep|>")
 
 
-class K3EchoBackend(FakeBackend):
-    def __init__(self) -> None:
-        super().__init__()
-        self.argv[self.argv.index("tests.gateway.fake_backend")] = "tests.gateway.k3_echo_backend"
-
-
 @pytest.fixture(scope="module")
 def k3_backend() -> Iterator[FakeBackend]:
-    backend = K3EchoBackend()
+    backend = InProcessBackend(vocab=k3_echo_backend.vocab())
     backend.start_backend()
     yield backend
     backend.stop()
 
 
 @pytest.fixture(scope="module")
-def k3_gateway(k3_backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = Gateway(tmp_path_factory.mktemp("k3"), k3_backend.address, entry=PRODUCTION_ENTRY, model=MODEL)
+def k3_gateway(k3_backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessGateway]:
+    gw = InProcessGateway(tmp_path_factory.mktemp("k3"), k3_backend.address, entry=PRODUCTION_ENTRY, model=MODEL)
     gw.start_gateway(timeout_s=60)
     yield gw
     assert gw.stop() == 0
 
 
 @pytest.fixture(scope="module")
-def api(k3_gateway: Gateway) -> Iterator[openai.OpenAI]:
+def api(k3_gateway: InProcessGateway) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{k3_gateway.url}/v1", api_key="unused", max_retries=0, timeout=20) as client:
         yield client
 
@@ -93,7 +90,6 @@ def refused(call: Any) -> dict[str, Any]:
     return body.get("error", body)
 
 
-@pytest.mark.slow
 def test_a_thinking_reply_becomes_reasoning_content_and_tool_calls(api: openai.OpenAI) -> None:
     reply = api.chat.completions.create(model=MODEL, messages=user(THINK_THEN_CALL), tools=[WEATHER])
     choice = reply.choices[0]
@@ -103,7 +99,6 @@ def test_a_thinking_reply_becomes_reasoning_content_and_tool_calls(api: openai.O
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
 
 
-@pytest.mark.slow
 def test_the_same_reply_streamed(api: openai.OpenAI) -> None:
     reasoning, content, name, arguments, finish = "", "", "", "", None
     for chunk in api.chat.completions.create(model=MODEL, messages=user(THINK_THEN_CALL), tools=[WEATHER],
@@ -119,7 +114,6 @@ def test_the_same_reply_streamed(api: openai.OpenAI) -> None:
         "The user wants weather.", "Checking.", "get_weather", {"city": "Paris"}, "tool_calls")
 
 
-@pytest.mark.slow
 def test_a_call_and_its_result_sent_back_render_where_k3_puts_them(api: openai.OpenAI, k3_backend: FakeBackend,
                                                                     k3: KimiTokenizer) -> None:
     first = api.chat.completions.create(model=MODEL, messages=user(THINK_THEN_CALL), tools=[WEATHER])
@@ -136,7 +130,6 @@ def test_a_call_and_its_result_sent_back_render_where_k3_puts_them(api: openai.O
     assert reply.usage.prompt_tokens == len(sent(k3_backend)["token_ids"])
 
 
-@pytest.mark.slow
 def test_usage_counts_the_tokens_of_k3s_own_format(api: openai.OpenAI, k3_backend: FakeBackend,
                                                    k3: KimiTokenizer) -> None:
     reply = api.chat.completions.create(model=MODEL, messages=user("Hi"))
@@ -144,7 +137,6 @@ def test_usage_counts_the_tokens_of_k3s_own_format(api: openai.OpenAI, k3_backen
     assert sent(k3_backend)["token_ids"] == expected and reply.usage.prompt_tokens == len(expected)
 
 
-@pytest.mark.slow
 def test_thinking_effort_wins_over_reasoning_effort_and_keep_all_is_accepted(
         api: openai.OpenAI, k3_backend: FakeBackend, k3: KimiTokenizer) -> None:
     api.chat.completions.create(model=MODEL, messages=user("Hi"), reasoning_effort="high",  # type: ignore[arg-type]
@@ -159,7 +151,6 @@ def test_thinking_effort_wins_over_reasoning_effort_and_keep_all_is_accepted(
     assert error["param"] == "thinking.effort" and "low" in error["message"]
 
 
-@pytest.mark.slow
 def test_instant_mode_ignores_the_effort_and_answers_in_the_response_channel(
         api: openai.OpenAI, k3_backend: FakeBackend, k3: KimiTokenizer) -> None:
     reply = api.chat.completions.create(
@@ -178,14 +169,12 @@ def test_instant_mode_ignores_the_effort_and_answers_in_the_response_channel(
     ({"frequency_penalty": 0.2}, "frequency_penalty"), ({"n": 2}, "n"),
     ({"temperature": 1.0, "extra_body": {"thinking": {"type": "disabled"}}}, "temperature"),
 ])
-@pytest.mark.slow
 def test_locked_sampling_parameters_are_refused_by_name(api: openai.OpenAI, fields: dict, param: str) -> None:
     error = refused(lambda: api.chat.completions.create(model=MODEL, messages=user("Hi"), **fields))
     assert (error["param"], error["code"]) == (param, "locked_parameter")
     assert "fixed at" in error["message"]
 
 
-@pytest.mark.slow
 def test_locked_parameters_sent_at_their_fixed_values_are_accepted(api: openai.OpenAI) -> None:
     reply = api.chat.completions.create(model=MODEL, messages=user("Hi"), temperature=1.0, top_p=0.95, n=1,
                                         presence_penalty=0.0, frequency_penalty=0.0)
@@ -193,12 +182,10 @@ def test_locked_parameters_sent_at_their_fixed_values_are_accepted(api: openai.O
 
 
 @pytest.mark.parametrize("choice", ["none", "auto"])
-@pytest.mark.slow
 def test_tool_choice_none_or_auto_without_tools_is_accepted(api: openai.OpenAI, choice: str) -> None:
     assert api.chat.completions.create(model=MODEL, messages=user("Hi"), tool_choice=choice).choices  # type: ignore
 
 
-@pytest.mark.slow
 def test_dynamic_tools_are_declared_in_place_and_callable(api: openai.OpenAI, k3_backend: FakeBackend,
                                                           k3: KimiTokenizer) -> None:
     reply_text = ("Time?<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
@@ -214,7 +201,6 @@ def test_dynamic_tools_are_declared_in_place_and_callable(api: openai.OpenAI, k3
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "clock"}}])
-@pytest.mark.slow
 def test_a_forced_call_is_satisfied_by_dynamic_tools_alone(api: openai.OpenAI, k3_backend: FakeBackend,
                                                            k3: KimiTokenizer, choice: Any) -> None:
     messages = [{"role": "system", "tools": [CLOCK]}, *user("What time is it?")]
@@ -233,7 +219,6 @@ def test_a_forced_call_is_satisfied_by_dynamic_tools_alone(api: openai.OpenAI, k
         {"role": "tool", "content": "sunny"}]}, "tool_call_id"),
     ({"messages": [{"role": "user", "content": "Hi", "tools": [CLOCK]}]}, "tools"),
 ])
-@pytest.mark.slow
 def test_incomplete_requests_are_refused(api: openai.OpenAI, body: dict[str, Any], param: str) -> None:
     fields = {"messages": user("Hi"), **body}
     error = refused(lambda: api.chat.completions.create(model=MODEL, **fields))
@@ -259,7 +244,6 @@ class Verdict(pydantic.BaseModel):
     verdict: str
 
 
-@pytest.mark.slow
 def test_a_structured_output_is_the_response_channels_text(api: openai.OpenAI, k3_backend: FakeBackend,
                                                            k3: KimiTokenizer) -> None:
     scripted = ('<|close|>think<|sep|><|open|>response<|sep|>{"verdict": "yes"}<|close|>response<|sep|>'
