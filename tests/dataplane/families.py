@@ -66,6 +66,11 @@ class Family:
         return self.name
 
 
+def k3_engine(cfg=k3.TEST_CFG, **kwargs) -> Engine:  # noqa: ANN001, ANN003
+    """The tiny kimi_k3 model with ``cfg`` (``k3.BF16_CFG``: bf16 latents, fp32 states)."""
+    return k3.make_engine(cfg=cfg, **kwargs)
+
+
 LLAMA = Family("llama", LLAMA_PAGE, llama_engine, llama_prompt, stateful=False)
 K3 = Family("k3", K3_PAGE, k3.make_engine, k3.prompt, stateful=True)
 FAMILIES = [LLAMA, K3]

@@ -25,12 +25,9 @@ from crescent.services.prefill.layerwise import LayerwiseHandoff, hands_off_laye
 from crescent.services.prefill.layerwise_store import stores_layerwise
 from crescent.services.prefill.prompt_export import PromptExport
 from tests.dataplane.families import (FAMILIES, K3, LLAMA, InlineWorker, as_bytes, assemble, continue_greedy,
-                                      feed_all, handed_payloads, latents_only, layer_part, stream_layerwise)
-from tests.engine.test_kimi_k3_snapshots import BF16_CFG, TEST_CFG
-
-
-def k3_engine(cfg=TEST_CFG, **kwargs) -> Engine:  # noqa: ANN001
-    return K3.make_engine(cfg=cfg, **kwargs)
+                                      feed_all, handed_payloads, k3_engine, latents_only, layer_part,
+                                      stream_layerwise)
+from tests.engine.test_kimi_k3_snapshots import BF16_CFG
 
 
 # (family, engine factory, chunk tokens, prompt tokens): llama's 5 full blocks and a partial one in 3

@@ -38,7 +38,7 @@ from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
 from crescent.services.prefill.prompt_export import PromptExport, owned_bytes
-from tests.dataplane.families import K3, LLAMA, MIB, Family, mover_bytes
+from tests.dataplane.families import K3, LLAMA, MIB, Family, k3_engine, mover_bytes
 from tests.engine import test_kimi_k3_snapshots as k3
 
 pytestmark = pytest.mark.slow  # every test starts a kvstore node process: `make test-fast` leaves them out
@@ -78,7 +78,8 @@ class Exported:
 
 
 def last_kv_layer(engine: Engine) -> int:
-    """The hook index of the model's last layer with per-token KV (llama: its last layer; kimi_k3: its last MLA layer)."""
+    """The hook index of the model's last layer with per-token KV (llama: its last layer; kimi_k3:
+    its last MLA layer)."""
     return max(layer for layer, wire in enumerate(engine.cache.layer_layout().wire_layers) if wire is not None)
 
 
@@ -94,7 +95,7 @@ def export(engine: Engine, address: str, tokens: list[int], *, paced: bool = Tru
     its room, CRC taken)."""
     async def main() -> Exported:
         client = KvStoreClient(address, shared_memory=True)
-        reserves: list[int] = []
+        reserves: list[int] = []  # blocks granted room, per reservation (what the node answered)
         reserve = client._stub.ReserveShm
 
         async def counted(request, **kwargs):  # noqa: ANN001, ANN003, ANN202
@@ -104,8 +105,10 @@ def export(engine: Engine, address: str, tokens: list[int], *, paced: bool = Tru
 
         client._stub.ReserveShm = counted
         seq = engine.add_sequence("s", tokens)
-        source = (LayerwiseHandoff(engine, seq, PromptExport(engine, None, seq, len(tokens)), decode_pb2.HandoffHeader())
-                  if beside_handoff else None)
+        source = None
+        if beside_handoff:
+            whole_export = PromptExport(engine, None, seq, len(tokens))
+            source = LayerwiseHandoff(engine, seq, whole_export, decode_pb2.HandoffHeader())
         layered = LayerwiseStoreExport(engine, seq, seq.num_computed, client, source=source)
         layered.source = source
         if landed is not None:
@@ -162,17 +165,13 @@ def copied_only_the_states(engine: Engine, family: Family, out: Exported) -> Non
 
 # ---- both families ------------------------------------------------------------------------------
 
-def k3_engine(cfg=k3.TEST_CFG, **kwargs) -> Engine:  # noqa: ANN001
-    return K3.make_engine(cfg=cfg, **kwargs)
-
-
 # (family, engine factory, full blocks, tokens past them, chunk in pages (None: one forward), snapshot
 # slots, beside a handoff). llama: 5 full blocks and 3 tokens in 3 chunks; kimi_k3: a pool of 3
 # evicting most snapshots on the way, a full last block (its live state), bf16 latents (fp32
 # states), one forward.
 READ_BACK = [
-    pytest.param(LLAMA, LLAMA.make_engine, 5, 3, 2, 0, False, id="llama-alone"),
-    pytest.param(LLAMA, LLAMA.make_engine, 5, 3, 2, 0, True, id="llama-beside-handoff"),
+    pytest.param(LLAMA, LLAMA.make_engine, 5, 3, 2, None, False, id="llama-alone"),
+    pytest.param(LLAMA, LLAMA.make_engine, 5, 3, 2, None, True, id="llama-beside-handoff"),
     pytest.param(K3, k3_engine, 13, 5, 4, 3, False, id="k3-evicting"),
     pytest.param(K3, k3_engine, 12, 0, 4, 3, False, id="k3-live-state"),
     pytest.param(K3, lambda **kw: k3_engine(k3.BF16_CFG, **kw), 9, 7, 3, 32, False, id="k3-bf16"),
@@ -204,7 +203,8 @@ def test_blocks_stream_per_layer_and_read_back_as_the_whole_block_export_stores_
     # computed, all but that layer of the blocks the last forward completes (the others' layers
     # and every state came before)
     last_forward_blocks = blocks - (n - 1) // chunk * chunk // page
-    assert layered.bytes_written - layered.bytes_early == last_forward_blocks * engine.cache.layer_layout().layer_bytes(page)
+    last_layer = engine.cache.layer_layout().layer_bytes(page)
+    assert layered.bytes_written - layered.bytes_early == last_forward_blocks * last_layer
     assert out.stat.tiers[0].reserved_bytes == 0 and out.stat.tiers[0].blocks == blocks
     assert mover_bytes(node.address, "shm-layers") - before == layered.bytes_written
     assert not out.client.errors
@@ -216,7 +216,8 @@ def test_blocks_stream_per_layer_and_read_back_as_the_whole_block_export_stores_
 
 # (family, full blocks): one forward, whose blocks are whole only at its last layer with KV
 @pytest.mark.parametrize(("family", "blocks"), [(LLAMA, 4), (K3, 5)], ids=str)
-def test_a_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(kvstore_node, family, blocks) -> None:  # noqa: ANN001
+def test_a_prompt_stopped_midway_leaves_nothing_and_gives_its_room_back(
+        kvstore_node, family, blocks) -> None:  # noqa: ANN001
     node = kvstore_node(POOL)
     engine = family.make_engine(chunk=2048)
     out = export(engine, node.address, family.prompt(blocks * family.page, 5), stop_at=last_kv_layer(engine))
@@ -289,7 +290,8 @@ def test_llama_room_held_too_long_is_given_back_and_its_blocks_left_to_the_whole
         if block == 0 and layer == 0:
             time.sleep(0.15)
 
-    out = export(LLAMA.make_engine(chunk=16), node.address, [(17 * i) % 97 for i in range(16)], paced=False, landed=slow)
+    tokens = [(17 * i) % 97 for i in range(16)]
+    out = export(LLAMA.make_engine(chunk=16), node.address, tokens, paced=False, landed=slow)
     assert out.left == [0, 1, 2, 3] and out.layered.stored == 0 and out.got == {}
     assert out.stat.tiers[0].reserved_bytes == 0 and out.stat.tiers[0].blocks == 0
 
