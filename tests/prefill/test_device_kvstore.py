@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,9 +36,12 @@ from crescent.services.kvstore.client import KvStoreClient, wait_ready
 from crescent.services.kvstore.cuda_ipc import CUDA_IPC, CudaIpc
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.prefill.batcher import PrefillBatcher
+from crescent.services.prefill.config import PrefillBaseSettings
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.pipeline import FirstToken, HandedOff, PrefillPipeline
 from crescent.services.prefill.prompt_export import owned_bytes
+from crescent.services.prefill.server import kvstore_client
+from crescent.services.prefill.servicer import PrefillServicer
 from tests.engine.tiny_model import TINY, tiny_weights
 from tests.kvstore.ipc_stand_in import ShmOpener
 from tests.prefill.test_pipeline import DECODE, LandingSink
@@ -223,11 +227,22 @@ async def test_a_node_without_a_gpu_tier_gets_the_same_bytes_through_the_host_pa
         opener.close(unlink=True)
 
 
-def test_a_pool_on_the_cpu_takes_no_device_path() -> None:
+async def test_a_pool_on_the_cpu_takes_no_device_path() -> None:
+    """A prefill process on the CPU builds what it built before: no device opener, no device rooms."""
     engine = make_engine()
     assert DeviceBlocks.for_cache(engine.cache) is None
     meta = PagedKvCache(4, 2, PAGE, 2, 8, device="meta")
     assert DeviceBlocks.for_cache(meta) is None  # only CUDA: the meta device stands in for "not a GPU"
+    settings = PrefillBaseSettings(scheduler_address="127.0.0.1:1", kvstore_address="127.0.0.1:2")
+    client = kvstore_client(settings, SimpleNamespace(engine=engine, tls=None))  # the process's own wiring
+    assert client is not None
+    servicer = PrefillServicer(engine, EngineWorker("prefill"), client, 0, lambda: None)
+    try:
+        assert CUDA_IPC not in [m.name for m in client.movers] and not client.device_path_open
+        assert servicer.pipeline.device is None and not servicer.pipeline.on_device
+    finally:
+        await servicer.close()
+        await client.close()
 
 
 def test_gathered_rooms_hold_a_blocks_bytes_and_attach_as_its_pages() -> None:
