@@ -121,10 +121,10 @@ async def prefill(engine: Engine, client: KvStoreClient, rid: str, device_blocks
 
 
 def host_export(engine: Engine) -> list[KvBlock]:
-    """The prompt's full blocks as the host export stores them (``_export_new_blocks``), computed
-    again without the prefix cache."""
-    seq = engine.add_sequence("again", PROMPT, use_cache=False)
-    engine.prefill(seq)
+    """The prompt's full blocks as the host export (``_export_new_blocks``) stores them, from the
+    very pages the engine's prefix cache keeps of the prompt."""
+    seq = engine.add_sequence("again", PROMPT)
+    assert seq.num_cached == CACHED, "the prompt's full blocks are in the engine's prefix cache"
     keys = seq.block_keys
     blocks = [KvBlock.build(keys[i], keys[i - 1] if i else None, engine.model_id, kv_dtype(engine.cache),
                             engine.cache.block_shape, PROMPT[i * PAGE : (i + 1) * PAGE],
