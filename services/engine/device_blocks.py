@@ -89,6 +89,10 @@ class DeviceBlocks:
         """Full blocks ``indices`` of ``seq``, each copied into a room of its own (engine thread:
         stream-ordered after the forwards that wrote them)."""
         rooms = self.rooms(len(indices))
-        for room, index in zip(rooms, indices):
-            self.payload(room).copy_(engine.block_payload(seq, index))
+        try:
+            for room, index in zip(rooms, indices):
+                self.payload(room).copy_(engine.block_payload(seq, index))
+        except BaseException:
+            self.free(rooms)
+            raise
         return rooms

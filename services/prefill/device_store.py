@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+import torch
+
 from crescent.services.contract.block_keys import BlockKey
 from crescent.services.engine.device_blocks import DeviceBlocks
 from crescent.services.engine.engine import Engine, Sequence
@@ -79,7 +81,11 @@ class DeviceStore:
         """(the leading blocks of ``keys`` found and matching the prompt, as payloads in their rooms;
         every room; whether the node missed one)."""
         engine, block_size = self.engine, self.engine.block_size
-        rooms = self.blocks.rooms(len(keys))
+        try:
+            rooms = self.blocks.rooms(len(keys))
+        except torch.OutOfMemoryError as exc:  # a cache: no room means the host way, not a failed request
+            log.warning("no device memory for %d kvstore blocks (%s); fetching them the host way", len(keys), exc)
+            return [], [], True
         try:
             found = await self.kvstore.get_device(keys, rooms, engine.model_id, lease_ms, stop_at_first_miss=True)
         except BaseException:
@@ -111,7 +117,13 @@ class DeviceStore:
         try:
             for at in range(0, len(indices), DEVICE_BATCH_BLOCKS):
                 batch = indices[at : at + DEVICE_BATCH_BLOCKS]
-                rooms = await self.worker.run(self.blocks.gather, engine, seq, batch)
+                try:
+                    rooms = await self.worker.run(self.blocks.gather, engine, seq, batch)
+                except torch.OutOfMemoryError as exc:  # a cache: blocks not stored are computed again later
+                    log.warning("no device memory to export %d new blocks (%s); not storing them",
+                                len(indices) - at, exc)
+                    indices = indices[:at]
+                    break
                 if at + DEVICE_BATCH_BLOCKS >= len(indices):
                     released = True
                     release()

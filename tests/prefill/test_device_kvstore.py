@@ -37,6 +37,7 @@ from crescent.services.kvstore.cuda_ipc import CUDA_IPC, CudaIpc
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.prefill.batcher import PrefillBatcher
 from crescent.services.prefill.config import PrefillBaseSettings
+from crescent.services.prefill.device_store import DeviceStore
 from crescent.services.prefill.load import PrefillLoad
 from crescent.services.prefill.pipeline import FirstToken, HandedOff, PrefillPipeline
 from crescent.services.prefill.prompt_export import owned_bytes
@@ -264,6 +265,32 @@ def test_gathered_rooms_hold_a_blocks_bytes_and_attach_as_its_pages() -> None:
     into = other.add_sequence("t", PROMPT)
     assert other.attach_blocks(into, [blocks.payload(r) for r in rooms]) == CACHED
     assert all(torch.equal(other.block_payload(into, i), engine.block_payload(seq, i)) for i in range(4))
+
+
+class OutOfRooms:
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    def free(self, rooms) -> None:  # noqa: ANN001
+        pass
+
+
+class InlineWorker:
+    async def run(self, fn, *args):  # noqa: ANN001, ANN002, ANN201
+        return fn(*args)
+
+
+async def test_no_device_memory_for_rooms_costs_the_cache_not_the_request() -> None:
+    """Rooms that cannot be had: the load is left to the host path, the export stores nothing,
+    the prompt's pages go back, and nothing raises into the request (no kvstore call is made)."""
+    engine = make_engine()
+    store = DeviceStore(engine, InlineWorker(), None, DeviceBlocks(engine.cache, OutOfRooms()), engine_metrics("prefill"))
+    seq = engine.add_sequence("s", PROMPT)
+    assert await store.attach(seq, engine.missing_prefix_keys(seq), 0) == (0, True)  # (nothing, ask the host way)
+    engine.prefill(seq)
+    released = []
+    await store.store(seq, 0, lambda: released.append(True), 0.0)
+    assert released == [True]
 
 
 @pytest.mark.gpu
