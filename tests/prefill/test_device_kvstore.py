@@ -47,18 +47,18 @@ from tests.engine.tiny_model import TINY, tiny_weights
 from tests.kvstore.ipc_stand_in import ShmOpener
 from tests.prefill.test_pipeline import DECODE, LandingSink
 
-PAGE = 4
+PAGE = 16  # a key tile of the Triton kernels on CUDA has at least 16 tokens (the ``…_cuda`` variant)
 GPU_NODE = {"tiers": {"gpu": {"enabled": True, "capacity_bytes": 64 << 10}}}
 STAND_IN = "tests.kvstore.ipc_node"
-PROMPT = [(7 * i + 3) % 97 for i in range(19)]  # 4 full blocks, and 3 tokens
-CACHED = 16  # a prefix hit leaves the last token to compute: the 4 full blocks
+PROMPT = [(7 * i + 3) % 97 for i in range(4 * PAGE + 3)]  # 4 full blocks, and 3 tokens
+CACHED = 4 * PAGE  # a prefix hit leaves the last token to compute: the 4 full blocks
 MAX_TOKENS = 6
 
 
 def make_engine(device: str = "cpu") -> Engine:
     torch.set_num_threads(1)
     return Engine(LlamaModel(TINY, tiny_weights(TINY), device=device), model_id="tiny",
-                  kv_capacity_tokens=64 * PAGE, block_size=PAGE, prefill_chunk_tokens=8)
+                  kv_capacity_tokens=64 * PAGE, block_size=PAGE, prefill_chunk_tokens=2 * PAGE)
 
 
 class StandInRooms:
