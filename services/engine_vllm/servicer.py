@@ -21,7 +21,7 @@ from vllm.inputs import TokensPrompt
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from crescent.services.contract.choices import MAX_CHOICES, reserve_tokens
 from crescent.services.common.logs import request_id_var
-from crescent.services.decode.servicer import never_fits_message
+from crescent.services.decode.pipeline import never_fits_message
 from crescent.services.engine_vllm.connector_options import PRIVATE_SALT_PREFIX, tenant_salt
 from crescent.services.engine_vllm.engine import BackendFacts
 from crescent.services.decode.request import ABORTED, DRAINING, ENDINGS, ERROR
