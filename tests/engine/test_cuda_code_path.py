@@ -1,0 +1,105 @@
+"""The native engine's CUDA code path, run on this CPU (no GPU here).
+
+``crescent.kernels.cpu.ops._on_gpu`` is the one place that decides whether a tensor goes to the
+Triton kernels (the invariant linear and RMSNorm); patched to say "GPU", CPU tensors take that
+path and the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py) runs the kernels.
+With the attention seam handing out ``TritonAttention`` over ``crescent.kernels.paged`` as it does
+for a CUDA cache, the whole Llama forward is the one a GPU would run, kernel for kernel. What this
+cannot show: the kernels' speed, TF32 dots (the interpreter computes in numpy), and anything about
+streams or host syncs (the meta-device test below covers the latter).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import crescent.services.engine.llama as llama
+from crescent.kernels.cpu import ops as cpu_ops
+from crescent.services.engine import attention as attention_mod
+from crescent.services.engine.attention import TritonAttention
+from crescent.services.engine.engine import Engine
+from crescent.services.engine.llama import LlamaModel
+from tests.engine.tiny_model import TINY, dense_logits, tiny_weights
+
+pytestmark = pytest.mark.skipif(attention_mod.triton_paged_attention() is None, reason="Triton is not installed")
+
+PAGE = 16
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(2, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.fixture
+def cuda_path(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Every tensor claimed by the Triton kernels, attention on crescent.kernels.paged; counts the
+    kernel calls so a test can tell the path really ran."""
+    calls = {"invariant_linear": 0, "invariant_rms_norm": 0}
+    real = cpu_ops._triton_ops()
+
+    def counted(name: str):  # noqa: ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            return getattr(real, name)(*args, **kwargs)
+        return call
+
+    spy = types.SimpleNamespace(**{name: counted(name) for name in calls})
+    monkeypatch.setattr(cpu_ops, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(cpu_ops, "_triton_ops", lambda: spy)
+    monkeypatch.setattr(llama, "attention_for",
+                        lambda *a, scale, **k: TritonAttention(scale, attention_mod.triton_paged_attention()))
+    return calls
+
+
+def engine_in(dtype: torch.dtype) -> Engine:
+    torch.set_num_threads(1)
+    weights = {n: t.to(dtype) for n, t in tiny_weights().items()}  # a checkpoint stored in `dtype`
+    model = LlamaModel(TINY, weights, device="cpu", dtype=dtype)
+    return Engine(model, model_id="tiny", kv_capacity_tokens=48 * PAGE, block_size=PAGE)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_the_whole_forward_on_the_cuda_path_matches_the_dense_reference(cuda_path, dtype, tol) -> None:  # noqa: ANN001
+    """Prefill, then decode steps, every linear, norm and attention on the Triton kernels, against
+    the textbook float32 forward (the tolerances of tests/engine/test_device.py: float32 to
+    rounding, bf16 to its 8-bit mantissa)."""
+    engine = engine_in(dtype)
+    model = engine.model
+    assert model.layers[0].qkv.weight.dtype == dtype  # the GPU path keeps the weight's dtype
+    tokens = prompt(45)
+    reference = dense_logits(TINY, tiny_weights(), tokens)
+    seq = engine.add_sequence("a", tokens[:40])
+    assert rel_err(engine.prefill(seq), reference[39]) < tol
+    assert model.attention_path(engine.cache).name == "triton"
+    # per layer: qkv, o, gate_up, down and two norms; then the final norm and lm_head
+    assert cuda_path == {"invariant_linear": 4 * TINY.num_layers + 1, "invariant_rms_norm": 2 * TINY.num_layers + 1}
+    for i in range(40, 45):
+        seq.token_ids.append(tokens[i])
+        assert rel_err(engine.decode_step([seq])[0], reference[i]) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])  # 6-10 s each
+def test_a_decode_row_has_the_same_bits_alone_and_in_a_batch_of_8(cuda_path, dtype) -> None:  # noqa: ANN001
+    """Issue 30 item 3, "batch 1 and batch 8 give the same bits on the GPU too", on the kernels a
+    GPU runs: each of 8 decode rows of one step equals, bit for bit, the same row decoded alone in
+    a fresh engine (other pages, other batch)."""
+    engine = engine_in(dtype)
+    seqs = [engine.add_sequence(f"s{i}", prompt(3 + 5 * i, seed=i)) for i in range(8)]
+    for seq in seqs:
+        seq.token_ids.append(int(engine.prefill(seq).argmax()))
+    batched = engine.decode_step(seqs)
+    assert batched.shape[0] == 8
+    for i in (2, 7):
+        alone_engine = engine_in(dtype)
+        alone_engine.prefill(alone_engine.add_sequence("pad", prompt(18, seed=99)))  # the row's pages sit elsewhere
+        alone = alone_engine.add_sequence("x", seqs[i].token_ids[:-1])
+        alone_engine.prefill(alone)
+        alone.token_ids.append(seqs[i].token_ids[-1])
+        assert torch.equal(alone_engine.decode_step([alone])[0], batched[i]), f"row {i}"
