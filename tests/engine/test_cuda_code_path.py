@@ -103,3 +103,33 @@ def test_a_decode_row_has_the_same_bits_alone_and_in_a_batch_of_8(cuda_path, dty
         alone_engine.prefill(alone)
         alone.token_ids.append(seqs[i].token_ids[-1])
         assert torch.equal(alone_engine.decode_step([alone])[0], batched[i]), f"row {i}"
+
+
+# ---- what the CUDA attention kernels cannot take ---------------------------------------------------------
+
+
+def test_a_block_size_the_cuda_kernels_cannot_take_is_refused_at_start_naming_the_setting(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """Before the model loads (an empty .gguf is never read), not at the first forward."""
+    import crescent.services.instance.runtime as runtime
+    from crescent.services.engine.device import DeviceSettingError
+    from crescent.services.engine.loader.errors import ModelLoadError
+    from crescent.services.engine.settings import EngineSettings
+
+    monkeypatch.setattr(runtime, "resolve_device", lambda name: torch.device("cuda"))  # as on a GPU node
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    with pytest.raises(DeviceSettingError, match=r"engine\.block_size 24 on engine\.device 'cuda'.*multiple of 16"):
+        runtime.build_engine(EngineSettings(device="cuda", model=str(model), block_size=24), progress=False)
+    # a fitting block size gets past the check to the loader (which then fails on the empty file)
+    with pytest.raises(ModelLoadError, match="cannot read GGUF"):
+        runtime.build_engine(EngineSettings(device="cuda", model=str(model), block_size=48), progress=False)
+
+
+def test_a_head_dim_over_256_takes_the_torch_path_on_cuda_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING"):
+        path = attention_mod.attention_for(cuda, torch.bfloat16, torch.bfloat16, head_dim=320, group=2, scale=0.1)
+    assert path.name == "torch" and "head dim 320 is over the Triton kernels' 256" in caplog.text
+    assert attention_mod.attention_for(cuda, torch.bfloat16, torch.bfloat16, head_dim=256, group=2,
+                                       scale=0.1).name == "triton"
