@@ -133,3 +133,49 @@ def test_a_head_dim_over_256_takes_the_torch_path_on_cuda_and_says_why(caplog: p
     assert path.name == "torch" and "head dim 320 is over the Triton kernels' 256" in caplog.text
     assert attention_mod.attention_for(cuda, torch.bfloat16, torch.bfloat16, head_dim=256, group=2,
                                        scale=0.1).name == "triton"
+
+
+# ---- no host sync on the Triton path ------------------------------------------------------------------
+
+
+class ShapeOnlyPagedKernels:
+    """``crescent.kernels.paged``'s entry points as outputs of the right shape on q's device (as
+    tests/engine/test_kimi_k3_device_path.py's ``ShapeOnlyKernels`` does for K3); records which ran."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def paged_decode_attention(self, q, k_pool, v_pool, block_tables, seq_lens, *, scale):  # noqa: ANN001
+        self.calls.append(("decode", q.shape[0]))
+        return torch.empty_like(q)
+
+    def paged_prefill_attention(self, q, k_pool, v_pool, block_tables, seq_lens, cu_q, *, scale):  # noqa: ANN001
+        self.calls.append(("prefill", q.shape[0]))
+        return torch.empty_like(q)
+
+
+def test_the_triton_path_on_the_meta_device_mixes_no_host_tensor_and_reads_nothing_back(monkeypatch) -> None:  # noqa: ANN001
+    """The Llama forward as a GPU runs it (Triton linear, RMSNorm and paged attention, each kernel
+    replaced by a shape-only stand-in) on ``meta`` tensors, which hold no values: a ``.item()``,
+    ``.tolist()``, ``.cpu()`` or a Python branch on a device tensor anywhere in the path raises, and
+    so does a CPU tensor mixed into device compute (the attention seam's tables, lengths, rows)."""
+    from crescent.services.engine.kv_cache import PagedKvCache
+    from crescent.services.engine.llama import ForwardBatch, SeqChunk
+
+    kernels = ShapeOnlyPagedKernels()
+    dense = types.SimpleNamespace(
+        invariant_linear=lambda x, w: x.new_empty((x.shape[0], w.shape[0])),
+        invariant_rms_norm=lambda x, w, eps: torch.empty_like(x))
+    monkeypatch.setattr(cpu_ops, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(cpu_ops, "_triton_ops", lambda: dense)
+    monkeypatch.setattr(llama, "attention_for", lambda *a, scale, **k: TritonAttention(scale, kernels))
+    model = LlamaModel(TINY, tiny_weights(), device="meta", dtype=torch.bfloat16)
+    cache = PagedKvCache(8, TINY.num_layers, PAGE, TINY.num_kv_heads, TINY.head_dim, dtype=torch.bfloat16,
+                         device="meta")
+    chunks = [(SeqChunk((0, 1), 20, 20), prompt(20)), (SeqChunk((2,), 9, 1), [5]),  # a prompt, a decode row,
+              (SeqChunk((3, 4), 30, 10), prompt(10)), (SeqChunk((5,), 3, 1), [7])]  # a chunk after a prefix
+    hooks: list[int] = []
+    logits = model.forward(ForwardBatch.build(chunks, PAGE), cache, [0, 1, 2, 3], on_layer=hooks.append)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (4, TINY.vocab_size)
+    assert model.attention_path(cache).name == "triton" and hooks == list(range(TINY.num_layers))
+    assert kernels.calls == [("decode", 2), ("prefill", 30)] * TINY.num_layers  # rows gathered and scattered
