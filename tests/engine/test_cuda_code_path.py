@@ -179,3 +179,33 @@ def test_the_triton_path_on_the_meta_device_mixes_no_host_tensor_and_reads_nothi
     assert logits.device.type == "meta" and tuple(logits.shape) == (4, TINY.vocab_size)
     assert model.attention_path(cache).name == "triton" and hooks == list(range(TINY.num_layers))
     assert kernels.calls == [("decode", 2), ("prefill", 30)] * TINY.num_layers  # rows gathered and scattered
+
+
+# ---- which caches take the kvstore's device path ------------------------------------------------------
+
+
+def test_only_a_llama_pool_on_cuda_takes_the_device_block_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DeviceBlocks.for_cache``: a Llama ``PagedKvCache`` whose pool is on CUDA gets the device
+    path (blocks gathered into device rooms for the kvstore's GPU tier); a kimi_k3 cache keeps the
+    host kvstore path even on CUDA (a block carries a KDA state or not, so a room's size is not
+    known before a get). Here the caches' device says "cuda"; nothing is allocated on it."""
+    from crescent.services.engine.device_blocks import CudaRooms, DeviceBlocks
+    from crescent.services.engine.kimi_k3.model import K3Model
+    from crescent.services.engine.kimi_k3.ops import OpsBackend
+    from crescent.services.engine.kv_cache import PagedKvCache
+    from tests.engine.k3_reference import TEST_CFG
+    from tests.engine.test_kimi_k3_device_path import _weights
+
+    cuda = torch.device("cuda")
+    llama_cache = PagedKvCache(4, TINY.num_layers, PAGE, TINY.num_kv_heads, TINY.head_dim, dtype=torch.bfloat16)
+    k3_cache = K3Model(TEST_CFG, _weights(False), backend=OpsBackend.REFERENCE).make_cache(4, PAGE)
+    assert DeviceBlocks.for_cache(llama_cache) is None and DeviceBlocks.for_cache(k3_cache) is None  # on the CPU
+
+    k3_cache.device = cuda
+    assert DeviceBlocks.for_cache(k3_cache) is None
+    monkeypatch.setattr(PagedKvCache, "device", property(lambda self: cuda))
+    blocks = DeviceBlocks.for_cache(llama_cache)
+    assert isinstance(blocks, DeviceBlocks) and blocks.cache is llama_cache
+    assert isinstance(blocks._rooms, CudaRooms) and blocks._rooms.device == cuda
+    # a room holds one page: (layers, 2, block size, kv heads, head dim) in the pool's dtype
+    assert blocks.block_bytes == TINY.num_layers * 2 * PAGE * TINY.num_kv_heads * TINY.head_dim * 2
