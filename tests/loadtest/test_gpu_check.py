@@ -106,3 +106,14 @@ def test_check_without_a_gpu_fails_and_says_which_stage(tmp_path):
 def test_check_stops_starting_stages_when_the_budget_is_spent(tmp_path):
     rc, _, summary = run_check(tmp_path, "--dry-run", GPU_CHECK_STAGES="bench", GPU_CHECK_BUDGET_S="5")
     assert rc == 1 and "FAIL  bench: not started" in summary
+
+
+def test_the_wheelhouse_carries_the_async_test_plugin_at_this_venvs_version():
+    """The GPU image has pytest and pytest-timeout but not pytest-asyncio, without which every async
+    kvstore/prefill device test of the kernel_tests stage fails there; the env stage imports it."""
+    from importlib.metadata import version
+
+    pins = dict(line.split("==") for line in (ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert pins["pytest-asyncio"] == version("pytest-asyncio")
+    assert '"pytest_asyncio"' in CHECK.read_text()
