@@ -8,7 +8,11 @@
 #                 test_gpu_tier.py, and test_cuda_ipc_node.py's …_cuda: a client putting and getting
 #                 device blocks through a real node's PutRegion/GetRegion; a few seconds each), and
 #                 tests/prefill/test_device_kvstore.py's …_cuda: a prefill on CUDA exporting a prompt's
-#                 blocks into a real node's GPU tier and another loading them back, device to device
+#                 blocks into a real node's GPU tier and another loading them back, device to device; and
+#                 the engine's own [cuda] cases (tests/engine/test_device.py: bf16 weights and the pool on
+#                 the device, fp32 against the dense reference, a bf16 decode row's bits alone and in a
+#                 batch) and its copy stream (test_device_staging.py: a layer copied after a long
+#                 queued kernel gives its final bytes)
 #   models        scripts/gpu_model_checks.py: SmolLM2 single process vs prefill -> handoff -> decode
 #                 token for token; batch 1 vs batch 8 bitwise; the tiny K3 through the Triton kernels vs
 #                 the CPU reference (and host syncs in a decode forward); the layer-wise handoff between
@@ -163,7 +167,13 @@ EOF
 stage_kernel_tests() {
     local log="$OUT/kernel_tests.out" device_tests=(tests/kvstore/test_cuda_ipc.py tests/kvstore/test_gpu_tier.py
         tests/kvstore/test_cuda_ipc_node.py::test_device_blocks_go_device_to_device_through_a_real_node_cuda
-        tests/prefill/test_device_kvstore.py::test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back_cuda)
+        tests/prefill/test_device_kvstore.py::test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back_cuda
+        "tests/engine/test_device.py::test_bf16_weights_load_as_bf16_and_the_pool_lives_on_the_device[cuda]"
+        "tests/engine/test_device.py::test_float32_matches_the_dense_reference_through_prefill_and_decode[torch-attention-cuda]"
+        "tests/engine/test_device.py::test_float32_matches_the_dense_reference_through_prefill_and_decode[cpp-decode-on-cpu-cuda]"
+        "tests/engine/test_device.py::test_a_decode_row_in_bf16_has_the_same_bits_alone_and_in_a_batch[cuda]"
+        tests/engine/test_device.py::test_cuda_takes_the_triton_kernels_where_they_import_else_the_torch_path
+        tests/engine/test_device_staging.py::test_on_cuda_a_layer_copied_after_a_long_queued_kernel_gives_its_final_bytes)
     # test_no_cpu_tensor_reaches_triton.py is the CPU's stand-in for this stage: it would only skip here
     local tests=(tests/kernels --ignore=tests/kernels/test_no_cpu_tensor_reaches_triton.py "${device_tests[@]}")
     # the CPU runs the GPU-only files (they skip; CUDA IPC's shared-memory stand-in runs) and the

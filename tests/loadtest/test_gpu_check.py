@@ -117,3 +117,17 @@ def test_the_wheelhouse_carries_the_async_test_plugin_at_this_venvs_version():
                 if line and not line.startswith("#"))
     assert pins["pytest-asyncio"] == version("pytest-asyncio")
     assert '"pytest_asyncio"' in CHECK.read_text()
+
+
+@pytest.mark.slow  # collects the listed files (imports the engine and kvstore tests): ~5 s here
+def test_every_device_test_the_kernel_tests_stage_names_exists():
+    """The stage names device tests by node id; a renamed test would make pytest exit 4 on the GPU."""
+    import re
+
+    body = CHECK.read_text().split("stage_kernel_tests() {", 1)[1].split("\n}\n", 1)[0]
+    ids = re.findall(r'(tests/[\w/]+\.py::[\w\-\[\]]+)', body)
+    assert any("test_device.py" in i for i in ids) and any("test_device_staging.py" in i for i in ids)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+                          capture_output=True, text=True, cwd=ROOT, env=cpu_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert f"{len(ids)} test" in proc.stdout.splitlines()[-1]
