@@ -19,8 +19,8 @@
 #                 two processes. A check whose piece is not built yet says SKIP and why.
 #   bench         loadtest/bench_gpu_kernels.py: KDA vs fla-core chunk_kda, MLA paged decode,
 #                 MoE grouped matmul, MXFP4 matmul, as fractions of the peaks (one JSON line)
-#   smoke         scripts/gpu_serving_smoke.py: crescent up with the kvstore's GPU tier, a chat
-#                 request and a prefix served back from the GPU tier
+#   smoke         scripts/gpu_serving_smoke.py: crescent up --device cuda with the kvstore's GPU tier,
+#                 a chat request and a prefix served back from the GPU tier
 # Each stage has a timeout, capped by what is left of GPU_CHECK_BUDGET_S (default 530 s). Everything
 # goes to ${OUT:-./gpu-check-out}: gpu_check.log, summary.txt, bench_gpu_kernels.json, models.jsonl,
 # smoke.json, smoke-up.log, kernel_tests.xml. Exits non-zero when any stage failed.
@@ -28,6 +28,7 @@
 #   scripts/gpu_check.sh                on the GPU machine, from anywhere in the repo
 #   scripts/gpu_check.sh --prepare      on a machine with PyPI: scripts/gpu_wheelhouse.sh (the wheels
 #                                       in .whl/ and the Kimi vocabulary in .gpu-carry/, <= 64 MiB)
+#   scripts/gpu_check.sh --device cuda:N  the N-th visible GPU only (sets CUDA_VISIBLE_DEVICES for every stage)
 #   scripts/gpu_check.sh --device cpu   no GPU: the same stages on the CPU (Triton interpreter, tiny
 #                                       fp32 shapes, host tier): checks this script, measures nothing
 #                                       (--dry-run is the same)
@@ -53,11 +54,22 @@ case "${1:-}" in
     --device)
         case "${2:-}" in
             cpu) DRY_RUN=1 ;;
-            cuda | cuda:*) ;;
-            *) echo "usage: $0 [--prepare | --device cpu|cuda | --dry-run]" >&2; exit 2 ;;
+            cuda) ;;
+            cuda:*)
+                # every stage (pytest, the model checks, the benchmark, crescent up) uses "cuda", so
+                # the N-th visible GPU becomes the only one they see
+                n=${2#cuda:}
+                [[ $n =~ ^[0-9]+$ ]] || { echo "usage: $0 [--prepare | --device cpu|cuda|cuda:N | --dry-run]" >&2; exit 2; }
+                if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+                    IFS=, read -ra visible <<<"$CUDA_VISIBLE_DEVICES"
+                    [ -n "${visible[$n]:-}" ] || { echo "--device cuda:$n: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES has no entry $n" >&2; exit 2; }
+                    n=${visible[$n]}
+                fi
+                export CUDA_VISIBLE_DEVICES=$n ;;
+            *) echo "usage: $0 [--prepare | --device cpu|cuda|cuda:N | --dry-run]" >&2; exit 2 ;;
         esac ;;
     "") ;;
-    *) echo "usage: $0 [--prepare | --device cpu|cuda | --dry-run]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--prepare | --device cpu|cuda|cuda:N | --dry-run]" >&2; exit 2 ;;
 esac
 
 mkdir -p "$OUT" || exit 2
@@ -203,12 +215,13 @@ stage_bench() {
 }
 
 stage_smoke() {
-    local tier=gpu
-    [ $DRY_RUN -eq 1 ] && tier=host
-    timeout "$STAGE_LIMIT" "$PY" scripts/gpu_serving_smoke.py --out "$OUT" --tier "$tier" --timeout $((STAGE_LIMIT - 15))
+    local tier=gpu device=cuda
+    [ $DRY_RUN -eq 1 ] && tier=host device=cpu
+    timeout "$STAGE_LIMIT" "$PY" scripts/gpu_serving_smoke.py --out "$OUT" --tier "$tier" --device "$device" \
+        --timeout $((STAGE_LIMIT - 15))
 }
 
-echo "gpu_check: stages $STAGES, budget ${BUDGET_S} s, output in $OUT$([ $DRY_RUN -eq 1 ] && echo ', DRY RUN (CPU)')"
+echo "gpu_check: stages $STAGES, budget ${BUDGET_S} s, output in $OUT$([ $DRY_RUN -eq 1 ] && echo ', DRY RUN (CPU)')${CUDA_VISIBLE_DEVICES:+, CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}"
 run_stage preflight 60 stage_preflight
 run_stage env 150 stage_env
 run_stage kernel_tests 150 stage_kernel_tests
@@ -244,7 +257,7 @@ if [ -s "$OUT/smoke.json" ]; then
     "$PY" - "$OUT/smoke.json" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"smoke: {r['model']}, kvstore {r['tier']} tier: {'ok' if r['ok'] else 'FAILED: ' + r.get('error', '?')}; "
+print(f"smoke: {r['model']} on {r.get('device', '?')}, kvstore {r['tier']} tier: {'ok' if r['ok'] else 'FAILED: ' + r.get('error', '?')}; "
       f"startup {r.get('startup_s')} s, blocks in the tier {r.get('kvstore_blocks_in_tier')}, "
       f"cached prompt tokens {r.get('warm_cached_tokens')}, reads from the tier {r.get('kvstore_hits_in_tier')}")
 EOF

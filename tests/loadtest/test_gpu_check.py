@@ -131,3 +131,27 @@ def test_every_device_test_the_kernel_tests_stage_names_exists():
                           capture_output=True, text=True, cwd=ROOT, env=cpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert f"{len(ids)} test" in proc.stdout.splitlines()[-1]
+
+
+def test_cuda_n_narrows_every_stage_to_that_gpu_or_is_refused(tmp_path):
+    rc, stdout, _ = run_check(tmp_path, "--device", "cuda:1", GPU_CHECK_STAGES="preflight")
+    assert rc == 1 and "CUDA_VISIBLE_DEVICES=1" in stdout.splitlines()[0]  # no GPU here: preflight fails
+    rc, stdout, _ = run_check(tmp_path, "--device", "cuda:1", GPU_CHECK_STAGES="preflight", CUDA_VISIBLE_DEVICES="4,6")
+    assert "CUDA_VISIBLE_DEVICES=6" in stdout.splitlines()[0]  # the second of the GPUs this shell may use
+    for bad, env in (("cuda:2", {"CUDA_VISIBLE_DEVICES": "4,6"}), ("cuda:x", {})):
+        proc = subprocess.run(["bash", str(CHECK), "--device", bad], capture_output=True, text=True, cwd=tmp_path,
+                              env=cpu_env(OUT=str(tmp_path / "refused"), **env), timeout=60)
+        assert proc.returncode == 2 and "cuda:" in proc.stderr
+
+
+def test_the_serving_smoke_puts_the_engines_on_the_device_it_tests():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_serving_smoke", ROOT / "scripts" / "gpu_serving_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    cmd = smoke.up_command("kimi-k3-nano", 8000, Path("/tmp/run"), "cuda")
+    assert cmd[cmd.index("--device") + 1] == "cuda"
+    body = CHECK.read_text().split("stage_smoke() {", 1)[1].split("\n}\n", 1)[0]
+    assert "--tier \"$tier\" --device \"$device\"" in body and "device=cuda" in body
+    assert "no device setting" not in smoke.__doc__

@@ -28,13 +28,30 @@ def load_script():
     return module
 
 
-def test_a_check_without_its_piece_says_skip_and_why(tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
+@pytest.mark.slow  # a real prefill and decode process with SmolLM2: ~10 s here
+def test_the_handoff_check_compares_the_decode_stream_with_one_process(tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
     out = tmp_path / "models.jsonl"
     monkeypatch.setattr(sys, "argv", ["gpu_model_checks.py", "handoff", "--device", "cpu", "--json", str(out)])
     assert load_script().main() == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["check"] == "handoff" and line["status"] == "SKIP" and "CPU mode" in line["reason"]
+    assert line["check"] == "handoff" and line["status"] == "PASS" and line["tokens_equal"] == "16/16"
     assert json.loads(out.read_text()) == line
+
+
+@pytest.mark.slow  # the same processes, one streamed token changed
+def test_a_decode_stream_that_differs_from_one_process_fails_the_handoff_check(monkeypatch, capsys) -> None:  # noqa: ANN001
+    script = load_script()
+    real = script._disaggregated
+
+    def one_token_off(engine, tokens, tmp):  # noqa: ANN001 - what a wrong handoff would stream
+        got = real(engine, tokens, tmp)
+        return got[:9] + [got[9] + 1] + got[10:]
+
+    monkeypatch.setattr(script, "_disaggregated", one_token_off)
+    monkeypatch.setattr(sys, "argv", ["gpu_model_checks.py", "handoff", "--device", "cpu"])
+    assert script.main() == 1
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["status"] == "FAIL" and "from token 9" in line["reason"] and line["tokens_equal"] == "15/16"
 
 
 def test_cuda_without_a_gpu_and_unknown_checks_are_refused(monkeypatch, capsys) -> None:  # noqa: ANN001
