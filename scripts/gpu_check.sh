@@ -16,7 +16,8 @@
 #   models        scripts/gpu_model_checks.py: SmolLM2 single process vs prefill -> handoff -> decode
 #                 token for token; batch 1 vs batch 8 bitwise; the tiny K3 through the Triton kernels vs
 #                 the CPU reference (and host syncs in a decode forward); the layer-wise handoff between
-#                 two processes. A check whose piece is not built yet says SKIP and why.
+#                 two processes, the decode stream's tokens equal to one process's, then
+#                 bench_layerwise.py; a decode step's bf16 logits to the host and through the sampler (ms).
 #   bench         loadtest/bench_gpu_kernels.py: KDA vs fla-core chunk_kda, MLA paged decode,
 #                 MoE grouped matmul, MXFP4 matmul, as fractions of the peaks (one JSON line)
 #   smoke         scripts/gpu_serving_smoke.py: crescent up --device cuda with the kvstore's GPU tier,
@@ -33,7 +34,7 @@
 #                                       fp32 shapes, host tier): checks this script, measures nothing
 #                                       (--dry-run is the same)
 # Environment: GPU_CHECK_STAGES=preflight,env,kernel_tests,models,bench,smoke (a subset runs only those),
-# GPU_MODEL_CHECKS (default: all of smollm2,batch,k3,handoff), CRESCENT_PYTHON (use this interpreter
+# GPU_MODEL_CHECKS (default: all of smollm2,batch,k3,handoff,sampling), CRESCENT_PYTHON (use this interpreter
 # as it is), GPU_CHECK_WHEELS (default .whl), GPU_CHECK_MAKE_INSTALL=1 (no wheels and no usable .venv:
 # run `make install`, needs PyPI).
 set -uo pipefail
@@ -45,7 +46,7 @@ WHEELS=${GPU_CHECK_WHEELS:-.whl}
 CARRY=.gpu-carry
 SITE=${GPU_CHECK_SITE:-/tmp/crescent-gpu-site}
 STAGES=${GPU_CHECK_STAGES:-preflight,env,kernel_tests,models,bench,smoke}
-MODEL_CHECKS=${GPU_MODEL_CHECKS:-smollm2,batch,k3,handoff}
+MODEL_CHECKS=${GPU_MODEL_CHECKS:-smollm2,batch,k3,handoff,sampling}
 DRY_RUN=0
 
 case "${1:-}" in

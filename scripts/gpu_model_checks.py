@@ -2,7 +2,7 @@
 """The model-level sections of scripts/gpu_check.sh: each check prints one JSON line
 ``{"check", "status": "PASS" | "FAIL" | "SKIP", "reason", ...figures}``.
 
-    python scripts/gpu_model_checks.py [smollm2 batch k3 handoff] --device cuda|cpu [--json FILE]
+    python scripts/gpu_model_checks.py [smollm2 batch k3 handoff sampling] --device cuda|cpu [--json FILE]
 
   smollm2  one process vs prefill -> handoff bytes -> decode, token for token (SmolLM2-135M when its
            GGUF is here, else a seeded model of SmolLM2's shape: the 93 MB wheel cannot travel to
@@ -14,6 +14,8 @@
   handoff  one prompt through real prefill -> layer-wise handoff -> decode processes on the device:
            the decode stream's 16 greedy tokens equal a single-process run's; then, on a GPU,
            loadtest/bench_layerwise.py's figures (``engine.device`` set through the environment)
+  sampling a decode step's [16, 49152] bf16 logits to the host (``host_logits``) and through the
+           sampler, greedy and seeded top-p/top-k with a penalty: median ms of each (runs on the CPU too)
 
 A check whose piece is not built reports SKIP with the reason. ``--device cpu`` runs the same checks
 on the CPU (float32; the K3 kernels in Triton's interpreter): it checks this script, it measures no GPU.
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("smollm2", "batch", "k3", "handoff")
+CHECKS = ("smollm2", "batch", "k3", "handoff", "sampling")
 
 
 def _result(check: str, status: str, reason: str = "", **figures: Any) -> dict[str, Any]:
@@ -269,6 +271,57 @@ def check_k3(device: str) -> dict[str, Any]:
     return _result("k3", "FAIL" if failures else "PASS", "; ".join(failures), **figures)
 
 
+# ---- sampling on the host: what a decode step pays for bit-identical tokens -------------------
+
+def check_sampling(device: str) -> dict[str, Any]:
+    """A decode step's [16, 49152] bf16 logits (SmolLM2's vocabulary) to the host (``host_logits``:
+    the step's one sync, bf16 across, widened there) and through ``sample_batch``: greedy, and
+    temperature/top-p/top-k with a seed and a repetition penalty. Median ms of 20 each (3 in CPU mode); PASS when
+    the host row is the device row's exact widening and a seeded draw repeats token for token."""
+    import statistics
+
+    import torch
+
+    from crescent.services.engine.engine import host_logits
+    from crescent.services.engine.sampler import SamplingConfig, sample_batch
+
+    rows, vocab, repeats = 16, 49152, 20 if device != "cpu" else 3  # CPU mode checks the entry, measures little
+    gen = torch.Generator().manual_seed(4)
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(torch.bfloat16).to(device)
+    histories = [torch.randint(0, vocab, (300,), generator=gen).tolist() for _ in range(rows)]
+    steps = [5] * rows
+    greedy = [SamplingConfig()] * rows
+    sampled = [SamplingConfig(temperature=0.8, top_p=0.95, top_k=50, seed=i, repetition_penalty=1.1)
+               for i in range(rows)]
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    def median_ms(fn) -> float:  # noqa: ANN001
+        times = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(1000 * statistics.median(times), 3)
+
+    host = host_logits(logits)
+    failures = []
+    if host.device.type != "cpu" or host.dtype != torch.float32 or not torch.equal(host, logits.cpu().float()):
+        failures.append("host_logits is not the device row's exact float32 widening on the host")
+    if sample_batch(host, sampled, steps, histories) != sample_batch(host_logits(logits), sampled, steps, histories):
+        failures.append("a seeded draw did not repeat")
+    figures = {
+        "rows": f"{rows}x{vocab} bf16 on {device}",
+        "host_logits_ms": median_ms(lambda: host_logits(logits)),
+        "greedy_ms": median_ms(lambda: sample_batch(host_logits(logits), greedy, steps, histories)),
+        "sampled_ms": median_ms(lambda: sample_batch(host_logits(logits), sampled, steps, histories)),
+    }
+    return _result("sampling", "FAIL" if failures else "PASS", "; ".join(failures), **figures)
+
+
 # ---- the layer-wise handoff between processes on the device ----------------------------------
 
 HANDOFF_TOKENS = 16
@@ -406,6 +459,8 @@ def main() -> int:
                 out = check_batch(args.device, dtype)
             elif check == "k3":
                 out = check_k3(args.device)
+            elif check == "sampling":
+                out = check_sampling(args.device)
             else:
                 out = check_handoff(args.device, "auto" if args.device == "cpu" else args.dtype, args.handoff_timeout)
         except Exception as exc:  # noqa: BLE001 - one check's crash is its FAIL line, the others still run
