@@ -22,7 +22,8 @@
 #                 MoE grouped matmul, MXFP4 matmul, as fractions of the peaks (one JSON line)
 #   smoke         scripts/gpu_serving_smoke.py: crescent up --device cuda with the kvstore's GPU tier,
 #                 a chat request and a prefix served back from the GPU tier
-# Each stage has a timeout, capped by what is left of GPU_CHECK_BUDGET_S (default 530 s). Everything
+# Each stage has a share of GPU_CHECK_BUDGET_S (default 530 s; SHARES below) plus what earlier stages
+# left unused, so a slow stage cannot starve the later ones of their shares. Everything
 # goes to ${OUT:-./gpu-check-out}: gpu_check.log, summary.txt, bench_gpu_kernels.json, models.jsonl,
 # smoke.json, smoke-up.log, kernel_tests.xml. Exits non-zero when any stage failed.
 #
@@ -34,7 +35,7 @@
 #                                       fp32 shapes, host tier): checks this script, measures nothing
 #                                       (--dry-run is the same)
 # Environment: GPU_CHECK_STAGES=preflight,env,kernel_tests,models,bench,smoke (a subset runs only those),
-# GPU_MODEL_CHECKS (default: all of smollm2,batch,k3,handoff,sampling), CRESCENT_PYTHON (use this interpreter
+# GPU_MODEL_CHECKS (default: all of smollm2,batch,k3,sampling,handoff), CRESCENT_PYTHON (use this interpreter
 # as it is), GPU_CHECK_WHEELS (default .whl), GPU_CHECK_MAKE_INSTALL=1 (no wheels and no usable .venv:
 # run `make install`, needs PyPI).
 set -uo pipefail
@@ -46,7 +47,7 @@ WHEELS=${GPU_CHECK_WHEELS:-.whl}
 CARRY=.gpu-carry
 SITE=${GPU_CHECK_SITE:-/tmp/crescent-gpu-site}
 STAGES=${GPU_CHECK_STAGES:-preflight,env,kernel_tests,models,bench,smoke}
-MODEL_CHECKS=${GPU_MODEL_CHECKS:-smollm2,batch,k3,handoff,sampling}
+MODEL_CHECKS=${GPU_MODEL_CHECKS:-smollm2,batch,k3,sampling,handoff}
 DRY_RUN=0
 
 case "${1:-}" in
@@ -86,12 +87,26 @@ note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 
-# run_stage NAME TIMEOUT_S FUNCTION: runs FUNCTION under what is left of the budget, records PASS/FAIL
+# Each stage's share of the 530 s (they sum to it); a stage may also use what earlier stages left
+# unused, but never the shares of the wanted stages after it. Guesses for one H200, not measured.
+SHARES=(preflight:20 env:60 kernel_tests:130 models:150 bench:90 smoke:80)
+
+# the shares of the wanted stages after NAME
+reserved_after() {
+    local entry after=0 total=0
+    for entry in "${SHARES[@]}"; do
+        if [ $after -eq 1 ] && wanted "${entry%%:*}"; then total=$((total + ${entry#*:})); fi
+        [ "${entry%%:*}" = "$1" ] && after=1
+    done
+    echo $total
+}
+
+# run_stage NAME FUNCTION: runs FUNCTION under what is left of the budget less the later stages'
+# shares, records PASS/FAIL
 run_stage() {
-    local name=$1 limit=$2 fn=$3 left t0 rc
+    local name=$1 fn=$2 limit t0 rc
     wanted "$name" || return 0
-    left=$((BUDGET_S - ($(date +%s) - START)))
-    [ "$limit" -gt "$left" ] && limit=$left
+    limit=$((BUDGET_S - ($(date +%s) - START) - $(reserved_after "$name")))
     if [ "$limit" -lt 15 ]; then
         note "FAIL  $name: not started, the ${BUDGET_S} s budget is spent"; FAILED=1; return
     fi
@@ -175,6 +190,11 @@ for module in ("torch", "triton", "crescent.kernels.kda", "crescent.kernels.mla"
 print("\n".join(f"cannot import {m}" for m in missing) or "every module imports")
 raise SystemExit(1 if missing else 0)
 EOF
+    [ $? -eq 0 ] || return 1
+    # the async device tests need pytest-asyncio (carried, 1.5.0) to load into this pytest (>= 8.4)
+    timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/kvstore/test_cuda_ipc.py >/dev/null || {
+        echo "pytest cannot collect the async device tests: $("$PY" -m pytest --version 2>&1)," \
+             "pytest-asyncio 1.5.0 needs pytest >= 8.4 (add pytest to scripts/gpu_wheels.txt)"; return 1; }
 }
 
 stage_kernel_tests() {
@@ -206,7 +226,7 @@ stage_models() {
     local device=cuda
     [ $DRY_RUN -eq 1 ] && device=cpu
     timeout "$STAGE_LIMIT" "$PY" scripts/gpu_model_checks.py ${MODEL_CHECKS//,/ } --device "$device" \
-        --json "$OUT/models.jsonl" --handoff-timeout $((STAGE_LIMIT > 120 ? STAGE_LIMIT - 60 : 60))
+        --json "$OUT/models.jsonl" --budget-s $((STAGE_LIMIT - 5))
 }
 
 stage_bench() {
@@ -223,12 +243,12 @@ stage_smoke() {
 }
 
 echo "gpu_check: stages $STAGES, budget ${BUDGET_S} s, output in $OUT$([ $DRY_RUN -eq 1 ] && echo ', DRY RUN (CPU)')${CUDA_VISIBLE_DEVICES:+, CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}"
-run_stage preflight 60 stage_preflight
-run_stage env 150 stage_env
-run_stage kernel_tests 150 stage_kernel_tests
-run_stage models 170 stage_models
-run_stage bench 150 stage_bench
-run_stage smoke 150 stage_smoke
+run_stage preflight stage_preflight
+run_stage env stage_env
+run_stage kernel_tests stage_kernel_tests
+run_stage models stage_models
+run_stage bench stage_bench
+run_stage smoke stage_smoke
 
 # the figures worth reading first, from the benchmark's JSON
 if [ -s "$OUT/bench_gpu_kernels.json" ]; then

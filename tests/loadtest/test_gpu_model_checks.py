@@ -43,8 +43,8 @@ def test_a_decode_stream_that_differs_from_one_process_fails_the_handoff_check(m
     script = load_script()
     real = script._disaggregated
 
-    def one_token_off(engine, tokens, tmp):  # noqa: ANN001 - what a wrong handoff would stream
-        got = real(engine, tokens, tmp)
+    def one_token_off(engine, tokens, tmp, **kw):  # noqa: ANN001, ANN003 - what a wrong handoff would stream
+        got = real(engine, tokens, tmp, **kw)
         return got[:9] + [got[9] + 1] + got[10:]
 
     monkeypatch.setattr(script, "_disaggregated", one_token_off)
