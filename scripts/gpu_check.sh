@@ -8,27 +8,34 @@
 #                 test_gpu_tier.py, and test_cuda_ipc_node.py's …_cuda: a client putting and getting
 #                 device blocks through a real node's PutRegion/GetRegion; a few seconds each), and
 #                 tests/prefill/test_device_kvstore.py's …_cuda: a prefill on CUDA exporting a prompt's
-#                 blocks into a real node's GPU tier and another loading them back, device to device
+#                 blocks into a real node's GPU tier and another loading them back, device to device; and
+#                 the engine's own [cuda] cases (tests/engine/test_device.py: bf16 weights and the pool on
+#                 the device, fp32 against the dense reference, a bf16 decode row's bits alone and in a
+#                 batch) and its copy stream (test_device_staging.py: a layer copied after a long
+#                 queued kernel gives its final bytes)
 #   models        scripts/gpu_model_checks.py: SmolLM2 single process vs prefill -> handoff -> decode
 #                 token for token; batch 1 vs batch 8 bitwise; the tiny K3 through the Triton kernels vs
 #                 the CPU reference (and host syncs in a decode forward); the layer-wise handoff between
-#                 two processes. A check whose piece is not built yet says SKIP and why.
+#                 two processes, the decode stream's tokens equal to one process's, then
+#                 bench_layerwise.py; a decode step's bf16 logits to the host and through the sampler (ms).
 #   bench         loadtest/bench_gpu_kernels.py: KDA vs fla-core chunk_kda, MLA paged decode,
 #                 MoE grouped matmul, MXFP4 matmul, as fractions of the peaks (one JSON line)
-#   smoke         scripts/gpu_serving_smoke.py: crescent up with the kvstore's GPU tier, a chat
-#                 request and a prefix served back from the GPU tier
-# Each stage has a timeout, capped by what is left of GPU_CHECK_BUDGET_S (default 530 s). Everything
+#   smoke         scripts/gpu_serving_smoke.py: crescent up --device cuda with the kvstore's GPU tier,
+#                 a chat request and a prefix served back from the GPU tier
+# Each stage has a share of GPU_CHECK_BUDGET_S (default 530 s; SHARES below) plus what earlier stages
+# left unused, so a slow stage cannot starve the later ones of their shares. Everything
 # goes to ${OUT:-./gpu-check-out}: gpu_check.log, summary.txt, bench_gpu_kernels.json, models.jsonl,
 # smoke.json, smoke-up.log, kernel_tests.xml. Exits non-zero when any stage failed.
 #
 #   scripts/gpu_check.sh                on the GPU machine, from anywhere in the repo
 #   scripts/gpu_check.sh --prepare      on a machine with PyPI: scripts/gpu_wheelhouse.sh (the wheels
 #                                       in .whl/ and the Kimi vocabulary in .gpu-carry/, <= 64 MiB)
+#   scripts/gpu_check.sh --device cuda:N  the N-th visible GPU only (sets CUDA_VISIBLE_DEVICES for every stage)
 #   scripts/gpu_check.sh --device cpu   no GPU: the same stages on the CPU (Triton interpreter, tiny
 #                                       fp32 shapes, host tier): checks this script, measures nothing
 #                                       (--dry-run is the same)
 # Environment: GPU_CHECK_STAGES=preflight,env,kernel_tests,models,bench,smoke (a subset runs only those),
-# GPU_MODEL_CHECKS (default: all of smollm2,batch,k3,handoff), CRESCENT_PYTHON (use this interpreter
+# GPU_MODEL_CHECKS (default: all of smollm2,batch,k3,sampling,handoff), CRESCENT_PYTHON (use this interpreter
 # as it is), GPU_CHECK_WHEELS (default .whl), GPU_CHECK_MAKE_INSTALL=1 (no wheels and no usable .venv:
 # run `make install`, needs PyPI).
 set -uo pipefail
@@ -40,7 +47,7 @@ WHEELS=${GPU_CHECK_WHEELS:-.whl}
 CARRY=.gpu-carry
 SITE=${GPU_CHECK_SITE:-/tmp/crescent-gpu-site}
 STAGES=${GPU_CHECK_STAGES:-preflight,env,kernel_tests,models,bench,smoke}
-MODEL_CHECKS=${GPU_MODEL_CHECKS:-smollm2,batch,k3,handoff}
+MODEL_CHECKS=${GPU_MODEL_CHECKS:-smollm2,batch,k3,sampling,handoff}
 DRY_RUN=0
 
 case "${1:-}" in
@@ -49,11 +56,22 @@ case "${1:-}" in
     --device)
         case "${2:-}" in
             cpu) DRY_RUN=1 ;;
-            cuda | cuda:*) ;;
-            *) echo "usage: $0 [--prepare | --device cpu|cuda | --dry-run]" >&2; exit 2 ;;
+            cuda) ;;
+            cuda:*)
+                # every stage (pytest, the model checks, the benchmark, crescent up) uses "cuda", so
+                # the N-th visible GPU becomes the only one they see
+                n=${2#cuda:}
+                [[ $n =~ ^[0-9]+$ ]] || { echo "usage: $0 [--prepare | --device cpu|cuda|cuda:N | --dry-run]" >&2; exit 2; }
+                if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+                    IFS=, read -ra visible <<<"$CUDA_VISIBLE_DEVICES"
+                    [ -n "${visible[$n]:-}" ] || { echo "--device cuda:$n: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES has no entry $n" >&2; exit 2; }
+                    n=${visible[$n]}
+                fi
+                export CUDA_VISIBLE_DEVICES=$n ;;
+            *) echo "usage: $0 [--prepare | --device cpu|cuda|cuda:N | --dry-run]" >&2; exit 2 ;;
         esac ;;
     "") ;;
-    *) echo "usage: $0 [--prepare | --device cpu|cuda | --dry-run]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--prepare | --device cpu|cuda|cuda:N | --dry-run]" >&2; exit 2 ;;
 esac
 
 mkdir -p "$OUT" || exit 2
@@ -69,12 +87,26 @@ note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 
-# run_stage NAME TIMEOUT_S FUNCTION: runs FUNCTION under what is left of the budget, records PASS/FAIL
+# Each stage's share of the 530 s (they sum to it); a stage may also use what earlier stages left
+# unused, but never the shares of the wanted stages after it. Guesses for one H200, not measured.
+SHARES=(preflight:20 env:60 kernel_tests:130 models:150 bench:90 smoke:80)
+
+# the shares of the wanted stages after NAME
+reserved_after() {
+    local entry after=0 total=0
+    for entry in "${SHARES[@]}"; do
+        if [ $after -eq 1 ] && wanted "${entry%%:*}"; then total=$((total + ${entry#*:})); fi
+        [ "${entry%%:*}" = "$1" ] && after=1
+    done
+    echo $total
+}
+
+# run_stage NAME FUNCTION: runs FUNCTION under what is left of the budget less the later stages'
+# shares, records PASS/FAIL
 run_stage() {
-    local name=$1 limit=$2 fn=$3 left t0 rc
+    local name=$1 fn=$2 limit t0 rc
     wanted "$name" || return 0
-    left=$((BUDGET_S - ($(date +%s) - START)))
-    [ "$limit" -gt "$left" ] && limit=$left
+    limit=$((BUDGET_S - ($(date +%s) - START) - $(reserved_after "$name")))
     if [ "$limit" -lt 15 ]; then
         note "FAIL  $name: not started, the ${BUDGET_S} s budget is spent"; FAILED=1; return
     fi
@@ -147,7 +179,7 @@ import importlib
 missing = []
 for module in ("torch", "triton", "crescent.kernels.kda", "crescent.kernels.mla", "crescent.kernels.moe",
                "crescent.kernels.mxfp4", "crescent.kernels.mxfp4.grouped", "crescent.services.engine.kimi_k3.model",
-               "fla.ops.kda", "pytest", "httpx", "crescent.services.cli",
+               "fla.ops.kda", "pytest", "pytest_asyncio", "pytest_timeout", "httpx", "crescent.services.cli",
                "crescent.services.kvstore.server", "crescent.services.gateway.server",
                "crescent.services.prefill.server", "crescent.services.decode.server",
                "crescent.services.scheduler.server"):
@@ -158,13 +190,25 @@ for module in ("torch", "triton", "crescent.kernels.kda", "crescent.kernels.mla"
 print("\n".join(f"cannot import {m}" for m in missing) or "every module imports")
 raise SystemExit(1 if missing else 0)
 EOF
+    [ $? -eq 0 ] || return 1
+    # the async device tests need pytest-asyncio (carried, 1.5.0) to load into this pytest (>= 8.4)
+    timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/kvstore/test_cuda_ipc.py >/dev/null || {
+        echo "pytest cannot collect the async device tests: $("$PY" -m pytest --version 2>&1)," \
+             "pytest-asyncio 1.5.0 needs pytest >= 8.4 (add pytest to scripts/gpu_wheels.txt)"; return 1; }
 }
 
 stage_kernel_tests() {
     local log="$OUT/kernel_tests.out" device_tests=(tests/kvstore/test_cuda_ipc.py tests/kvstore/test_gpu_tier.py
         tests/kvstore/test_cuda_ipc_node.py::test_device_blocks_go_device_to_device_through_a_real_node_cuda
-        tests/prefill/test_device_kvstore.py::test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back_cuda)
-    local tests=(tests/kernels "${device_tests[@]}")
+        tests/prefill/test_device_kvstore.py::test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back_cuda
+        "tests/engine/test_device.py::test_bf16_weights_load_as_bf16_and_the_pool_lives_on_the_device[cuda]"
+        "tests/engine/test_device.py::test_float32_matches_the_dense_reference_through_prefill_and_decode[torch-attention-cuda]"
+        "tests/engine/test_device.py::test_float32_matches_the_dense_reference_through_prefill_and_decode[cpp-decode-on-cpu-cuda]"
+        "tests/engine/test_device.py::test_a_decode_row_in_bf16_has_the_same_bits_alone_and_in_a_batch[cuda]"
+        tests/engine/test_device.py::test_cuda_takes_the_triton_kernels_where_they_import_else_the_torch_path
+        tests/engine/test_device_staging.py::test_on_cuda_a_layer_copied_after_a_long_queued_kernel_gives_its_final_bytes)
+    # test_no_cpu_tensor_reaches_triton.py is the CPU's stand-in for this stage: it would only skip here
+    local tests=(tests/kernels --ignore=tests/kernels/test_no_cpu_tensor_reaches_triton.py "${device_tests[@]}")
     # the CPU runs the GPU-only files (they skip; CUDA IPC's shared-memory stand-in runs) and the
     # grouped MXFP4 kernel: the rest is `make test`'s
     [ $DRY_RUN -eq 1 ] && tests=(tests/kernels/test_gpu.py tests/kernels/test_mxfp4_grouped.py "${device_tests[@]}")
@@ -182,7 +226,7 @@ stage_models() {
     local device=cuda
     [ $DRY_RUN -eq 1 ] && device=cpu
     timeout "$STAGE_LIMIT" "$PY" scripts/gpu_model_checks.py ${MODEL_CHECKS//,/ } --device "$device" \
-        --json "$OUT/models.jsonl" --handoff-timeout $((STAGE_LIMIT > 120 ? STAGE_LIMIT - 60 : 60))
+        --json "$OUT/models.jsonl" --budget-s $((STAGE_LIMIT - 5))
 }
 
 stage_bench() {
@@ -192,18 +236,19 @@ stage_bench() {
 }
 
 stage_smoke() {
-    local tier=gpu
-    [ $DRY_RUN -eq 1 ] && tier=host
-    timeout "$STAGE_LIMIT" "$PY" scripts/gpu_serving_smoke.py --out "$OUT" --tier "$tier" --timeout $((STAGE_LIMIT - 15))
+    local tier=gpu device=cuda
+    [ $DRY_RUN -eq 1 ] && tier=host device=cpu
+    timeout "$STAGE_LIMIT" "$PY" scripts/gpu_serving_smoke.py --out "$OUT" --tier "$tier" --device "$device" \
+        --timeout $((STAGE_LIMIT - 15))
 }
 
-echo "gpu_check: stages $STAGES, budget ${BUDGET_S} s, output in $OUT$([ $DRY_RUN -eq 1 ] && echo ', DRY RUN (CPU)')"
-run_stage preflight 60 stage_preflight
-run_stage env 150 stage_env
-run_stage kernel_tests 150 stage_kernel_tests
-run_stage models 170 stage_models
-run_stage bench 150 stage_bench
-run_stage smoke 150 stage_smoke
+echo "gpu_check: stages $STAGES, budget ${BUDGET_S} s, output in $OUT$([ $DRY_RUN -eq 1 ] && echo ', DRY RUN (CPU)')${CUDA_VISIBLE_DEVICES:+, CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}"
+run_stage preflight stage_preflight
+run_stage env stage_env
+run_stage kernel_tests stage_kernel_tests
+run_stage models stage_models
+run_stage bench stage_bench
+run_stage smoke stage_smoke
 
 # the figures worth reading first, from the benchmark's JSON
 if [ -s "$OUT/bench_gpu_kernels.json" ]; then
@@ -233,7 +278,7 @@ if [ -s "$OUT/smoke.json" ]; then
     "$PY" - "$OUT/smoke.json" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"smoke: {r['model']}, kvstore {r['tier']} tier: {'ok' if r['ok'] else 'FAILED: ' + r.get('error', '?')}; "
+print(f"smoke: {r['model']} on {r.get('device', '?')}, kvstore {r['tier']} tier: {'ok' if r['ok'] else 'FAILED: ' + r.get('error', '?')}; "
       f"startup {r.get('startup_s')} s, blocks in the tier {r.get('kvstore_blocks_in_tier')}, "
       f"cached prompt tokens {r.get('warm_cached_tokens')}, reads from the tier {r.get('kvstore_hits_in_tier')}")
 EOF

@@ -9,11 +9,13 @@ keeps blocks in device memory first, and a small prefill cache, then:
 4. asks the same question again: the reply must equal the cold one (greedy), report cached
    prompt tokens, and the prefix must have come from the kvstore, read from that tier.
 
-The engines themselves run on the CPU (they have no device setting yet); the GPU serves the
-kvstore tier. ``--tier host`` runs the same checks against the host tier (no GPU needed; a
-plumbing check of this script). Writes ``smoke.json`` and ``smoke-up.log`` under ``--out``.
+With ``--tier gpu`` the engines compute on the GPU too (``--device``, default ``cuda``: ``crescent
+up --device``, engine.device), so the prefill exports device blocks into the GPU tier and loads
+them back from it. ``--tier host`` runs the same checks against the host tier with the engines on
+the CPU (no GPU needed; a plumbing check of this script). Writes ``smoke.json`` and
+``smoke-up.log`` under ``--out``.
 
-    python scripts/gpu_serving_smoke.py --out gpu-check-out [--model auto] [--tier gpu]
+    python scripts/gpu_serving_smoke.py --out gpu-check-out [--model auto] [--tier gpu] [--device cuda]
 """
 
 from __future__ import annotations
@@ -96,7 +98,14 @@ def flood(url: str, model: str, word: str) -> int:
     return reply["usage"]["prompt_tokens"]
 
 
-def start(out: Path, model: str, tier: str) -> tuple[subprocess.Popen, str, Path]:
+def up_command(model: str, port: int, run_dir: Path, device: str) -> list[str]:
+    return [sys.executable, "-m", "crescent.services.cli", "up", "--model", model, "--port", str(port),
+            "--run-dir", str(run_dir), "--block-size", str(BLOCK), "--kv-capacity-tokens", str(KV_TOKENS),
+            "--kvstore-gb", "1", "--prefill", "1", "--decode", "1", "--no-tls", "--ready-timeout", "240",
+            "--device", device]
+
+
+def start(out: Path, model: str, tier: str, device: str) -> tuple[subprocess.Popen, str, Path]:
     # the services' own logs stay in a temporary folder (a GPU machine returns only a few files);
     # their tails are printed when a check fails
     run_dir = Path(tempfile.mkdtemp(prefix="crescent-smoke-"))
@@ -108,9 +117,7 @@ def start(out: Path, model: str, tier: str) -> tuple[subprocess.Popen, str, Path
         "CRESCENT_KVSTORE__TIERS__GPU__ENABLED": "true" if tier == "gpu" else "false",
         "CRESCENT_KVSTORE__TIERS__GPU__CAPACITY_BYTES": str(2 * 2**30),
     }
-    cmd = [sys.executable, "-m", "crescent.services.cli", "up", "--model", model, "--port", str(port),
-           "--run-dir", str(run_dir), "--block-size", str(BLOCK), "--kv-capacity-tokens", str(KV_TOKENS),
-           "--kvstore-gb", "1", "--prefill", "1", "--decode", "1", "--no-tls", "--ready-timeout", "240"]
+    cmd = up_command(model, port, run_dir, device)
     log = open(out / "smoke-up.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     return proc, f"http://127.0.0.1:{port}", run_dir
@@ -167,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
     ap.add_argument("--model", default="auto", help="preset, .gguf or HF directory; auto: smollm2 if installed, else kimi-k3-nano")
     ap.add_argument("--tier", choices=("gpu", "host"), default="gpu", help="the kvstore tier that must serve the prefix")
+    ap.add_argument("--device", default=None,
+                    help="the engines' device (crescent up --device): default cuda with --tier gpu, cpu with host")
     ap.add_argument("--timeout", type=float, default=240, help="seconds for the whole test")
     args = ap.parse_args(argv)
+    args.device = args.device or ("cuda" if args.tier == "gpu" else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.timeout
     model = pick_model(args.model)
-    result: dict = {"smoke": "gpu_serving", "model": model, "tier": args.tier, "ok": False}
-    proc, url, run_dir = start(args.out, model, args.tier)
+    result: dict = {"smoke": "gpu_serving", "model": model, "tier": args.tier, "device": args.device, "ok": False}
+    proc, url, run_dir = start(args.out, model, args.tier, args.device)
     t0 = time.monotonic()
     try:
         services = wait_up(proc, url, run_dir, deadline)

@@ -117,9 +117,8 @@ def test_float32_matches_the_dense_reference_through_prefill_and_decode(device: 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_decode_row_in_bf16_has_the_same_bits_alone_and_in_a_batch(device: str) -> None:
     """What disaggregation relies on, in bf16: a row's logits do not depend on its batch (on this
-    CPU: F.linear in bf16 and the per-sequence attention; on CUDA this needs issue 30 item 3)."""
-    if device == "cuda":
-        pytest.skip("cuBLAS is not batch-invariant: waits for the batch-invariant CUDA matmul (issue 30, item 3)")
+    CPU: F.linear in bf16 and the per-sequence attention; on CUDA: the batch-invariant Triton matmul and
+    RMSNorm of kernels/batch_invariant, through services/engine/dense_ops.py)."""
     engine = engine_on(device, torch.bfloat16)
     seqs = [engine.add_sequence(f"s{i}", prompt(20 + 7 * i, seed=i)) for i in range(5)]
     for seq in seqs:

@@ -13,9 +13,10 @@ import queue
 import threading
 import time
 
+import pytest
 import torch
 
-from crescent.services.engine.device_staging import COMPLETE, DeviceStaging, HostStreams
+from crescent.services.engine.device_staging import COMPLETE, CudaStreams, DeviceStaging, HostStreams
 from crescent.services.engine.engine import Engine
 from tests.engine.tiny_model import TINY, tiny_model
 
@@ -130,3 +131,24 @@ def test_the_cpu_copies_as_it_always_did() -> None:
     src, out = torch.randn(2, 3, 4), torch.empty(2, 3, 4)
     staging.copy_out(1, src, out)
     assert torch.equal(src, out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the real copy stream has not run")
+def test_on_cuda_a_layer_copied_after_a_long_queued_kernel_gives_its_final_bytes() -> None:
+    """The real thing the fake device above stands in for: a layer's write queued behind ~0.1 s of
+    GPU work, its event recorded without the host waiting, and the copy stream's copy of the
+    (strided) layer view gives the layer's final bytes, not what the pool held when it was queued."""
+    dev = torch.device("cuda")
+    pool = torch.zeros(6, 2, 2, PAGE, 3, 64, dtype=torch.bfloat16, device=dev)  # (pages, layers, K/V, ...)
+    final = torch.randn(6, 2, PAGE, 3, 64).to(torch.bfloat16)
+    final_on_device = final.to(dev)
+    torch.cuda.synchronize()
+    staging = DeviceStaging(2, CudaStreams(dev))
+    torch.cuda._sleep(200_000_000)  # a long kernel queued ahead of the layer's write (~0.1 s at 2 GHz)
+    pool[:, 1].copy_(final_on_device)
+    staging.record(1)
+    assert not staging.fence(1).done()  # the host queued the layer and went on
+    out = torch.empty_like(final)
+    staging.copy_out(1, pool[:, 1], out)
+    assert torch.equal(out, final)
+    assert staging.fence(1).done()

@@ -141,8 +141,8 @@ def test_decode_uses_state_slots_and_leaves_others_alone(device):
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_bad_inputs_raise_value_error_before_launch():
-    q, k, v, g, beta, h0 = make_inputs(1, 8, 2, 4, 16, 16)
+def test_bad_inputs_raise_value_error_before_launch(device):
+    q, k, v, g, beta, h0 = make_inputs(1, 8, 2, 4, 16, 16, device=device)
     with pytest.raises(ValueError, match="g must have shape"):
         chunk_kda(q, k, v, g[..., :8], beta)
     with pytest.raises(ValueError, match="multiple of"):
@@ -150,8 +150,8 @@ def test_bad_inputs_raise_value_error_before_launch():
     with pytest.raises(ValueError, match="power of two"):
         chunk_kda(q[..., :12], k[..., :12], v, g[..., :12], beta)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 3, 8]))
+        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5, 3, 8], device=device))
     with pytest.raises(ValueError, match="initial_state"):
         chunk_kda(q, k, v, g, beta, initial_state=h0.double())
     with pytest.raises(ValueError, match="state"):
-        kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], torch.zeros(1, 4, 16, 8))
+        kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], torch.zeros(1, 4, 16, 8, device=device))

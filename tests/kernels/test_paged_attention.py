@@ -12,6 +12,7 @@ two; bad input refused before launch.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -45,6 +46,12 @@ class Pool:
         self.pool = self.pool.to(device)
         self.tables = self.tables.to(device)
         self.lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+
+    def to(self, device) -> "Pool":
+        """The same pool, tables and lengths on ``device`` (views keep the engine's strides)."""
+        moved = copy.copy(self)
+        moved.pool, moved.tables, moved.lens = (x.to(device) for x in (self.pool, self.tables, self.lens))
+        return moved
 
     @property
     def k(self):
@@ -124,8 +131,9 @@ def test_bf16_pools(device):
     assert rel_rms(out, expected) < BF16_TOL and sum(new) == 57
 
 
-def test_decode_agrees_with_the_engines_cpp_decode_op():
-    """The C++ op is what the engine runs for decode rows on a CPU: same pool views, same answer."""
+def test_decode_agrees_with_the_engines_cpp_decode_op(device):
+    """The C++ op is what the engine runs for decode rows on a CPU: same pool views, same answer
+    (the op reads host memory; the Triton kernel gets a copy on the test's device)."""
     from crescent.kernels.cpu.cpu_ext import paged_decode_ops
 
     ops = paged_decode_ops()
@@ -135,7 +143,9 @@ def test_decode_agrees_with_the_engines_cpp_decode_op():
     pool = Pool(lengths, page=64, kv=3)
     q = torch.randn(4, 9, D)
     expected = ops.paged_decode_attention(q, pool.k, pool.v, pool.tables.long(), pool.lens, scale())
-    assert rel_rms(paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens, scale=scale()), expected) < FP32_TOL
+    on = pool.to(device)
+    actual = paged_decode_attention(q.to(device), on.k, on.v, on.tables, on.lens, scale=scale())
+    assert rel_rms(actual, expected) < FP32_TOL
 
 
 def test_a_decode_row_has_the_same_bits_alone_and_in_a_batch(device):

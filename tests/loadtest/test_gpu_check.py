@@ -106,3 +106,52 @@ def test_check_without_a_gpu_fails_and_says_which_stage(tmp_path):
 def test_check_stops_starting_stages_when_the_budget_is_spent(tmp_path):
     rc, _, summary = run_check(tmp_path, "--dry-run", GPU_CHECK_STAGES="bench", GPU_CHECK_BUDGET_S="5")
     assert rc == 1 and "FAIL  bench: not started" in summary
+
+
+def test_the_wheelhouse_carries_the_async_test_plugin_at_this_venvs_version():
+    """The GPU image has pytest and pytest-timeout but not pytest-asyncio, without which every async
+    kvstore/prefill device test of the kernel_tests stage fails there; the env stage imports it."""
+    from importlib.metadata import version
+
+    pins = dict(line.split("==") for line in (ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert pins["pytest-asyncio"] == version("pytest-asyncio")
+    assert '"pytest_asyncio"' in CHECK.read_text()
+
+
+@pytest.mark.slow  # collects the listed files (imports the engine and kvstore tests): ~5 s here
+def test_every_device_test_the_kernel_tests_stage_names_exists():
+    """The stage names device tests by node id; a renamed test would make pytest exit 4 on the GPU."""
+    import re
+
+    body = CHECK.read_text().split("stage_kernel_tests() {", 1)[1].split("\n}\n", 1)[0]
+    ids = re.findall(r'(tests/[\w/]+\.py::[\w\-\[\]]+)', body)
+    assert any("test_device.py" in i for i in ids) and any("test_device_staging.py" in i for i in ids)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+                          capture_output=True, text=True, cwd=ROOT, env=cpu_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert f"{len(ids)} test" in proc.stdout.splitlines()[-1]
+
+
+def test_cuda_n_narrows_every_stage_to_that_gpu_or_is_refused(tmp_path):
+    rc, stdout, _ = run_check(tmp_path, "--device", "cuda:1", GPU_CHECK_STAGES="preflight")
+    assert rc == 1 and "CUDA_VISIBLE_DEVICES=1" in stdout.splitlines()[0]  # no GPU here: preflight fails
+    rc, stdout, _ = run_check(tmp_path, "--device", "cuda:1", GPU_CHECK_STAGES="preflight", CUDA_VISIBLE_DEVICES="4,6")
+    assert "CUDA_VISIBLE_DEVICES=6" in stdout.splitlines()[0]  # the second of the GPUs this shell may use
+    for bad, env in (("cuda:2", {"CUDA_VISIBLE_DEVICES": "4,6"}), ("cuda:x", {})):
+        proc = subprocess.run(["bash", str(CHECK), "--device", bad], capture_output=True, text=True, cwd=tmp_path,
+                              env=cpu_env(OUT=str(tmp_path / "refused"), **env), timeout=60)
+        assert proc.returncode == 2 and "cuda:" in proc.stderr
+
+
+def test_the_serving_smoke_puts_the_engines_on_the_device_it_tests():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_serving_smoke", ROOT / "scripts" / "gpu_serving_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    cmd = smoke.up_command("kimi-k3-nano", 8000, Path("/tmp/run"), "cuda")
+    assert cmd[cmd.index("--device") + 1] == "cuda"
+    body = CHECK.read_text().split("stage_smoke() {", 1)[1].split("\n}\n", 1)[0]
+    assert "--tier \"$tier\" --device \"$device\"" in body and "device=cuda" in body
+    assert "no device setting" not in smoke.__doc__
