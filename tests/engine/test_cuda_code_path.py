@@ -24,7 +24,11 @@ from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from tests.engine.tiny_model import TINY, dense_logits, tiny_weights
 
-pytestmark = pytest.mark.skipif(attention_mod.triton_paged_attention() is None, reason="Triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(attention_mod.triton_paged_attention() is None, reason="Triton is not installed"),
+    # CPU tensors through the Triton kernels: the interpreter only (on a GPU, test_device.py's [cuda] cases)
+    pytest.mark.skipif(torch.cuda.is_available(), reason="runs the CUDA code path under the Triton interpreter"),
+]
 
 PAGE = 16
 
