@@ -6,7 +6,9 @@
 #                 test_gpu.py: K3 shapes, bf16, fla-core's chunk_kda; skips count as failures), and the
 #                 kvstore's GPU tier with CUDA IPC between two processes (tests/kvstore/test_cuda_ipc.py,
 #                 test_gpu_tier.py, and test_cuda_ipc_node.py's …_cuda: a client putting and getting
-#                 device blocks through a real node's PutRegion/GetRegion; a few seconds each)
+#                 device blocks through a real node's PutRegion/GetRegion; a few seconds each), and
+#                 tests/prefill/test_device_kvstore.py's …_cuda: a prefill on CUDA exporting a prompt's
+#                 blocks into a real node's GPU tier and another loading them back, device to device
 #   models        scripts/gpu_model_checks.py: SmolLM2 single process vs prefill -> handoff -> decode
 #                 token for token; batch 1 vs batch 8 bitwise; the tiny K3 through the Triton kernels vs
 #                 the CPU reference (and host syncs in a decode forward); the layer-wise handoff between
@@ -160,7 +162,8 @@ EOF
 
 stage_kernel_tests() {
     local log="$OUT/kernel_tests.out" device_tests=(tests/kvstore/test_cuda_ipc.py tests/kvstore/test_gpu_tier.py
-        tests/kvstore/test_cuda_ipc_node.py::test_device_blocks_go_device_to_device_through_a_real_node_cuda)
+        tests/kvstore/test_cuda_ipc_node.py::test_device_blocks_go_device_to_device_through_a_real_node_cuda
+        tests/prefill/test_device_kvstore.py::test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back_cuda)
     local tests=(tests/kernels "${device_tests[@]}")
     # the CPU runs the GPU-only files (they skip; CUDA IPC's shared-memory stand-in runs) and the
     # grouped MXFP4 kernel: the rest is `make test`'s

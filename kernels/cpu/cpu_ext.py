@@ -1,7 +1,7 @@
 """The engine's C++ CPU ops (``paged_decode.cpp``), compiled once per machine with ``-march=native``.
 
 ``make install`` builds them (``python -m crescent.kernels.cpu.cpu_ext``); a process that
-finds no build compiles it on first use (torch's file lock keeps concurrent processes to one
+finds no build compiles it on first use (``build_guard`` keeps concurrent processes to one
 build). The build directory's name hashes the source and its path, the flags, torch's version
 and the CPU's feature flags, so a changed source or another CPU never loads a stale binary. Where no compiler
 is found the engine runs the plain PyTorch path instead (slower, and its decode rows differ from
@@ -11,13 +11,15 @@ the kernel's in the last bits, so one machine's processes must agree: they share
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -39,20 +41,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-# torch's build lock is a plain file; a process killed mid-build leaves it and every later process
-# would wait on it forever. A build takes about a minute here; a lock this old has no live owner.
-STALE_LOCK_S = 900
+@contextlib.contextmanager
+def build_guard(where: Path) -> Iterator[None]:
+    """One process at a time loads (and, the first time, builds) the ops in ``where``.
 
-
-def _clear_stale_lock(where: Path) -> None:
-    lock = where / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a build lock left %.0f s ago by a process that died mid-build: %s", age, lock)
-        lock.unlink(missing_ok=True)
+    torch's own build lock is a plain file: a process killed mid-build leaves it, and every later
+    process would wait on it (a decode killed while compiling blocked its restarts). This guard is
+    an flock, which the kernel releases when its holder dies; whoever holds it is the only
+    process in torch's build, so a torch lock found then was left by a dead one and goes.
+    """
+    with open(where / "crescent-build.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = where / "lock"
+        if stale.exists():
+            log.warning("removing a build lock left by a process that died mid-build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def build_dir() -> Path:
@@ -80,9 +84,9 @@ def paged_decode_ops() -> ModuleType | None:
     try:
         where = build_dir()
         where.mkdir(parents=True, exist_ok=True)  # a read-only home: the PyTorch path, not a crash
-        _clear_stale_lock(where)
-        return cpp_extension.load(name="crescent_paged_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                  build_directory=str(where), verbose=False)
+        with build_guard(where):
+            return cpp_extension.load(name="crescent_paged_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                                      build_directory=str(where), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, no writable cache: the PyTorch path serves
         log.warning("CPU decode attention kernel unavailable (%s); using the PyTorch path", exc)
         return None

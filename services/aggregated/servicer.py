@@ -14,7 +14,8 @@ from crescent.protos import prefill_pb2
 from crescent.services.aggregated.batcher import MixedBatcher
 from crescent.services.contract.choices import reserve_tokens
 from crescent.services.decode.request import DecodeRequest
-from crescent.services.decode.servicer import DecodeServicer, never_fits_message
+from crescent.services.decode.pipeline import never_fits_message
+from crescent.services.decode.servicer import DecodeServicer
 from crescent.services.engine.engine import Sequence
 from crescent.services.prefill.pipeline import PageHold, PrefillPipeline
 from crescent.services.prefill.prompt_export import PromptExport

@@ -24,6 +24,7 @@ import enum
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +45,7 @@ from crescent.services.kvwire.handoff_wire import HandoffWirePart
 from crescent.services.kvwire.kv_block import BlockFormatError
 
 DRAINING_MESSAGE = "draining: this decode instance takes no new requests"
+U = TypeVar("U", bound=Any)  # a token update (see coalesced)
 TOMBSTONE_TTL_S = 60.0  # an Abort that came before its Handoff refuses that Handoff this long
 
 
@@ -73,13 +75,16 @@ def never_fits_message(prompt_tokens: int, max_tokens: int, reserve: int, choice
             f"more than {where}'s whole cache of {capacity} tokens")
 
 
-def coalesced(updates: list[TokenUpdate]) -> list[TokenUpdate]:
-    """Consecutive updates of one choice in one update (a reader that fell behind catches up)."""
-    out: list[TokenUpdate] = []
+def coalesced(updates: list[U]) -> list[U]:
+    """Consecutive updates of one choice in one update (a reader that fell behind catches up).
+    An update with a ``detail`` (an error's words, a choice ended alone) is never merged. Any
+    dataclass with ``index``, ``token_ids``, ``logprobs``, ``finish_reason`` and ``detail``: decode's
+    ``TokenUpdate`` and the vLLM backend's ``ChoiceUpdate``."""
+    out: list[U] = []
     for update in updates:
         prev = out[-1] if out else None
-        if (prev is not None and prev.finish_reason is None and prev.index == update.index
-                and update.finish_reason not in ENDINGS):
+        if (prev is not None and prev.finish_reason is None and prev.index == update.index and not prev.detail
+                and update.finish_reason not in ENDINGS and not update.detail):
             out[-1] = replace(update, token_ids=prev.token_ids + update.token_ids,
                               logprobs=prev.logprobs + update.logprobs)
         else:

@@ -25,7 +25,6 @@ from crescent.services.common.logs import request_id_var
 from crescent.services.decode.batcher import Batcher
 from crescent.services.decode.handoff_side import HandoffSideChannel
 from crescent.services.decode.pipeline import DecodePipeline, Refusal, Refused
-from crescent.services.decode.pipeline import never_fits_message  # noqa: F401 - the aggregated and vLLM roles' import
 from crescent.services.decode.request import ABORTED, DRAINING, ERROR, DecodeRequest
 from crescent.services.engine.constraints import Constraints
 from crescent.services.engine.engine import Sequence

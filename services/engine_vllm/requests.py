@@ -16,7 +16,10 @@ from crescent.protos import common_pb2
 
 
 @dataclass(frozen=True, slots=True)
-class TokenUpdate:
+class ChoiceUpdate:
+    """What one vLLM output of a choice brought its stream (decode's ``TokenUpdate`` carries a
+    native sequence's; these carry vLLM's tokens and logprobs as messages)."""
+
     index: int
     token_ids: tuple[int, ...]
     logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
@@ -49,7 +52,7 @@ class HeldRequest:
     prompt_tokens: int
     reserve_tokens: int                   # KV it may hold: prompt + max_tokens per choice
     choices: list[ChoiceState] = field(default_factory=list)
-    queue: asyncio.Queue[TokenUpdate] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[ChoiceUpdate] = field(default_factory=asyncio.Queue)
     awaiting: set[int] = field(default_factory=set)  # choices whose finish the reader has not seen
     claimed: bool = False
     handed_off: bool = False

@@ -21,11 +21,11 @@ from vllm.inputs import TokensPrompt
 from crescent.protos import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from crescent.services.contract.choices import MAX_CHOICES, reserve_tokens
 from crescent.services.common.logs import request_id_var
-from crescent.services.decode.servicer import never_fits_message
+from crescent.services.decode.pipeline import coalesced, never_fits_message
 from crescent.services.engine_vllm.connector_options import PRIVATE_SALT_PREFIX, tenant_salt
 from crescent.services.engine_vllm.engine import BackendFacts
 from crescent.services.decode.request import ABORTED, DRAINING, ENDINGS, ERROR
-from crescent.services.engine_vllm.requests import ChoiceState, FirstTokens, HeldRequest, TokenUpdate
+from crescent.services.engine_vllm.requests import ChoiceState, FirstTokens, HeldRequest, ChoiceUpdate
 from crescent.services.engine_vllm.sampling import UnsupportedSampling, vllm_sampling
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
                     if not ids:
                         choice.finished = True
                         return
-                held.queue.put_nowait(TokenUpdate(choice.index, ids, tuple(logprobs), finish))
+                held.queue.put_nowait(ChoiceUpdate(choice.index, ids, tuple(logprobs), finish))
                 if finish is not None:
                     choice.finished = True
                     self.on_change()
@@ -185,7 +185,7 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
             if not choice.first.done():
                 choice.first.set_exception(exc)
             else:
-                held.queue.put_nowait(TokenUpdate(choice.index, (), (), ERROR, str(exc)))
+                held.queue.put_nowait(ChoiceUpdate(choice.index, (), (), ERROR, str(exc)))
 
     # -- Decode ------------------------------------------------------------------------------------
 
@@ -203,7 +203,7 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
                 updates = [await held.queue.get()]
                 while not held.queue.empty():
                     updates.append(held.queue.get_nowait())
-                for update in _coalesced(updates):
+                for update in coalesced(updates):
                     if update.finish_reason in ENDINGS:
                         done = True
                         message = "decode draining" if update.finish_reason == DRAINING else update.detail
@@ -235,7 +235,7 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
             if choice is not None and not choice.finished:
                 log.info("ending choice %d of %s: %s", request.index, request.request_id, why)
                 self._stop_choice(choice)
-                held.queue.put_nowait(TokenUpdate(choice.index, (), (), None, _CHOICE_ENDED))
+                held.queue.put_nowait(ChoiceUpdate(choice.index, (), (), None, _CHOICE_ENDED))
         else:
             self._drop(held, ABORTED, why)
         return decode_pb2.AbortReply(found=True)
@@ -267,7 +267,7 @@ class VllmServicer(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeServi
         for choice in held.choices:
             if not choice.finished:
                 self._stop_choice(choice)
-        held.queue.put_nowait(TokenUpdate(0, (), (), reason, why))
+        held.queue.put_nowait(ChoiceUpdate(0, (), (), reason, why))
         self._forget(held.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -315,18 +315,4 @@ def _logprobs(step, ids: tuple[int, ...], top: int | None) -> list[common_pb2.To
         ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank is not None and lp.rank <= top)
         out.append(common_pb2.TokenLogprob(token_id=token_id, logprob=entries[token_id].logprob,
                                            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for _, t, lp in ranked]))
-    return out
-
-
-def _coalesced(updates: list[TokenUpdate]) -> list[TokenUpdate]:
-    """Consecutive running updates of one choice in one message (a reader that fell behind)."""
-    out: list[TokenUpdate] = []
-    for update in updates:
-        prev = out[-1] if out else None
-        if (prev is not None and prev.finish_reason is None and not prev.detail and prev.index == update.index
-                and update.finish_reason not in ENDINGS and not update.detail):
-            out[-1] = TokenUpdate(update.index, prev.token_ids + update.token_ids, prev.logprobs + update.logprobs,
-                                  update.finish_reason)
-        else:
-            out.append(update)
     return out

@@ -241,6 +241,13 @@ class KvStoreClient:
         mover = self._by_name.get(CUDA_IPC)
         return mover if isinstance(mover, CudaIpcMover) and mover.usable else None
 
+    @property
+    def device_path_open(self) -> bool:
+        """Whether ``put_device``/``get_device`` would try this node device to device now: this
+        client has ``cuda_ipc`` and the node has not refused it (before its first answer: yes).
+        An engine without a device opener, or once the node refused, uses host blocks instead."""
+        return self._device_mover is not None
+
     async def put_device(self, headers: Sequence[KvBlock], tensors: Sequence) -> PutResult:  # noqa: ANN001
         """Store blocks whose payloads are ``tensors`` (contiguous, on a GPU; ``headers``' payloads
         are ignored, a checksum of 0 is computed by the node): device to device when the node's GPU
@@ -276,7 +283,8 @@ class KvStoreClient:
 
         for key, room in zip(keys, rooms):
             block = found.get(key)
-            if block is not None and block.nbytes:
+            # a block of another size is left out of its room (the caller's shape check refuses it)
+            if block is not None and block.nbytes and block.nbytes == room.numel() * room.element_size():
                 room.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(block.payload), dtype=torch.uint8))
         return found
 

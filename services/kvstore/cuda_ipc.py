@@ -28,7 +28,8 @@ Wired: an engine's ``KvStoreClient.put_device``/``get_device`` send regions to t
 ``PutRegion``/``GetRegion`` (the client's mover ``cuda_ipc``, ``movers/cuda_ipc.py``) and
 ``TieredStore.put_from_region``/``get_into`` place them like any put (room, eviction, events,
 CRC on the node's copy). ``SameGpuPath`` below is the tier-level helper those RPCs do not need
-(the client's ladder refuses per node). Not built: the engine exporting its own pool pages.
+(the client's ladder refuses per node). The engine's side: ``prefill/device_store.py`` (a
+pool on CUDA gathers its new blocks into device rooms and puts them; loads into rooms).
 Unverified on a GPU here (none was lent): the real ``CudaIpc`` opener ran nowhere;
 ``tests/kvstore/test_cuda_ipc.py`` and ``test_cuda_ipc_node.py`` run it when CUDA is available
 (``scripts/gpu_check.sh``).

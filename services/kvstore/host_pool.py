@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from crescent.services.common.settings import SettingsError
-from crescent.services.kvstore.shm import file_identity
+from crescent.services.kvwire.shm_files import file_identity
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections import OrderedDict
 
-from crescent.services.kvwire.shm_files import SHM_DIR, available, file_identity  # noqa: F401 - used by the movers
+from crescent.services.kvwire.shm_files import SHM_DIR
 
 NAME_PREFIX = "crescent-kv-"
 _NAME = re.compile(r"^crescent-kv-[0-9a-f]{8,64}$")

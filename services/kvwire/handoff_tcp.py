@@ -42,8 +42,8 @@ from crescent.protos import decode_pb2
 from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.handoff_shm import MappedLayerAssembler
 from crescent.services.kvwire.layer_wire import LayerLayout
-from crescent.services.kvwire.side_channel import (CONNECT_TIMEOUT_S, Connection, connect_to, receive_exact,
-                                                   receive_checked)
+from crescent.services.kvwire.side_channel import CONNECT_TIMEOUT_S, Connection, receive_checked, receive_exact
+from crescent.services.kvwire.side_channel_client import connect_to
 
 log = logging.getLogger(__name__)
 

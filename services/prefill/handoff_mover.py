@@ -32,7 +32,8 @@ from crescent.services.kvwire import shm_files
 from crescent.services.kvwire.handoff_shm import REFUSAL, HandoffSegment, ShmUnusable, instance_tag, sweep
 from crescent.services.kvwire.handoff_tcp import TCP_REFUSAL
 from crescent.services.kvwire.movers import Backoff, MoverLadder, said_no
-from crescent.services.kvwire.side_channel import SideTls, dial_target
+from crescent.services.kvwire.side_channel import SideTls
+from crescent.services.kvwire.side_channel_client import dial_target
 
 log = logging.getLogger(__name__)
 

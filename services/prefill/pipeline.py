@@ -10,6 +10,8 @@
   ``choice_seed(seed, i)``), yielded as ``FirstToken``s at once;
 - **export**: the new full blocks into the kvstore in the background, not tied to the call (what
   a layer-wise export did not store, whole);
+  with the KV pool on a GPU and the node's GPU tier on the same one, the attach and the export
+  move blocks device to device instead (``device_store.py``; no layer-wise export then);
 - **hand off**: the request and its KV to decode through a ``HandoffSink`` (decode's Handoff
   call; a test's fake), once — the layer-wise stream's tail, or the whole blocks; then
   ``HandedOff``. A failure is a ``HandoffFailed`` carrying the sink's error.
@@ -33,6 +35,7 @@ from crescent.protos import common_pb2, decode_pb2, prefill_pb2
 from crescent.services.contract.choices import choice_seed
 from crescent.services.contract.finish import finish_reason, stop_token_ids
 from crescent.services.engine.constraints import Constraints, compile_constraint, submit_masks
+from crescent.services.engine.device_blocks import DeviceBlocks
 from crescent.services.engine.engine import Engine, Sequence
 from crescent.services.engine.logprobs import TokenLogprob, batch_logprobs
 from crescent.services.engine.sampler import sample_batch
@@ -42,6 +45,7 @@ from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvwire.handoff_wire import handoff_parts
 from crescent.services.kvwire.kv_block import KvBlock
 from crescent.services.kvwire.movers import GRPC
+from crescent.services.prefill.device_store import DeviceStore
 from crescent.services.prefill.handoff_mover import HandoffMovers
 from crescent.services.prefill.layerwise import LayerwiseHandoff
 from crescent.services.prefill.layerwise_store import LayerwiseStoreExport
@@ -133,16 +137,26 @@ class PrefillPipeline:
                  sink: HandoffSink, spawn: Spawn, kvstore: KvStoreClient | None = None, lease_ms: int = 0,
                  on_blocks_stored: Callable[[], None] = lambda: None, constraints: Constraints | None = None,
                  puller: PrefixPuller | None = None, layerwise_handoff: bool = False,
-                 layerwise_kvstore: bool = False, handoff_movers: HandoffMovers | None = None) -> None:
+                 layerwise_kvstore: bool = False, handoff_movers: HandoffMovers | None = None,
+                 device_blocks: DeviceBlocks | None = None) -> None:
         """``batcher``: computes prompts (``prefill(seq, on_layer)``); ``metrics``: the role's
         ``engine_metrics``; ``spawn``: runs the background kvstore export; the flags as
-        ``PrefillServicer``'s (already narrowed to what the cache and the kvstore allow)."""
+        ``PrefillServicer``'s (already narrowed to what the cache and the kvstore allow);
+        ``device_blocks``: the pool's blocks as device rooms (None on the CPU): the kvstore export
+        and prefix load go device to device while the node takes them (``device_store.py``)."""
         self.engine, self.worker, self.batcher = engine, worker, batcher
         self.metrics, self.load = metrics, load
         self.sink, self.spawn, self.kvstore, self.lease_ms = sink, spawn, kvstore, lease_ms
         self.on_blocks_stored, self.constraints, self.puller = on_blocks_stored, constraints, puller
         self.layerwise_handoff, self.layerwise_kvstore = layerwise_handoff, layerwise_kvstore
         self.handoff_movers = handoff_movers
+        self.device = (DeviceStore(engine, worker, kvstore, device_blocks, metrics)
+                       if device_blocks is not None and kvstore is not None else None)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the kvstore's blocks move device to device now (``device_store.py``)."""
+        return self.device is not None and self.device.open
 
     def start(self, request: prefill_pb2.PrefillRequest) -> PromptRun:
         """A pass of ``request`` (already checked); iterate its ``events()``, then ``close`` it."""
@@ -316,9 +330,15 @@ class PromptRun:
         engine, block_size = p.engine, p.engine.block_size
         if p.kvstore is None:
             return 0
+        on_device = 0
+        if p.on_device:  # the rest (after a miss) the host way: it may be on the node's peers
+            assert p.device is not None
+            on_device, missed = await p.device.attach(seq, engine.missing_prefix_keys(seq), p.lease_ms)
+            if not missed:
+                return on_device
         keys = engine.missing_prefix_keys(seq)
         if not keys:
-            return 0
+            return on_device
         start = time.perf_counter()
         blocks = await p.kvstore.get_prefix(keys, engine.model_id, lease_ms=p.lease_ms)
         first_block = seq.num_computed // block_size
@@ -335,7 +355,7 @@ class PromptRun:
             nbytes = sum(b.nbytes for b in blocks[: len(usable)])
             p.metrics.transfer_bytes.labels("prefill", "from_kvstore").inc(nbytes)
             p.metrics.transfer_seconds.labels("prefill", "from_kvstore").observe(time.perf_counter() - start)
-        return added
+        return on_device + added
 
     # ---- export ------------------------------------------------------------------------------
 
@@ -343,7 +363,7 @@ class PromptRun:
         """A layer-wise export of the prompt's new blocks, started. With a layer-wise handoff
         streaming beside it, the export reads the layers the handoff copied out of the cache."""
         p = self.p
-        if not p.layerwise_kvstore:
+        if not p.layerwise_kvstore or p.on_device:  # device to device needs no layer-wise staging
             return None
         assert p.kvstore is not None  # layerwise_kvstore is on only with a kvstore
         layered = LayerwiseStoreExport(p.engine, seq, already_cached, p.kvstore, source=self.streamed)
@@ -377,6 +397,10 @@ class PromptRun:
         stored; ``to_kvstore_hidden``, the bytes written before its last layer was computed."""
         p = self.p
         assert self.hold is not None
+        if layered is None and p.on_device:
+            assert p.device is not None
+            await p.device.store(seq, already_cached, self.hold.release, computed_at)
+            return
         try:
             left = await layered.finished() if layered is not None else None
             blocks = await self._export_new_blocks(seq, already_cached, export, left)

@@ -11,9 +11,11 @@ import grpc
 from crescent.services.common.logs import configure_logging
 from crescent.services.common.settings import load_settings
 from crescent.services.engine.constraints import Constraints
+from crescent.services.engine.device_blocks import DeviceBlocks
 from crescent.services.instance.shell import EngineInstance, EngineLoad
 from crescent.services.instance.runtime import ShutdownSignals, run_engine_process
 from crescent.services.kvstore.client import KvStoreClient
+from crescent.services.kvstore.cuda_ipc import CudaIpc
 from crescent.services.kvstore.memory import keep_large_buffers_warm
 from crescent.services.prefill.config import ENV_PREFIX, PrefillBaseSettings, PrefillSettings
 from crescent.services.prefill.handoff_mover import HandoffMovers
@@ -49,10 +51,13 @@ class PrefillRole:
 
 
 def kvstore_client(settings: PrefillBaseSettings, instance: EngineInstance) -> KvStoreClient | None:
-    """The node's kvstore, if the settings name one."""
+    """The node's kvstore, if the settings name one. A KV pool on a GPU shares its blocks with the
+    node's GPU tier through CUDA IPC where the node is on the same GPU (``prefill/device_store.py``)."""
     if not settings.kvstore_address:
         return None
-    return KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory, tls=instance.tls)
+    on_gpu = instance.engine is not None and DeviceBlocks.for_cache(instance.engine.cache) is not None
+    return KvStoreClient(settings.kvstore_address, shared_memory=settings.kvstore_shared_memory, tls=instance.tls,
+                         device_opener=CudaIpc() if on_gpu else None)
 
 
 def block_publisher(instance: EngineInstance):

@@ -29,6 +29,7 @@ from crescent.services.common.metrics import engine_metrics
 from crescent.services.common.tls import PeerTls
 from crescent.services.contract.choices import MAX_CHOICES
 from crescent.services.engine.constraints import ConstraintError, Constraints
+from crescent.services.engine.device_blocks import DeviceBlocks
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kv_cache import CacheFullError
 from crescent.services.engine.logprobs import MAX_TOP_LOGPROBS
@@ -133,7 +134,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     lease_ms=self.lease_ms,
                     on_blocks_stored=self._on_blocks_stored, constraints=self.constraints, puller=self.puller,
                     layerwise_handoff=self.layerwise_handoff, layerwise_kvstore=self.layerwise_kvstore,
-                    handoff_movers=self.handoff_movers)
+                    handoff_movers=self.handoff_movers,
+                    # a pool on a GPU: the kvstore's blocks device to device (None on the CPU)
+                    device_blocks=DeviceBlocks.for_cache(self.engine.cache) if self.kvstore is not None else None)
 
     def _refusal(self, request: prefill_pb2.PrefillRequest) -> tuple[grpc.StatusCode, str] | None:
         """Why ``request`` is refused before it takes anything (None: it is not)."""

@@ -29,11 +29,11 @@ KV_TOKENS = 8192
 STACK_PLAN = StackPlan(prefill=1, decode=1, kv_capacity_tokens=KV_TOKENS)
 BATCH = 20
 MAX_TOKENS = 1024          # 290 + 1024 tokens = 21 pages of 64: 6 reservations fit 8,192 tokens at once
-EARLIER = 12               # requests of the same kind served before the batch, 3 at a time
-# 3, so that a group's 3 reservations plus the previous group's (released when the gateway's
-# background report of their finish reaches the scheduler, which may come after the client has
-# its last token: a full CI run once saw the 4th of a group of 4 refused) fit the 6 at once.
-EARLIER_GROUP = 3
+EARLIER = 12               # requests of the same kind served before the batch, 4 at a time
+# A group starts as soon as the previous one's clients have their last tokens: the gateway has
+# reported those finishes to the scheduler by then (attempts/attempt.py, FINISH_REPORT_WAIT_S), so
+# their reservations are free. (Before it did, a full CI run saw a group's 4th request refused.)
+EARLIER_GROUP = 4
 WORDS = 220                # about 290 prompt tokens
 EXPECTED_OUTPUT = "crescent_scheduler_expected_output_tokens"
 

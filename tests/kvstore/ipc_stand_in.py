@@ -28,6 +28,12 @@ class ShmOpener:
         self._segments[tensor.data_ptr()] = segment
         return tensor
 
+    def free(self, tensor: torch.Tensor) -> None:
+        """Give back a tensor ``alloc`` made (its name goes now, its memory with its last view)."""
+        segment = self._segments.pop(tensor.data_ptr())
+        self._own.discard(segment.name)
+        segment.unlink()
+
     def gpu_uuid(self, device: torch.device) -> str:
         return self.gpu
 

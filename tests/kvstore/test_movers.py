@@ -28,8 +28,9 @@ from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.kvstore.movers import nixl as nixl_mover
 from crescent.services.kvwire.fused_copy import crc32
 from crescent.services.kvwire.nixl_engine import API_MODULES
-from crescent.services.kvwire import side_channel
-from crescent.services.kvwire.side_channel import SideChannelServer, joined_crcs, send_payloads, stripe_pieces
+from crescent.services.kvwire import side_channel, side_channel_client
+from crescent.services.kvwire.side_channel import SideChannelServer, joined_crcs, stripe_pieces
+from crescent.services.kvwire.side_channel_client import send_payloads
 
 from .helpers import MODEL, make_chain
 
@@ -343,7 +344,7 @@ async def test_calls_in_a_row_share_one_kept_connection_each_way(kvstore_node) -
 
 async def test_a_kept_connection_the_node_dropped_is_replaced_and_nothing_lands_twice(monkeypatch) -> None:
     monkeypatch.setattr(side_channel, "IDLE_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(side_channel, "_peer_closed", lambda raw: False)  # as if the close crossed our reuse
+    monkeypatch.setattr(side_channel_client, "_peer_closed", lambda raw: False)  # as if the close crossed our reuse
     server = SideChannelServer("127.0.0.1")
     address = f"127.0.0.1:{server.port}"
 
@@ -369,5 +370,5 @@ async def test_a_kept_connection_the_node_dropped_is_replaced_and_nothing_lands_
             assert sock.recv(1) == b"\x01" and _closed_without_answer(sock)
         assert await landed == [True]
     finally:
-        side_channel.close_kept_connections()
+        side_channel_client.close_kept_connections()
         server.close()

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from crescent.services.kvstore import shm
+from crescent.services.kvwire import shm_files
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shm_files.available(), reason="no writable /dev/shm")]
 
 MAKE_ONE = """
 import sys, time

@@ -16,9 +16,10 @@ import grpc
 import pytest
 
 from crescent.services.kvwire import movers as movers_module
-from crescent.services.kvwire import side_channel
+from crescent.services.kvwire import side_channel, side_channel_client
 from crescent.services.kvwire.fused_copy import crc32
-from crescent.services.kvwire.side_channel import SideChannelServer, send_payloads
+from crescent.services.kvwire.side_channel import SideChannelServer
+from crescent.services.kvwire.side_channel_client import send_payloads
 from crescent.services.prefill import handoff_mover
 from crescent.services.prefill.handoff_mover import TCP, HandoffMovers
 
@@ -73,7 +74,7 @@ async def test_trickling_connections_neither_hold_the_slots_nor_last(monkeypatch
         assert server.refused >= DRIBBLERS and len(refused) == server.refused, "each one counted"
     finally:
         stop.set()
-        side_channel.close_kept_connections()
+        side_channel_client.close_kept_connections()
         server.close()
 
 

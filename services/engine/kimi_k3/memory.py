@@ -19,14 +19,18 @@ byte) and what docs/k3.md's memory section states.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from crescent.services.engine.kimi_k3.config import K3Config
+
+if TYPE_CHECKING:
+    import torch  # imported where a dtype is asked for: `crescent plan` and the CLI load without torch
 
 
 def cache_torch_dtype(cfg: K3Config) -> torch.dtype:
     """The torch dtype of cached MLA latents (``cfg.cache_dtype``)."""
+    import torch
+
     return getattr(torch, cfg.cache_dtype)
 
 
@@ -34,6 +38,8 @@ def tail_torch_dtype(cfg: K3Config) -> torch.dtype:
     """The torch dtype of snapshot conv tails: the cache dtype, but bf16 under an fp8 latent cache
     (as vLLM's ``kv_cache_dtype=fp8`` covers attention layers only, never a linear layer's state:
     a 3-bit mantissa tail would change every later token of a resumed sequence)."""
+    import torch
+
     dtype = cache_torch_dtype(cfg)
     return torch.bfloat16 if dtype.itemsize == 1 else dtype
 

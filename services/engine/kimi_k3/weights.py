@@ -12,9 +12,12 @@ Moonshot checkpoints use other names; ``real_checkpoint.py`` maps them onto thes
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from crescent.services.engine.kimi_k3.config import K3Config
+
+if TYPE_CHECKING:
+    import torch  # imported by random_weights: the planner reads weight_shapes without torch
 
 
 def weight_shapes(cfg: K3Config) -> dict[str, tuple[int, ...]]:
@@ -105,6 +108,8 @@ def random_weights(cfg: K3Config, seed: int) -> dict[str, torch.Tensor]:
     Router offsets start at zero; ``loading.balance_router_offsets`` derives them by quantile
     balancing, as a trained checkpoint's would be.
     """
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(cfg).items():

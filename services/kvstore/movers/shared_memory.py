@@ -22,6 +22,7 @@ import grpc
 
 from crescent.protos import kvstore_pb2
 from crescent.services.kvstore import shm
+from crescent.services.kvwire import shm_files
 from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, refused
 from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.fused_copy import ParallelCopier, empty_buffer
@@ -40,7 +41,7 @@ class SharedMemoryMover(Mover):
         that copy payloads (default: up to 2)."""
         super().__init__(link)
         self._rest = rest
-        if not shm.available():
+        if not shm_files.available():
             self.give_up("no shared memory on this host")
         self._copier = ParallelCopier(copy_threads) if self.usable else None
         self._free_segments: list[shm.ShmSegment] = []
@@ -306,7 +307,7 @@ def _map_pool(path: str, identity: str) -> tuple[mmap.mmap, bool]:
     for mode, prot in (("r+b", mmap.PROT_READ | mmap.PROT_WRITE), ("rb", mmap.PROT_READ)):
         try:
             with open(path, mode) as f:
-                if shm.file_identity(f.fileno()) != identity:
+                if shm_files.file_identity(f.fileno()) != identity:
                     raise OSError(f"{path} is not the node's pool here (another host or PID namespace)")
                 st = os.fstat(f.fileno())
                 resident = st.st_blocks * 512 >= 0.9 * st.st_size

@@ -23,9 +23,8 @@ from crescent.services.kvstore.movers.base import Mover, NodeLink, PutResult, re
 from crescent.services.contract.block_keys import BlockKey
 from crescent.services.kvwire.fused_copy import empty_buffer
 from crescent.services.kvwire.kv_block import KvBlock
-from crescent.services.kvwire.side_channel import (
-    SideChannelUnreachable,
-    SideTls,
+from crescent.services.kvwire.side_channel import SideChannelUnreachable, SideTls
+from crescent.services.kvwire.side_channel_client import (
     close_kept_connections,
     dial_target,
     receive_payloads,
