@@ -23,7 +23,9 @@ from tests.engine_vllm.vllm_stack import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500),
               pytest.mark.skipif(vllm_interpreter() is None, reason="make install-vllm first")]
 
-PROMPT = [3 + (i * 7) % 500 for i in range(697)]  # two full blocks and a partial one
+# Two full blocks and one token: the fresh engine computes that token straight from the loaded
+# snapshot (the tiny model's gated recurrence forgets a wrong state within a few dozen tokens).
+PROMPT = [3 + (i * 7) % 500 for i in range(513)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_a_hybrid_prefix_is_served_from_the_kvstore_to_a_fresh_vllm(tiny_hybrid_
                                                                       run_dir: Path) -> None:
     checkpoint = tiny_hybrid_checkpoint
     # vLLM keeps the recurrent state at the prompt's replay boundary (its length minus one,
-    # floored to a block: 512): the first run stops a chunk there, the second hits vLLM's own cache.
+    # floored to a block: 512): the first run ends a chunk there, the second hits vLLM's own cache.
     first, second = fresh_vllm(checkpoint, kvstore, [{"prompt": PROMPT, "tenant": "acme"}] * 2,
                                run_dir / "vllm-a.log")
     assert first["cached"] == 0
