@@ -67,9 +67,12 @@ class InvariantLinear:
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """MKL fallback of ``InvariantLinear``: pads small batches to a multiple of 4 rows (CUDA: Triton)."""
+    """MKL fallback of ``InvariantLinear``: pads small batches to a multiple of 4 rows (CUDA: Triton).
+    The weight is taken in x's dtype on both (K3's reference ops hand a bf16 model an expert
+    dequantized from MXFP4 in fp32; MXFP4 values are exact in bf16, so nothing is rounded)."""
+    weight = weight.to(x.dtype)  # a no-op where they agree
     if _on_gpu(x):
-        return _triton_ops().invariant_linear(x, weight.to(x.dtype))
+        return _triton_ops().invariant_linear(x, weight)
     rows = x.shape[0]
     if rows < _MKL_ALWAYS_INVARIANT_ROWS and rows % _MKL_ROW_TILE:
         padded = x.new_zeros((rows + _MKL_ROW_TILE - rows % _MKL_ROW_TILE, x.shape[1]))

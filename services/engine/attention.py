@@ -6,8 +6,10 @@
   go through the C++ op (``kernels/cpu/paged_decode.cpp``) straight over the pool in one
   call per layer; prompt chunks gather their pages and run SDPA per sequence.
 - CUDA, when ``crescent.kernels.paged`` imports (the Triton kernels over Crescent's pool layout;
-  a CPU-only install may lack Triton): ``TritonAttention``, decode rows in one call per layer and
-  prompt chunks in one varlen call.
+  a CPU-only install may lack Triton) and the head dim is at most 256: ``TritonAttention``, decode
+  rows in one call per layer and prompt chunks in one varlen call. A larger head dim logs why and
+  takes the torch path; a block size the kernels cannot take (not a multiple of 16) is refused at
+  start by ``build_engine`` (``triton_block_size_problem``), since the operator can change it.
 - anything else (CPU bf16, CUDA without that kernel, tests on ``meta``): ``TorchAttention``, the
   per-sequence gather + SDPA path, which runs on any device and dtype.
 
@@ -35,6 +37,9 @@ from crescent.kernels.cpu.cpu_ext import paged_decode_ops
 log = logging.getLogger(__name__)
 
 TRITON_MODULE = "crescent.kernels.paged"  # paged_decode_attention, paged_prefill_attention
+# What crescent.kernels.paged takes (its module docstring; it raises on anything else).
+TRITON_MAX_HEAD_DIM = 256
+TRITON_BLOCK_MULTIPLE = 16
 
 
 class Chunk(Protocol):
@@ -199,6 +204,14 @@ def triton_paged_attention() -> ModuleType | None:
         return None
 
 
+def triton_block_size_problem(block_size: int) -> str | None:
+    """Why the CUDA attention kernels cannot take pages of ``block_size`` tokens (None: they can)."""
+    if block_size % TRITON_BLOCK_MULTIPLE:
+        return (f"the CUDA attention kernels (crescent.kernels.paged) take blocks of a multiple of "
+                f"{TRITON_BLOCK_MULTIPLE} tokens")
+    return None
+
+
 def attention_for(cache_device: torch.device, cache_dtype: torch.dtype, compute_dtype: torch.dtype, *,
                   head_dim: int, group: int, scale: float) -> AttentionPath:
     """The attention path for a cache on ``cache_device`` in ``cache_dtype`` (see the module's docstring)."""
@@ -207,5 +220,9 @@ def attention_for(cache_device: torch.device, cache_dtype: torch.dtype, compute_
         ops = paged_decode_ops() if fits else None
         return CpuKernelAttention(scale, ops) if ops is not None else TorchAttention(scale)
     if cache_device.type == "cuda" and (kernels := triton_paged_attention()) is not None:
-        return TritonAttention(scale, kernels)
+        if head_dim <= TRITON_MAX_HEAD_DIM:
+            return TritonAttention(scale, kernels)
+        # A model property, not a setting: serve on the slower per-sequence path rather than fail.
+        log.warning("attention on %s: head dim %d is over the Triton kernels' %d; the per-sequence torch path "
+                    "serves instead (slower)", cache_device, head_dim, TRITON_MAX_HEAD_DIM)
     return TorchAttention(scale)

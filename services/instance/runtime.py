@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from crescent.services.engine.attention import triton_block_size_problem, triton_paged_attention
 from crescent.services.engine.device import (DeviceSettingError, dtype_name, resolve_cache_dtype, resolve_device,
                                             resolve_dtype)
 from crescent.services.engine.engine import Engine
@@ -45,6 +46,11 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
     if settings.kv_cache_dtype == "fp8" and source.kind != "kimi_k3":
         raise DeviceSettingError(f"engine.kv_cache_dtype 'fp8': the fp8 cache covers kimi_k3's MLA latents only; "
                                  f"{settings.model!r} is a {source.kind} model: use auto, float32, bfloat16 or float16")
+    if device.type == "cuda" and source.kind != "kimi_k3" and triton_paged_attention() is not None:
+        # before the model loads: the Llama attention kernels would fail at the first forward
+        if (problem := triton_block_size_problem(settings.block_size)) is not None:
+            raise DeviceSettingError(f"engine.block_size {settings.block_size} on engine.device {settings.device!r}: "
+                                     f"{problem}; use e.g. 64 (the default) or 16")
     if group.size > 1 and source.kind == "kimi_k3":
         raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
                                  f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")

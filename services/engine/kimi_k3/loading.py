@@ -67,8 +67,11 @@ def load_k3_model(source: ModelSource, *, device: torch.device | str = "cpu", dt
     cfg, real = read_any_config(source.path)
     compute = model_dtype(cfg, dtype, device)
     cfg = _with_cache_dtype(cfg, cache_dtype)
-    weights = (load_real_weights(source.path, cfg, real, mxfp4_experts=mxfp4_experts) if real
-               else load_weights(source.path, cfg, mxfp4_experts=mxfp4_experts))
+    # A 16-bit model: float tensors stay as stored (K3Model's cast gives the same bits from them as
+    # from an fp32 copy, which would double a bf16 checkpoint's host memory on the way).
+    keep_stored = compute != torch.float32
+    weights = (load_real_weights(source.path, cfg, real, mxfp4_experts=mxfp4_experts, keep_stored=keep_stored)
+               if real else load_weights(source.path, cfg, mxfp4_experts=mxfp4_experts, keep_stored=keep_stored))
     return K3Model(cfg, weights, device=device, dtype=compute, snapshots=snapshots)
 
 
@@ -128,10 +131,11 @@ def read_any_config(path: Path) -> tuple[K3Config, RealFormat | None]:
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
 
 
-def load_real_weights(path: Path, cfg: K3Config, fmt: RealFormat, *,
-                      mxfp4_experts: str = "packed") -> dict[str, torch.Tensor | Mxfp4Tensor]:
-    """A real checkpoint's tensors under Crescent's names, checked against ``weight_shapes``."""
-    weights = read_weights(path, cfg, fmt, keep_packed=mxfp4_experts == "packed")
+def load_real_weights(path: Path, cfg: K3Config, fmt: RealFormat, *, mxfp4_experts: str = "packed",
+                      keep_stored: bool = False) -> dict[str, torch.Tensor | Mxfp4Tensor]:
+    """A real checkpoint's tensors under Crescent's names, checked against ``weight_shapes``
+    (``keep_stored``: see ``load_weights``)."""
+    weights = read_weights(path, cfg, fmt, keep_packed=mxfp4_experts == "packed", keep_stored=keep_stored)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in weights:
         raise ModelLoadError(f"{path} lacks tensor {fmt.prefix + 'lm_head.weight'!r}")
     if cfg.tie_word_embeddings:
@@ -154,8 +158,11 @@ def _check_complete(path: Path, weights: dict[str, torch.Tensor], expected: dict
                                  f"(as Crescent holds it), expected {shape}")
 
 
-def load_weights(path: Path, cfg: K3Config, *, mxfp4_experts: str = "packed") -> dict[str, torch.Tensor | Mxfp4Tensor]:
-    """Crescent-format tensors; MXFP4 routed experts stay packed unless ``mxfp4_experts="dequantize"``."""
+def load_weights(path: Path, cfg: K3Config, *, mxfp4_experts: str = "packed",
+                 keep_stored: bool = False) -> dict[str, torch.Tensor | Mxfp4Tensor]:
+    """Crescent-format tensors; MXFP4 routed experts stay packed unless ``mxfp4_experts="dequantize"``.
+    Float tensors in fp32, or with ``keep_stored`` (a 16-bit compute dtype) in their stored dtype;
+    dequantized MXFP4 tensors in fp32 either way."""
     if mxfp4_experts not in ("packed", "dequantize"):
         raise ValueError(f"mxfp4_experts must be 'packed' or 'dequantize', got {mxfp4_experts!r}")
     expected = weight_shapes(cfg)
@@ -174,7 +181,7 @@ def load_weights(path: Path, cfg: K3Config, *, mxfp4_experts: str = "packed") ->
                     tensor = f.get_tensor(name)
                     if tensor.dtype not in _FLOATS:
                         raise ModelLoadError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}")
-                    weights[name] = tensor.to(torch.float32)
+                    weights[name] = tensor.to(tensor.dtype if keep_stored else torch.float32, copy=keep_stored)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
     for name, parts in packed.items():

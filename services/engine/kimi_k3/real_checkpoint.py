@@ -17,7 +17,10 @@ The real names and shapes (Moonshot's ``modeling_kimi*.py``; docs/k3.md has the 
   (one MLP for all shared experts). Dense layers: ``mlp.{gate,up,down}_proj``.
 
 MXFP4 routed experts can stay packed (``Mxfp4Tensor``, ``keep_packed``: the engine's default,
-``EngineSettings.mxfp4_experts``); every other MXFP4 weight is dequantised to fp32 here.
+``EngineSettings.mxfp4_experts``); every other MXFP4 weight is dequantised to fp32 here. Float
+tensors become fp32, or with ``keep_stored`` (a 16-bit compute dtype: ``load_k3_model``) stay in
+the dtype they are stored in, so a bf16 checkpoint is never held in fp32 on the host on its way to
+a bf16 model (the model's cast gives the same bits from either).
 
 Loading is one pass over memory-mapped shards, tensor by tensor (``read_weights``): each tensor is
 converted and placed where the model keeps it — experts into their stacked buffers — before the
@@ -66,9 +69,10 @@ _SHARED = re.compile(r"block_sparse_moe\.shared_experts\.(gate|up|down)_proj\.we
 
 
 def read_weights(path: Path, cfg: K3Config, fmt: RealFormat, *,
-                 keep_packed: bool = False) -> dict[str, torch.Tensor | Mxfp4Tensor]:
+                 keep_packed: bool = False, keep_stored: bool = False) -> dict[str, torch.Tensor | Mxfp4Tensor]:
     """Every text-model tensor of the checkpoint under Crescent's names (``to_crescent_names``'s
-    mapping), fp32 or, for MXFP4 routed experts with ``keep_packed``, ``Mxfp4Tensor``.
+    mapping), fp32 (``keep_stored``: float tensors in their stored dtype) or, for MXFP4 routed
+    experts with ``keep_packed``, ``Mxfp4Tensor``.
 
     One pass, tensor by tensor: each shard is memory-mapped (``safe_open``), each tensor read,
     converted and put where the model keeps it before the next is read — routed experts and the
@@ -76,7 +80,7 @@ def read_weights(path: Path, cfg: K3Config, fmt: RealFormat, *,
     twice: the peak is the loaded weights plus one tensor in flight and the mapped shard's pages
     (``loadtest/bench_load_memory.py`` measures it). compressed-tensors MXFP4 pairs
     (``weight_packed`` + ``weight_scale``) become ``NAME.weight`` once both halves were read."""
-    into = _Assembly(cfg, fmt, keep_packed)
+    into = _Assembly(cfg, fmt, keep_packed, keep_stored)
     files = weight_files(path)
     stored_in = {name: file for file in files for name in read_header(file)}  # headers only
     order = {file: k for k, file in enumerate(files)}
@@ -148,18 +152,18 @@ class _Assembly:
     w3) and ``experts.down_proj [E, L, F]``, shared-expert gate/up/down in
     ``shared_experts.gate_up_proj [1, 2Fs, D]`` and ``down_proj [1, D, Fs]``, each allocated once."""
 
-    def __init__(self, cfg: K3Config, fmt: RealFormat, keep_packed: bool) -> None:
-        self.cfg, self.fmt, self.keep_packed = cfg, fmt, keep_packed
+    def __init__(self, cfg: K3Config, fmt: RealFormat, keep_packed: bool, keep_stored: bool = False) -> None:
+        self.cfg, self.fmt, self.keep_packed, self.keep_stored = cfg, fmt, keep_packed, keep_stored
         self.out: dict[str, torch.Tensor | Mxfp4Tensor] = {}
         self.filled: dict[tuple[int, str], set[int]] = {}  # (layer, w1/w2/w3) -> experts placed
 
     def put(self, name: str, t: torch.Tensor | Mxfp4Tensor) -> None:
         if name in _TOP_RENAMES:
-            self.out[_TOP_RENAMES[name]] = _fp32(t.reshape(-1) if name.endswith("proj.weight") else t)
+            self.out[_TOP_RENAMES[name]] = self._own(t.reshape(-1) if name.endswith("proj.weight") else t)
             return
         m = _LAYER.match(name)
         if m is None:
-            self.out[name] = _fp32(t)
+            self.out[name] = self._own(t)
             return
         i, local = int(m.group(1)), m.group(2)
         if i >= self.cfg.num_layers:
@@ -173,15 +177,15 @@ class _Assembly:
         elif s := _SHARED.match(local):
             self._shared(i, s.group(1), t)
         elif local in _RENAMES:
-            self.out[p + _RENAMES[local]] = _fp32(t.reshape(-1) if local.endswith("res_proj.weight") else t)
+            self.out[p + _RENAMES[local]] = self._own(t.reshape(-1) if local.endswith("res_proj.weight") else t)
         elif local.endswith("_conv1d.weight"):
-            self.out[p + local] = _fp32(t.reshape(t.shape[0], -1))  # [C, 1, W] -> [C, W]
+            self.out[p + local] = self._own(t.reshape(t.shape[0], -1))  # [C, 1, W] -> [C, W]
         elif local == "self_attn.A_log":
             self.out[p + local] = _a_log(self.cfg, self.fmt.prefix + name, _fp32(t))
         elif local == "self_attn.dt_bias":
-            self.out[p + local] = _fp32(t.reshape(-1))
+            self.out[p + local] = self._own(t.reshape(-1))
         else:
-            self.out[p + local] = _fp32(t)
+            self.out[p + local] = self._own(t)
 
     def _expert(self, i: int, e: int, w: str, t: torch.Tensor | Mxfp4Tensor) -> None:
         cfg = self.cfg
@@ -197,18 +201,20 @@ class _Assembly:
         full = (cfg.num_experts, lat if w == "w2" else 2 * f, expected[1])
         buf = self.out.get(name)
         if buf is None:
-            buf = self.out[name] = _empty(t, full)
+            buf = self.out[name] = _empty(t, full, self._dtype(t))
         if isinstance(buf, Mxfp4Tensor) != isinstance(t, Mxfp4Tensor):
             raise ModelLoadError(f"{where}: experts of one layer must all be MXFP4 or all be float ({e} {w} is not)")
+        if not isinstance(t, Mxfp4Tensor) and (wider := torch.promote_types(buf.dtype, t.dtype)) != buf.dtype:
+            buf = self.out[name] = buf.to(wider)  # experts stored in two dtypes: both exact in the wider
         if isinstance(t, Mxfp4Tensor):
             buf.blocks[e, rows].copy_(t.blocks)
             buf.scales[e, rows].copy_(t.scales)
         else:
-            buf[e, rows].copy_(t)  # converts to fp32 in place: no second copy of the expert
+            buf[e, rows].copy_(t)  # converts to the buffer's dtype in place: no second copy of the expert
         self.filled.setdefault((i, w), set()).add(e)
 
     def _shared(self, i: int, part: str, t: torch.Tensor | Mxfp4Tensor) -> None:
-        cfg, t = self.cfg, _fp32(t)
+        cfg, t = self.cfg, self._own(t)
         fs, d = cfg.shared_intermediate_size, cfg.hidden_size
         p = f"model.layers.{i}.mlp.shared_experts."
         self.filled.setdefault((i, "shared_" + part), set()).add(0)
@@ -218,9 +224,19 @@ class _Assembly:
         if tuple(t.shape) != (fs, d):
             raise ModelLoadError(f"tensor {self.fmt.prefix}model.layers.{i}.block_sparse_moe.shared_experts."
                                  f"{part}_proj.weight has shape {tuple(t.shape)}, expected {(fs, d)}")
-        buf = self.out.setdefault(p + "gate_up_proj", torch.empty((1, 2 * fs, d), dtype=torch.float32))
+        buf = self.out.setdefault(p + "gate_up_proj", torch.empty((1, 2 * fs, d), dtype=t.dtype))
+        if (wider := torch.promote_types(buf.dtype, t.dtype)) != buf.dtype:  # gate and up in two dtypes
+            buf = self.out[p + "gate_up_proj"] = buf.to(wider)
         rows = slice(0, fs) if part == "gate" else slice(fs, 2 * fs)
         buf[0, rows].copy_(t)
+
+    def _dtype(self, t: torch.Tensor | Mxfp4Tensor) -> torch.dtype:
+        """Where a float tensor is kept: fp32, or its stored dtype with ``keep_stored``."""
+        return t.dtype if self.keep_stored and not isinstance(t, Mxfp4Tensor) else torch.float32
+
+    def _own(self, t: torch.Tensor | Mxfp4Tensor) -> torch.Tensor:
+        """In memory of its own (see ``_fp32``), in ``_dtype(t)``."""
+        return t.dequantize() if isinstance(t, Mxfp4Tensor) else t.to(self._dtype(t), copy=True)
 
     def finish(self) -> dict[str, torch.Tensor | Mxfp4Tensor]:
         """The weights, once every expert of every MoE layer and every shared-expert part arrived."""
@@ -247,11 +263,12 @@ def _fp32(t: torch.Tensor | Mxfp4Tensor) -> torch.Tensor:
     return t.dequantize() if isinstance(t, Mxfp4Tensor) else t.to(torch.float32, copy=True)
 
 
-def _empty(like: torch.Tensor | Mxfp4Tensor, shape: tuple[int, int, int]) -> torch.Tensor | Mxfp4Tensor:
+def _empty(like: torch.Tensor | Mxfp4Tensor, shape: tuple[int, int, int],
+           dtype: torch.dtype = torch.float32) -> torch.Tensor | Mxfp4Tensor:
     if isinstance(like, Mxfp4Tensor):
         e, n, k = shape
         return Mxfp4Tensor(torch.empty((e, n, k // 32, 16), dtype=torch.uint8), torch.empty((e, n, k // 32), dtype=torch.uint8))
-    return torch.empty(shape, dtype=torch.float32)
+    return torch.empty(shape, dtype=dtype)
 
 
 def real_name(fmt: RealFormat, name: str) -> str:
