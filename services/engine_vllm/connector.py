@@ -128,9 +128,10 @@ class CrescentConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.finished(request)
-        return False, None  # saves are queued by the end of each step: the blocks may be freed
+        # Saves are queued by the end of each step: the blocks may be freed. A hybrid request's
+        # resume keys travel back with its output (a vLLM prefill waits for them: handoff.py).
+        params = self._scheduler.finished(request) if self._scheduler is not None else None
+        return False, params
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

@@ -12,7 +12,10 @@ A hybrid model (recurrent-state groups beside attention, hybrid_layout.py) also 
 its recurrent layers resume from: a hit is cut back to the last block whose snapshot the store
 holds, and is loaded asynchronously (vLLM holds the request until the worker reports it): vLLM
 takes block-level load errors only from single-group models, so a hybrid load that fails is
-reported for its whole request, which vLLM then recomputes from its start.
+reported for its whole request, which vLLM then recomputes from its start. When a hybrid request
+finishes, the keys a decode would resume it from (the blocks up to its last saved snapshot, and
+that snapshot) go back with vLLM's output as ``kv_transfer_params`` (``HANDOFF_KEYS``): a vLLM
+prefill waits for exactly those before it hands the prompt over (handoff.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# kv_transfer_params entry of a finished hybrid request: the store keys (hex) a decode resumes it
+# from, in load order; empty when no snapshot lies within its loadable blocks, or when the
+# connector is passive for the model (then nothing is stored for any request).
+HANDOFF_KEYS = "crescent_handoff_keys"
 
 EVICTION_CHECK_S = 0.5  # how often vLLM's blocks are checked for evictions (a scan of those reported)
 
@@ -190,8 +198,30 @@ class ConnectorScheduler:
                                                   tuple(block.block_id for block in blocks)))
             prompt.states_saved.add(i)
 
-    def finished(self, request: Request) -> None:
-        self._prompts.pop(request.request_id, None)
+    def finished(self, request: Request) -> dict[str, list[str]] | None:
+        """Forget the request; for a hybrid one, the keys a decode would resume it from (none
+        where the connector is passive: nothing of it reaches the store)."""
+        prompt = self._prompts.pop(request.request_id, None)
+        if prompt is None:
+            return None
+        if not self.layout.carried:
+            return {HANDOFF_KEYS: []}
+        if not self.layout.hybrid or prompt.salt is None or self.link is None:
+            return None
+        return {HANDOFF_KEYS: [bytes(key).hex() for key in self._resume_keys(prompt)]}
+
+    def _resume_keys(self, prompt: _Prompt) -> list[bytes]:
+        """The blocks up to the last loadable boundary with a snapshot in the store (saved by this
+        request, or the boundary it was itself resumed from: vLLM's own hit or a load), and that
+        snapshot. A decode's lookup (``matched_tokens``) resumes there once the store holds them."""
+        usable = loadable_blocks(len(prompt.tokens), self.block_size)
+        ends = [i + 1 for i in prompt.states_saved if i < usable]
+        if 0 < prompt.save_from <= usable:
+            ends.append(prompt.save_from)
+        end = max(ends, default=0)
+        if not end:
+            return []
+        return [bytes(k) for k in prompt.keys[:end]] + [state_key(prompt.keys[end - 1], self.state_format)]
 
     # -- what vLLM's cache holds -------------------------------------------------------------------
 

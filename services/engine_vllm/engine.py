@@ -79,19 +79,11 @@ def engine_args(settings: EngineSettings, model: VllmModel, connector: Connector
     return AsyncEngineArgs(**args)
 
 
-def start_engine(settings: EngineSettings, model: VllmModel, connector: ConnectorOptions | None, *,  # noqa: ANN201
-                 require_connector: bool = False):
-    """Start vLLM (minutes on a CPU: it loads, profiles and compiles); returns (AsyncLLM, facts).
-    ``require_connector``: a prefill or decode instance, whose handoffs need the connector."""
+def start_engine(settings: EngineSettings, model: VllmModel, connector: ConnectorOptions | None):  # noqa: ANN201
+    """Start vLLM (minutes on a CPU: it loads, profiles and compiles); returns (AsyncLLM, facts)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
     config = engine_args(settings, model, connector).create_engine_config()
-    if connector is not None and config.model_config.is_hybrid and require_connector:
-        # The connector carries a hybrid model's recurrent state (SupportsHMA), but a handoff
-        # waits only for blocks, not for the snapshot decode resumes from: untested, refused.
-        raise ValueError(f"{model.model_id} is a hybrid model: vLLM prefill -> decode handoffs do not wait for its "
-                         "recurrent-state snapshots yet; serve it on aggregated instances (engine.backend vllm) or on "
-                         "native pools")
     llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
     return llm, facts_of(llm.vllm_config, model.model_id)
 

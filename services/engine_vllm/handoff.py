@@ -11,6 +11,11 @@ the rest (the last, partial block and the last token), samples each choice's fir
 reply carries them back to prefill, which reports them to the gateway and names decode in
 ``HandedOff``. The stream then runs on decode as on an aggregated instance.
 
+A hybrid model (recurrent layers beside attention) resumes only from a recurrent-state snapshot
+at a block boundary: prefill's connector names the blocks up to the last snapshot it saved and
+that snapshot (vLLM's ``kv_transfer_params``, connector_scheduler.HANDOFF_KEYS), and prefill
+waits for exactly those keys; decode's connector loads them and vLLM computes from that boundary.
+
 Decode samples the first tokens, as in vLLM's own disaggregated serving, so a choice's whole
 sequence comes from one vLLM request: seeds, penalties, logprobs and structured outputs are
 exactly an aggregated instance's. What it costs: a block missing from the kvstore is computed on
@@ -37,6 +42,7 @@ from crescent.services.engine_vllm.requests import HeldRequest
 from crescent.services.engine_vllm.connector_options import (
     HANDOFF_SALT_PREFIX, TENANT_SALT_PREFIX, crescent_salt, loadable_blocks,
 )
+from crescent.services.engine_vllm.connector_scheduler import HANDOFF_KEYS
 from crescent.services.engine_vllm.servicer import VllmServicer, first_token_message
 from crescent.services.kvstore.client import KvStoreClient
 from crescent.services.contract.block_keys import prefix_block_keys
@@ -77,8 +83,8 @@ class VllmPrefillServicer(VllmServicer):
         self.requests[rid] = held
         self.on_change()
         try:
-            cached = await self._compute(rid, tokens, salt, context)
-            await self._wait_for_blocks(tokens, salt)
+            cached, resume_keys = await self._compute(rid, tokens, salt, context)
+            await self._wait_for_blocks(tokens, salt, resume_keys)
             reply = await self._hand_off(request, tokens, salt, context)
         finally:
             self._forget(rid)
@@ -90,15 +96,20 @@ class VllmPrefillServicer(VllmServicer):
         if not all(first.finished for first in reply.first_tokens):
             yield prefill_pb2.PrefillEvent(handed_off=prefill_pb2.HandedOff(decode_address=request.decode_address))
 
-    async def _compute(self, rid: str, tokens: list[int], salt: str, context: grpc.aio.ServicerContext) -> int:
-        """The prompt through vLLM (the connector saves its blocks); the prompt tokens it did not compute."""
+    async def _compute(self, rid: str, tokens: list[int], salt: str,
+                       context: grpc.aio.ServicerContext) -> tuple[int, list[bytes] | None]:
+        """The prompt through vLLM (the connector saves its blocks): the prompt tokens it did not
+        compute, and for a hybrid model the keys decode resumes from (None: not a hybrid model)."""
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
-        cached = 0
+        cached, resume_keys = 0, None
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens, cache_salt=salt), params,
                                                request_id=f"{rid}#prefill"):
                 cached = out.num_cached_tokens or 0
+                named = (out.kv_transfer_params or {}).get(HANDOFF_KEYS)
+                if named is not None:
+                    resume_keys = [bytes.fromhex(key) for key in named]
         except (ValueError, TypeError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the vLLM engine refused the request: {exc}")
         except asyncio.CancelledError:
@@ -106,16 +117,23 @@ class VllmPrefillServicer(VllmServicer):
         except Exception as exc:
             log.exception("request %s failed in vLLM", rid)
             await context.abort(grpc.StatusCode.INTERNAL, f"the vLLM engine failed: {exc}")
-        return cached
+        return cached, resume_keys
 
-    async def _wait_for_blocks(self, tokens: list[int], salt: str) -> None:
-        """Until the kvstore holds the leading blocks decode will load (every complete block but
-        one ending at the last token), or until none has landed for ``STORE_STALL_S``."""
-        usable = loadable_blocks(len(tokens), self.facts.block_size)
-        key_salt = crescent_salt(salt)
-        if not usable or key_salt is None:
+    async def _wait_for_blocks(self, tokens: list[int], salt: str, resume_keys: list[bytes] | None) -> None:
+        """Until the kvstore holds what decode will load — the leading blocks (every complete
+        block but one ending at the last token), or a hybrid model's ``resume_keys`` (blocks and
+        the snapshot after the last) — or until none has landed for ``STORE_STALL_S``."""
+        if resume_keys is not None:
+            keys = resume_keys
+        else:
+            usable = loadable_blocks(len(tokens), self.facts.block_size)
+            key_salt = crescent_salt(salt)
+            if not usable or key_salt is None:
+                return
+            keys = prefix_block_keys(tokens, self.facts.block_size, self.facts.model_id, key_salt)[:usable]
+        if not keys:
+            log.info("no recurrent-state snapshot within the prompt's loadable blocks: decode computes it all")
             return
-        keys = prefix_block_keys(tokens, self.facts.block_size, self.facts.model_id, key_salt)[:usable]
         start = last_progress = time.monotonic()
         held = -1
         while True:
@@ -131,7 +149,7 @@ class VllmPrefillServicer(VllmServicer):
             if leading > held:
                 held, last_progress = leading, now
             if now - last_progress >= STORE_STALL_S or now - start >= STORE_WAIT_MAX_S:
-                log.warning("the kvstore holds %d of the prompt's %d blocks; decode computes the rest", leading, len(keys))
+                log.warning("the kvstore holds %d of the %d blocks decode loads; decode computes the rest", leading, len(keys))
                 return
             await asyncio.sleep(STORE_POLL_S)
 

@@ -128,7 +128,7 @@ async def _start_backend(settings: InstanceSettings, role: Role, run_dir: Path, 
             saves_wait=role == "prefill")
     log.info("starting vLLM on %s (%s) as %s; this takes minutes on a CPU", model.directory, model.model_id, role)
     try:
-        llm, facts = start_engine(settings.engine, model, connector, require_connector=role != "aggregated")
+        llm, facts = start_engine(settings.engine, model, connector)
     except Exception:
         await blocks.close()
         guard.check()  # vLLM's start failed because the signal stopped its processes: not an error

@@ -8,6 +8,9 @@ shared is started once per session:
   around that peer, stopped at the module's end. Modules keep their own engines because their
   last tests kill or drain them.
 
+- ``tiny_hybrid_checkpoint``: the tiny Qwen3-Next (recurrent + attention layers, with a
+  tokenizer) the hybrid modules serve, written once (tests/engine_vllm/tiny_hybrid.py).
+
 A new module (say one testing another vLLM feature) takes ``vllm_peer`` directly, or
 ``vllm_stack({"aggregated-0": "aggregated"})`` inside a module-scoped fixture.
 """
@@ -15,10 +18,12 @@ A new module (say one testing another vLLM feature) takes ``vllm_peer`` directly
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from crescent.services.engine_vllm.model_dir import vllm_model
+from tests.engine_vllm.tiny_hybrid import write_tiny_hybrid
 from tests.engine_vllm.vllm_stack import BLOCK, MODEL, PeerVllm, VllmStack, vllm_interpreter
 
 
@@ -51,3 +56,11 @@ def vllm_stack(vllm_peer: PeerVllm, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         for stack in stacks:
             stack.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    python = vllm_interpreter()
+    if python is None:
+        pytest.skip("make install-vllm first")
+    return write_tiny_hybrid(python, tmp_path_factory.mktemp("hybrid-checkpoint") / "tiny-qwen3-next")

@@ -13,7 +13,7 @@ import torch
 
 from crescent.services.engine_vllm.connector_metadata import LoadSpec, StateSaveSpec
 from crescent.services.engine_vllm.connector_options import ConnectorOptions, tenant_salt
-from crescent.services.engine_vllm.connector_scheduler import ConnectorScheduler
+from crescent.services.engine_vllm.connector_scheduler import HANDOFF_KEYS, ConnectorScheduler
 from crescent.services.engine_vllm.connector_worker import ConnectorWorker
 from crescent.services.engine_vllm.hybrid_layout import GroupLayout, group_layout, resume_point, state_key
 from crescent.services.contract.block_keys import BlockKey, prefix_block_keys
@@ -101,6 +101,9 @@ def test_the_scheduler_loads_a_hybrid_prefix_asynchronously_up_to_its_snapshot()
     assert meta.loads == [LoadSpec("r1", tuple(keys[:2]), (tuple(tokens[:4]), tuple(tokens[4:8])), ((5, 6),),
                                    state_key(keys[1], FORMAT), (11, 12))]
     assert scheduler.matched_tokens(request(tokens, b"globex"), 0) == (0, False), "another tenant's keys"
+    # A prefill resumed from the store hands decode the same point (it saved no later snapshot).
+    resume = [k.hex() for k in [*map(bytes, keys[:2]), state_key(keys[1], FORMAT)]]
+    assert scheduler.finished(request(tokens)) == {HANDOFF_KEYS: resume}
 
 
 def test_the_scheduler_saves_the_snapshots_vllm_keeps_at_boundaries_the_step_passed() -> None:
@@ -121,6 +124,33 @@ def test_the_scheduler_saves_the_snapshots_vllm_keeps_at_boundaries_the_step_pas
     assert [s.block_ids for s in meta.saves] == [(5,), (6,), (7,), (8,)]
     assert meta.state_saves == [StateSaveSpec(state_key(keys[1], FORMAT), tuple(tokens[4:8]), (11, 12)),
                                 StateSaveSpec(state_key(keys[3], FORMAT), tuple(tokens[12:16]), (13, 14))]
+    # What a vLLM prefill waits for before its handoff: the blocks up to the last snapshot, and it.
+    resume = scheduler.finished(request(tokens))
+    assert resume == {HANDOFF_KEYS: [k.hex() for k in [*map(bytes, keys[:4]), state_key(keys[3], FORMAT)]]}
+
+
+def test_the_handoff_point_is_the_last_snapshot_decode_may_load() -> None:
+    tokens = list(range(16))  # four full blocks: the last token is computed, so three are loadable
+    keys = prefix_block_keys(tokens, BLOCK, MODEL, b"acme")
+    scheduler = ConnectorScheduler(ConnectorOptions(MODEL, BLOCK), Link(set()), HYBRID, FORMAT)
+    pool = {i: SimpleNamespace(block_id=i, is_null=i == 0, block_hash=b"h" if i in (11, 12, 13, 14) else None)
+            for i in range(20)}
+    scheduler.pool = SimpleNamespace(blocks=pool)
+    scheduler.matched_tokens(request(tokens), 0)
+    scheduler.after_alloc(request(tokens), ([], [], []), 0)
+    scheduler.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="r1", block_ids=([0, 11, 0, 13], [0, 12, 0, 14], [5, 6, 7, 8]),
+                                            num_computed_tokens=0)],
+        num_scheduled_tokens={"r1": 16}, scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
+    resume = scheduler.finished(request(tokens))[HANDOFF_KEYS]
+    assert resume == [k.hex() for k in [*map(bytes, keys[:2]), state_key(keys[1], FORMAT)]], \
+        "the snapshot after block 3 is past the last loadable block: decode resumes after block 1"
+    bare = ConnectorScheduler(ConnectorOptions(MODEL, BLOCK), Link(set()), HYBRID, FORMAT)
+    bare.matched_tokens(request(tokens), 0)
+    assert bare.finished(request(tokens)) == {HANDOFF_KEYS: []}, "no snapshot: decode computes it all"
+    attention = ConnectorScheduler(ConnectorOptions(MODEL, BLOCK), Link(set()))
+    attention.matched_tokens(request(tokens), 0)
+    assert attention.finished(request(tokens)) is None, "attention-only: prefill names the blocks itself"
 
 
 class Store:
@@ -222,3 +252,4 @@ def test_a_model_with_groups_it_cannot_name_starts_with_the_connector_passive() 
     assert worker.link is None and worker.geo is None
     scheduler = ConnectorScheduler(ConnectorOptions(MODEL, BLOCK), Link(set()), layout, "")
     assert scheduler.matched_tokens(request(list(range(18))), 0) == (0, False)
+    assert scheduler.finished(request(list(range(18)))) == {HANDOFF_KEYS: []}, "a prefill waits for nothing"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-import httpx
 import pytest
 
 from tests.engine_vllm.vllm_stack import (
@@ -31,13 +30,6 @@ def stack(vllm_stack: Callable[[dict[str, str]], VllmStack]) -> VllmStack:  # te
     return vllm_stack({"prefill-0": "prefill", **{name: "decode" for name in DECODES}})
 
 
-def kvstore_hits(stack: VllmStack) -> float:
-    """Blocks the kvstore has served (decode's loads: prefill only asks which blocks exist)."""
-    admin = stack.services["kvstore"].health.removesuffix("/health")
-    text = httpx.get(f"{admin}/metrics", timeout=5).text
-    return sum(float(v) for v in re.findall(r'^crescent_kvstore_hits_total\{[^}]*\} (\S+)$', text, re.M))
-
-
 def test_greedy_outputs_equal_a_standalone_vllm(stack: VllmStack) -> None:
     for words, nonce in ((20, "a1"), (200, "b2"), (720, "c3")):
         prompt = prompt_ids(words, nonce)
@@ -49,9 +41,9 @@ def test_greedy_outputs_equal_a_standalone_vllm(stack: VllmStack) -> None:
 def test_decode_loads_the_prompt_from_the_kvstore(stack: VllmStack) -> None:
     for words, nonce in ((180, "d4"), (720, "e5")):  # a private short prompt (one-time salt) and a tenant's
         prompt = prompt_ids(words, nonce)
-        before = kvstore_hits(stack)
+        before = stack.kvstore_hits()
         first = completion(stack.client(), prompt)
-        loaded = kvstore_hits(stack) - before
+        loaded = stack.kvstore_hits() - before
         assert loaded >= (len(prompt) - 1) // BLOCK, f"{len(prompt)} tokens: decode computed what prefill handed over"
         assert cached(first) == 0
     again = completion(stack.client(), prompt)

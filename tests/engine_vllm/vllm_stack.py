@@ -7,6 +7,7 @@ stop, kill or add one engine instance while the rest keeps running.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,18 +146,33 @@ BLOCK = 64
 MODEL = DEFAULT_MODEL
 
 
+@dataclass(frozen=True)
+class StackModel:
+    """What a stack serves: the model setting (preset, GGUF or Hugging Face directory) of the
+    gateway and every engine, Crescent's block size, and the engines' other settings."""
+
+    spec: str
+    block_size: int
+    vllm: dict = field(default_factory=dict)      # engine.vllm beyond the stack's defaults
+    engine: dict = field(default_factory=dict)    # other engine settings (min_cached_prompt_tokens, ...)
+
+
+DEFAULT_STACK_MODEL = StackModel(MODEL, BLOCK, {"dtype": "float32"})
+
+
 class VllmStack:
     """Scheduler, kvstore and gateway (auth on, tenants acme and globex) and vLLM-backed engine
     instances of the roles asked for; beside them the session's standalone vLLM (``peer``), which
     this stack waits for but never stops."""
 
-    def __init__(self, run_dir: Path, peer: PeerVllm) -> None:
+    def __init__(self, run_dir: Path, peer: PeerVllm | None, model: StackModel = DEFAULT_STACK_MODEL) -> None:
         self.run_dir = run_dir
         self.python = vllm_interpreter()
         self.services: dict[str, Service] = {}
         self.gateway_url = ""
-        self.peer_url = peer.url
+        self.peer_url = peer.url if peer is not None else ""
         self._peer = peer
+        self.model = model
         self.keys: dict[str, str] = {}
 
     def start(self, engines: dict[str, str]) -> None:
@@ -168,14 +184,15 @@ class VllmStack:
         kvstore = start_service(run, "kvstore", "kvstore", kv)
         port = listen()["port"]
         gateway = start_service(run, "gateway", "gateway", {
-            "listen": {"host": "127.0.0.1", "port": port}, "scheduler_address": scheduler.grpc, "model": MODEL,
+            "listen": {"host": "127.0.0.1", "port": port}, "scheduler_address": scheduler.grpc, "model": self.model.spec,
             "auth": {"enabled": True, "admin_key": ADMIN_KEY, "database_url": f"sqlite:///{run}/gateway.sqlite3"},
             "ledger": {"journal_dir": str(run / "ledger-journal")}})
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.services.update(scheduler=scheduler, kvstore=kvstore, gateway=gateway)
         started = [self.start_engine(name, role) for name, role in engines.items()]
         wait_healthy([scheduler, kvstore, gateway], CONTROL_PLANE_START_S)
-        wait_healthy([*started, self._peer.service], VLLM_START_S)  # the peer: once, for the first stack
+        peer = [self._peer.service] if self._peer is not None else []
+        wait_healthy([*started, *peer], VLLM_START_S)  # the peer: once, for the first stack
         wait_healthy([gateway], 60)
         for tenant in ("acme", "globex"):
             reply = httpx.post(f"{self.gateway_url}/admin/keys", json={"tenant": tenant, "create_tenant": True},
@@ -186,9 +203,9 @@ class VllmStack:
     def start_engine(self, name: str, role: str) -> Service:
         config = {"listen": listen(), "instance_id": name, "scheduler_address": self.services["scheduler"].grpc,
                   "kvstore_address": self.services["kvstore"].grpc,
-                  "engine": {"backend": "vllm", "model": MODEL, "block_size": BLOCK, "threads": 1,
-                             "drain_grace_s": DRAIN_GRACE_S,
-                             "vllm": {"dtype": "float32", "cpu_kv_cache_gb": 1, "enforce_eager": VLLM_EAGER}}}
+                  "engine": {"backend": "vllm", "model": self.model.spec, "block_size": self.model.block_size,
+                             "threads": 1, "drain_grace_s": DRAIN_GRACE_S, **self.model.engine,
+                             "vllm": {"cpu_kv_cache_gb": 1, "enforce_eager": VLLM_EAGER, **self.model.vllm}}}
         engine = start_service(self.run_dir, name, role, config, python=self.python)
         self.services[name] = engine
         return engine
@@ -202,7 +219,14 @@ class VllmStack:
         return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key=self.keys[tenant], timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
     def peer(self) -> openai.OpenAI:
+        assert self._peer is not None, "this stack was started without the standalone vLLM"
         return self._peer.client()
+
+    def kvstore_hits(self) -> float:
+        """Blocks the kvstore has served (decode's loads: prefill only asks which blocks exist)."""
+        admin = self.services["kvstore"].health.removesuffix("/health")
+        text = httpx.get(f"{admin}/metrics", timeout=5).text
+        return sum(float(v) for v in re.findall(r'^crescent_kvstore_hits_total\{[^}]*\} (\S+)$', text, re.M))
 
     def instances(self) -> dict[str, scheduler_pb2.InstanceStatus]:
         with grpc.insecure_channel(self.services["scheduler"].grpc) as channel:
