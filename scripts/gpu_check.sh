@@ -201,6 +201,7 @@ stage_kernel_tests() {
     local log="$OUT/kernel_tests.out" device_tests=(tests/kvstore/test_cuda_ipc.py tests/kvstore/test_gpu_tier.py
         tests/kvstore/test_cuda_ipc_node.py::test_device_blocks_go_device_to_device_through_a_real_node_cuda
         tests/prefill/test_device_kvstore.py::test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back_cuda
+        tests/prefill/test_device_kvstore_k3.py::test_a_k3_prompts_blocks_and_states_go_device_to_device_into_the_gpu_tier_and_back_cuda
         "tests/engine/test_device.py::test_bf16_weights_load_as_bf16_and_the_pool_lives_on_the_device[cuda]"
         "tests/engine/test_device.py::test_float32_matches_the_dense_reference_through_prefill_and_decode[torch-attention-cuda]"
         "tests/engine/test_device.py::test_float32_matches_the_dense_reference_through_prefill_and_decode[cpp-decode-on-cpu-cuda]"

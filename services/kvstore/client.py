@@ -55,7 +55,7 @@ from crescent.services.kvstore.movers.shared_memory import SharedMemoryMover
 from crescent.services.kvstore.movers.shm_layers import LayeredPuts, LayeredRoom
 from crescent.services.kvstore.movers.tcp import TcpSideChannelMover
 from crescent.services.contract.block_keys import BlockKey
-from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, KvBlock
+from crescent.services.kvwire.kv_block import DEFAULT_MAX_CHUNK_BYTES, BlockIntegrityError, KvBlock, expected_nbytes
 from crescent.services.kvwire.movers import MoverLadder
 
 __all__ = ["KvStoreClient", "PutResult", "MOVERS", "wait_ready"]
@@ -265,9 +265,12 @@ class KvStoreClient:
     async def get_device(self, keys: Sequence[BlockKey], rooms: Sequence, model_id: str | None = None,  # noqa: ANN001
                          lease_ms: int = 0, *, stop_at_first_miss: bool = False) -> dict[BlockKey, KvBlock]:
         """Whichever of ``keys`` the node holds, each payload written into its room (``rooms``: one
-        device tensor per key, of the block's size): device to device when the node's GPU tier is
-        on the same GPU, else fetched as host bytes (verified) and copied in. The headers (their
-        payloads may be empty)."""
+        contiguous device tensor per key): device to device when the node's GPU tier is on the same
+        GPU, else fetched as host bytes (verified) and copied in. The headers (their payloads may
+        be empty). A block is in its room only when the room is its size (``room_holds``): a room
+        too small is left alone and the block's header still returned, so a caller that cannot
+        know a block's size before (a kimi_k3 block carries a state or not) asks again with a
+        room of the size its shape gives."""
         if not keys:
             return {}
         mover = self._device_mover
@@ -276,15 +279,16 @@ class KvStoreClient:
                                              stop_at_first_miss=stop_at_first_miss, local_only=True)
             got = await mover.get_device(request, rooms)
             if got is not None:
-                self._moved(mover, "get", sum(r.numel() * r.element_size() for k, r in zip(keys, rooms) if k in got))
+                self._moved(mover, "get", sum(_nbytes(r) for k, r in zip(keys, rooms)
+                                              if k in got and room_holds(got[k], r)))
                 return got
         found = await self._get(keys, model_id, lease_ms, stop_at_first_miss=stop_at_first_miss)
         import torch
 
         for key, room in zip(keys, rooms):
             block = found.get(key)
-            # a block of another size is left out of its room (the caller's shape check refuses it)
-            if block is not None and block.nbytes and block.nbytes == room.numel() * room.element_size():
+            # a block of another size is left out of its room (too small: asked again; else refused by the caller's shape check)
+            if block is not None and block.nbytes and block.nbytes == _nbytes(room):
                 room.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(block.payload), dtype=torch.uint8))
         return found
 
@@ -339,6 +343,19 @@ class KvStoreClient:
         for mover in self.movers:
             await mover.close()
         await self._link.channel.close()
+
+
+def room_holds(header: KvBlock, room) -> bool:  # noqa: ANN001 - a device tensor
+    """Whether ``get_device`` wrote ``header``'s block into ``room``: the room is its size (the
+    header's dtype and shape give it; a device get's header has no payload)."""
+    try:
+        return expected_nbytes(header.dtype, tuple(header.shape)) == _nbytes(room)
+    except BlockIntegrityError:
+        return False
+
+
+def _nbytes(tensor) -> int:  # noqa: ANN001
+    return tensor.numel() * tensor.element_size()
 
 
 def _on_host(header: KvBlock, tensor) -> KvBlock:  # noqa: ANN001

@@ -94,6 +94,11 @@ class GpuTier(StorageTier):
         self._indexed(header.key, BlockInfo(tensor.numel(), header.parent_key, header.model_id, header.num_tokens))
         return True
 
+    def header(self, key: BlockKey) -> KvBlock | None:
+        """The block's header (empty payload: its shape and dtype give its size), no copy."""
+        entry = self._blocks.get(key)
+        return None if entry is None else entry[0]
+
     def read_into(self, key: BlockKey, room: Any) -> KvBlock | None:
         """Copy the block's payload device to device into ``room`` (an engine's region on this
         GPU); its header (empty payload), or None if the tier does not hold it. Raises

@@ -13,7 +13,7 @@ from crescent.protos import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from crescent.services.kvwire import chunk_wire
 from crescent.services.kvwire.grpc_codecs import add_with_codecs
 from crescent.services.contract.block_keys import BlockKey
-from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, KvBlock, meta_of
+from crescent.services.kvwire.kv_block import BlockAssembler, BlockFormatError, KvBlock, expected_nbytes, meta_of
 from crescent.services.common.tasks import cancel_and_wait
 from crescent.services.common.tls import PeerTls
 from crescent.services.kvstore.client import REASON_CORRUPT, REASON_METADATA
@@ -476,9 +476,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServicer):
                     break
                 continue
             meta = meta_of(header)
-            meta.nbytes = room.nbytes
+            meta.nbytes = expected_nbytes(header.dtype, header.shape)  # more than the room's: not copied
             reply.blocks.add(meta=meta)
-            self._bytes_out.inc(room.nbytes)
+            self._bytes_out.inc(meta.nbytes if meta.nbytes <= room.nbytes else 0)
         return reply
 
     async def Replicate(self, request: kvstore_pb2.ReplicateRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.ReplicateReply:

@@ -438,7 +438,10 @@ class TieredStore:
         """``key``'s block with its payload written into an engine's ``room`` on the GPU: device
         to device from the GPU tier, or from a slower tier's host bytes (verified, promoted as
         ``get`` does). Its header (empty payload when it came from the GPU tier), or None on a
-        miss or another model's block. Raises ``IpcRefused`` as ``put_from_region``."""
+        miss or another model's block. A room smaller than the block is left alone and the
+        header returned all the same: its shape tells the engine the size of the room to ask
+        again with (a kimi_k3 block carries a state or not). Raises ``IpcRefused`` as
+        ``put_from_region``."""
         from crescent.services.kvstore.cuda_ipc import IpcRefused
 
         tier = self.device_tier()
@@ -450,6 +453,8 @@ class TieredStore:
                 log.warning("block %s belongs to model %r, not %r", key.hex(), info.model_id, model_id)
                 self.metrics.misses.inc()
                 return None
+            if room.nbytes < info.nbytes:  # not copied, no hit yet: the engine asks again with a room that fits
+                return tier.header(key)
             self.pin(key)  # not evicted while its bytes are copied out
             try:
                 header = tier.read_into(key, room)
@@ -461,7 +466,8 @@ class TieredStore:
         block = await self.get(key, model_id, lease_ms)
         if block is None:
             return None
-        tier.fill_room(room, block.payload)
+        if room.nbytes >= block.nbytes:  # (a smaller room: as above; the block is promoted meanwhile)
+            tier.fill_room(room, block.payload)
         return block
 
     def touch(self, key: BlockKey) -> None:

@@ -190,11 +190,12 @@ def test_the_triton_path_on_the_meta_device_mixes_no_host_tensor_and_reads_nothi
 # ---- which caches take the kvstore's device path ------------------------------------------------------
 
 
-def test_only_a_llama_pool_on_cuda_takes_the_device_block_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DeviceBlocks.for_cache``: a Llama ``PagedKvCache`` whose pool is on CUDA gets the device
-    path (blocks gathered into device rooms for the kvstore's GPU tier); a kimi_k3 cache keeps the
-    host kvstore path even on CUDA (a block carries a KDA state or not, so a room's size is not
-    known before a get). Here the caches' device says "cuda"; nothing is allocated on it."""
+def test_a_llama_pool_and_a_kimi_k3_cache_on_cuda_take_the_device_block_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DeviceBlocks.for_cache``: a Llama ``PagedKvCache`` and a kimi_k3 cache on CUDA get the
+    device path (blocks gathered into device rooms for the kvstore's GPU tier); on the CPU neither
+    does. A kimi_k3 block carries a KDA state or not: its first room is a block without a state,
+    and one with a state is got again into a room of its own size (``device_store.py``). Here the
+    caches' device says "cuda"; nothing is allocated on it."""
     from crescent.services.engine.device_blocks import CudaRooms, DeviceBlocks
     from crescent.services.engine.kimi_k3.model import K3Model
     from crescent.services.engine.kimi_k3.ops import OpsBackend
@@ -208,10 +209,14 @@ def test_only_a_llama_pool_on_cuda_takes_the_device_block_path(monkeypatch: pyte
     assert DeviceBlocks.for_cache(llama_cache) is None and DeviceBlocks.for_cache(k3_cache) is None  # on the CPU
 
     k3_cache.device = cuda
-    assert DeviceBlocks.for_cache(k3_cache) is None
+    k3_blocks = DeviceBlocks.for_cache(k3_cache)
+    assert isinstance(k3_blocks, DeviceBlocks) and k3_blocks.cache is k3_cache and k3_blocks.stateful
+    assert isinstance(k3_blocks._rooms, CudaRooms) and k3_blocks._rooms.device == cuda
+    # a first room holds a block without a state: its latents, every MLA layer, in the cache dtype
+    assert k3_blocks.block_bytes == PAGE * len(TEST_CFG.mla_layers) * TEST_CFG.mla_latent_dim * k3_cache.dtype.itemsize
     monkeypatch.setattr(PagedKvCache, "device", property(lambda self: cuda))
     blocks = DeviceBlocks.for_cache(llama_cache)
-    assert isinstance(blocks, DeviceBlocks) and blocks.cache is llama_cache
+    assert isinstance(blocks, DeviceBlocks) and blocks.cache is llama_cache and not blocks.stateful
     assert isinstance(blocks._rooms, CudaRooms) and blocks._rooms.device == cuda
     # a room holds one page: (layers, 2, block size, kv heads, head dim) in the pool's dtype
     assert blocks.block_bytes == TINY.num_layers * 2 * PAGE * TINY.num_kv_heads * TINY.head_dim * 2

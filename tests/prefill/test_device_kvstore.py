@@ -91,14 +91,15 @@ class Counted:
         setattr(client, name, counted)
 
 
-def request(rid: str) -> prefill_pb2.PrefillRequest:
-    return prefill_pb2.PrefillRequest(request_id=rid, token_ids=PROMPT, decode_address=DECODE,
+def request(rid: str, prompt: list[int] = PROMPT) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt, decode_address=DECODE,
                                       sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
 
 
-async def prefill(engine: Engine, client: KvStoreClient, rid: str, device_blocks: DeviceBlocks | None):
-    """One request through a ``PrefillPipeline`` with an engine thread, as a prefill process runs
-    it, its kvstore export awaited; (its events, what decode's intake landed)."""
+async def prefill(engine: Engine, client: KvStoreClient, rid: str, device_blocks: DeviceBlocks | None,
+                  prompt: list[int] = PROMPT):
+    """One request of ``prompt`` through a ``PrefillPipeline`` with an engine thread, as a prefill
+    process runs it, its kvstore export awaited; (its events, what decode's intake landed)."""
     worker = EngineWorker("prefill")
     thread = threading.Thread(target=worker.serve_forever)
     thread.start()
@@ -109,7 +110,7 @@ async def prefill(engine: Engine, client: KvStoreClient, rid: str, device_blocks
     pipeline = PrefillPipeline(engine=engine, worker=worker, batcher=batcher, metrics=metrics, load=PrefillLoad(),
                                sink=sink, spawn=lambda c: tasks.append(asyncio.create_task(c)), kvstore=client,
                                device_blocks=device_blocks)
-    run = pipeline.start(request(rid))
+    run = pipeline.start(request(rid, prompt))
     try:
         events = [event async for event in run.events()]
     finally:
@@ -136,7 +137,8 @@ def host_export(engine: Engine) -> list[KvBlock]:
 
 
 def decode_rest(engine: Engine, landed) -> list[int]:  # noqa: ANN001 - a landed handoff
-    """Decode a landed handoff greedily to ``MAX_TOKENS`` (as a decode instance would)."""
+    """Decode a landed handoff greedily to ``MAX_TOKENS`` (as a decode instance would; a kimi_k3
+    handoff's last block carries the live state)."""
     prompt, out = list(landed.header.prompt_token_ids), [landed.header.first_token_id]
     seq = engine.adopt_sequence("d", [*prompt, out[0]], len(prompt), landed.payloads)
     while len(out) < MAX_TOKENS:
@@ -147,10 +149,10 @@ def decode_rest(engine: Engine, landed) -> list[int]:  # noqa: ANN001 - a landed
     return out
 
 
-async def stored_blocks(address: str, keys) -> dict:  # noqa: ANN001
+async def stored_blocks(address: str, keys, model_id: str = "tiny") -> dict:  # noqa: ANN001
     reader = KvStoreClient(address)  # any reader: host bytes, verified against the stored checksum
     try:
-        return await reader.get(keys, "tiny")
+        return await reader.get(keys, model_id)
     finally:
         await reader.close()
 
@@ -260,10 +262,12 @@ def test_gathered_rooms_hold_a_blocks_bytes_and_attach_as_its_pages() -> None:
     blocks = DeviceBlocks(engine.cache, PlainRooms())
     seq = engine.add_sequence("s", PROMPT)
     engine.prefill(seq)
-    rooms = blocks.gather(engine, seq, range(4))
-    assert [bytes(r.numpy()) for r in rooms] == [bytes(b.payload) for b in host_export(engine)]
+    gathered = blocks.gather(engine, seq, range(4))  # each its room, seen as the block's payload
+    assert all(tuple(p.shape) == tuple(engine.cache.block_shape) for p in gathered)
+    assert [bytes(p.view(torch.uint8).reshape(-1).numpy()) for p in gathered] == \
+           [bytes(b.payload) for b in host_export(engine)]
     into = other.add_sequence("t", PROMPT)
-    assert other.attach_blocks(into, [blocks.payload(r) for r in rooms]) == CACHED
+    assert other.attach_blocks(into, gathered) == CACHED
     assert all(torch.equal(other.block_payload(into, i), engine.block_payload(seq, i)) for i in range(4))
 
 
