@@ -123,7 +123,7 @@ class DeviceStore:
                     payloads.append(None)
         finally:
             self.blocks.free([room for i, room in enumerate(rooms) if i not in held])
-        if None not in payloads:
+        if all(p is not None for p in payloads):
             return payloads, missed
         kept, gone = await self._again(headers, payloads, lease_ms)
         return kept, missed or gone
@@ -167,7 +167,8 @@ class DeviceStore:
             header = got.get(headers[i].key)
             if header is not None and tuple(header.shape) == tuple(headers[i].shape) and room_holds(header, room):
                 payloads[i] = self.blocks.payload(room, header.shape)
-        kept = payloads[: payloads.index(None)] if None in payloads else payloads
+        complete = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        kept = payloads[:complete]
         keep = {p.data_ptr() for p in kept}
         self.blocks.free([r for r in [*before, *rooms] if r is not None and r.data_ptr() not in keep])
         return kept, len(kept) < len(payloads)
