@@ -232,6 +232,42 @@ async def test_a_k3_load_sizes_rooms_per_block_and_attaches_up_to_the_last_state
                    bytes(expected[i].payload) for i in range(cached // PAGE))
 
 
+async def test_the_node_leaves_a_room_too_small_for_a_block_alone_and_says_its_shape() -> None:
+    """``TieredStore.get_into``, the node's side of the two sizes: a K3 block with a state asked
+    into a room of a block without one comes back as its header only (the room untouched, no hit
+    counted), from the GPU tier or from a slower one; into a room of its size, its bytes."""
+    from crescent.services.common.metrics import kvstore_metrics
+    from crescent.services.kvstore.config import GpuTierSettings, HostTierSettings
+    from crescent.services.kvstore.gpu_tier import GpuTier
+    from crescent.services.kvstore.store import TieredStore
+    from crescent.services.kvstore.tier import HostTier
+
+    blocks = host_export()
+    without = blocks[0].nbytes  # a room for a block without a state
+    on_gpu, on_host = blocks[2], blocks[4]  # blocks with a state
+    opener = ShmOpener()
+    try:
+        gpu = GpuTier(GpuTierSettings(enabled=True, capacity_bytes=1 << 20), device="cpu", opener=opener)
+        host = HostTier(HostTierSettings(capacity_bytes=1 << 20, page_bytes=without))
+        store = TieredStore([gpu, host], kvstore_metrics())
+        assert await store.put(on_gpu) and store.location(on_gpu.key) == 0
+        assert await host.write(on_host) and store.location(on_host.key) == 1
+        for block in (on_gpu, on_host):
+            room = opener.alloc(without)
+            room.fill_(0xAB)
+            hits = [h._value.get() for h in store._hits]
+            header = await store.get_into(block.key, block.model_id, opener.export(room))
+            assert header is not None and tuple(header.shape) == tuple(block.shape)
+            assert bytes(room.numpy()) == b"\xab" * without, "a room too small is left alone"
+            if block is on_gpu:
+                assert [h._value.get() for h in store._hits] == hits, "no hit until its bytes are read"
+            room = opener.alloc(block.nbytes)
+            header = await store.get_into(block.key, block.model_id, opener.export(room))
+            assert header is not None and bytes(room.numpy()) == bytes(block.payload)
+    finally:
+        opener.close(unlink=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs it)")
