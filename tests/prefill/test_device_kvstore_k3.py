@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from crescent.services.common.metrics import engine_metrics
 from crescent.services.engine.device_blocks import DeviceBlocks
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.kimi_k3.model import K3Model
@@ -31,7 +32,6 @@ from crescent.services.prefill import device_store
 from crescent.services.prefill.device_store import DeviceStore
 from crescent.services.prefill.pipeline import FirstToken, HandedOff
 from crescent.services.prefill.prompt_export import owned_bytes
-from crescent.services.common.metrics import engine_metrics
 from tests.engine import test_kimi_k3_snapshots as k3
 from tests.kvstore.ipc_stand_in import ShmOpener
 from tests.prefill.test_device_kvstore import (STAND_IN, Counted, InlineWorker, MAX_TOKENS, StandInRooms,
@@ -52,20 +52,21 @@ def make_engine(device: str = "cpu") -> Engine:
     return Engine(model, model_id="k3-test", kv_capacity_tokens=64 * PAGE, block_size=PAGE)
 
 
-def host_export(device: str = "cpu") -> list[KvBlock]:
+def host_export(device: str = "cpu", prompt: list[int] = PROMPT) -> list[KvBlock]:
     """The prompt's full blocks as the host export stores them (``PromptExport``: each block's
     ``block_payload`` right after the prompt is computed), from an engine of their own."""
     engine = make_engine(device)
-    seq = engine.add_sequence("host", PROMPT)
+    seq = engine.add_sequence("host", prompt)
     engine.prefill(seq)
     keys = seq.block_keys
     blocks = []
     for i in range(len(keys)):
         payload = engine.block_payload(seq, i, PAGE).cpu()
         blocks.append(KvBlock.build(keys[i], keys[i - 1] if i else None, engine.model_id, kv_dtype(engine.cache),
-                                    tuple(payload.shape), PROMPT[i * PAGE : (i + 1) * PAGE], owned_bytes(payload)))
+                                    tuple(payload.shape), prompt[i * PAGE : (i + 1) * PAGE], owned_bytes(payload)))
     engine.release(seq)
-    assert [engine.cache.payload_has_state(b.shape) for b in blocks] == WITH_STATE
+    if prompt is PROMPT:
+        assert [engine.cache.payload_has_state(b.shape) for b in blocks] == WITH_STATE
     return blocks
 
 
@@ -182,6 +183,20 @@ def test_a_k3_gather_is_the_host_exports_blocks_and_attaches_with_its_states() -
         into.token_ids.append(out[-1])
         out.append(int(torch.argmax(other.decode_step([into])[0])))
     assert out == single_process()
+
+
+def test_a_prompt_that_fills_its_last_block_gathers_its_live_state_as_the_host_export_does() -> None:
+    """Exactly 5 blocks: the last one is the last computed, its payload carries the live state."""
+    prompt = PROMPT[: 5 * PAGE]
+    engine = make_engine()
+    blocks = DeviceBlocks(engine.cache, PlainRooms())
+    seq = engine.add_sequence("s", prompt)
+    engine.prefill(seq)
+    gathered = blocks.gather(engine, seq, range(5))
+    expected = host_export(prompt=prompt)
+    assert [engine.cache.payload_has_state(b.shape) for b in expected] == [False, False, True, True, True]
+    assert [(tuple(p.shape), bytes(p.reshape(-1).view(torch.uint8).numpy())) for p in gathered] == \
+           [(tuple(b.shape), bytes(b.payload)) for b in expected]
 
 
 class RoomRuleNode:
