@@ -6,9 +6,8 @@ layer's strided K and V views of it, as the engine passes them. Checked: the flo
 against the engine's CPU path (gather + SDPA); both kernels against the oracle for ragged
 lengths, partial and exactly full last pages, GQA ratios 1, 3 (SmolLM2) and 4, block sizes 16 and
 64, head dims 64 and 48 (padded in registers), fp32 (rel-RMS 1e-5) and bf16 pools (1e-2, block
-sizes 16 and 64, split decode included); decode
-against the engine's C++ decode op; a row's bits alone vs in a batch, and a prompt in one chunk vs
-two; bad input refused before launch.
+sizes 16 and 64, split decode included); decode against the engine's C++ decode op; a row's bits
+alone vs in a batch, and a prompt in one chunk vs two; bad input refused before launch.
 """
 
 from __future__ import annotations
