@@ -127,6 +127,13 @@ def test_up_kv_cache_dtype(platform: type[RecordingPlatform], tmp_path: Path) ->
     assert len(platform.plans) == started and not (tmp_path / "run").exists()
 
 
+def test_up_refuses_what_the_engine_settings_refuse(platform: type[RecordingPlatform], tmp_path: Path) -> None:
+    """EngineSettings is the judge (here of the block size), before anything starts."""
+    result = runner.invoke(cli.app, ["up", "--run-dir", str(tmp_path / "run"), "--block-size", "8192"])
+    assert result.exit_code == 2 and "crescent up: engine.block_size: " in result.output and "4096" in result.output
+    assert platform.plans == [] and not (tmp_path / "run").exists()
+
+
 # ---- crescent profile ---------------------------------------------------------------------------
 
 TINY_PLAN = ProfilePlan(prefill=((32, 0), (96, 0), (160, 0), (160, 64), (160, 128)),
