@@ -1,5 +1,6 @@
-"""Which instance an attempt's UNAVAILABLE blames (the one the next placement reports unreachable), and
-how an attempt calls an instance restarted on the address its channel lost."""
+"""Which instance an attempt's UNAVAILABLE blames (the one the next placement reports unreachable),
+how an attempt calls an instance restarted on the address its channel lost, and what a client
+hears when the scheduler goes away mid-call."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from crescent.services.gateway.attempts.attempt import (
     reconnected,
 )
 from crescent.services.gateway.attempts.grpc_backend import _CHANNEL_OPTIONS
+from crescent.services.gateway.attempts.grpc_backend import rpc_error as rpc_error_of_the_gateway
+from crescent.services.gateway.errors import ServiceUnavailableError
 from tests.ports import free_port
 
 PLACEMENT = scheduler_pb2.Placement(
@@ -114,3 +117,11 @@ async def test_the_wait_for_a_channel_whose_instance_stays_down_is_bounded() -> 
         assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         await channel.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_scheduler_gone_or_stopping_mid_call_is_a_503_with_retry_after(code: grpc.StatusCode) -> None:
+    # A scheduler stopped by SIGTERM cancels the Place calls it still holds (the fault suite saw
+    # one such request answered 500 "the scheduler failed (CANCELLED)").
+    error = rpc_error_of_the_gateway(rpc_error(code, "server shutting down"), "the scheduler")
+    assert isinstance(error, ServiceUnavailableError) and error.retry_after_s, error

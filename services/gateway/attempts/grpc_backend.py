@@ -63,7 +63,9 @@ def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
     code = exc.code()
     name = code.name if code is not None else "UNKNOWN"
     log.warning("%s failed: %s: %s", what, name, exc.details())
-    if code == grpc.StatusCode.UNAVAILABLE:
+    # CANCELLED here is the server's: one stopping (SIGTERM past its grace) cancels the calls it
+    # still holds. The gateway's own cancellations arrive as asyncio.CancelledError, never here.
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return ServiceUnavailableError(f"{what} is unavailable; retry later", retry_after_s=_RETRY_AFTER_S)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayTimeoutError(f"{what} did not answer in time")
