@@ -216,7 +216,7 @@ def check_engine_settings(plan: PlatformPlan) -> None:
         return
     from pydantic import ValidationError
 
-    from crescent.services.engine.device import DeviceSettingError, resolve_device
+    from crescent.services.engine.device import check_cache_dtype_fits, resolve_device
     from crescent.services.engine.settings import EngineSettings
     from crescent.services.model.model_source import resolve_model
 
@@ -226,10 +226,8 @@ def check_engine_settings(plan: PlatformPlan) -> None:
                                   block_size=plan.block_size, **plan.engine_options())
     except ValidationError as exc:
         raise PlanError("; ".join(f"engine.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
-    if settings.kv_cache_dtype == "fp8" and (kind := resolve_model(plan.model).kind) != "kimi_k3":
-        raise DeviceSettingError(f"engine.kv_cache_dtype 'fp8' (--kv-cache-dtype): the fp8 cache holds kimi_k3's MLA "
-                                 f"latents only; {plan.model!r} is a {kind} model: use auto, float32, bfloat16 or "
-                                 "float16")
+    if settings.kv_cache_dtype == "fp8":  # resolving the model only then: it may look files up
+        check_cache_dtype_fits("fp8", plan.model, resolve_model(plan.model).kind, option=" (--kv-cache-dtype)")
 
 
 TLS_DIR = "tls"
