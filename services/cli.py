@@ -46,6 +46,21 @@ class EngineDtype(str, Enum):
     float16 = "float16"
 
 
+class KvCacheDtype(str, Enum):  # EngineSettings.kv_cache_dtype's values (a test keeps the two equal)
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    fp8 = "fp8"
+
+
+DEVICE_HELP = "native engines: where they compute, cpu, cuda or cuda:N (engine.device; docs/cuda.md)"
+DTYPE_HELP = ("native engines: weights' and activations' dtype (engine.dtype): auto is the checkpoint's on CUDA, "
+              "float32 on the CPU")
+KV_CACHE_DTYPE_HELP = ("native engines: the paged KV cache's dtype (engine.kv_cache_dtype): auto is the engines' "
+                       "dtype; fp8 for kimi_k3 models only")
+
+
 class Service(str, Enum):
     gateway = "gateway"
     scheduler = "scheduler"
@@ -120,22 +135,21 @@ def up(
     allow_unauthenticated_network: Annotated[bool, typer.Option(
         help="with --host other than loopback: serve keyless anyway (everyone who reaches it is the default "
              "tenant; a network you trust only)")] = False,
-    device: Annotated[str, typer.Option(
-        help="native engines: where they compute, cpu, cuda or cuda:N (engine.device; docs/cuda.md)")] = "cpu",
-    dtype: Annotated[EngineDtype, typer.Option(
-        help="native engines: weights' and activations' dtype (engine.dtype): auto is the checkpoint's on CUDA, "
-             "float32 on the CPU")] = EngineDtype.auto,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+    dtype: Annotated[EngineDtype, typer.Option(help=DTYPE_HELP)] = EngineDtype.auto,
+    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_CACHE_DTYPE_HELP)] = KvCacheDtype.auto,
     engine: Annotated[EngineBackend, typer.Option(
         help="what computes in the engines: Crescent's own engine, or vLLM's CPU build (its own venv, "
              "`make install-vllm`; one aggregated instance unless --aggregated 0 asks for the pools)")] = EngineBackend.native,
 ) -> None:
     """Start all five services as separate processes and keep them running (a crashed one is
     restarted with backoff); drain and stop them all on Ctrl-C or SIGTERM (twice: at once)."""
-    from crescent.services.engine.device import DeviceSettingError, resolve_device
+    from crescent.services.engine.device import DeviceSettingError
     from crescent.services.engine_vllm.interpreter import VllmNotInstalledError
     from crescent.services.launcher import (
-        READY_TIMEOUT_S, LaunchError, PlanError, Platform, PlatformPlan, StopRequested,
+        READY_TIMEOUT_S, LaunchError, PlanError, Platform, PlatformPlan, StopRequested, check_engine_settings,
     )
+    from crescent.services.model.model_source import ModelSpecError
 
     backend = engine.value
     if aggregated is None:
@@ -145,12 +159,12 @@ def up(
     try:  # a plan that cannot run, or no vLLM to run it, is said before anything starts
         plan = PlatformPlan(model, host, port, prefill, decode, kv_capacity_tokens, int(kvstore_gb * 1e9),
                             block_size, ttft_slo, drain_grace, tls, aggregated=aggregated, backend=backend,
-                            unauthenticated_network=allow_unauthenticated_network, device=device, dtype=dtype.value)
-        if backend == "native":  # a GPU this machine lacks is said once, here, not by every engine's crash loop
-            resolve_device(device)
+                            unauthenticated_network=allow_unauthenticated_network, device=device, dtype=dtype.value,
+                            kv_cache_dtype=kv_cache_dtype.value)
+        check_engine_settings(plan)  # a GPU this machine lacks is said once, here, not by every engine's crash loop
         run_dir = run_dir or Path(tempfile.mkdtemp(prefix="crescent-"))
         platform = Platform(plan, run_dir)
-    except (PlanError, VllmNotInstalledError, DeviceSettingError) as exc:
+    except (PlanError, VllmNotInstalledError, DeviceSettingError, ModelSpecError) as exc:
         say(("crescent up:", "red"), f" {exc}")
         raise typer.Exit(2) from None
 
@@ -231,6 +245,9 @@ def profile(
     threads: Annotated[int, typer.Option(min=0, help="torch threads for every role; 0: as crescent up shares this machine's cores")] = 0,
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block")] = DEFAULT_BLOCK_SIZE,
     mode: Annotated[str, typer.Option(help="pools (prefill + decode), aggregated (mixed steps) or both")] = "both",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+    dtype: Annotated[EngineDtype, typer.Option(help=DTYPE_HELP)] = EngineDtype.auto,
+    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_CACHE_DTYPE_HELP)] = KvCacheDtype.auto,
 ) -> None:
     """Measure prefill, decode and mixed-step times of the engine here and fit the scheduler's cost models."""
     import platform as host
@@ -239,10 +256,13 @@ def profile(
     from rich.table import Table
 
     from crescent.services.instance.runtime import build_engine
+    from crescent.services.engine.device import DeviceSettingError, resolve_device
     from crescent.services.engine.settings import EngineSettings
+    from crescent.services.model.model_source import ModelSpecError
     from crescent.services.cpu_share import available_cores, share_cores
     from crescent.services.profile import (
-        DEFAULT_PLAN, MODES, QUICK_PLAN, ProfileThreads, cost_settings_yaml, fit_error, run_profile, table_rows,
+        DEFAULT_PLAN, MODES, QUICK_PLAN, ProfileThreads, cost_settings_yaml, engine_placement, fit_error, run_profile,
+        table_rows,
     )
 
     if mode not in (*MODES, "both"):
@@ -259,11 +279,17 @@ def profile(
         beside = max(1, cores - pools.decode) if pools.prefill_passive else 0
         roles = ProfileThreads(prefill=pools.prefill, decode=pools.decode, aggregated=alone.threads("aggregated"),
                                prefill_beside_decode=beside if beside != pools.prefill else 0)
-    with console.status(f"loading {model}…"):
-        # min_cached_prompt_tokens 0: the profile's short prefixes must stay cached to time prefix hits
-        engine = build_engine(EngineSettings(model=model, threads=max(roles.prefill, roles.decode, roles.aggregated),
-                                             block_size=block_size, kv_capacity_tokens=plan.kv_tokens_needed(block_size),
-                                             min_cached_prompt_tokens=0), progress=False)
+    try:  # the engine's own checks (build_engine's run before the model loads), said as crescent up says them
+        resolve_device(device)
+        with console.status(f"loading {model}…"):
+            # min_cached_prompt_tokens 0: the profile's short prefixes must stay cached to time prefix hits
+            engine = build_engine(EngineSettings(
+                model=model, threads=max(roles.prefill, roles.decode, roles.aggregated), block_size=block_size,
+                kv_capacity_tokens=plan.kv_tokens_needed(block_size), min_cached_prompt_tokens=0, device=device,
+                dtype=dtype.value, kv_cache_dtype=kv_cache_dtype.value), progress=False)
+    except (DeviceSettingError, ModelSpecError) as exc:
+        say(("crescent profile:", "red"), f" {exc}")
+        raise typer.Exit(2) from None
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("profiling", total=plan.points_for(modes, roles))
 
@@ -284,7 +310,8 @@ def profile(
     measured = (([f"prefill {roles.prefill} threads", *beside_note, f"decode {roles.decode}"] if "pools" in modes else [])
                 + ([f"mixed steps (aggregated) {roles.aggregated}"] if "aggregated" in modes else []))
     header = (f"crescent profile{' --quick' if quick else ''}: {engine.model_id}, {', '.join(measured)}, "
-              f"block size {block_size}, on {host.node()} ({host.machine()}) at {time.strftime('%Y-%m-%d %H:%M')}\n"
+              f"block size {block_size}, {engine_placement(engine)}, on {host.node()} ({host.machine()}) "
+              f"at {time.strftime('%Y-%m-%d %H:%M')}\n"
               + ("prefill/decode: derived from the mixed-step fit (aggregated only)\n" if "pools" not in modes else "")
               + "scheduler settings: put this under the scheduler's config (or merge its cost: section);\n"
               "loadtest/sim_vs_live.py --costs reads it as it is")

@@ -131,17 +131,24 @@ class PlatformPlan:
     unauthenticated_network: bool = False  # a keyless gateway on a non-loopback host, said in so many words
     device: str = "cpu"  # native engines: engine.device (cpu, cuda, cuda:N)
     dtype: str = "auto"  # native engines: engine.dtype
+    kv_cache_dtype: str = "auto"  # native engines: engine.kv_cache_dtype
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise PlanError(f"unknown engine backend {self.backend!r}; choose {' or '.join(BACKENDS)}")
-        if self.backend != "native" and (self.device, self.dtype) != ("cpu", "auto"):
-            raise PlanError(f"--device {self.device} --dtype {self.dtype}: these set the native engine; vLLM takes its "
-                            "own (crescent up runs vLLM's CPU build in float32)")
+        if self.backend != "native" and self.engine_options():
+            given = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in self.engine_options().items())
+            raise PlanError(f"{given}: these set the native engine; vLLM takes its own (crescent up runs vLLM's "
+                            "CPU build in float32)")
         if not is_loopback(self.host) and not self.unauthenticated_network:
             raise PlanError(f"--host {self.host}: the gateway would serve without API keys where other hosts reach it "
                             "(crescent up runs with auth off). Bind 127.0.0.1, or add --allow-unauthenticated-network "
                             "on a network you trust.")
+
+    def engine_options(self) -> dict[str, str]:
+        """The engine.device / dtype / kv_cache_dtype settings asked for (those not at their default)."""
+        asked = {"device": self.device, "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype}
+        return {key: value for key, value in asked.items() if value != ("cpu" if key == "device" else "auto")}
 
     def services(self) -> list[ServiceSpec]:
         host = self.host
@@ -172,8 +179,8 @@ class PlatformPlan:
         }, kvstore, f"{kv_admin}/health", f"{kv_admin}/metrics"))
         engine: dict[str, Any] = {"model": self.model, "kv_capacity_tokens": self.kv_capacity_tokens,
                                   "block_size": self.block_size}
-        if self.backend == "native" and (self.device, self.dtype) != ("cpu", "auto"):
-            engine |= {"device": self.device, "dtype": self.dtype}  # checked by each engine at start-up
+        if self.backend == "native":
+            engine |= self.engine_options()  # checked by each engine at start-up (and by check_engine_settings)
         if self.backend == "vllm":
             # vLLM's CPU build (the .venv-vllm one crescent up uses): float32, which is the fast
             # dtype on CPUs without AVX-512 bf16 and comparable with the native engine.
@@ -198,6 +205,29 @@ class PlatformPlan:
             **_drain_setting("gateway", self.drain_grace_s),
         }, None, f"{gateway}/health", f"{gateway}/metrics"))
         return specs
+
+
+def check_engine_settings(plan: PlatformPlan) -> None:
+    """Say once, before anything starts, what every native engine of ``plan`` would refuse at
+    start-up (and restart into again and again): settings its settings model (``EngineSettings``)
+    refuses, a CUDA device this machine lacks, an fp8 cache for a model that has no MLA latents.
+    Raises PlanError, DeviceSettingError or ModelSpecError; each names the setting."""
+    if plan.backend != "native":
+        return
+    from pydantic import ValidationError
+
+    from crescent.services.engine.device import check_cache_dtype_fits, resolve_device
+    from crescent.services.engine.settings import EngineSettings
+    from crescent.services.model.model_source import resolve_model
+
+    resolve_device(plan.device)  # first: its message says what this machine has
+    try:
+        settings = EngineSettings(model=plan.model, kv_capacity_tokens=plan.kv_capacity_tokens,
+                                  block_size=plan.block_size, **plan.engine_options())
+    except ValidationError as exc:
+        raise PlanError("; ".join(f"engine.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+    if settings.kv_cache_dtype == "fp8":  # resolving the model only then: it may look files up
+        check_cache_dtype_fits("fp8", plan.model, resolve_model(plan.model).kind, option=" (--kv-cache-dtype)")
 
 
 TLS_DIR = "tls"

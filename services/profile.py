@@ -15,7 +15,8 @@ Both ways ``crescent up`` serves, each with the threads it gives its engines (``
 
 The fits (``cost_model.fit_prefill_model`` / ``fit_decode_model`` / ``fit_mixed_step_model``)
 become a YAML snippet under ``cost:`` that the scheduler's settings file accepts as it is, and
-that ``loadtest/sim_vs_live.py --costs`` reads.
+that ``loadtest/sim_vs_live.py --costs`` reads. The engine is built from the same settings as
+``crescent up``'s (``--device``, ``--dtype``, ``--kv-cache-dtype``), and the header says which.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import yaml
 
+from crescent.services.engine.device import dtype_name
 from crescent.services.engine.engine import Engine
 from crescent.services.scheduler.cost_model import (
     DecodeCostModel,
@@ -295,6 +297,13 @@ def _prefill_points(profiler: Profiler, plan: ProfilePlan, on_point: Callable[[s
             on_point(f"{label} {prompt} tokens, {cached} cached")
             runs[i].append(profiler.prefill(prompt, cached))
     return [min(point_runs, key=lambda sample: sample.seconds) for point_runs in runs]
+
+
+def engine_placement(engine: Engine) -> str:
+    """Where and in which dtypes ``engine`` computes, for the snippet's header: a fit holds there only."""
+    model = engine.model
+    device, dtype = getattr(model, "device", torch.device("cpu")), getattr(model, "dtype", torch.float32)
+    return f"device {device}, dtype {dtype_name(dtype)}, KV cache {dtype_name(engine.cache.wire_dtype)}"
 
 
 def cost_settings_yaml(result: ProfileResult, header: str = "") -> str:

@@ -27,6 +27,14 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def check_cache_dtype_fits(kv_cache_dtype: str, model: str, kind: str, *, option: str = "") -> None:
+    """The fp8 cache holds kimi_k3's MLA latents only: refuse it for another family, before the
+    model loads (``option``: how the caller's user set it, e.g. " (--kv-cache-dtype)")."""
+    if kv_cache_dtype == "fp8" and kind != "kimi_k3":
+        raise DeviceSettingError(f"engine.kv_cache_dtype 'fp8'{option}: the fp8 cache holds kimi_k3's MLA latents "
+                                 f"only; {model!r} is a {kind} model: use auto, float32, bfloat16 or float16")
+
+
 def resolve_device(spec: str) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` as a ``torch.device``; refuses CUDA this process cannot use."""
     if not _DEVICE_RE.match(spec):

@@ -19,8 +19,8 @@ from typing import TypeVar
 import torch
 
 from crescent.services.engine.attention import triton_block_size_problem, triton_paged_attention
-from crescent.services.engine.device import (DeviceSettingError, dtype_name, resolve_cache_dtype, resolve_device,
-                                            resolve_dtype)
+from crescent.services.engine.device import (DeviceSettingError, check_cache_dtype_fits, dtype_name,
+                                            resolve_cache_dtype, resolve_device, resolve_dtype)
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
 from crescent.services.engine.loader import load_model
@@ -43,9 +43,7 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
         raise GroupSettingsError(f"engine.device {settings.device!r}, engine.dtype {settings.dtype!r} with "
                                  f"engine.parallel.group_size {group.size}: tensor-parallel groups run on the CPU "
                                  "(gloo) in float32 only; use device: cpu and dtype: auto")
-    if settings.kv_cache_dtype == "fp8" and source.kind != "kimi_k3":
-        raise DeviceSettingError(f"engine.kv_cache_dtype 'fp8': the fp8 cache covers kimi_k3's MLA latents only; "
-                                 f"{settings.model!r} is a {source.kind} model: use auto, float32, bfloat16 or float16")
+    check_cache_dtype_fits(settings.kv_cache_dtype, settings.model, source.kind)
     if device.type == "cuda" and source.kind != "kimi_k3" and triton_paged_attention() is not None:
         # before the model loads: the Llama attention kernels would fail at the first forward
         if (problem := triton_block_size_problem(settings.block_size)) is not None:

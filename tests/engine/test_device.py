@@ -274,6 +274,7 @@ def test_smollm2_in_bf16_on_cpu_answers_sensibly(caplog: pytest.LogCaptureFixtur
 
 
 def test_crescent_up_passes_device_and_dtype_to_native_engines_only() -> None:
+    """To every native engine role (prefill, decode; aggregated), never to vLLM's."""
     from crescent.services.launcher import PlanError, PlatformPlan
 
     plan = PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, tls=False, cores=2, device="cuda:1",
@@ -284,6 +285,16 @@ def test_crescent_up_passes_device_and_dtype_to_native_engines_only() -> None:
     assert all("device" not in spec.config.get("engine", {}) for spec in plain.services())
     with pytest.raises(PlanError, match="--device cuda"):
         PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, backend="vllm", device="cuda")
+    # the aggregated role (crescent up --aggregated N) gets the same, and the KV cache's dtype
+    aggregated = PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, tls=False, cores=2, aggregated=2,
+                              device="cuda", dtype="float16", kv_cache_dtype="float32")
+    engines = {spec.name: spec.config["engine"] for spec in aggregated.services() if "engine" in spec.config}
+    assert sorted(engines) == ["aggregated-0", "aggregated-1"]
+    assert all((e["device"], e["dtype"], e["kv_cache_dtype"]) == ("cuda", "float16", "float32") for e in engines.values())
+    assert EngineSettings(**engines["aggregated-0"]).kv_cache_dtype == "float32"
+    with pytest.raises(PlanError, match="--kv-cache-dtype bfloat16"):
+        PlatformPlan("m", "127.0.0.1", 8000, 1, 1, 256, 1 << 20, 16, aggregated=1, backend="vllm",
+                     kv_cache_dtype="bfloat16")
 
 
 @pytest.mark.skipif(attention_mod.triton_paged_attention() is None, reason="Triton is not installed")

@@ -5,9 +5,9 @@ for the slots sequences own, with pages handed out in shuffled order; the kernel
 layer's strided K and V views of it, as the engine passes them. Checked: the float64 oracle
 against the engine's CPU path (gather + SDPA); both kernels against the oracle for ragged
 lengths, partial and exactly full last pages, GQA ratios 1, 3 (SmolLM2) and 4, block sizes 16 and
-64, head dims 64 and 48 (padded in registers), fp32 (rel-RMS 1e-5) and bf16 pools (1e-2); decode
-against the engine's C++ decode op; a row's bits alone vs in a batch, and a prompt in one chunk vs
-two; bad input refused before launch.
+64, head dims 64 and 48 (padded in registers), fp32 (rel-RMS 1e-5) and bf16 pools (1e-2, block
+sizes 16 and 64, split decode included); decode against the engine's C++ decode op; a row's bits
+alone vs in a batch, and a prompt in one chunk vs two; bad input refused before launch.
 """
 
 from __future__ import annotations
@@ -129,6 +129,31 @@ def test_bf16_pools(device):
     expected = paged_attention_reference(qp, pool.k, pool.v, pool.tables, pool.lens, cu, scale=scale())
     out = paged_prefill_attention(qp, pool.k, pool.v, pool.tables, pool.lens, cu, scale=scale())
     assert rel_rms(out, expected) < BF16_TOL and sum(new) == 57
+
+
+def test_bf16_pools_with_the_engines_64_token_pages(device):
+    """The engine's default block size in bf16: 64-key tiles (one page a step), partial, exactly
+    full and one-over last pages, a row past DECODE_SPLIT (split decode merged in order), and
+    prefill chunks that start inside a page and cross into the next."""
+    lengths = [1, 63, 64, 65, 600]  # 600 > 512 keys: the table reaches past one decode piece
+    pool = Pool(lengths, page=64, kv=3, dtype=torch.bfloat16, device=device)
+    q = torch.randn(len(lengths), 9, D, device=device).bfloat16()
+    cu = torch.arange(len(lengths) + 1, device=device)
+    expected = paged_attention_reference(q, pool.k, pool.v, pool.tables, pool.lens, cu, scale=scale())
+    out = paged_decode_attention(q, pool.k, pool.v, pool.tables, pool.lens, scale=scale())
+    assert out.dtype == torch.bfloat16
+    for i, n in enumerate(lengths):  # per row, so one bad row cannot hide in the batch's mean
+        assert rel_rms(out[i], expected[i]) < BF16_TOL, f"decode row of {n} tokens"
+    # a 1-token prompt, a chunk from slot 23, a decode row in a last slot, a 65-token prompt, a
+    # chunk from slot 18 of page 8 into page 9
+    new = [1, 40, 1, 65, 70]
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], device=device)
+    qp = torch.randn(sum(new), 9, D, device=device).bfloat16()
+    expected = paged_attention_reference(qp, pool.k, pool.v, pool.tables, pool.lens, cu, scale=scale())
+    out = paged_prefill_attention(qp, pool.k, pool.v, pool.tables, pool.lens, cu, scale=scale())
+    assert out.dtype == torch.bfloat16
+    for i, n in enumerate(lengths):
+        assert rel_rms(out[cu[i]:cu[i + 1]], expected[cu[i]:cu[i + 1]]) < BF16_TOL, f"prefill of {n} tokens"
 
 
 def test_decode_agrees_with_the_engines_cpp_decode_op(device):
