@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -186,32 +188,36 @@ async def device_round_trip(node, client: KvStoreClient, make_blocks, device: st
                                                                                     stop_token_ids=[])
 
 
-@pytest.mark.slow  # a node process
-async def test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back(kvstore_node) -> None:
-    node = kvstore_node(GPU_NODE, module=STAND_IN)
+@asynccontextmanager
+async def stand_in_client(address: str) -> AsyncIterator[tuple[KvStoreClient, ShmOpener]]:
+    """A ready kvstore client whose device memory is the shared-memory stand-in; closed after."""
     opener = ShmOpener()
-    client = KvStoreClient(node.address, device_opener=opener)
-    rooms = StandInRooms(opener)
-    puts = Counted(client, "put")
+    client = KvStoreClient(address, device_opener=opener)
     try:
         assert await wait_ready(client)
-        await device_round_trip(node, client, lambda engine: DeviceBlocks(engine.cache, rooms), "cpu")
-        assert puts.calls == 0, "no host-bytes put"
-        # r1: its load that missed, then its export; r2: its load. Every room went back.
-        assert rooms.made == rooms.freed == 3 * (CACHED // PAGE)
+        yield client, opener
     finally:
         await client.close()
         opener.close(unlink=True)
 
 
 @pytest.mark.slow  # a node process
+async def test_a_prompts_blocks_go_device_to_device_into_the_gpu_tier_and_back(kvstore_node) -> None:
+    node = kvstore_node(GPU_NODE, module=STAND_IN)
+    async with stand_in_client(node.address) as (client, opener):
+        rooms = StandInRooms(opener)
+        puts = Counted(client, "put")
+        await device_round_trip(node, client, lambda engine: DeviceBlocks(engine.cache, rooms), "cpu")
+        assert puts.calls == 0, "no host-bytes put"
+        # r1: its load that missed, then its export; r2: its load. Every room went back.
+        assert rooms.made == rooms.freed == 3 * (CACHED // PAGE)
+
+
+@pytest.mark.slow  # a node process
 async def test_a_node_without_a_gpu_tier_gets_the_same_bytes_through_the_host_path(kvstore_node) -> None:
     node = kvstore_node({}, module=STAND_IN)
-    opener = ShmOpener()
-    client = KvStoreClient(node.address, device_opener=opener)
-    puts = Counted(client, "put")
-    try:
-        assert await wait_ready(client)
+    async with stand_in_client(node.address) as (client, opener):
+        puts = Counted(client, "put")
         first = make_engine()
         await prefill(first, client, "r1", DeviceBlocks(first.cache, StandInRooms(opener)))
         assert puts.calls == 1 and client.mover != CUDA_IPC, "put_device moved host bytes itself"
@@ -225,9 +231,6 @@ async def test_a_node_without_a_gpu_tier_gets_the_same_bytes_through_the_host_pa
         events, landed = await prefill(second, client, "r2", DeviceBlocks(second.cache, rooms))
         assert events[0].cached_tokens == CACHED and gets.calls == 1 and rooms.made == 0, "the host path, as before"
         assert decode_rest(make_engine(), landed) == make_engine().generate(PROMPT, MAX_TOKENS, stop_token_ids=[])
-    finally:
-        await client.close()
-        opener.close(unlink=True)
 
 
 async def test_a_pool_on_the_cpu_takes_no_device_path() -> None:

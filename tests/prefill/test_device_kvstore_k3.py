@@ -35,7 +35,7 @@ from crescent.services.prefill.prompt_export import owned_bytes
 from tests.engine import test_kimi_k3_snapshots as k3
 from tests.kvstore.ipc_stand_in import ShmOpener
 from tests.prefill.test_device_kvstore import (STAND_IN, Counted, InlineWorker, MAX_TOKENS, StandInRooms,
-                                               decode_rest, gpu_blocks, prefill, stored_blocks)
+                                               decode_rest, gpu_blocks, prefill, stand_in_client, stored_blocks)
 from tests.prefill.test_pipeline import DECODE
 
 PAGE = k3.PAGE  # 16
@@ -104,28 +104,19 @@ async def test_a_k3_prompts_blocks_and_states_go_device_to_device_into_the_gpu_t
         kvstore_node, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(device_store, "DEVICE_BATCH_BLOCKS", 2)  # blocks without a state held across batches
     node = kvstore_node(GPU_NODE, module=STAND_IN)
-    opener = ShmOpener()
-    client = KvStoreClient(node.address, device_opener=opener)
-    rooms = StandInRooms(opener)
-    puts = Counted(client, "put")
-    try:
-        assert await wait_ready(client)
+    async with stand_in_client(node.address) as (client, opener):
+        rooms = StandInRooms(opener)
+        puts = Counted(client, "put")
         await k3_round_trip(node, client, lambda engine: DeviceBlocks(engine.cache, rooms), "cpu")
         assert puts.calls == 0, "no host-bytes put"
         assert rooms.made == rooms.freed
-    finally:
-        await client.close()
-        opener.close(unlink=True)
 
 
 @pytest.mark.slow  # a node process
 async def test_a_node_without_a_gpu_tier_gets_a_k3_prompts_same_blocks_through_the_host_path(kvstore_node) -> None:
     node = kvstore_node({}, module=STAND_IN)
-    opener = ShmOpener()
-    client = KvStoreClient(node.address, device_opener=opener)
-    puts = Counted(client, "put")
-    try:
-        assert await wait_ready(client)
+    async with stand_in_client(node.address) as (client, opener):
+        puts = Counted(client, "put")
         first = make_engine()
         await prefill(first, client, "r1", DeviceBlocks(first.cache, StandInRooms(opener)), PROMPT)
         assert puts.calls == 1 and client.mover != CUDA_IPC, "put_device moved host bytes itself"
@@ -140,9 +131,6 @@ async def test_a_node_without_a_gpu_tier_gets_a_k3_prompts_same_blocks_through_t
         events, landed = await prefill(second, client, "r2", DeviceBlocks(second.cache, rooms), PROMPT)
         assert events[0].cached_tokens == CACHED and gets.calls == 1 and rooms.made == 0, "the host path, as before"
         assert decode_rest(make_engine(), landed) == single_process()
-    finally:
-        await client.close()
-        opener.close(unlink=True)
 
 
 # ---- no process: the gather, and the load's two sizes against a node's rule --------------------
