@@ -269,10 +269,11 @@ class Conductor:
     def _decode_candidate(self, r: InstanceRecord, need_kv_tokens: int, sequences: int, now: float) -> DecodeCandidate:
         spec, load = r.spec, r.load
         pending, pending_kv, pending_prompt = r.reservations.pending_totals()
-        batch = load.running_requests + load.queued_requests + pending
+        freed, freed_kv = r.reservations.freed_totals()  # ended since the report: free already
+        batch = max(load.running_requests + load.queued_requests - freed, 0) + pending
         context = load.queued_tokens + pending_prompt
         capacity = spec.kv_capacity_tokens if spec.kv_capacity_tokens > 0 else None
-        free = load.free_kv_tokens - pending_kv if capacity is not None else None
+        free = min(load.free_kv_tokens + freed_kv, capacity) - pending_kv if capacity is not None else None
         slot_short = bool(spec.max_batch_size) and batch + sequences > spec.max_batch_size
         releases: tuple[tuple[float, int], ...] = ()
         if capacity is not None and (slot_short or (free is not None and free < need_kv_tokens)):
@@ -288,7 +289,8 @@ class Conductor:
         finished, ``max_tokens`` until enough did), less those it already ran."""
         model = r.spec.model_id
         held = r.reservations.held_in_order()
-        room = r.load.free_kv_tokens + sum(e.tokens for e in held)  # what requests unknown to us leave
+        # What requests unknown to us leave (those that ended since the report are free already).
+        room = r.load.free_kv_tokens + r.reservations.freed_totals()[1] + sum(e.tokens for e in held)
         known = []
         for e in held:  # one still waiting at the instance makes no progress
             done = (now - e.running_since) / step_s if e.running_since is not None and step_s > 0 else 0.0

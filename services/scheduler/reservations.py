@@ -9,6 +9,10 @@ scheduler knows of it one by one predicts better than totals: when a decode requ
 KV, how long each prompt ahead in a prefill queue takes.
 A reservation ends when the instance reports the request finished (or no longer lists it), when
 the gateway reports it released, or after a timeout — the safety net for lost reports.
+A held request the gateway reports finished is still inside the instance's last report (its KV
+counted as used, its row as running) until the next report: the book keeps it as *freed* till
+then, so a client that sends its next request as its last one ends is not refused for KV that is
+already free.
 """
 
 from __future__ import annotations
@@ -36,18 +40,23 @@ class ReservationBook:
     def __init__(self, keep_held: bool) -> None:
         self._keep_held = keep_held  # remember held requests (see the module docstring)
         self._entries: dict[str, Reservation] = {}
+        self._freed: dict[str, Reservation] = {}  # held, ended, still inside the last report
 
     def add(self, reservation: Reservation) -> None:
         self._entries[reservation.request_id] = reservation
 
     def release(self, request_id: str) -> bool:
-        return self._entries.pop(request_id, None) is not None
+        entry = self._entries.pop(request_id, None)
+        if entry is not None and entry.held_since is not None:
+            self._freed[request_id] = entry
+        return entry is not None
 
     def apply_report(self, active: Iterable[str], finished: Iterable[str], now: float) -> None:
         """The instance holds ``active`` now and let go of ``finished`` since its last report."""
         active = set(active)
         for request_id in finished:
             self._entries.pop(request_id, None)
+        self._freed = {r: e for r, e in self._freed.items() if r in active}  # the others are in the report now
         for request_id, entry in list(self._entries.items()):
             if request_id in active:
                 if not self._keep_held:
@@ -94,6 +103,10 @@ class ReservationBook:
             tokens += e.tokens
             prompt += e.prompt_tokens * e.sequences
         return n, tokens, prompt
+
+    def freed_totals(self) -> tuple[int, int]:
+        """(sequences, KV tokens) of held requests that ended since the instance's last report."""
+        return sum(e.sequences for e in self._freed.values()), sum(e.tokens for e in self._freed.values())
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._entries

@@ -255,3 +255,20 @@ def test_a_finished_outcome_frees_the_decode_promise_and_needs_enough_samples() 
     cluster.conductor.outcome("a", ttft_s=0.0, released=False, finished=True, output_tokens=10)
     assert cluster.conductor.view("m").decode[0].free_kv_tokens == 1000
     assert cluster.conductor.output_lengths.expected_steps("m", 100) == 100  # one sample is not a calibration
+
+
+def test_a_request_that_ended_since_the_decode_report_frees_its_kv_and_row_at_once() -> None:
+    # A full CI run saw a client's next request refused decode_kv_full: the one that had just
+    # ended was still in decode's last report, its KV counted as used until the next heartbeat.
+    cluster = Cluster(kv_capacity=1000, max_batch=2)
+    for rid in ("a", "b"):
+        assert isinstance(cluster.place(rid, prompt=400, max_tokens=100), Placement)
+    cluster.beat("d0", running_requests=2, free_kv_tokens=0, active_request_ids=("a", "b"))
+    cluster.conductor.outcome("a", ttft_s=0.0, released=False, finished=True, output_tokens=10)
+    view = cluster.conductor.view("m").decode[0]
+    assert (view.free_kv_tokens, view.batch_size) == (500, 1)
+    assert isinstance(cluster.place("c", prompt=400, max_tokens=100), Placement)
+    # The next report covers "a"'s end: its KV is not counted free twice.
+    cluster.beat("d0", running_requests=1, free_kv_tokens=500, active_request_ids=("b",))
+    view = cluster.conductor.view("m").decode[0]
+    assert (view.free_kv_tokens, view.batch_size) == (0, 2)
