@@ -210,13 +210,14 @@ class PlatformPlan:
 def check_engine_settings(plan: PlatformPlan) -> None:
     """Say once, before anything starts, what every native engine of ``plan`` would refuse at
     start-up (and restart into again and again): settings its settings model (``EngineSettings``)
-    refuses, a CUDA device this machine lacks, an fp8 cache for a model that has no MLA latents.
+    refuses, a CUDA device this machine lacks, an fp8 cache for a model that has no MLA latents, a
+    block size the CUDA attention kernels cannot take.
     Raises PlanError, DeviceSettingError or ModelSpecError; each names the setting."""
     if plan.backend != "native":
         return
     from pydantic import ValidationError
 
-    from crescent.services.engine.device import check_cache_dtype_fits, resolve_device
+    from crescent.services.engine.device import check_block_size_fits, check_cache_dtype_fits, resolve_device
     from crescent.services.engine.settings import EngineSettings
     from crescent.services.model.model_source import resolve_model
 
@@ -226,8 +227,12 @@ def check_engine_settings(plan: PlatformPlan) -> None:
                                   block_size=plan.block_size, **plan.engine_options())
     except ValidationError as exc:
         raise PlanError("; ".join(f"engine.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
-    if settings.kv_cache_dtype == "fp8":  # resolving the model only then: it may look files up
+    # Resolving the model only where a rule depends on its family: it may look files up.
+    if settings.kv_cache_dtype == "fp8":
         check_cache_dtype_fits("fp8", plan.model, resolve_model(plan.model).kind, option=" (--kv-cache-dtype)")
+    if settings.device.startswith("cuda"):
+        check_block_size_fits(settings.device, settings.block_size, resolve_model(plan.model).kind,
+                              option=" (--block-size)")
 
 
 TLS_DIR = "tls"

@@ -134,6 +134,24 @@ def test_up_refuses_what_the_engine_settings_refuse(platform: type[RecordingPlat
     assert platform.plans == [] and not (tmp_path / "run").exists()
 
 
+def test_up_refuses_a_block_size_the_cuda_kernels_cannot_take_before_anything_starts(
+        platform: type[RecordingPlatform], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On CUDA a Llama-family engine refuses a block size that is not a multiple of 16 at start
+    (and would restart into the refusal); crescent up says it once. kimi_k3 takes any size."""
+    from crescent.services.engine import attention
+
+    gpus(monkeypatch, 1)
+    monkeypatch.setattr(attention, "triton_paged_attention", lambda: object())  # as where Triton imports
+    result = runner.invoke(cli.app, ["up", "--run-dir", str(tmp_path / "run"), "--device", "cuda", "--block-size", "24"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())  # the console wraps long lines
+    assert "engine.block_size 24 (--block-size) on engine.device 'cuda'" in said and "multiple of 16" in said
+    assert platform.plans == [] and not (tmp_path / "run").exists()
+    for args in (["--block-size", "48"], ["--model", "kimi-k3-nano", "--block-size", "24"]):
+        result = runner.invoke(cli.app, ["up", "--run-dir", str(tmp_path / "ok"), "--device", "cuda", *args])
+        assert result.exit_code == 1 and "stood in" in result.output, result.output  # past every check
+
+
 # ---- crescent profile ---------------------------------------------------------------------------
 
 TINY_PLAN = ProfilePlan(prefill=((32, 0), (96, 0), (160, 0), (160, 64), (160, 128)),

@@ -35,6 +35,22 @@ def check_cache_dtype_fits(kv_cache_dtype: str, model: str, kind: str, *, option
                                  f"only; {model!r} is a {kind} model: use auto, float32, bfloat16 or float16")
 
 
+def check_block_size_fits(device: str, block_size: int, kind: str, *, option: str = "") -> None:
+    """A Llama-family engine on CUDA pages its cache for the Triton attention kernels, which take
+    blocks of a multiple of 16 tokens: refuse another block size before the model loads (at the
+    engine's start and in ``crescent up``), not at the first forward. kimi_k3 and an install
+    without Triton take other paths, which take any block size."""
+    if not device.startswith("cuda") or kind == "kimi_k3":  # ``device``: the setting, as written
+        return
+    from crescent.services.engine import attention  # torch and the kernels' module: only here
+
+    if attention.triton_paged_attention() is None:
+        return
+    if (problem := attention.triton_block_size_problem(block_size)) is not None:
+        raise DeviceSettingError(f"engine.block_size {block_size}{option} on engine.device {device!r}: "
+                                 f"{problem}; use e.g. 64 (the default) or 16")
+
+
 def resolve_device(spec: str) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` as a ``torch.device``; refuses CUDA this process cannot use."""
     if not _DEVICE_RE.match(spec):

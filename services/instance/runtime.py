@@ -18,8 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from crescent.services.engine.attention import triton_block_size_problem, triton_paged_attention
-from crescent.services.engine.device import (DeviceSettingError, check_cache_dtype_fits, dtype_name,
+from crescent.services.engine.device import (check_block_size_fits, check_cache_dtype_fits, dtype_name,
                                             resolve_cache_dtype, resolve_device, resolve_dtype)
 from crescent.services.engine.engine import Engine
 from crescent.services.engine.llama import LlamaModel
@@ -44,11 +43,7 @@ def build_engine(settings: EngineSettings, *, progress: bool = True) -> Engine:
                                  f"engine.parallel.group_size {group.size}: tensor-parallel groups run on the CPU "
                                  "(gloo) in float32 only; use device: cpu and dtype: auto")
     check_cache_dtype_fits(settings.kv_cache_dtype, settings.model, source.kind)
-    if device.type == "cuda" and source.kind != "kimi_k3" and triton_paged_attention() is not None:
-        # before the model loads: the Llama attention kernels would fail at the first forward
-        if (problem := triton_block_size_problem(settings.block_size)) is not None:
-            raise DeviceSettingError(f"engine.block_size {settings.block_size} on engine.device {settings.device!r}: "
-                                     f"{problem}; use e.g. 64 (the default) or 16")
+    check_block_size_fits(settings.device, settings.block_size, source.kind)
     if group.size > 1 and source.kind == "kimi_k3":
         raise GroupSettingsError(f"engine.parallel.group_size {group.size}: tensor parallelism covers Llama-family "
                                  f"models; {settings.model!r} is a kimi_k3 model (expert parallelism is not built)")
