@@ -253,7 +253,11 @@ class _Transfer:
                 self.done.set_exception(error)
             else:
                 self.done.set_result(result)
-        self.loop.call_soon_threadsafe(settle)
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop closed (its owner stopped) while the bytes moved: no one awaits them
+            if not self.loop.is_closed():
+                raise
 
 
 class SideChannelServer:
