@@ -50,10 +50,15 @@ up: install $(if $(filter vllm,$(ENGINE)),install-vllm)
 	$(if $(filter vllm,$(ENGINE)),$(VLLM_PYTHON_ENV) )$(VENV)/bin/crescent up --engine $(ENGINE) \
 		--model $(MODEL) --prefill $(PREFILL) --decode $(DECODE) --aggregated $(AGGREGATED) --port $(PORT)
 
-# pytest exits 5 when it collects nothing; that is not a failure of the project.
+# Every test, in two runs: the ones that start no process on one worker per core (as test-fast),
+# then the process tests in one process (they fill both cores themselves: docs/test-durations.md).
+# Both run even if the first fails; pytest's exit 5 (nothing collected) is not a failure.
 # The vLLM venv too: the tests start vLLM-backed instances.
 test: install tools install-vllm
-	$(VLLM_PYTHON_ENV) $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+	@rc=0; \
+	$(VLLM_PYTHON_ENV) $(PY) -m pytest -m "not slow" $(FAST_WORKER_ARGS) $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	$(VLLM_PYTHON_ENV) $(PY) -m pytest -m slow $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
+	exit $$rc
 
 # The inner loop: every test that starts no process (-m "not slow"; tests/process_guard.py fails a
 # process test missing the mark there), on one pytest worker per core: these tests compute in
@@ -61,8 +66,9 @@ test: install tools install-vllm
 # 3 min 36 s on 2 cores; make test stays serial: its process tests fill both cores already).
 # Figures: docs/test-durations.md. FAST_WORKERS=0: one process, as before.
 FAST_WORKERS ?= auto
+FAST_WORKER_ARGS = $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS) --dist loadfile)
 test-fast: install
-	$(PY) -m pytest -m "not slow" -q $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS) --dist loadfile) $(PYTEST_ARGS); \
+	$(PY) -m pytest -m "not slow" -q $(FAST_WORKER_ARGS) $(PYTEST_ARGS); \
 		rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 protos: install
