@@ -6,7 +6,8 @@
 Types come from the defaults in values.yaml (a null default takes its type from CONSTRAINTS);
 every object rejects keys it does not list (additionalProperties: false) except the free-form
 Kubernetes objects named in FREE_FORM, so a misspelt key fails `helm install`. CONSTRAINTS adds
-enums, ranges and list item shapes.
+enums, ranges and list item shapes. Each component's `settings` takes the schema of the settings
+model its service loads (settings_schema.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from typing import Any
 
 import yaml
 
+from crescent.services.contract.roles import SERVICE_SETTINGS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import values_table as readme  # noqa: E402 (beside this script)
+from settings_schema import settings_schema  # noqa: E402 (beside this script)
 
 CHART = Path(__file__).resolve().parent.parent / "crescent"
 COMPONENTS = ("gateway", "scheduler", "prefill", "decode", "aggregated", "kvstore")
@@ -191,7 +195,10 @@ for _role in ("prefill", "decode", "aggregated"):
 
 def infer(value: Any, path: str) -> dict[str, Any]:
     key = path.rsplit(".", 1)[-1]
-    if key in FREE_FORM:
+    component = path.split(".", 1)[0]
+    if key == "settings" and path == f"{component}.settings" and component in SERVICE_SETTINGS:
+        schema = {"type": "object", **settings_schema(component)}  # the service's own model (settings_schema.py)
+    elif key in FREE_FORM:
         schema: dict[str, Any] = {"type": "object"}
     elif key in OBJECT_LISTS:
         schema = {"type": "array", "items": {"type": "object"}}

@@ -17,7 +17,7 @@ import yaml
 
 from crescent.services.contract.roles import ENGINE_ROLES, SERVICE_SETTINGS
 from tests.helm.test_chart import VALUES_FILES
-from tests.helm.tools import CHART, by_kind, render
+from tests.helm.tools import CHART, by_kind, helm_template, render
 
 SETTINGS = SERVICE_SETTINGS
 ENGINES = ENGINE_ROLES
@@ -92,3 +92,41 @@ def test_rendered_settings_load_in_the_service(tmp_path: Path, name: str, servic
         assert settings.engine.drain_grace_s > 0
     if service != "scheduler" and hasattr(settings, "scheduler_address"):
         assert settings.scheduler_address == "crescent-scheduler:50051"
+
+
+# ---- the values schema knows each service's settings (helm/schema/settings_schema.py) -------------
+
+
+@pytest.mark.parametrize("service", sorted(SETTINGS))
+def test_a_misspelt_setting_fails_helm_install_naming_it(service: str) -> None:
+    """Not a pod that crash-loops on its strict settings after the release is installed."""
+    result = helm_template("--set", f"{service}.settings.heartbeat_intervl_s=2")
+    assert result.returncode != 0
+    assert f"at '/{service}/settings': additional properties 'heartbeat_intervl_s' not allowed" in result.stderr
+
+
+def test_nested_settings_are_checked_by_name_and_value() -> None:
+    typo = helm_template("--set", "prefill.settings.engine.theads=2")
+    assert typo.returncode != 0 and "at '/prefill/settings/engine': additional properties 'theads'" in typo.stderr
+    wrong = helm_template("--set", "decode.settings.engine.kv_cache_dtype=int3")
+    assert wrong.returncode != 0 and "at '/decode/settings/engine/kv_cache_dtype': value must be one of" in wrong.stderr
+
+
+def test_settings_given_as_helm_set_writes_them_render_and_load(tmp_path: Path) -> None:
+    """Partial overrides, numbers as strings (--set-string, quoted YAML): the schema takes what
+    the service's settings model takes."""
+    module_name, class_name = SETTINGS["aggregated"]
+    module = importlib.import_module(module_name)
+    docs = render("--set", "aggregated.enabled=true", "--set-string", "aggregated.settings.chunk_tokens=128",
+                  "--set-string", "aggregated.settings.engine.threads=1",
+                  "--set", "scheduler.settings.heartbeat_interval_s=0.5")
+    path = tmp_path / "config.yaml"
+    path.write_text(by_kind(docs, "ConfigMap")["crescent-aggregated"]["data"]["config.yaml"])
+    load_settings = importlib.import_module("crescent.services.common.settings").load_settings
+    settings = load_settings(getattr(module, class_name), path, env_prefix=module.ENV_PREFIX, environ=POD_FIELDS)
+    assert (settings.chunk_tokens, settings.engine.threads) == (128, 1)
+    module_name, class_name = SETTINGS["scheduler"]
+    module = importlib.import_module(module_name)
+    path.write_text(by_kind(docs, "ConfigMap")["crescent-scheduler"]["data"]["config.yaml"])  # helm --set: "0.5"
+    settings = load_settings(getattr(module, class_name), path, env_prefix=module.ENV_PREFIX, environ=POD_FIELDS)
+    assert settings.heartbeat_interval_s == 0.5
