@@ -261,7 +261,7 @@ def peer_env(args: argparse.Namespace) -> dict[str, str]:
         # services/engine_vllm/engine.py): up to 2 OpenMP threads, vLLM's own core binding off.
         from crescent.services.cpu_share import available_cores, share_cores
 
-        threads = share_cores(available_cores(), 1)
+        threads = share_cores(available_cores(), args.peer_dp)  # as Crescent shares cores among that many engines
         env.update(threads.env("aggregated"))
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     return env
@@ -277,6 +277,8 @@ def start_vllm(args: argparse.Namespace, run_dir: Path) -> Server:
            "--served-model-name", MODEL, "--dtype", "float32", "--block-size", "64", "--max-model-len", "8192",
            "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
            "--disable-log-stats"]  # as Crescent's instance starts its engine (services/engine_vllm/engine.py)
+    if args.peer_dp > 1:  # as many engine processes as Crescent's pools (vLLM's own data parallelism)
+        cmd += ["--data-parallel-size", str(args.peer_dp)]
     args.peer_cache.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=run_dir, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -569,6 +571,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server to serve")
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="standalone vLLM's VLLM_CPU_KVCACHE_SPACE (Crescent's default)")
+    p.add_argument("--peer-dp", type=int, default=1,
+                   help="standalone vLLM's engine processes (--data-parallel-size): 2 to match --targets crescent-pools")
     p.add_argument("--peer-omp", choices=("crescent", "vllm"), default="crescent",
                    help="standalone vLLM's OpenMP setup: the one Crescent's launcher gives its engine, or vLLM's own "
                         "defaults (VLLM_CPU_OMP_THREADS_BIND=auto: on 2 cores, 1 thread and a core reserved)")
