@@ -136,8 +136,8 @@ class PlatformPlan:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise PlanError(f"unknown engine backend {self.backend!r}; choose {' or '.join(BACKENDS)}")
-        if self.backend != "native" and self.engine_options():
-            given = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in self.engine_options().items())
+        if self.backend != "native" and (asked := self.engine_options()):
+            given = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in asked.items())
             raise PlanError(f"{given}: these set the native engine; vLLM takes its own (crescent up runs vLLM's "
                             "CPU build in float32)")
         if not is_loopback(self.host) and not self.unauthenticated_network:
@@ -227,12 +227,11 @@ def check_engine_settings(plan: PlatformPlan) -> None:
                                   block_size=plan.block_size, **plan.engine_options())
     except ValidationError as exc:
         raise PlanError("; ".join(f"engine.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
-    # Resolving the model only where a rule depends on its family: it may look files up.
-    if settings.kv_cache_dtype == "fp8":
-        check_cache_dtype_fits("fp8", plan.model, resolve_model(plan.model).kind, option=" (--kv-cache-dtype)")
-    if settings.device.startswith("cuda"):
-        check_block_size_fits(settings.device, settings.block_size, resolve_model(plan.model).kind,
-                              option=" (--block-size)")
+    if settings.kv_cache_dtype != "fp8" and not settings.device.startswith("cuda"):
+        return  # no rule below depends on the model's family: its files are not looked up
+    kind = resolve_model(plan.model).kind
+    check_cache_dtype_fits(settings.kv_cache_dtype, plan.model, kind, option=" (--kv-cache-dtype)")
+    check_block_size_fits(settings.device, settings.block_size, kind, option=" (--block-size)")
 
 
 TLS_DIR = "tls"
