@@ -2,6 +2,10 @@
 
 Triton reads TRITON_INTERPRET when a kernel is defined, so on a machine without CUDA it must be
 set before any test module imports ``crescent.kernels``: here, before collection starts.
+
+Under pytest-xdist (``make test-fast``) each worker picks ports from its own slice
+(``CRESCENT_PORT_RANGE``, inherited by every process it starts), so two workers' servers never
+pick the same port.
 """
 
 import os
@@ -9,10 +13,16 @@ import os
 import pytest
 import torch
 
+from crescent.services.common.ports import PORT_RANGE_ENV, worker_port_range
 from tests import process_guard
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist
+if _WORKER.startswith("gw"):
+    os.environ[PORT_RANGE_ENV] = worker_port_range(int(_WORKER[2:]),
+                                                   int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def pytest_configure(config: pytest.Config) -> None:
