@@ -3,9 +3,9 @@
 Triton reads TRITON_INTERPRET when a kernel is defined, so on a machine without CUDA it must be
 set before any test module imports ``crescent.kernels``: here, before collection starts.
 
-Under pytest-xdist (``make test-fast``) each worker picks ports from its own slice
-(``CRESCENT_PORT_RANGE``, inherited by every process it starts), so two workers' servers never
-pick the same port.
+Under pytest-xdist (``make test-fast`` and ``make test``'s first two runs) each worker picks
+ports from its own slice (``CRESCENT_PORT_RANGE``, inherited by every process it starts), so two
+workers' servers never pick the same port.
 """
 
 import os
