@@ -58,7 +58,8 @@ def worker_port_range(worker: int, workers: int) -> str:
 
 
 def unused_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
-    """A port below the ephemeral range that nothing listens on now and `taken` does not hold.
+    """A port below the ephemeral range (or in ``CRESCENT_PORT_RANGE``) that nothing listens on
+    now and `taken` does not hold.
 
     The port goes into `taken`, so callers that pick several before starting anything never
     get the same one twice.
